@@ -1,0 +1,73 @@
+"""Command line entry point: ``duplexcache demo|verify|serve|bench``.
+
+Each subcommand's implementation is imported lazily, so ``duplexcache verify thinker`` does not
+import the web stack and ``duplexcache serve`` does not import the reference packages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# verify target -> module exposing ``add_arguments(parser)`` and ``run(args) -> int``.
+VERIFY_TARGETS = {
+    "thinker": "duplexcache.verify.thinker",
+    "talker": "duplexcache.verify.talker",
+    "audio-encoder": "duplexcache.verify.audio_encoder",
+    "flow": "duplexcache.verify.flow",
+}
+
+# top-level command -> module exposing ``add_arguments(parser)`` and ``run(args) -> int``.
+COMMANDS = {
+    "demo": ("duplexcache.runtime.demo", "run many tiny sessions on CPU and print what they shared"),
+    "serve": ("duplexcache.server.cli", "serve the realtime WebSocket API"),
+    "bench": ("duplexcache.bench.cli", "measure memory per session and concurrency, A/B per switch"),
+}
+
+
+def _add_module_parser(subparsers, name: str, module: str, help_text: str) -> None:
+    parser = subparsers.add_parser(name, help=help_text)
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        # Only the module itself being absent is tolerated (a command not built in this
+        # checkout); a missing dependency inside it is a real error and is re-raised on use.
+        if exc.name != module:
+            parser.set_defaults(_import_error=exc)
+            return
+        parser.set_defaults(_import_error=exc)
+        return
+    mod.add_arguments(parser)
+    parser.set_defaults(_run=mod.run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="duplexcache", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_text) in COMMANDS.items():
+        _add_module_parser(sub, name, module, help_text)
+    verify = sub.add_parser("verify", help="compare a stage against its reference implementation")
+    vsub = verify.add_subparsers(dest="target", required=True)
+    for name, module in VERIFY_TARGETS.items():
+        _add_module_parser(vsub, name, module, f"verify the {name} against its reference")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if getattr(args, "_import_error", None) is not None:
+        print(f"duplexcache: this command is unavailable: {args._import_error}", file=sys.stderr)
+        return 2
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -32,11 +32,8 @@ def _add_module_parser(subparsers, name: str, module: str, help_text: str) -> No
     try:
         mod = importlib.import_module(module)
     except ModuleNotFoundError as exc:
-        # Only the module itself being absent is tolerated (a command not built in this
-        # checkout); a missing dependency inside it is a real error and is re-raised on use.
-        if exc.name != module:
-            parser.set_defaults(_import_error=exc)
-            return
+        # A command whose optional dependencies are missing (e.g. `serve` without the web
+        # stack on a GPU image) stays listed and says why when it is used.
         parser.set_defaults(_import_error=exc)
         return
     mod.add_arguments(parser)

@@ -1,0 +1,524 @@
+"""Deploy configuration (one YAML file) and the per-session runtime config derived from it.
+
+Flow: ``configs/<preset>.yaml`` -> :class:`DeployConfig` (validated, unknown keys are errors)
+-> :func:`build_runtime_config` (the server-side plugin) merges what a client may set in
+``session.update`` with the server-owned switches -> :class:`SessionRuntimeConfig`.
+
+Server-owned keys (:data:`PRIVATE_RUNTIME_CONFIG_KEYS`) are never taken from a client: a client
+dict that names one raises :class:`PrivateConfigKeyError`, which the server turns into an
+``error`` event.
+
+Environment overrides are applied in exactly one place (:func:`apply_env_overrides`), before
+validation, so validators see the final values. The only one the spec names is
+``DUPLEXCACHE_CFM_GRAPH_GRID``.
+
+This module needs only pydantic, pyyaml and the standard library.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import logging
+import os
+import re
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Any, Literal, Mapping
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+
+logger = logging.getLogger(__name__)
+
+GRAPH_GRID_ENV = "DUPLEXCACHE_CFM_GRAPH_GRID"
+PRESETS = ("tiny", "minicpmo45")
+
+
+class ConfigError(ValueError):
+    """A deploy config that cannot be used; the message names every offending key by path."""
+
+
+class PrivateConfigKeyError(ValueError):
+    """A client tried to set a server-owned runtime key (see PRIVATE_RUNTIME_CONFIG_KEYS)."""
+
+    def __init__(self, key: str):
+        self.key = key
+        super().__init__(
+            f"session key {key!r} is server-owned and cannot be set by a client "
+            "(it is configured in the deploy YAML)"
+        )
+
+
+class SessionConfigError(ValueError):
+    """A client session dict with an unknown key or a bad value (not a private key)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Byte sizes
+# --------------------------------------------------------------------------------------------
+
+_BYTE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_BYTES_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: int | str) -> int:
+    """Parse a byte size: an int, or a string like ``"80GiB"``, ``"512MiB"``, ``"1.5GB"``, ``"4096"``.
+
+    Binary units (KiB, MiB, GiB, TiB) are powers of 1024, decimal units (KB, MB, GB, TB) powers
+    of 1000; units are case-insensitive. A fractional size must come to a whole number of bytes.
+    """
+    if isinstance(value, bool):  # bool is an int subclass; True bytes is surely a mistake
+        raise ValueError(f"byte size must be an int or a string like '80GiB', got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"byte size must be >= 0, got {value}")
+        return value
+    if not isinstance(value, str):
+        raise ValueError(f"byte size must be an int or a string like '80GiB', got {value!r}")
+    match = _BYTES_RE.match(value)
+    if match is None:
+        raise ValueError(f"cannot parse byte size {value!r}: expected e.g. '80GiB', '512MiB', '4096'")
+    number, unit = match.group(1), match.group(2).lower()
+    if unit not in _BYTE_UNITS:
+        known = ", ".join(u for u in ("B", "KiB", "MiB", "GiB", "TiB", "KB", "MB", "GB", "TB"))
+        raise ValueError(f"unknown byte unit {match.group(2)!r} in {value!r} (known: {known})")
+    scale = _BYTE_UNITS[unit]
+    if "." in number:
+        whole, frac = number.split(".")
+        numerator = int(whole + frac) * scale
+        denominator = 10 ** len(frac)
+        if numerator % denominator:
+            raise ValueError(f"byte size {value!r} is not a whole number of bytes")
+        return numerator // denominator
+    return int(number) * scale
+
+
+def format_bytes(num_bytes: int) -> str:
+    """The shortest exact binary-unit spelling of ``num_bytes`` (``format_bytes(2**30) == '1GiB'``)."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= scale and num_bytes % scale == 0:
+            return f"{num_bytes // scale}{unit}"
+    return str(num_bytes)
+
+
+ByteSize = Annotated[int, BeforeValidator(parse_bytes)]
+
+
+def parse_graph_grid(value: str | list[int] | tuple[int, ...] | None, source: str) -> tuple[int, ...] | None:
+    """Parse graph tiers (``"1,4,8,16"`` or a list) into a sorted tuple of unique positive ints."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        parts = [p.strip() for p in value.split(",") if p.strip()]
+        if not parts:
+            raise ValueError(f"{source}: empty graph grid {value!r}; expected e.g. '1,4,8,16'")
+        try:
+            tiers = [int(p) for p in parts]
+        except ValueError:
+            raise ValueError(f"{source}: cannot parse graph grid {value!r}; expected e.g. '1,4,8,16'") from None
+    elif isinstance(value, (list, tuple)):
+        tiers = list(value)
+        if not tiers or not all(isinstance(t, int) and not isinstance(t, bool) for t in tiers):
+            raise ValueError(f"{source}: graph grid must be a non-empty list of ints, got {value!r}")
+    else:
+        raise ValueError(f"{source}: graph grid must be a string like '1,4,8,16' or a list, got {value!r}")
+    if any(t <= 0 for t in tiers):
+        raise ValueError(f"{source}: graph grid tiers must be positive, got {value!r}")
+    return tuple(sorted(set(tiers)))
+
+
+# --------------------------------------------------------------------------------------------
+# One model per area
+# --------------------------------------------------------------------------------------------
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+class ModelConfig(_Strict):
+    """Which model shapes to build and where its weights come from."""
+
+    preset: Literal["tiny", "minicpmo45"] = "tiny"
+    # Directory with a real checkpoint (and tokenizer); None = random weights.
+    checkpoint_dir: str | None = None
+    # Names the weights; part of the extra key of shared anchor blocks and context-cache keys,
+    # so that two different weight sets never share KV computed from each other.
+    revision: str = "random-init"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = Field("cpu", pattern=r"^(cpu|meta|mps|cuda(:[0-9]+)?)$")
+
+
+class WindowSettings(_Strict):
+    """Anchor-protected sliding window of the Thinker KV (SPEC section 2)."""
+
+    mode: Literal["off", "basic", "rebuild"] = "basic"
+    high_tokens: int = Field(8000, gt=0)
+    low_tokens: int = Field(6000, gt=0)
+
+    @model_validator(mode="after")
+    def _low_below_high(self) -> "WindowSettings":
+        if self.low_tokens >= self.high_tokens:
+            raise ValueError(
+                f"low_tokens ({self.low_tokens}) must be below high_tokens ({self.high_tokens})"
+            )
+        return self
+
+
+class Stage0Config(_Strict):
+    """Tier A: paged Thinker/Talker KV."""
+
+    block_size: int = Field(16, gt=0)
+    window: WindowSettings = Field(default_factory=WindowSettings)
+    # Share full session-context blocks read-only across sessions with the same context.
+    # Default off so `duplexcache bench` can A/B it.
+    shared_anchor_blocks: bool = False
+    # Whether a client's session.update may lower the window's high/low marks.
+    client_window_override: bool = True
+
+
+class ContextCacheConfig(_Strict):
+    """Cross-session cache of built session-context embeddings (SPEC section 2)."""
+
+    duplex_context_caching: bool = False
+    capacity: int = Field(32, gt=0)
+
+
+class Code2WavConfig(_Strict):
+    """Tier B: Stage 2 prompt attention sharing and the whole-Euler arena."""
+
+    cfm_prompt_att_sharing: bool = False
+    cfm_arena_rows_from_graph_grid: bool = False
+    max_num_seqs: int = Field(16, gt=0)
+    # Graph tiers (batch sizes captured as graphs). Overridden by DUPLEXCACHE_CFM_GRAPH_GRID.
+    graph_grid: tuple[int, ...] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _parse_grid(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "graph_grid" in data:
+            data = dict(data)
+            data["graph_grid"] = parse_graph_grid(data["graph_grid"], "code2wav.graph_grid")
+        return data
+
+    @model_validator(mode="after")
+    def _arena_switch_must_act(self) -> "Code2WavConfig":
+        if self.cfm_arena_rows_from_graph_grid:
+            if self.graph_grid is None:
+                # A switch that would change nothing is an error, not a silent no-op.
+                raise ValueError(
+                    "cfm_arena_rows_from_graph_grid is true but no graph grid is set "
+                    f"(code2wav.graph_grid or {GRAPH_GRID_ENV}); it would change nothing"
+                )
+            if max(self.graph_grid) >= self.max_num_seqs:
+                logger.warning(
+                    "cfm_arena_rows_from_graph_grid saves nothing: largest graph tier %d >= "
+                    "max_num_seqs %d", max(self.graph_grid), self.max_num_seqs,
+                )
+        return self
+
+    @property
+    def arena_rows(self) -> int:
+        """Rows of the whole-Euler arena: the largest graph tier when the switch is on."""
+        if self.cfm_arena_rows_from_graph_grid:
+            assert self.graph_grid is not None, "validated in _arena_switch_must_act"
+            return min(max(self.graph_grid), self.max_num_seqs)
+        return self.max_num_seqs
+
+
+class SpeakPolicy(_Strict):
+    """When sessions speak. ``model``: the Thinker decides; ``every_k_units``: forced every k
+    units (deterministic load for benchmarks, since random weights decide arbitrarily)."""
+
+    mode: Literal["model", "every_k_units"] = "every_k_units"
+    k: int = Field(2, gt=0)
+
+
+class EngineConfig(_Strict):
+    """Admission and ticking."""
+
+    memory_budget: ByteSize = parse_bytes("512MiB")
+    # Kept free for activations/scratch; admission only hands out memory_budget - this.
+    activation_reserve: ByteSize = parse_bytes("64MiB")
+    tick_seconds: float = Field(1.0, gt=0)
+    speak_policy: SpeakPolicy = Field(default_factory=SpeakPolicy)
+
+    @model_validator(mode="after")
+    def _reserve_fits(self) -> "EngineConfig":
+        if self.activation_reserve >= self.memory_budget:
+            raise ValueError(
+                f"activation_reserve ({format_bytes(self.activation_reserve)}) must be below "
+                f"memory_budget ({format_bytes(self.memory_budget)})"
+            )
+        return self
+
+
+class ServerConfig(_Strict):
+    """The realtime WebSocket server."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    max_frame_bytes: ByteSize = parse_bytes("4MiB")
+
+
+# Preset-specific values that differ from the field defaults above (the YAML files say the same).
+_PRESET_OVERRIDES: dict[str, dict[str, Any]] = {
+    "tiny": {"model": {"preset": "tiny"}},
+    "minicpmo45": {
+        "model": {"preset": "minicpmo45", "dtype": "bfloat16", "device": "cuda"},
+        "code2wav": {"max_num_seqs": 32},
+        "engine": {"memory_budget": "120GiB", "activation_reserve": "8GiB"},
+        "server": {"host": "0.0.0.0"},
+    },
+}
+
+
+class DeployConfig(_Strict):
+    """Everything one deployment is configured with; loaded from one YAML file."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    stage0: Stage0Config = Field(default_factory=Stage0Config)
+    context_cache: ContextCacheConfig = Field(default_factory=ContextCacheConfig)
+    code2wav: Code2WavConfig = Field(default_factory=Code2WavConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> "DeployConfig":
+        """Validate a raw dict after applying environment overrides; errors name the key path."""
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"deploy config must be a mapping at the top level, got {type(raw).__name__}")
+        data = apply_env_overrides(raw, os.environ if environ is None else environ)
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise ConfigError(_describe_validation_error(exc, cls)) from None
+        except ValueError as exc:  # e.g. a bad graph grid parsed in a "before" validator
+            raise ConfigError(str(exc)) from None
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, environ: Mapping[str, str] | None = None) -> "DeployConfig":
+        text = Path(path).read_text()
+        try:
+            raw = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        try:
+            return cls.from_dict(raw or {}, environ)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+
+    @classmethod
+    def default(cls, preset: str = "tiny", environ: Mapping[str, str] | None = None) -> "DeployConfig":
+        """The built-in defaults of a preset (what ``configs/<preset>.yaml`` writes out)."""
+        if preset not in _PRESET_OVERRIDES:
+            raise ConfigError(f"unknown preset {preset!r} (known: {', '.join(PRESETS)})")
+        return cls.from_dict(copy.deepcopy(_PRESET_OVERRIDES[preset]), environ)
+
+    @classmethod
+    def from_packaged_yaml(cls, preset: str, environ: Mapping[str, str] | None = None) -> "DeployConfig":
+        """Load ``duplexcache/configs/<preset>.yaml`` shipped with the package."""
+        return cls.from_yaml(packaged_config_path(preset), environ)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain YAML-able dict; ``DeployConfig.from_dict(c.to_dict()) == c``."""
+        data = self.model_dump(mode="json")
+        for key in ("memory_budget", "activation_reserve"):
+            data["engine"][key] = format_bytes(data["engine"][key])
+        data["server"]["max_frame_bytes"] = format_bytes(data["server"]["max_frame_bytes"])
+        if data["code2wav"]["graph_grid"] is not None:
+            data["code2wav"]["graph_grid"] = list(data["code2wav"]["graph_grid"])
+        return data
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def packaged_config_path(preset: str) -> Path:
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r} (known: {', '.join(PRESETS)})")
+    return Path(str(resources.files("duplexcache") / "configs" / f"{preset}.yaml"))
+
+
+def apply_env_overrides(raw: Mapping[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
+    """The one place environment variables change the deploy config (returns a new dict)."""
+    data = copy.deepcopy(dict(raw))
+    grid = environ.get(GRAPH_GRID_ENV)
+    if grid is not None and grid.strip():
+        section = data.get("code2wav")
+        if section is None:
+            section = data["code2wav"] = {}
+        if not isinstance(section, dict):
+            raise ConfigError(f"code2wav: expected a mapping, got {section!r}")
+        try:
+            section["graph_grid"] = parse_graph_grid(grid, GRAPH_GRID_ENV)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        logger.info("%s=%s overrides code2wav.graph_grid", GRAPH_GRID_ENV, grid)
+    return data
+
+
+def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """Field names of the model that sits at ``loc`` (for 'did you mean' hints)."""
+    current: Any = model
+    for part in loc:
+        field = getattr(current, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        current = field.annotation
+    return list(getattr(current, "model_fields", {}))
+
+
+def _describe_validation_error(exc: ValidationError, model: type[BaseModel]) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = tuple(p for p in err["loc"] if isinstance(p, str))
+        path = ".".join(str(p) for p in err["loc"]) or "<top>"
+        if err["type"] == "extra_forbidden":
+            allowed = _allowed_keys(model, loc[:-1])
+            hint = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+            msg = f"unknown key {path!r}"
+            if hint:
+                msg += f" (did you mean {hint[0]!r}?)"
+            elif allowed:
+                msg += f" (allowed: {', '.join(allowed)})"
+        else:
+            # Strip pydantic's "Value error, " prefix from our own messages.
+            msg = f"{path}: {err['msg'].removeprefix('Value error, ')}"
+        lines.append(msg)
+    return "invalid deploy config: " + "; ".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# Per-session runtime config (the server-side plugin)
+# --------------------------------------------------------------------------------------------
+
+# Keys a client must never set: they change memory use or sharing for every session.
+PRIVATE_RUNTIME_CONFIG_KEYS: frozenset[str] = frozenset({
+    "duplex_context_caching", "context_cache_capacity", "capacity",
+    "cfm_prompt_att_sharing", "cfm_arena_rows_from_graph_grid", "max_num_seqs", "graph_grid",
+    "shared_anchor_blocks", "block_size", "window_mode", "mode", "client_window_override",
+    "memory_budget", "activation_reserve", "tick_seconds", "speak_policy",
+    "preset", "checkpoint_dir", "revision", "model_revision", "dtype", "device",
+    "max_frame_bytes",
+})
+
+# What a client may put in session.update's session object.
+CLIENT_SESSION_KEYS: frozenset[str] = frozenset({
+    "instructions", "voice", "initial_user_text", "input_audio_format", "window",
+})
+CLIENT_WINDOW_KEYS: frozenset[str] = frozenset({"high_tokens", "low_tokens"})
+INPUT_AUDIO_FORMATS = ("pcm16", "f32")
+
+
+@dataclass(frozen=True)
+class SessionRuntimeConfig:
+    """Everything one session runs with: client-chosen fields plus server-owned switches."""
+
+    # client-settable
+    instructions: str
+    voice: str
+    initial_user_text: str | None
+    input_audio_format: str
+    window_high_tokens: int
+    window_low_tokens: int
+    # server-owned
+    window_mode: str
+    block_size: int
+    shared_anchor_blocks: bool
+    duplex_context_caching: bool
+    context_cache_capacity: int
+    cfm_prompt_att_sharing: bool
+    cfm_arena_rows_from_graph_grid: bool
+    model_revision: str
+
+
+def _find_private_key(obj: Any, prefix: str = "") -> str | None:
+    """The dotted path of the first server-owned key anywhere in ``obj`` (nested dicts too)."""
+    if not isinstance(obj, Mapping):
+        return None
+    for key, value in obj.items():
+        path = f"{prefix}{key}"
+        if key in PRIVATE_RUNTIME_CONFIG_KEYS:
+            return path
+        found = _find_private_key(value, path + ".")
+        if found is not None:
+            return found
+    return None
+
+
+def _check_str(session: Mapping[str, Any], key: str, default: str | None) -> str | None:
+    value = session.get(key, default)
+    if value is not None and not isinstance(value, str):
+        raise SessionConfigError(f"session key {key!r} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _client_window(deploy: DeployConfig, window: Any) -> tuple[int, int]:
+    server = deploy.stage0.window
+    if window is None:
+        return server.high_tokens, server.low_tokens
+    if not isinstance(window, Mapping):
+        raise SessionConfigError(f"session key 'window' must be an object, got {window!r}")
+    unknown = sorted(set(window) - CLIENT_WINDOW_KEYS)
+    if unknown:
+        raise SessionConfigError(f"unknown session key 'window.{unknown[0]}' "
+                                 f"(allowed: {', '.join(sorted(CLIENT_WINDOW_KEYS))})")
+    if window and not deploy.stage0.client_window_override:
+        raise SessionConfigError("this server does not let clients change window settings")
+    high = window.get("high_tokens", server.high_tokens)
+    low = window.get("low_tokens", server.low_tokens)
+    for name, value in (("high_tokens", high), ("low_tokens", low)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise SessionConfigError(f"window.{name} must be a positive int, got {value!r}")
+    # Admission reserves memory for the server's high mark; a client may only shrink it.
+    if high > server.high_tokens:
+        raise SessionConfigError(
+            f"window.high_tokens {high} exceeds the server limit {server.high_tokens}")
+    if low >= high:
+        raise SessionConfigError(f"window.low_tokens ({low}) must be below high_tokens ({high})")
+    return high, low
+
+
+def build_runtime_config(deploy: DeployConfig, client_session: Mapping[str, Any] | None) -> SessionRuntimeConfig:
+    """Merge a client's session.update fields with the server-owned deploy switches.
+
+    Raises PrivateConfigKeyError when the client names a server-owned key (anywhere, nested
+    too), SessionConfigError for unknown keys or bad values.
+    """
+    session = {} if client_session is None else client_session
+    if not isinstance(session, Mapping):
+        raise SessionConfigError(f"session must be an object, got {type(session).__name__}")
+    private = _find_private_key(session)
+    if private is not None:
+        raise PrivateConfigKeyError(private)
+    unknown = sorted(set(session) - CLIENT_SESSION_KEYS)
+    if unknown:
+        raise SessionConfigError(
+            f"unknown session key {unknown[0]!r} (allowed: {', '.join(sorted(CLIENT_SESSION_KEYS))})")
+    audio_format = _check_str(session, "input_audio_format", "pcm16")
+    if audio_format not in INPUT_AUDIO_FORMATS:
+        raise SessionConfigError(
+            f"input_audio_format must be one of {INPUT_AUDIO_FORMATS}, got {audio_format!r}")
+    high, low = _client_window(deploy, session.get("window"))
+    return SessionRuntimeConfig(
+        instructions=_check_str(session, "instructions", "") or "",
+        voice=_check_str(session, "voice", "default") or "default",
+        initial_user_text=_check_str(session, "initial_user_text", None),
+        input_audio_format=audio_format,
+        window_high_tokens=high,
+        window_low_tokens=low,
+        window_mode=deploy.stage0.window.mode,
+        block_size=deploy.stage0.block_size,
+        shared_anchor_blocks=deploy.stage0.shared_anchor_blocks,
+        duplex_context_caching=deploy.context_cache.duplex_context_caching,
+        context_cache_capacity=deploy.context_cache.capacity,
+        cfm_prompt_att_sharing=deploy.code2wav.cfm_prompt_att_sharing,
+        cfm_arena_rows_from_graph_grid=deploy.code2wav.cfm_arena_rows_from_graph_grid,
+        model_revision=deploy.model.revision,
+    )

@@ -1,0 +1,238 @@
+"""Deploy config: shipped YAMLs, round trip of every switch, unknown keys, byte sizes, env
+override, and the server-side plugin (private keys refused, switches reach the runtime config)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import yaml
+
+from duplexcache.config import (
+    GRAPH_GRID_ENV,
+    PRESETS,
+    PRIVATE_RUNTIME_CONFIG_KEYS,
+    ConfigError,
+    DeployConfig,
+    PrivateConfigKeyError,
+    SessionConfigError,
+    build_runtime_config,
+    packaged_config_path,
+    parse_bytes,
+)
+
+NO_ENV: dict[str, str] = {}
+
+# Every switch set to a value different from its default.
+NON_DEFAULT = {
+    "model": {"preset": "minicpmo45", "checkpoint_dir": "/ckpt", "revision": "abc123",
+              "dtype": "bfloat16", "device": "cuda:1"},
+    "stage0": {"block_size": 32, "window": {"mode": "rebuild", "high_tokens": 4000, "low_tokens": 3000},
+               "shared_anchor_blocks": True, "client_window_override": False},
+    "context_cache": {"duplex_context_caching": True, "capacity": 7},
+    "code2wav": {"cfm_prompt_att_sharing": True, "cfm_arena_rows_from_graph_grid": True,
+                 "max_num_seqs": 24, "graph_grid": [1, 4, 8]},
+    "engine": {"memory_budget": "80GiB", "activation_reserve": "3GiB", "tick_seconds": 0.5,
+               "speak_policy": {"mode": "model", "k": 3}},
+    "server": {"host": "0.0.0.0", "port": 9001, "max_frame_bytes": "1MiB"},
+}
+
+
+def _leaves(d: dict, prefix: str = "") -> dict[str, object]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_leaves(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_shipped_yaml_writes_out_every_switch_with_its_default(preset):
+    raw = yaml.safe_load(packaged_config_path(preset).read_text())
+    default = DeployConfig.default(preset, environ=NO_ENV)
+    assert set(_leaves(raw)) == set(_leaves(default.to_dict()))
+    assert DeployConfig.from_packaged_yaml(preset, environ=NO_ENV) == default
+    assert default.context_cache.duplex_context_caching is False
+    assert default.stage0.shared_anchor_blocks is False
+    assert default.code2wav.cfm_prompt_att_sharing is False
+    assert default.code2wav.cfm_arena_rows_from_graph_grid is False
+
+
+def test_every_switch_round_trips_through_yaml(tmp_path):
+    default_leaves = _leaves(DeployConfig.default("tiny", environ=NO_ENV).to_dict())
+    assert set(_leaves(NON_DEFAULT)) == set(default_leaves), "NON_DEFAULT must name every switch"
+    cfg = DeployConfig.from_dict(NON_DEFAULT, environ=NO_ENV)
+    for path, value in _leaves(cfg.to_dict()).items():
+        assert value != default_leaves[path], f"{path} is not exercised with a non-default value"
+    path = tmp_path / "deploy.yaml"
+    path.write_text(cfg.to_yaml())
+    again = DeployConfig.from_yaml(path, environ=NO_ENV)
+    assert again == cfg
+    assert _leaves(again.to_dict()) == _leaves(NON_DEFAULT)
+    assert again.engine.memory_budget == 80 * 2**30 and again.code2wav.graph_grid == (1, 4, 8)
+
+
+@pytest.mark.parametrize("raw,path,hint", [
+    ({"stage0": {"windw": {}}}, "stage0.windw", "window"),
+    ({"stage0": {"window": {"hgh_tokens": 10}}}, "stage0.window.hgh_tokens", "high_tokens"),
+    ({"context_cache": {"duplex_context_cachng": True}}, "context_cache.duplex_context_cachng",
+     "duplex_context_caching"),
+    ({"code2wav": {"cfm_prompt_att_share": True}}, "code2wav.cfm_prompt_att_share", "cfm_prompt_att_sharing"),
+    ({"egine": {}}, "egine", "engine"),
+])
+def test_unknown_key_error_names_key_path(raw, path, hint):
+    with pytest.raises(ConfigError) as info:
+        DeployConfig.from_dict(raw, environ=NO_ENV)
+    assert f"unknown key {path!r}" in str(info.value)
+    assert hint in str(info.value)
+
+
+def test_yaml_typo_error_names_file_and_key(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("engine:\n  memory_budgett: 1GiB\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml.*engine\.memory_budgett"):
+        DeployConfig.from_yaml(path, environ=NO_ENV)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("80GiB", 80 * 2**30), ("512MiB", 512 * 2**20), ("1.5GiB", 3 * 2**29), ("4096", 4096),
+    ("10GB", 10**10), ("1kib", 1024), ("7 B", 7), (123, 123), ("0", 0),
+])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad,message", [
+    ("80GiBs", "unknown byte unit"), ("abc", "cannot parse"), ("", "cannot parse"),
+    ("-1GiB", "cannot parse"), (-1, ">= 0"), ("1.5B", "whole number"), (True, "int or a string"),
+    (None, "int or a string"), (3.5, "int or a string"),
+])
+def test_parse_bytes_errors(bad, message):
+    with pytest.raises(ValueError, match=message):
+        parse_bytes(bad)
+
+
+def test_bad_byte_size_in_config_names_key():
+    with pytest.raises(ConfigError, match=r"engine\.memory_budget.*unknown byte unit"):
+        DeployConfig.from_dict({"engine": {"memory_budget": "80 gigs"}}, environ=NO_ENV)
+
+
+@pytest.mark.parametrize("raw,message", [
+    ({"engine": {"memory_budget": "1GiB", "activation_reserve": "1GiB"}}, "activation_reserve"),
+    ({"stage0": {"window": {"high_tokens": 100, "low_tokens": 100}}}, "low_tokens"),
+    ({"model": {"preset": "huge"}}, r"model\.preset"),
+    ({"code2wav": {"graph_grid": "1,0"}}, "positive"),
+    ({"server": {"port": 70000}}, r"server\.port"),
+    ({"model": {"device": "gpu"}}, r"model\.device"),
+])
+def test_invalid_values_name_their_key(raw, message):
+    with pytest.raises(ConfigError, match=message):
+        DeployConfig.from_dict(raw, environ=NO_ENV)
+
+
+def test_not_a_mapping(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        DeployConfig.from_yaml(path, environ=NO_ENV)
+    with pytest.raises(ConfigError, match="unknown preset"):
+        DeployConfig.default("huge")
+
+
+def test_graph_grid_env_overrides_yaml(tmp_path):
+    path = tmp_path / "deploy.yaml"
+    path.write_text("code2wav:\n  graph_grid: [2]\n  max_num_seqs: 32\n")
+    cfg = DeployConfig.from_yaml(path, environ={GRAPH_GRID_ENV: "16, 1,8,4"})
+    assert cfg.code2wav.graph_grid == (1, 4, 8, 16)
+    assert DeployConfig.from_yaml(path, environ=NO_ENV).code2wav.graph_grid == (2,)
+
+
+def test_graph_grid_env_read_from_process_environment(monkeypatch):
+    monkeypatch.setenv(GRAPH_GRID_ENV, "1,4")
+    assert DeployConfig.default("tiny").code2wav.graph_grid == (1, 4)
+    monkeypatch.setenv(GRAPH_GRID_ENV, "1,four")
+    with pytest.raises(ConfigError, match=GRAPH_GRID_ENV):
+        DeployConfig.default("tiny")
+
+
+def test_arena_rows_switch_acts_or_errors(caplog):
+    on = {"cfm_arena_rows_from_graph_grid": True, "max_num_seqs": 16}
+    cfg = DeployConfig.from_dict({"code2wav": on}, environ={GRAPH_GRID_ENV: "1,4,8"})
+    assert cfg.code2wav.arena_rows == 8
+    off = DeployConfig.from_dict({"code2wav": {"max_num_seqs": 16}}, environ={GRAPH_GRID_ENV: "1,4,8"})
+    assert off.code2wav.arena_rows == 16
+    # On without any grid would change nothing: an error, not a silent no-op.
+    with pytest.raises(ConfigError, match="would change nothing"):
+        DeployConfig.from_dict({"code2wav": on}, environ=NO_ENV)
+    # A grid as wide as max_num_seqs saves nothing: a warning.
+    with caplog.at_level(logging.WARNING, logger="duplexcache.config"):
+        DeployConfig.from_dict({"code2wav": on}, environ={GRAPH_GRID_ENV: "1,16"})
+    assert "saves nothing" in caplog.text
+
+
+# ---- server-side plugin -----------------------------------------------------------------
+
+
+def test_runtime_config_merges_client_fields_with_server_switches():
+    deploy = DeployConfig.from_dict(NON_DEFAULT | {"stage0": NON_DEFAULT["stage0"] | {"client_window_override": True}},
+                                    environ=NO_ENV)
+    rt = build_runtime_config(deploy, {"instructions": "Be kind.", "voice": "alice", "initial_user_text": "hi",
+                                       "input_audio_format": "f32", "window": {"high_tokens": 2000, "low_tokens": 1000}})
+    assert (rt.instructions, rt.voice, rt.initial_user_text, rt.input_audio_format) == ("Be kind.", "alice", "hi", "f32")
+    assert (rt.window_high_tokens, rt.window_low_tokens, rt.window_mode) == (2000, 1000, "rebuild")
+    # Server-owned switches come from the deploy YAML (the review's "flag nothing sets" trap).
+    assert rt.duplex_context_caching is True and rt.context_cache_capacity == 7
+    assert rt.cfm_prompt_att_sharing is True and rt.cfm_arena_rows_from_graph_grid is True
+    assert rt.shared_anchor_blocks is True and rt.block_size == 32 and rt.model_revision == "abc123"
+
+
+def test_runtime_config_defaults():
+    rt = build_runtime_config(DeployConfig.default("tiny", environ=NO_ENV), {})
+    assert (rt.instructions, rt.voice, rt.initial_user_text, rt.input_audio_format) == ("", "default", None, "pcm16")
+    assert (rt.window_high_tokens, rt.window_low_tokens) == (8000, 6000)
+    assert not rt.duplex_context_caching and not rt.shared_anchor_blocks
+    assert build_runtime_config(DeployConfig.default("tiny", environ=NO_ENV), None) == rt
+
+
+@pytest.mark.parametrize("key", sorted(PRIVATE_RUNTIME_CONFIG_KEYS))
+def test_client_setting_a_private_key_is_refused_by_name(key):
+    deploy = DeployConfig.default("tiny", environ=NO_ENV)
+    with pytest.raises(PrivateConfigKeyError, match=key) as info:
+        build_runtime_config(deploy, {"instructions": "x", key: True})
+    assert info.value.key == key and isinstance(info.value, ValueError)
+
+
+def test_nested_private_key_is_refused_with_its_path():
+    deploy = DeployConfig.default("tiny", environ=NO_ENV)
+    with pytest.raises(PrivateConfigKeyError, match=r"window\.mode"):
+        build_runtime_config(deploy, {"window": {"mode": "off"}})
+
+
+def test_private_keys_cover_the_spec_switches():
+    for key in ("duplex_context_caching", "cfm_prompt_att_sharing", "cfm_arena_rows_from_graph_grid",
+                "shared_anchor_blocks", "memory_budget", "activation_reserve"):
+        assert key in PRIVATE_RUNTIME_CONFIG_KEYS
+
+
+@pytest.mark.parametrize("session,message", [
+    ({"instrucions": "x"}, "unknown session key 'instrucions'"),
+    ({"instructions": 5}, "must be a string"),
+    ({"input_audio_format": "mp3"}, "input_audio_format"),
+    ({"window": {"high_tokens": 9000}}, "exceeds the server limit"),
+    ({"window": {"high_tokens": 100, "low_tokens": 100}}, "below high_tokens"),
+    ({"window": {"low_tokens": -3}}, "positive int"),
+    ({"window": {"hgh": 1}}, "window.hgh"),
+    ({"window": 5}, "must be an object"),
+])
+def test_bad_client_session(session, message):
+    with pytest.raises(SessionConfigError, match=message):
+        build_runtime_config(DeployConfig.default("tiny", environ=NO_ENV), session)
+
+
+def test_window_override_can_be_disabled_by_server():
+    deploy = DeployConfig.from_dict({"stage0": {"client_window_override": False}}, environ=NO_ENV)
+    with pytest.raises(SessionConfigError, match="does not let clients"):
+        build_runtime_config(deploy, {"window": {"high_tokens": 100, "low_tokens": 50}})
+    assert build_runtime_config(deploy, {}).window_high_tokens == 8000

@@ -1,0 +1,518 @@
+"""Audio encoder: log-mel front end, Whisper-medium-shaped encoder, MiniCPM-o projection + pooling.
+
+Pipeline (preset ``minicpmo45``)::
+
+    16 kHz PCM --log-mel (80 bins, n_fft 400, hop 160)--> (80, M)       100 mel frames / s
+      --conv1 (k3, s1) + GELU, conv2 (k3, s2) + GELU--> (F, 1024)        F = (M - 1) // 2 + 1, 50 / s
+      --+ embed_positions[pos]--> 24 pre-LN layers --> layer_norm
+      --audio_projection_layer: Linear 1024->4096, ReLU, Linear 4096->4096
+      --AvgPool1d(5) over time--> (F // 5, 4096)                         10 embeddings / s
+
+Module and parameter names follow transformers' ``WhisperEncoder`` under ``apm.`` and MiniCPM-o's
+``audio_projection_layer.linear1/linear2``, so both a Whisper checkpoint (encoder part) and a
+MiniCPM-o checkpoint load with ``strict=True``.
+
+Whole-clip mode (``encode_mel`` / ``embed_audio``): every frame attends to every frame of the clip,
+positions run 0..F-1, exactly as ``WhisperEncoder`` (which additionally insists on F = 1500).
+Clips longer than ``max_source_positions`` frames are cut into independent 30 s segments.
+
+Streaming mode (``stream_step`` / ``stream_step_mel``), the exact semantics:
+
+* A session feeds one chunk per tick: the first chunk is ``first_chunk_samples`` (16560 = 1.035 s,
+  giving 103 mel frames -> 52 encoder frames), every later chunk ``chunk_samples`` (16000 = 1 s,
+  100 mel frames -> 50 encoder frames). Each chunk's log-mel is computed on that chunk alone (its
+  own reflect padding and its own ``max - 8`` clamp) and the conv front end runs on that chunk
+  alone (zero padding at the chunk edges). Nothing of the audio or the mel is carried over.
+* What is cached: for every layer, the K and V of every encoder frame seen since the last reset,
+  in a per-session buffer ``(layers, heads, max_cache_frames, head_dim)``.
+* Attention: a frame of chunk c attends to all cached frames (chunks before c, since the last
+  reset) and to all frames of chunk c (bidirectional inside the chunk). It never sees the future.
+* Positions: the frames of a chunk get positions ``n .. n + F - 1`` where ``n`` is the number of
+  frames cached before the chunk, i.e. positions keep running across chunks.
+* Reset: if ``n + F > max_cache_frames`` (1500 = 30 s), the cache is emptied *before* the chunk;
+  the chunk then starts at position 0 and attends only to itself. So no position ever reaches
+  ``max_source_positions`` and no chunk is ever split by a reset.
+* Output: the chunk's frames, after the final layer_norm and the projection, are pooled with
+  ``AvgPool1d(pool_step)`` over this chunk only (a trailing remainder of F % 5 frames is dropped,
+  as ``nn.AvgPool1d`` does): 52 -> 10 and 50 -> 10 embeddings.
+
+The equivalent dense computation (what the tests build independently): concatenate the conv
+outputs of all chunks between two resets, add the positions above, and run the layers with a
+block-causal mask in which frame i may attend frame j iff chunk(j) <= chunk(i).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+SAMPLE_RATE = 16000
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class AudioEncoderConfig:
+    num_mel_bins: int = 80
+    d_model: int = 1024
+    encoder_layers: int = 24
+    encoder_attention_heads: int = 16
+    encoder_ffn_dim: int = 4096
+    max_source_positions: int = 1500  # rows of embed_positions (30 s at 50 frames/s)
+    layer_norm_eps: float = 1e-5
+    out_dim: int = 4096  # Thinker hidden size
+    pool_step: int = 5  # 50 frames/s -> 10 embeddings/s
+    max_cache_frames: int = 1500  # streaming reset threshold (frames)
+    sample_rate: int = SAMPLE_RATE
+    n_fft: int = 400
+    hop_length: int = 160
+    chunk_samples: int = 16000  # 1 s
+    first_chunk_samples: int = 16560  # 1.035 s
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.encoder_attention_heads:
+            raise ValueError(f"d_model {self.d_model} not divisible by heads {self.encoder_attention_heads}")
+        if self.d_model % 2:
+            raise ValueError("d_model must be even for sinusoidal positions")
+        if not 0 < self.max_cache_frames <= self.max_source_positions:
+            raise ValueError(
+                f"max_cache_frames ({self.max_cache_frames}) must be in 1..max_source_positions "
+                f"({self.max_source_positions}): positions past the table do not exist"
+            )
+        if self.pool_step < 1 or self.n_fft < 2 or self.hop_length < 1:
+            raise ValueError("pool_step, n_fft and hop_length must be positive")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.encoder_attention_heads
+
+    @classmethod
+    def tiny(cls, **overrides) -> "AudioEncoderConfig":
+        fields = dict(d_model=64, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=128,
+                      max_source_positions=160, out_dim=96, max_cache_frames=128)
+        fields.update(overrides)
+        if "max_cache_frames" not in overrides:  # follow a smaller position table
+            fields["max_cache_frames"] = min(128, fields["max_source_positions"])
+        return cls(**fields)
+
+    @classmethod
+    def minicpmo45(cls) -> "AudioEncoderConfig":
+        return cls()
+
+    def kv_bytes_per_session(self, dtype: torch.dtype) -> int:
+        """Bytes of one session's streaming K+V cache (allocated whole when the state is made)."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.encoder_layers * self.max_cache_frames * self.d_model * elem
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "AudioEncoderConfig":
+        """Read a Whisper ``config.json`` or a MiniCPM-o one (``audio_config`` + ``hidden_size``)."""
+        cfg_path = Path(path) / "config.json"
+        if not cfg_path.is_file():
+            raise FileNotFoundError(f"no config.json in {path}")
+        raw = json.loads(cfg_path.read_text())
+        audio = raw.get("audio_config", raw)
+        out_dim = raw["hidden_size"] if "audio_config" in raw else audio.get("d_model", 1024) * 4
+        fields = dict(
+            num_mel_bins=audio.get("num_mel_bins", 80),
+            d_model=audio["d_model"],
+            encoder_layers=audio["encoder_layers"],
+            encoder_attention_heads=audio["encoder_attention_heads"],
+            encoder_ffn_dim=audio["encoder_ffn_dim"],
+            max_source_positions=audio.get("max_source_positions", 1500),
+            out_dim=raw.get("audio_out_dim", out_dim),
+            pool_step=raw.get("audio_pool_step", 5),
+        )
+        fields["max_cache_frames"] = min(1500, fields["max_source_positions"])
+        return cls(**fields)
+
+
+# ----------------------------------------------------------------------------- log-mel
+
+
+def _hz_to_mel_slaney(hz: torch.Tensor) -> torch.Tensor:
+    # Slaney scale: linear below 1 kHz, logarithmic above (as librosa / Whisper).
+    f_sp = 200.0 / 3
+    min_log_hz, min_log_mel, logstep = 1000.0, 1000.0 / f_sp, math.log(6.4) / 27.0
+    mel = hz / f_sp
+    log_part = min_log_mel + torch.log(torch.clamp(hz, min=min_log_hz) / min_log_hz) / logstep
+    return torch.where(hz >= min_log_hz, log_part, mel)
+
+
+def _mel_to_hz_slaney(mel: torch.Tensor) -> torch.Tensor:
+    f_sp = 200.0 / 3
+    min_log_hz, min_log_mel, logstep = 1000.0, 1000.0 / f_sp, math.log(6.4) / 27.0
+    hz = mel * f_sp
+    log_part = min_log_hz * torch.exp(logstep * (mel - min_log_mel))
+    return torch.where(mel >= min_log_mel, log_part, hz)
+
+
+def mel_filter_bank(n_fft: int = 400, n_mels: int = 80, sample_rate: int = SAMPLE_RATE) -> torch.Tensor:
+    """Slaney-normalised triangular filters, (n_fft // 2 + 1, n_mels), float32, 0..8 kHz."""
+    n_freqs = n_fft // 2 + 1
+    # Built on the CPU in float64 even under a meta/cuda default device: it is a constant table.
+    f64 = dict(dtype=torch.float64, device="cpu")
+    fft_freqs = torch.linspace(0, sample_rate // 2, n_freqs, **f64)
+    mel_lo, mel_hi = _hz_to_mel_slaney(torch.tensor([0.0, 8000.0], **f64)).tolist()
+    mel_pts = torch.linspace(mel_lo, mel_hi, n_mels + 2, **f64)
+    edges = _mel_to_hz_slaney(mel_pts)  # (n_mels + 2,)
+    widths = edges[1:] - edges[:-1]
+    slopes = edges[None, :] - fft_freqs[:, None]  # (n_freqs, n_mels + 2)
+    down = -slopes[:, :-2] / widths[:-1]
+    up = slopes[:, 2:] / widths[1:]
+    filters = torch.clamp(torch.minimum(down, up), min=0.0)
+    filters = filters * (2.0 / (edges[2:] - edges[:-2]))[None, :]  # slaney area normalisation
+    return filters.to(torch.float32)
+
+
+class LogMel(nn.Module):
+    """Whisper's log-mel spectrogram in torch: (N,) float waveform -> (n_mels, N // hop)."""
+
+    def __init__(self, n_fft: int = 400, hop_length: int = 160, n_mels: int = 80,
+                 sample_rate: int = SAMPLE_RATE) -> None:
+        super().__init__()
+        self.n_fft, self.hop_length = n_fft, hop_length
+        self.register_buffer("window", torch.hann_window(n_fft, device="cpu"), persistent=False)
+        self.register_buffer("filters", mel_filter_bank(n_fft, n_mels, sample_rate), persistent=False)
+
+    def forward(self, audio: torch.Tensor) -> torch.Tensor:
+        audio = audio.to(torch.float32)
+        stft = torch.stft(audio, self.n_fft, self.hop_length, window=self.window.to(audio.device, torch.float32),
+                          center=True, pad_mode="reflect", return_complex=True)
+        power = stft[..., :-1].abs() ** 2  # Whisper drops the last frame: N // hop frames
+        mel = self.filters.to(audio.device, torch.float32).T @ power
+        log_spec = torch.clamp(mel, min=1e-10).log10()
+        log_spec = torch.maximum(log_spec, log_spec.max() - 8.0)
+        return (log_spec + 4.0) / 4.0
+
+
+def validate_audio(audio, sample_rate: int, *, expected_rate: int = SAMPLE_RATE,
+                   min_samples: int = 400) -> torch.Tensor:
+    """Check a mono float PCM clip and return it as a 1-D float32 tensor, or raise ValueError."""
+    if sample_rate != expected_rate:
+        raise ValueError(f"audio sample rate must be {expected_rate} Hz, got {sample_rate} Hz (resample first)")
+    if not isinstance(audio, torch.Tensor):
+        try:
+            audio = torch.as_tensor(audio)
+        except Exception as exc:  # lists of strings, objects, ...
+            raise ValueError(f"audio must be a float array, got {type(audio).__name__}") from exc
+    if not audio.is_floating_point():
+        raise ValueError(
+            f"audio must be float PCM in [-1, 1], got dtype {audio.dtype} (int16 PCM: divide by 32768)")
+    if audio.dim() == 2 and audio.shape[0] == 1:
+        audio = audio[0]
+    if audio.dim() != 1:
+        raise ValueError(f"audio must be mono 1-D (samples,), got shape {tuple(audio.shape)}")
+    if audio.numel() == 0:
+        raise ValueError("audio is empty")
+    if audio.numel() < min_samples:
+        raise ValueError(f"audio too short: {audio.numel()} samples, need at least {min_samples}")
+    if not torch.isfinite(audio).all():
+        raise ValueError("audio contains NaN or Inf")
+    peak = audio.abs().max().item()
+    if peak > 1.0:
+        raise ValueError(f"audio must be float PCM in [-1, 1], peak is {peak:.3g} (int16 PCM: divide by 32768)")
+    return audio.to(torch.float32)
+
+
+# ----------------------------------------------------------------------------- encoder
+
+
+def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:
+    """Whisper's fixed positional table: [sin | cos] halves, (length, channels)."""
+    inc = math.log(max_timescale) / (channels // 2 - 1)
+    inv = torch.exp(-inc * torch.arange(channels // 2, dtype=torch.float32))
+    t = torch.arange(length, dtype=torch.float32)[:, None] * inv[None, :]
+    return torch.cat([t.sin(), t.cos()], dim=1)
+
+
+class WhisperAttention(nn.Module):
+    def __init__(self, d_model: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, d_model // num_heads
+        self.scaling = self.head_dim ** -0.5
+        self.k_proj = nn.Linear(d_model, d_model, bias=False)  # Whisper's k has no bias
+        self.v_proj = nn.Linear(d_model, d_model)
+        self.q_proj = nn.Linear(d_model, d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+
+    def forward(self, x: torch.Tensor, kv_hook=None) -> torch.Tensor:
+        # q is scaled before the product, as Whisper does, so SDPA runs with scale 1.
+        q = self._heads(self.q_proj(x) * self.scaling)
+        k, v = self._heads(self.k_proj(x)), self._heads(self.v_proj(x))
+        mask = None
+        if kv_hook is not None:  # streaming: store this chunk's K/V, attend over cache + chunk
+            k, v, mask = kv_hook(k, v)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+        b, _, t, _ = out.shape
+        return self.out_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class WhisperEncoderLayer(nn.Module):
+    def __init__(self, cfg: AudioEncoderConfig) -> None:
+        super().__init__()
+        self.self_attn = WhisperAttention(cfg.d_model, cfg.encoder_attention_heads)
+        self.self_attn_layer_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.fc1 = nn.Linear(cfg.d_model, cfg.encoder_ffn_dim)
+        self.fc2 = nn.Linear(cfg.encoder_ffn_dim, cfg.d_model)
+        self.final_layer_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor, kv_hook=None) -> torch.Tensor:
+        x = x + self.self_attn(self.self_attn_layer_norm(x), kv_hook)
+        return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
+
+
+class WhisperEncoder(nn.Module):
+    """Parameter names as transformers' WhisperEncoder (conv1, conv2, embed_positions, layers, layer_norm)."""
+
+    def __init__(self, cfg: AudioEncoderConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.conv1 = nn.Conv1d(cfg.num_mel_bins, cfg.d_model, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv1d(cfg.d_model, cfg.d_model, kernel_size=3, stride=2, padding=1)
+        self.embed_positions = nn.Embedding(cfg.max_source_positions, cfg.d_model)
+        self.embed_positions.requires_grad_(False)
+        with torch.no_grad():
+            self.embed_positions.weight.copy_(sinusoids(cfg.max_source_positions, cfg.d_model))
+        self.layers = nn.ModuleList(WhisperEncoderLayer(cfg) for _ in range(cfg.encoder_layers))
+        self.layer_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+
+    def conv_front(self, mel: torch.Tensor) -> torch.Tensor:
+        """(B, n_mels, M) -> (B, F, d), F = (M - 1) // 2 + 1."""
+        x = F.gelu(self.conv1(mel))
+        return F.gelu(self.conv2(x)).transpose(1, 2)
+
+    def forward(self, mel: torch.Tensor) -> torch.Tensor:
+        """Whole clip, full attention, positions 0..F-1: (B, n_mels, M) -> (B, F, d)."""
+        x = self.conv_front(mel)
+        if x.shape[1] > self.cfg.max_source_positions:
+            raise ValueError(f"{x.shape[1]} frames exceed max_source_positions {self.cfg.max_source_positions}")
+        x = x + self.embed_positions.weight[: x.shape[1]]
+        for layer in self.layers:
+            x = layer(x)
+        return self.layer_norm(x)
+
+
+class MultiModalProjector(nn.Module):
+    """MiniCPM-o's projector: Linear(in, out), ReLU, Linear(out, out)."""
+
+    def __init__(self, in_dim: int, out_dim: int) -> None:
+        super().__init__()
+        self.linear1 = nn.Linear(in_dim, out_dim)
+        self.relu = nn.ReLU()
+        self.linear2 = nn.Linear(out_dim, out_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear2(self.relu(self.linear1(x)))
+
+
+# ----------------------------------------------------------------------------- streaming state
+
+
+@dataclass
+class StreamingAudioEncoderState:
+    """One session's streaming encoder state. Owned by the session; the encoder only updates it.
+
+    ``k``/``v``: (layers, heads, max_cache_frames, head_dim); rows ``[0, num_frames)`` are valid.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    num_frames: int = 0  # frames cached since the last reset == position of the next frame
+    num_chunks: int = 0  # chunks fed since the session started (the first one is longer)
+    num_resets: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+    def reset(self) -> None:
+        # Stale rows stay in the buffer but are unreachable: attention reads [0, num_frames).
+        self.num_frames = 0
+        self.num_resets += 1
+
+
+# ----------------------------------------------------------------------------- full module
+
+
+class AudioEncoder(nn.Module):
+    """``apm`` (Whisper encoder) + ``audio_projection_layer`` + AvgPool, whole-clip and streaming."""
+
+    def __init__(self, cfg: AudioEncoderConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.apm = WhisperEncoder(cfg)
+        self.audio_projection_layer = MultiModalProjector(cfg.d_model, cfg.out_dim)
+        self.audio_avg_pooler = nn.AvgPool1d(cfg.pool_step, stride=cfg.pool_step)
+        self.log_mel = LogMel(cfg.n_fft, cfg.hop_length, cfg.num_mel_bins, cfg.sample_rate)
+
+    # -- whole clip ---------------------------------------------------------------------------
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(B, F, d) encoder frames -> (B, F // pool_step, out_dim) embeddings."""
+        x = self.audio_projection_layer(hidden)
+        if x.shape[1] < self.cfg.pool_step:  # fewer frames than one pool window: no embedding
+            return x[:, :0]
+        return self.audio_avg_pooler(x.transpose(1, 2)).transpose(1, 2)
+
+    def encode_mel(self, mel: torch.Tensor) -> torch.Tensor:
+        """(B, n_mels, M) log-mel -> (B, F // pool_step, out_dim); F <= max_source_positions."""
+        self._check_mel(mel, batched=True)
+        return self.project(self.apm(mel.to(self.apm.conv1.weight.dtype)))
+
+    @torch.no_grad()
+    def embed_audio(self, audio, sample_rate: int = SAMPLE_RATE) -> torch.Tensor:
+        """A whole clip (e.g. reference audio) -> (N, out_dim), 10 embeddings per second.
+
+        Clips longer than one encoder window (30 s) are cut into independent windows.
+        """
+        audio = validate_audio(audio, sample_rate, expected_rate=self.cfg.sample_rate,
+                               min_samples=self.cfg.n_fft)
+        window = self.cfg.max_source_positions * 2 * self.cfg.hop_length
+        pieces = []
+        for start in range(0, audio.numel(), window):
+            piece = audio[start:start + window]
+            if piece.numel() < self.cfg.n_fft:  # a few ms left over: too short for one frame
+                break
+            mel = self.log_mel(piece.to(self.apm.conv1.weight.device))
+            pieces.append(self.encode_mel(mel[None])[0])
+        return torch.cat(pieces, dim=0)
+
+    # -- streaming ----------------------------------------------------------------------------
+
+    def new_stream_state(self) -> StreamingAudioEncoderState:
+        w = self.apm.conv1.weight
+        shape = (self.cfg.encoder_layers, self.cfg.encoder_attention_heads,
+                 self.cfg.max_cache_frames, self.cfg.head_dim)
+        return StreamingAudioEncoderState(k=torch.zeros(shape, dtype=w.dtype, device=w.device),
+                                          v=torch.zeros(shape, dtype=w.dtype, device=w.device))
+
+    def expected_chunk_samples(self, state: StreamingAudioEncoderState) -> int:
+        return self.cfg.first_chunk_samples if state.num_chunks == 0 else self.cfg.chunk_samples
+
+    @torch.no_grad()
+    def stream_step(self, states: list[StreamingAudioEncoderState], chunks: list,
+                    sample_rate: int = SAMPLE_RATE) -> list[torch.Tensor]:
+        """One tick for several sessions: PCM chunk per session -> (chunk_frames // 5, out_dim) each."""
+        if len(states) != len(chunks):
+            raise ValueError(f"{len(states)} states but {len(chunks)} chunks")
+        mels = []
+        for state, chunk in zip(states, chunks):
+            audio = validate_audio(chunk, sample_rate, expected_rate=self.cfg.sample_rate,
+                                   min_samples=self.cfg.n_fft)
+            want = self.expected_chunk_samples(state)
+            if audio.numel() != want:
+                which = "first" if state.num_chunks == 0 else "later"
+                raise ValueError(f"{which} streaming chunk must have {want} samples, got {audio.numel()}")
+            mels.append(self.log_mel(audio.to(self.apm.conv1.weight.device)))
+        return self.stream_step_mel(states, mels)
+
+    @torch.no_grad()
+    def stream_step_mel(self, states: list[StreamingAudioEncoderState],
+                        mels: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One tick from log-mel chunks (n_mels, M_i); semantics in the module docstring."""
+        if len(states) != len(mels):
+            raise ValueError(f"{len(states)} states but {len(mels)} mel chunks")
+        if not states:
+            return []
+        dtype = self.apm.conv1.weight.dtype
+        fronts = []
+        for mel in mels:
+            self._check_mel(mel, batched=False)
+            fronts.append(self.apm.conv_front(mel[None].to(dtype))[0])  # (F_i, d)
+        for state, front in zip(states, fronts):
+            if front.shape[0] > self.cfg.max_cache_frames:
+                raise ValueError(f"chunk of {front.shape[0]} frames exceeds max_cache_frames "
+                                 f"{self.cfg.max_cache_frames}")
+            if state.num_frames + front.shape[0] > self.cfg.max_cache_frames:
+                logger.debug("audio encoder cache reset at %d frames", state.num_frames)
+                state.reset()
+        hidden = self._stream_layers(states, fronts)
+        outs = []
+        for b, (state, front) in enumerate(zip(states, fronts)):
+            n = front.shape[0]
+            state.num_frames += n
+            state.num_chunks += 1
+            outs.append(self.project(hidden[b:b + 1, :n])[0])
+        return outs
+
+    def _stream_layers(self, states: list[StreamingAudioEncoderState],
+                       fronts: list[torch.Tensor]) -> torch.Tensor:
+        """Run the layers over a padded batch of chunks, reading/writing each session's cache."""
+        starts = [s.num_frames for s in states]
+        lens = [f.shape[0] for f in fronts]
+        n_max, key_lens = max(lens), [s + n for s, n in zip(starts, lens)]
+        k_max = max(key_lens)
+        pos_table = self.apm.embed_positions.weight
+        x = fronts[0].new_zeros(len(fronts), n_max, self.cfg.d_model)  # (B, N, d)
+        for b, (front, start) in enumerate(zip(fronts, starts)):
+            x[b, : lens[b]] = front + pos_table[start:start + lens[b]]
+        # Key j of row b is real iff j < key_lens[b]; padded query rows are computed and dropped.
+        valid = torch.arange(k_max, device=x.device)[None, :] < torch.tensor(key_lens, device=x.device)[:, None]
+        mask = valid[:, None, None, :]  # (B, 1, 1, K)
+
+        for idx, layer in enumerate(self.apm.layers):
+            def kv_hook(k, v, idx=idx):  # k, v: (B, H, N, D) for this chunk
+                ks, vs = [], []
+                for b, state in enumerate(states):
+                    s, n = starts[b], lens[b]
+                    state.k[idx, :, s:s + n] = k[b, :, :n]
+                    state.v[idx, :, s:s + n] = v[b, :, :n]
+                    pad = k_max - key_lens[b]
+                    ks.append(F.pad(state.k[idx, :, : key_lens[b]], (0, 0, 0, pad)))
+                    vs.append(F.pad(state.v[idx, :, : key_lens[b]], (0, 0, 0, pad)))
+                return torch.stack(ks), torch.stack(vs), mask
+
+            x = layer(x, kv_hook)
+        return self.apm.layer_norm(x)
+
+    def _check_mel(self, mel: torch.Tensor, batched: bool) -> None:
+        want = 3 if batched else 2
+        if not isinstance(mel, torch.Tensor) or mel.dim() != want:
+            shape = "(B, n_mels, frames)" if batched else "(n_mels, frames)"
+            raise ValueError(f"log-mel must be a tensor of shape {shape}, got "
+                             f"{tuple(mel.shape) if isinstance(mel, torch.Tensor) else type(mel).__name__}")
+        if mel.shape[-2] != self.cfg.num_mel_bins:
+            raise ValueError(f"log-mel must have {self.cfg.num_mel_bins} bins, got {mel.shape[-2]}")
+        if mel.shape[-1] < 1:
+            raise ValueError("log-mel has no frames")
+        if not torch.isfinite(mel).all():
+            raise ValueError("log-mel contains NaN or Inf")
+
+    # -- loading ------------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, cfg: AudioEncoderConfig | None = None,
+                        dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "AudioEncoder":
+        """Load a Whisper checkpoint dir (encoder only; projection stays random) or a MiniCPM-o dir."""
+        from duplexcache.models import checkpoint
+
+        cfg = cfg or AudioEncoderConfig.from_dir(path)
+        model = cls(cfg)
+        keys = set(checkpoint.checkpoint_keys(path))
+        enc_prefix = next((p for p in ("apm.", "model.encoder.", "encoder.", "")
+                           if f"{p}conv1.weight" in keys), None)
+        if enc_prefix is None:
+            raise checkpoint.CheckpointError(f"audio encoder: no conv1.weight under any known prefix in {path}")
+        checkpoint.load_strict(model.apm, checkpoint.load_state_dict(path, enc_prefix), "audio encoder (apm)")
+        if "audio_projection_layer.linear1.weight" in keys:
+            sd = checkpoint.load_state_dict(path, "audio_projection_layer.")
+            checkpoint.load_strict(model.audio_projection_layer, sd, "audio projection")
+        else:
+            logger.warning("%s has no audio_projection_layer: projection weights stay random", path)
+        return model.to(device=device, dtype=dtype)
+

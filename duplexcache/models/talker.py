@@ -1,0 +1,370 @@
+"""Stage 1 Talker: MiniCPM-o 4.5's TTS module (Llama backbone over speech codes), paged KV.
+
+Module and parameter names follow MiniCPM-o 4.5's ``MiniCPMTTS`` (checkpoint prefix ``tts.``)::
+
+    model            transformers LlamaModel (embed_tokens is unused by the code path but kept
+                     so the checkpoint loads strictly)
+    emb_text         Embedding(num_text_tokens, hidden)       text token of each condition row
+    projector_spk    linear1 (llm_dim->hidden), ReLU, linear2 (hidden->hidden)
+    projector_semantic  same shape; projects Thinker hidden states
+    emb_code.0       Embedding(num_audio_tokens, hidden)      speech code -> next input
+    head_code.0      weight-normed Linear(hidden, num_audio_tokens, bias=False)
+                     (keys ``parametrizations.weight.original0`` = g, ``original1`` = v)
+
+One speaking unit (``generate_unit``), per session::
+
+    condition rows   emb_text(text ids) + normalize(projector_semantic(thinker hidden)),
+                     then ``boundary_token_ids`` (e.g. audio_bos) through emb_text only
+    step 0           prefill the condition, sample code t1 from the last row
+    steps 1..24      feed t_k (emb_code), sample t_{k+1}                 -> 25 speech codes
+    closing step     feed [t25, end] so the KV holds the whole unit     -> + 1 end code (6561)
+
+The end code is never sampled during the 25 (its logit is masked); it closes the unit. After a
+unit the session's KV holds ``condition + 26`` more tokens; it is kept across units and released
+by the caller (the KV manager) at the end of the turn. Positions equal logical indices.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils.parametrizations import weight_norm
+
+from duplexcache.kv.paged_attention import PagedBatch, PagedKVCache, paged_attention, write_kv
+from duplexcache.kv.rope import apply_rope as _rope_rotate
+from duplexcache.kv.rope import rope_cos_sin
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TalkerConfig:
+    hidden_size: int = 768
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 20
+    num_attention_heads: int = 12
+    num_key_value_heads: int = 12
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-6  # LlamaConfig default, which MiniCPMTTS does not override
+    rope_theta: float = 10000.0
+    vocab_size: int = 32000  # backbone embed_tokens (LlamaConfig default), unused
+    num_text_tokens: int = 152064
+    num_audio_tokens: int = 6562  # 6561 speech codes + end
+    llm_dim: int = 4096  # Thinker hidden size
+    normalize_projected_hidden: bool = True
+    tokens_per_unit: int = 25
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} not divisible by {self.num_attention_heads} heads")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.num_audio_tokens < 2 or self.tokens_per_unit < 1:
+            raise ValueError("need at least one speech code plus the end code, and tokens_per_unit >= 1")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def end_token_id(self) -> int:
+        return self.num_audio_tokens - 1
+
+    @classmethod
+    def tiny(cls, **overrides) -> "TalkerConfig":
+        fields = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=512, vocab_size=100, num_text_tokens=300,
+                      num_audio_tokens=50, llm_dim=96)
+        fields.update(overrides)
+        return cls(**fields)
+
+    @classmethod
+    def minicpmo45(cls) -> "TalkerConfig":
+        return cls()
+
+    @classmethod
+    def from_dict(cls, tts: dict) -> "TalkerConfig":
+        """From MiniCPM-o's ``tts_config`` (or a Llama config.json for a bare backbone)."""
+        names = set(cls.__dataclass_fields__)
+        fields = {k: v for k, v in tts.items() if k in names}
+        fields.setdefault("num_key_value_heads", tts.get("num_attention_heads", 12))
+        if "num_vq" in tts and tts["num_vq"] != 1:
+            raise ValueError(f"Talker supports num_vq == 1 only, got {tts['num_vq']}")
+        return cls(**fields)
+
+    def to_llama_dict(self) -> dict:
+        """Keyword arguments for transformers' LlamaConfig describing the backbone."""
+        return dict(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                    num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+                    num_key_value_heads=self.num_key_value_heads,
+                    max_position_embeddings=self.max_position_embeddings, rms_norm_eps=self.rms_norm_eps,
+                    vocab_size=self.vocab_size, rope_theta=self.rope_theta, hidden_act="silu")
+
+
+# ----------------------------------------------------------------------------- backbone
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (..., heads, D); cos/sin (..., D) from kv.rope.rope_cos_sin (float32 angles)."""
+    return _rope_rotate(x, cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.to(torch.float32)  # normalise in float32 as transformers does
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: TalkerConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        h = cfg.hidden_size
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
+
+    def forward(self, x, cos, sin, batch: PagedBatch | None = None, cache: PagedKVCache | None = None):
+        lead = x.shape[:-1]
+        q = apply_rope(self.q_proj(x).view(*lead, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        if batch is not None:  # paged: x is (N, hidden)
+            write_kv(cache, self.layer_idx, k, v, batch.slot_mapping)
+            out = paged_attention(q, cache, self.layer_idx, batch, self.scale)  # (N, Hq, D)
+            return self.o_proj(out.reshape(x.shape[0], -1))
+        group = self.num_heads // self.num_kv_heads  # dense: x is (B, T, hidden)
+        q = q.transpose(1, 2)  # (B, Hq, T, D)
+        k = k.repeat_interleave(group, dim=2).transpose(1, 2)
+        v = v.repeat_interleave(group, dim=2).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        return self.o_proj(out.transpose(1, 2).reshape(*lead, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: TalkerConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: TalkerConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_idx)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, batch=None, cache=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaBackbone(nn.Module):
+    """Parameter names as transformers' LlamaModel."""
+
+    def __init__(self, cfg: TalkerConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class MultiModalProjector(nn.Module):
+    def __init__(self, in_dim: int, out_dim: int) -> None:
+        super().__init__()
+        self.linear1 = nn.Linear(in_dim, out_dim)
+        self.relu = nn.ReLU()
+        self.linear2 = nn.Linear(out_dim, out_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear2(self.relu(self.linear1(x)))
+
+
+# ----------------------------------------------------------------------------- talker
+
+
+class Talker(nn.Module):
+    def __init__(self, config: TalkerConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaBackbone(config)
+        self.emb_text = nn.Embedding(config.num_text_tokens, config.hidden_size)
+        self.projector_spk = MultiModalProjector(config.llm_dim, config.hidden_size)
+        self.projector_semantic = MultiModalProjector(config.llm_dim, config.hidden_size)
+        self.emb_code = nn.ModuleList([nn.Embedding(config.num_audio_tokens, config.hidden_size)])
+        self.head_code = nn.ModuleList(
+            [weight_norm(nn.Linear(config.hidden_size, config.num_audio_tokens, bias=False), name="weight")])
+
+    def forward_dense(self, inputs_embeds: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal forward without a cache: (B, T, hidden) -> final-norm hidden (B, T, hidden)."""
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.hidden_size:
+            raise ValueError(f"forward_dense: inputs_embeds must be (B, T, {self.config.hidden_size}), "
+                             f"got {tuple(inputs_embeds.shape)}")
+        if positions is None:
+            positions = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device).expand(inputs_embeds.shape[:2])
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)  # (B, T, D)
+        x = inputs_embeds
+        for layer in self.model.layers:
+            x = layer(x, cos, sin)
+        return self.model.norm(x)
+
+    def forward_paged(self, inputs_embeds: torch.Tensor, batch: PagedBatch, cache: PagedKVCache) -> torch.Tensor:
+        """One ragged step over the paged cache: (N, hidden) -> final-norm hidden (N, hidden)."""
+        if inputs_embeds.dim() != 2 or inputs_embeds.shape != (batch.num_tokens, self.config.hidden_size):
+            raise ValueError(f"forward_paged: inputs_embeds must be (N={batch.num_tokens}, "
+                             f"{self.config.hidden_size}), got {tuple(inputs_embeds.shape)}")
+        if (cache.num_layers, cache.num_kv_heads, cache.head_dim) != (
+                self.config.num_hidden_layers, self.config.num_key_value_heads, self.config.head_dim):
+            raise ValueError("forward_paged: the KV cache shape does not match the Talker's layers/kv heads/head_dim")
+        if cache.block_size != batch.block_size:
+            raise ValueError(f"forward_paged: batch block_size {batch.block_size} != cache {cache.block_size}")
+        if batch.num_tokens and int(batch.positions.max()) >= self.config.max_position_embeddings:
+            raise ValueError(f"Talker turn too long: position {int(batch.positions.max())} >= "
+                             f"max_position_embeddings {self.config.max_position_embeddings}")
+        cos, sin = rope_cos_sin(batch.positions, self.config.head_dim, self.config.rope_theta)  # (N, D)
+        x = inputs_embeds
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, batch, cache)
+        return self.model.norm(x)
+
+    def code_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head_code[0](hidden)
+
+    def build_condition(self, text_token_ids: torch.Tensor, thinker_hidden: torch.Tensor,
+                        boundary_token_ids: tuple[int, ...] = ()) -> torch.Tensor:
+        """Condition rows of one unit: (T,) ids + (T, llm_dim) hidden -> (T + len(boundary), hidden)."""
+        if text_token_ids.dim() != 1 or thinker_hidden.shape != (text_token_ids.shape[0], self.config.llm_dim):
+            raise ValueError(f"build_condition: need ids (T,) and hidden (T, {self.config.llm_dim}), got "
+                             f"{tuple(text_token_ids.shape)} and {tuple(thinker_hidden.shape)}")
+        dev = self.emb_text.weight.device
+        sem = self.projector_semantic(thinker_hidden.to(dev, self.emb_text.weight.dtype))
+        if self.config.normalize_projected_hidden:
+            sem = F.normalize(sem, p=2, dim=-1)
+        rows = self.emb_text(text_token_ids.to(dev)) + sem
+        if boundary_token_ids:
+            rows = torch.cat([rows, self.emb_text(torch.tensor(boundary_token_ids, device=dev))])
+        return rows
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, config: TalkerConfig | None = None,
+                        dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "Talker":
+        """Load a MiniCPM-o dir (``tts.`` prefix, ``tts_config``) or a dir saved with no prefix."""
+        from duplexcache.models import checkpoint
+
+        if config is None:
+            raw = checkpoint.read_hf_config(path)
+            config = TalkerConfig.from_dict(raw.get("tts_config", raw))
+        keys = set(checkpoint.checkpoint_keys(path))
+        prefix = "tts." if "tts.emb_code.0.weight" in keys else ""
+        model = cls(config)
+        checkpoint.load_strict(model, checkpoint.load_state_dict(path, prefix or None), "talker")
+        return model.to(device=device, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------- one unit, batched
+
+
+@dataclass
+class TalkerUnitRequest:
+    """One session's speaking unit. The block table is the session's (owned by the KV manager);
+    it must already cover ``num_computed + condition rows + tokens_per_unit + 1`` tokens."""
+
+    block_table: list[int]
+    num_computed: int  # Talker tokens already in the cache this turn
+    text_token_ids: torch.Tensor  # (T,)
+    thinker_hidden: torch.Tensor  # (T, llm_dim)
+    boundary_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class TalkerUnitResult:
+    codes: torch.Tensor  # (tokens_per_unit + 1,) int64, last one is the end code
+    num_computed: int  # cache length after the unit
+
+
+@dataclass
+class TalkerSampling:
+    """temperature 0 = greedy; otherwise softmax(logits / T) over the top_k, drawn with ``generator``."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    generator: torch.Generator | None = None
+
+
+def unit_cache_tokens(num_condition_rows: int, config: TalkerConfig) -> int:
+    """Cache tokens one unit adds: its condition rows, the 25 codes and the end code."""
+    return num_condition_rows + config.tokens_per_unit + 1
+
+
+def _sample(logits: torch.Tensor, end_id: int, sampling: TalkerSampling) -> torch.Tensor:
+    logits = logits.to(torch.float32).clone()
+    logits[:, end_id] = float("-inf")  # the end code closes a unit; it is never drawn
+    if sampling.temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits / sampling.temperature
+    if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, sampling.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=sampling.generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate_unit(talker: Talker, cache: PagedKVCache, requests: list[TalkerUnitRequest],
+                  sampling: TalkerSampling | None = None) -> list[TalkerUnitResult]:
+    """Generate one speaking unit (25 codes + end) for every request, batched over sessions."""
+    if not requests:
+        return []
+    sampling = sampling or TalkerSampling()
+    cfg, bs, dev = talker.config, cache.block_size, cache.device
+    conds = [talker.build_condition(r.text_token_ids, r.thinker_hidden, r.boundary_token_ids) for r in requests]
+    tables = [list(r.block_table) for r in requests]
+    computed = [r.num_computed for r in requests]
+    for i, (r, cond) in enumerate(zip(requests, conds)):
+        need = r.num_computed + unit_cache_tokens(cond.shape[0], cfg)
+        if need > len(r.block_table) * bs:
+            raise ValueError(f"generate_unit: request {i} needs {need} cache slots but its block table "
+                             f"holds {len(r.block_table) * bs}")
+        if need > cfg.max_position_embeddings:
+            raise ValueError(f"generate_unit: request {i} would reach {need} Talker tokens, over "
+                             f"max_position_embeddings {cfg.max_position_embeddings}; end the turn")
+
+    def step(embeds: torch.Tensor, num_new: list[int]) -> torch.Tensor:
+        batch = PagedBatch.build(tables, computed, num_new, None, bs, dev)
+        hidden = talker.forward_paged(embeds, batch, cache)
+        for b, n in enumerate(num_new):
+            computed[b] += n
+        last = torch.tensor(batch.last_token_indices, device=hidden.device)
+        return talker.code_logits(hidden[last])  # (B, codes)
+
+    logits = step(torch.cat(conds), [c.shape[0] for c in conds])
+    codes = [_sample(logits, cfg.end_token_id, sampling)]
+    ones = [1] * len(requests)
+    for _ in range(cfg.tokens_per_unit - 1):
+        logits = step(talker.emb_code[0](codes[-1].to(dev)), ones)
+        codes.append(_sample(logits, cfg.end_token_id, sampling))
+    end = torch.full_like(codes[-1], cfg.end_token_id)
+    # Closing step: t25 and the end code enter the cache; their outputs are not needed.
+    closing = torch.stack([codes[-1], end], dim=1).reshape(-1).to(dev)  # (B * 2,) per-sequence order
+    step(talker.emb_code[0](closing), [2] * len(requests))
+    all_codes = torch.stack(codes + [end], dim=1).cpu()  # (B, 26)
+    return [TalkerUnitResult(codes=all_codes[b], num_computed=computed[b]) for b in range(len(requests))]

@@ -1,0 +1,186 @@
+"""Audio encoder vs transformers' WhisperFeatureExtractor / WhisperEncoder, streaming vs a dense
+block-causal reference built from transformers' layers, and input validation."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from duplexcache.models.audio_encoder import AudioEncoder, AudioEncoderConfig, LogMel, mel_filter_bank
+
+transformers = pytest.importorskip("transformers")
+from transformers import WhisperConfig, WhisperFeatureExtractor  # noqa: E402
+from transformers.models.whisper.modeling_whisper import WhisperEncoder as HFWhisperEncoder  # noqa: E402
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def make_pair(cfg: AudioEncoderConfig, seed: int = 0):
+    """Our encoder with random weights and transformers' WhisperEncoder holding the same weights."""
+    torch.manual_seed(seed)
+    ours = AudioEncoder(cfg).eval()
+    hf_cfg = WhisperConfig(d_model=cfg.d_model, encoder_layers=cfg.encoder_layers,
+                           encoder_attention_heads=cfg.encoder_attention_heads,
+                           encoder_ffn_dim=cfg.encoder_ffn_dim, max_source_positions=cfg.max_source_positions,
+                           num_mel_bins=cfg.num_mel_bins)
+    hf = HFWhisperEncoder(hf_cfg).eval()
+    hf.load_state_dict(ours.apm.state_dict(), strict=True)
+    return ours, hf
+
+
+def ref_project(ours: AudioEncoder, frames: torch.Tensor, pool: int) -> torch.Tensor:
+    """Projection + AvgPool written out by hand from the state dict: (F, d) -> (F // pool, out)."""
+    sd = ours.audio_projection_layer.state_dict()
+    x = F.linear(F.relu(F.linear(frames, sd["linear1.weight"], sd["linear1.bias"])),
+                 sd["linear2.weight"], sd["linear2.bias"])
+    n = x.shape[0] // pool
+    return x[: n * pool].reshape(n, pool, x.shape[-1]).mean(dim=1)
+
+
+def test_log_mel_matches_whisper_feature_extractor():
+    fe = WhisperFeatureExtractor()
+    assert np.abs(mel_filter_bank().numpy() - fe.mel_filters).max() < 1e-7
+    torch.manual_seed(0)
+    audio = (torch.rand(16560) * 2 - 1) * 0.5
+    ours = LogMel()(audio)
+    ref = fe._np_extract_fbank_features(audio.numpy()[None].astype(np.float64), "cpu")[0]
+    assert ours.shape == (80, 103)
+    assert np.abs(ours.numpy() - ref).max() < 1e-5
+
+
+def test_whole_utterance_matches_whisper_encoder():
+    cfg = AudioEncoderConfig.tiny(max_source_positions=32)  # transformers insists on 2 * 32 mel frames
+    ours, hf = make_pair(cfg)
+    mel = torch.randn(2, 80, 64)
+    with torch.no_grad():
+        ref = hf(mel).last_hidden_state
+        got = ours.apm(mel)
+        emb = ours.encode_mel(mel)
+    assert rel_err(got, ref) <= 1e-5
+    assert emb.shape == (2, 32 // 5, cfg.out_dim)
+    for b in range(2):
+        assert rel_err(emb[b], ref_project(ours, ref[b], cfg.pool_step)) <= 1e-5
+
+
+def reference_stream(ours: AudioEncoder, hf, mels: list[torch.Tensor], max_cache: int) -> list[torch.Tensor]:
+    """The documented semantics, built densely: per segment between resets, concatenate the conv
+    outputs, add positions 0.., run transformers' layers with a block-causal chunk mask."""
+    outs, segment = [], []
+    with torch.no_grad():
+        for mel in mels:
+            front = F.gelu(hf.conv2(F.gelu(hf.conv1(mel[None]))))[0].T  # (F, d)
+            if sum(s.shape[0] for s in segment) + front.shape[0] > max_cache:
+                segment = []
+            segment.append(front)
+            x = torch.cat(segment)
+            chunk_id = torch.cat([torch.full((s.shape[0],), i) for i, s in enumerate(segment)])
+            allowed = chunk_id[None, :] <= chunk_id[:, None]
+            mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
+            x = (x + hf.embed_positions.weight[: x.shape[0]])[None]
+            for layer in hf.layers:
+                x = layer(x, mask)
+            x = hf.layer_norm(x)[0, -front.shape[0]:]
+            outs.append(ref_project(ours, x, ours.cfg.pool_step))
+    return outs
+
+
+def test_streaming_matches_block_causal_reference_with_small_reset():
+    cfg = AudioEncoderConfig.tiny(max_source_positions=64, max_cache_frames=40)
+    ours, hf = make_pair(cfg, seed=1)
+    torch.manual_seed(2)
+    # Two sessions with different chunk sizes, batched in one step each tick.
+    sizes = {0: [23, 20, 20, 30, 20, 20], 1: [40, 10, 35, 20, 20, 5]}  # mel frames per chunk
+    mels = {s: [torch.randn(80, m) for m in sizes[s]] for s in sizes}
+    states = [ours.new_stream_state(), ours.new_stream_state()]
+    got = {0: [], 1: []}
+    for t in range(6):
+        out = ours.stream_step_mel(states, [mels[0][t], mels[1][t]])
+        got[0].append(out[0])
+        got[1].append(out[1])
+    for s in (0, 1):
+        ref = reference_stream(ours, hf, mels[s], cfg.max_cache_frames)
+        for t, (a, b) in enumerate(zip(got[s], ref)):
+            assert a.shape == b.shape, (s, t)
+            if a.numel():
+                assert rel_err(a, b) <= 1e-5, (s, t)
+    # session 0 frames: 12, 10, 10 (=32), 15 -> 47 > 40 reset, 10 (25), 10 (35)
+    assert states[0].num_resets == 1 and states[0].num_frames == 35
+    # session 1 frames: 20, 5, 18 -> 43 > 40 reset, 10 (28), 10 -> 38, 3 -> 41 > 40 reset
+    assert states[1].num_resets == 2 and states[1].num_frames == 3
+
+
+def test_streaming_reset_at_real_1500_frames():
+    cfg = AudioEncoderConfig.tiny(max_source_positions=1500, max_cache_frames=1500, encoder_layers=1)
+    ours, hf = make_pair(cfg, seed=3)
+    torch.manual_seed(4)
+    mels = [torch.randn(80, 103)] + [torch.randn(80, 100) for _ in range(30)]  # 52 + 30 x 50 frames
+    state = ours.new_stream_state()
+    got = [ours.stream_step_mel([state], [m])[0] for m in mels]
+    # 52 + 28 x 50 = 1452 frames fit; the 30th chunk would make 1502 > 1500, so it starts fresh.
+    assert state.num_resets == 1 and state.num_frames == 100
+    ref = reference_stream(ours, hf, mels, 1500)
+    for t in (0, 1, 28, 29, 30):
+        assert got[t].shape == (10, cfg.out_dim)
+        assert rel_err(got[t], ref[t]) <= 1e-5, t
+
+
+def test_stream_step_audio_gives_ten_embeddings_per_second():
+    ours = AudioEncoder(AudioEncoderConfig.tiny()).eval()
+    torch.manual_seed(5)
+    state = ours.new_stream_state()
+    first = ours.stream_step([state], [torch.rand(16560) - 0.5])[0]
+    second = ours.stream_step([state], [torch.rand(16000) - 0.5])[0]
+    assert first.shape == second.shape == (10, 96)
+    assert state.num_frames == 52 + 50 and state.num_chunks == 2
+    whole = ours.embed_audio(torch.rand(32000) - 0.5)
+    assert whole.shape == (20, 96)
+
+
+@pytest.mark.parametrize("audio, rate, match", [
+    (torch.zeros(0), 16000, "empty"),
+    (torch.zeros(100), 16000, "too short"),
+    (torch.zeros(16000), 24000, "sample rate"),
+    (torch.zeros(16000, dtype=torch.int16), 16000, "float PCM"),
+    (torch.full((16000,), float("nan")), 16000, "NaN"),
+    (torch.zeros(2, 16000), 16000, "mono"),
+    (torch.full((16000,), 3000.0), 16000, "32768"),
+    ("not audio", 16000, "float"),
+])
+def test_bad_audio_raises_clear_value_error(audio, rate, match):
+    ours = AudioEncoder(AudioEncoderConfig.tiny())
+    with pytest.raises(ValueError, match=match):
+        ours.embed_audio(audio, rate)
+
+
+def test_bad_stream_inputs():
+    ours = AudioEncoder(AudioEncoderConfig.tiny())
+    state = ours.new_stream_state()
+    with pytest.raises(ValueError, match="first streaming chunk must have 16560"):
+        ours.stream_step([state], [torch.zeros(16000)])
+    with pytest.raises(ValueError, match="80 bins"):
+        ours.stream_step_mel([state], [torch.zeros(40, 100)])
+    with pytest.raises(ValueError, match="states but"):
+        ours.stream_step_mel([state], [])
+    assert state.num_frames == 0 and state.num_chunks == 0  # nothing was half-applied
+    with pytest.raises(ValueError, match="max_cache_frames"):
+        AudioEncoderConfig.tiny(max_source_positions=100, max_cache_frames=200)
+
+
+def test_minicpmo45_shapes_on_meta():
+    cfg = AudioEncoderConfig.minicpmo45()
+    with torch.device("meta"):
+        model = AudioEncoder(cfg)
+    sd = model.state_dict()
+    assert sd["apm.conv1.weight"].shape == (1024, 80, 3)
+    assert sd["apm.embed_positions.weight"].shape == (1500, 1024)
+    assert "apm.layers.23.self_attn.k_proj.bias" not in sd and "apm.layers.23.self_attn.q_proj.bias" in sd
+    assert sd["audio_projection_layer.linear1.weight"].shape == (4096, 1024)
+    assert sd["audio_projection_layer.linear2.weight"].shape == (4096, 4096)
+    with torch.device("meta"):  # transformers' whisper-medium encoder, same names and shapes
+        hf = HFWhisperEncoder(WhisperConfig(d_model=1024, encoder_layers=24, encoder_attention_heads=16,
+                                            encoder_ffn_dim=4096, max_source_positions=1500))
+    hf_shapes = {k: tuple(v.shape) for k, v in hf.state_dict().items()}
+    assert {k[4:]: tuple(v.shape) for k, v in sd.items() if k.startswith("apm.")} == hf_shapes
+    assert cfg.kv_bytes_per_session(torch.bfloat16) == 2 * 24 * 1500 * 1024 * 2

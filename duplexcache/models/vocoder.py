@@ -1,0 +1,401 @@
+"""Stage 2 vocoder: HiFT (neural source filter + iSTFT head), mel (80, 50 Hz) -> 24 kHz.
+
+Our own implementation of ``stepaudio2.flashcosyvoice.modules.hifigan.HiFTGenerator``
+(``minicpmo-utils==1.0.5``) with the same module and parameter names, so ``hift.pt`` (after
+stripping a ``generator.`` prefix) loads with ``strict=True``. Weight norm uses
+``torch.nn.utils.parametrizations.weight_norm`` as the reference does, so the keys are
+``*.parametrizations.weight.original0/1``.
+
+Randomness: the NSF source draws from the RNG (initial harmonic phases, additive noise) in the
+reference's order -- ``rand(b, harmonics+1)``, ``randn(b, L, harmonics+1)``, ``randn(b, L, 1)``
+(the last one unused, drawn anyway) -- so seeding the same RNG gives the same waveform.
+
+``HiftStreamState`` + ``hift_stream_step`` reproduce the vocoder half of
+``Token2wav.stream``: an 8-frame mel cache, a 3840-sample source and speech cache, a Hamming
+cross-fade over 3840 samples, silence in front of the first chunk and the held-back tail
+released by the last chunk.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn import Conv1d, ConvTranspose1d
+from torch.nn.utils.parametrizations import weight_norm
+
+logger = logging.getLogger(__name__)
+
+MEL_CACHE_FRAMES = 8  # Token2wav.mel_cache_len (160 ms)
+SAMPLES_PER_FRAME = 480  # 24 kHz / 50 Hz
+
+
+@dataclass(frozen=True)
+class VocoderConfig:
+    in_channels: int = 80
+    base_channels: int = 512
+    nb_harmonics: int = 8
+    sampling_rate: int = 24000
+    nsf_alpha: float = 0.1
+    nsf_sigma: float = 0.003
+    nsf_voiced_threshold: float = 10
+    upsample_rates: tuple[int, ...] = (8, 5, 3)
+    upsample_kernel_sizes: tuple[int, ...] = (16, 11, 7)
+    n_fft: int = 16
+    hop_len: int = 4
+    resblock_kernel_sizes: tuple[int, ...] = (3, 7, 11)
+    resblock_dilation_sizes: tuple[tuple[int, ...], ...] = ((1, 3, 5), (1, 3, 5), (1, 3, 5))
+    source_resblock_kernel_sizes: tuple[int, ...] = (7, 7, 11)
+    source_resblock_dilation_sizes: tuple[tuple[int, ...], ...] = ((1, 3, 5), (1, 3, 5), (1, 3, 5))
+    lrelu_slope: float = 0.1
+    audio_limit: float = 0.99
+    f0_cond_channels: int = 512
+
+    def __post_init__(self) -> None:
+        if int(np.prod(self.upsample_rates)) * self.hop_len != SAMPLES_PER_FRAME:
+            raise ValueError("prod(upsample_rates) * hop_len must be 480 samples per mel frame")
+        if self.sampling_rate == 22050:
+            raise ValueError("the 22.05 kHz SourceModuleHnNSF variant is not implemented")
+        if self.base_channels % (2 ** len(self.upsample_rates)):
+            raise ValueError("base_channels must halve cleanly at every upsample")
+        n = len(self.upsample_rates)
+        if not (len(self.upsample_kernel_sizes) == n == len(self.source_resblock_kernel_sizes)):
+            raise ValueError("upsample and source resblock lists must have equal length")
+
+    @classmethod
+    def minicpmo45(cls) -> "VocoderConfig":
+        return cls()
+
+    @classmethod
+    def tiny(cls) -> "VocoderConfig":
+        return cls(base_channels=32, f0_cond_channels=32)
+
+
+def _get_padding(kernel_size: int, dilation: int = 1) -> int:
+    return int((kernel_size * dilation - dilation) / 2)
+
+
+def _init_conv(m: nn.Module, std: float = 0.01) -> None:
+    if "Conv" in m.__class__.__name__:
+        m.weight.data.normal_(0.0, std)
+
+
+def periodic_hann(n: int) -> torch.Tensor:
+    """scipy.signal.get_window('hann', n, fftbins=True) as float32, without scipy.
+
+    Evaluated as scipy does (0.5 - 0.5*cos over linspace(-pi, pi, n + 1), float64, last
+    point dropped) so the float32 values are identical.
+    """
+    fac = np.linspace(-np.pi, np.pi, n + 1)
+    w = np.zeros(n + 1)
+    for k, a in enumerate((0.5, 0.5)):
+        w += a * np.cos(k * fac)
+    return torch.from_numpy(w[:n].astype(np.float32))
+
+
+class Snake(nn.Module):
+    """x + 1/alpha * sin^2(alpha * x), alpha per channel (linear scale)."""
+
+    def __init__(self, in_features: int):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(in_features))
+        self.no_div_by_zero = 0.000000001
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        alpha = self.alpha.unsqueeze(0).unsqueeze(-1)  # (1, C, 1)
+        return x + (1.0 / (alpha + self.no_div_by_zero)) * torch.pow(torch.sin(x * alpha), 2)
+
+
+class ResBlock(nn.Module):
+    def __init__(self, channels: int, kernel_size: int, dilations: tuple[int, ...]):
+        super().__init__()
+        self.convs1 = nn.ModuleList(
+            weight_norm(Conv1d(channels, channels, kernel_size, 1, dilation=d, padding=_get_padding(kernel_size, d)))
+            for d in dilations
+        )
+        self.convs2 = nn.ModuleList(
+            weight_norm(Conv1d(channels, channels, kernel_size, 1, dilation=1, padding=_get_padding(kernel_size, 1)))
+            for _ in dilations
+        )
+        self.convs1.apply(_init_conv)
+        self.convs2.apply(_init_conv)
+        self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
+        self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for c1, c2, a1, a2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):
+            x = c2(a2(c1(a1(x)))) + x
+        return x
+
+
+class SineGen2(nn.Module):
+    """Harmonic sine source at 24 kHz; phase integrated at frame rate, then upsampled."""
+
+    def __init__(self, samp_rate: int, upsample_scale: int, harmonic_num: int, sine_amp: float,
+                 noise_std: float, voiced_threshold: float):
+        super().__init__()
+        self.sine_amp = sine_amp
+        self.noise_std = noise_std
+        self.harmonic_num = harmonic_num
+        self.sampling_rate = samp_rate
+        self.voiced_threshold = voiced_threshold
+        self.upsample_scale = upsample_scale
+
+    def _f02sine(self, f0_values: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        """f0_values (b, L, harmonics+1) in Hz -> sines (b, L, harmonics+1)."""
+        rad_values = (f0_values / self.sampling_rate) % 1
+        # random initial phase per harmonic, none for the fundamental
+        rand_ini = torch.rand(f0_values.shape[0], f0_values.shape[2], device=f0_values.device, generator=generator)
+        rand_ini[:, 0] = 0
+        rad_values[:, 0, :] = rad_values[:, 0, :] + rand_ini
+        rad_values = F.interpolate(rad_values.transpose(1, 2), scale_factor=1 / self.upsample_scale,
+                                   mode="linear").transpose(1, 2)
+        phase = torch.cumsum(rad_values, dim=1) * 2 * np.pi
+        phase = F.interpolate(phase.transpose(1, 2) * self.upsample_scale, scale_factor=self.upsample_scale,
+                              mode="linear").transpose(1, 2)
+        return torch.sin(phase)
+
+    def forward(self, f0: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """f0 (b, L, 1) -> voiced sines + noise (b, L, harmonics+1)."""
+        harmonics = torch.FloatTensor([[range(1, self.harmonic_num + 2)]]).to(f0.device)
+        sine_waves = self._f02sine(torch.multiply(f0, harmonics), generator) * self.sine_amp
+        uv = (f0 > self.voiced_threshold).type(torch.float32)
+        noise_amp = uv * self.noise_std + (1 - uv) * self.sine_amp / 3
+        # like randn_like: same strides as sine_waves (transposed), so the same values land
+        # on the same elements as in the reference
+        noise = noise_amp * torch.empty_like(sine_waves).normal_(generator=generator)
+        return sine_waves * uv + noise
+
+
+class SourceModuleHnNSF2(nn.Module):
+    """Merges the harmonics into one excitation signal (names: l_linear)."""
+
+    def __init__(self, sampling_rate: int, upsample_scale: int, harmonic_num: int, sine_amp: float,
+                 add_noise_std: float, voiced_threshod: float):
+        super().__init__()
+        self.sine_amp = sine_amp
+        self.l_sin_gen = SineGen2(sampling_rate, upsample_scale, harmonic_num, sine_amp, add_noise_std,
+                                  voiced_threshod)
+        self.l_linear = nn.Linear(harmonic_num + 1, 1)
+        self.l_tanh = nn.Tanh()
+
+    def forward(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """x: f0 (b, L, 1) -> source (b, L, 1)."""
+        with torch.no_grad():
+            sine_wavs = self.l_sin_gen(x, generator)
+        sine_merge = self.l_tanh(self.l_linear(sine_wavs))
+        # the reference draws (and discards) a noise branch; draw it to keep the RNG in step
+        torch.empty_like(sine_merge).normal_(generator=generator)
+        return sine_merge
+
+
+class ConvRNNF0Predictor(nn.Module):
+    def __init__(self, num_class: int = 1, in_channels: int = 80, cond_channels: int = 512):
+        super().__init__()
+        layers: list[nn.Module] = []
+        for i in range(5):
+            layers += [weight_norm(nn.Conv1d(in_channels if i == 0 else cond_channels, cond_channels, 3, padding=1)),
+                       nn.ELU()]
+        self.condnet = nn.Sequential(*layers)
+        self.classifier = nn.Linear(cond_channels, num_class)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """mel (b, 80, t) -> f0 (b, t), non-negative."""
+        x = self.condnet(x).transpose(1, 2)
+        return torch.abs(self.classifier(x).squeeze(-1))
+
+
+class HiFTGenerator(nn.Module):
+    """HiFTNet generator: F0 -> NSF source; mel + source STFT -> magnitude/phase -> iSTFT."""
+
+    def __init__(self, cfg: VocoderConfig | None = None):
+        super().__init__()
+        cfg = cfg or VocoderConfig()
+        self.cfg = cfg
+        self.out_channels = 1
+        self.sampling_rate = cfg.sampling_rate
+        self.istft_params = {"n_fft": cfg.n_fft, "hop_len": cfg.hop_len}
+        self.lrelu_slope = cfg.lrelu_slope
+        self.audio_limit = cfg.audio_limit
+        self.num_kernels = len(cfg.resblock_kernel_sizes)
+        self.num_upsamples = len(cfg.upsample_rates)
+        up_scale = int(np.prod(cfg.upsample_rates)) * cfg.hop_len
+        self.m_source = SourceModuleHnNSF2(cfg.sampling_rate, up_scale, cfg.nb_harmonics, cfg.nsf_alpha,
+                                           cfg.nsf_sigma, cfg.nsf_voiced_threshold)
+        self.f0_upsamp = nn.Upsample(scale_factor=up_scale)
+        base = cfg.base_channels
+        self.conv_pre = weight_norm(Conv1d(cfg.in_channels, base, 7, 1, padding=3))
+        self.ups = nn.ModuleList(
+            weight_norm(ConvTranspose1d(base // 2**i, base // 2 ** (i + 1), k, u, padding=(k - u) // 2))
+            for i, (u, k) in enumerate(zip(cfg.upsample_rates, cfg.upsample_kernel_sizes))
+        )
+        # source branch: STFT frames downsampled to each upsampling stage's rate
+        down_rates = [1] + list(cfg.upsample_rates[::-1][:-1])
+        cum = np.cumprod(down_rates)[::-1]
+        self.source_downs = nn.ModuleList()
+        self.source_resblocks = nn.ModuleList()
+        for i, (u, k, d) in enumerate(zip(cum, cfg.source_resblock_kernel_sizes, cfg.source_resblock_dilation_sizes)):
+            ch, u = base // 2 ** (i + 1), int(u)
+            if u == 1:
+                self.source_downs.append(Conv1d(cfg.n_fft + 2, ch, 1, 1))
+            else:
+                self.source_downs.append(Conv1d(cfg.n_fft + 2, ch, u * 2, u, padding=u // 2))
+            self.source_resblocks.append(ResBlock(ch, k, d))
+        self.resblocks = nn.ModuleList(
+            ResBlock(base // 2 ** (i + 1), k, d)
+            for i in range(self.num_upsamples)
+            for k, d in zip(cfg.resblock_kernel_sizes, cfg.resblock_dilation_sizes)
+        )
+        ch = base // 2**self.num_upsamples
+        self.conv_post = weight_norm(Conv1d(ch, cfg.n_fft + 2, 7, 1, padding=3))
+        self.ups.apply(_init_conv)
+        self.conv_post.apply(_init_conv)
+        self.reflection_pad = nn.ReflectionPad1d((1, 0))
+        window = periodic_hann(cfg.n_fft)
+        if torch.empty(0).device.type == "meta":
+            window = window.to("meta")
+        self.register_buffer("stft_window", window, persistent=False)  # not in hift.pt
+        self.f0_predictor = ConvRNNF0Predictor(cond_channels=cfg.f0_cond_channels)
+
+    def _stft(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n, hop = self.istft_params["n_fft"], self.istft_params["hop_len"]
+        spec = torch.view_as_real(torch.stft(x, n, hop, n, window=self.stft_window.to(x.device), return_complex=True))
+        return spec[..., 0], spec[..., 1]  # (b, n/2+1, frames) each
+
+    def _istft(self, magnitude: torch.Tensor, phase: torch.Tensor) -> torch.Tensor:
+        n, hop = self.istft_params["n_fft"], self.istft_params["hop_len"]
+        magnitude = torch.clip(magnitude, max=1e2)
+        real = magnitude * torch.cos(phase)
+        img = magnitude * torch.sin(phase)
+        return torch.istft(torch.complex(real, img), n, hop, n, window=self.stft_window.to(magnitude.device))
+
+    def decode(self, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """x mel (b, 80, t); s source (b, 1, 480*t) -> speech (b, 480*t)."""
+        s_real, s_imag = self._stft(s.squeeze(1))
+        s_stft = torch.cat([s_real, s_imag], dim=1)  # (b, n_fft + 2, frames)
+        x = self.conv_pre(x)
+        for i in range(self.num_upsamples):
+            x = self.ups[i](F.leaky_relu(x, self.lrelu_slope))
+            if i == self.num_upsamples - 1:
+                x = self.reflection_pad(x)
+            x = x + self.source_resblocks[i](self.source_downs[i](s_stft))
+            xs = None
+            for j in range(self.num_kernels):
+                if xs is None:
+                    xs = self.resblocks[i * self.num_kernels + j](x)
+                else:
+                    xs += self.resblocks[i * self.num_kernels + j](x)
+            x = xs / self.num_kernels
+        x = self.conv_post(F.leaky_relu(x))
+        half = self.istft_params["n_fft"] // 2 + 1
+        magnitude = torch.exp(x[:, :half, :])
+        phase = torch.sin(x[:, half:, :])  # the reference's (redundant) sin, kept for equality
+        x = self._istft(magnitude, phase)
+        return torch.clamp(x, -self.audio_limit, self.audio_limit)
+
+    @torch.inference_mode()
+    def forward(self, speech_feat: torch.Tensor, cache_source: torch.Tensor | None = None,
+                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """speech_feat (b, 80, t) -> speech (b, 480*t), source (b, 1, 480*t).
+
+        cache_source (b, 1, n) overwrites the first n source samples (continuity across chunks).
+        """
+        if speech_feat.dim() != 3 or speech_feat.shape[1] != self.cfg.in_channels:
+            raise ValueError(f"speech_feat must be (b, {self.cfg.in_channels}, t), got {tuple(speech_feat.shape)}")
+        f0 = self.f0_predictor(speech_feat)  # (b, t)
+        s = self.f0_upsamp(f0[:, None]).transpose(1, 2)  # (b, 480t, 1)
+        s = self.m_source(s, generator).transpose(1, 2)  # (b, 1, 480t)
+        if cache_source is not None and cache_source.shape[2] != 0:
+            s[:, :, : cache_source.shape[2]] = cache_source
+        return self.decode(speech_feat, s), s
+
+
+def fade_in_out(fade_in: torch.Tensor, fade_out: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+    """Cross-fade the first len(window)/2 samples of `fade_in` with the last of `fade_out`.
+
+    The window stays float64 (np.hamming), as in Token2wav, so the blend is computed in
+    float64 and rounded once into the float32 output.
+    """
+    n = int(window.shape[0] / 2)
+    out = fade_in.clone()
+    out[..., :n] = fade_in[..., :n] * window[:n] + fade_out[..., -n:] * window[n:]
+    return out
+
+
+@dataclass
+class HiftStreamState:
+    """One session's vocoder stream (Token2wav.hift_cache_dict + its constants)."""
+
+    mel: torch.Tensor  # (1, 80, <=8) last mel frames fed again with the next chunk
+    source: torch.Tensor  # (1, 1, <=3840) NSF source continuing into the next chunk
+    speech: torch.Tensor  # (1, <=3840) held-back tail, cross-faded into the next chunk
+    window: torch.Tensor = field(repr=False)  # float64 Hamming, 2*3840
+    mel_cache_len: int = MEL_CACHE_FRAMES
+    source_cache_len: int = MEL_CACHE_FRAMES * SAMPLES_PER_FRAME
+
+    @classmethod
+    def create(cls, num_mels: int = 80, device: torch.device | str = "cpu") -> "HiftStreamState":
+        source_len = MEL_CACHE_FRAMES * SAMPLES_PER_FRAME
+        return cls(
+            mel=torch.zeros(1, num_mels, 0, device=device),
+            source=torch.zeros(1, 1, 0, device=device),
+            speech=torch.zeros(1, 0, device=device),
+            window=torch.from_numpy(np.hamming(2 * source_len)).to(device),
+        )
+
+
+def hift_stream_step(hift: HiFTGenerator, state: HiftStreamState, chunk_mel: torch.Tensor,
+                     last_chunk: bool, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Vocode one chunk of mel (1, 80, t) and return the float PCM (1, n) ready to play.
+
+    Every chunk but the last holds back its final 3840 samples (cross-faded into the next
+    chunk); the first chunk is shifted right by 3840 samples of silence so chunk lengths stay
+    480 * t. Updates `state` in place.
+    """
+    if chunk_mel.dim() != 3 or chunk_mel.shape[0] != 1:
+        raise ValueError(f"chunk_mel must be (1, mels, t), got {tuple(chunk_mel.shape)}")
+    mel = torch.cat([state.mel, chunk_mel], dim=2)
+    speech, source = hift(mel, state.source, generator)
+    is_first_chunk = state.speech.shape[-1] == 0
+    if not is_first_chunk:
+        speech = fade_in_out(speech, state.speech, state.window)
+    state.mel = mel[..., -state.mel_cache_len:].clone().detach()
+    state.source = source[:, :, -state.source_cache_len:].clone().detach()
+    state.speech = speech[:, -state.source_cache_len:].clone().detach()
+    if not last_chunk:
+        if is_first_chunk:
+            silence = torch.zeros(1, state.source_cache_len, device=speech.device)
+            speech = torch.cat([silence, speech[:, : -state.source_cache_len]], dim=1)
+        else:
+            speech = speech[:, : -state.source_cache_len]
+    return speech
+
+
+def build_vocoder(cfg: VocoderConfig, device: torch.device | str | None = None) -> HiFTGenerator:
+    with torch.device(device or "cpu"):
+        model = HiFTGenerator(cfg)
+    if torch.device(device or "cpu").type != "meta":
+        model.to(device or "cpu")  # the STFT window is computed on CPU (numpy)
+    return model.eval()
+
+
+def hift_state_dict_from_checkpoint(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Keys of a ``hift.pt`` as our module names them.
+
+    Drops the ``generator.`` prefix Token2wav strips, and renames pre-parametrization weight
+    norm keys (``*.weight_g`` / ``*.weight_v``, which torch's weight_norm load hook accepts in
+    the reference) to ``*.parametrizations.weight.original0`` / ``original1``.
+    """
+    out = {}
+    for key, value in state_dict.items():
+        key = key.replace("generator.", "")
+        if key.endswith(".weight_g"):
+            key = key[: -len("weight_g")] + "parametrizations.weight.original0"
+        elif key.endswith(".weight_v"):
+            key = key[: -len("weight_v")] + "parametrizations.weight.original1"
+        out[key] = value
+    return out

@@ -1,0 +1,350 @@
+"""Paged KV storage, ragged batch metadata, and the reference paged attention.
+
+Storage layout (one pool per model, shared by every session)::
+
+    k, v : (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+
+    session block table [7, 3, 9]           block_size = 4
+    logical index  0 1 2 3 | 4 5 6 7 | 8 9 . .
+    block          7 7 7 7 | 3 3 3 3 | 9 9 - -
+    offset         0 1 2 3 | 0 1 2 3 | 0 1
+    slot = block * block_size + offset, e.g. index 5 -> 3 * 4 + 1 = 13
+
+Block 0 is the null block: it is never handed out, and table padding points at it.
+
+A forward step runs over a flattened ragged batch (``PagedBatch``): the new tokens of every
+sequence are concatenated, ``query_start_loc`` marks where each sequence's tokens start. Each
+layer first writes the K/V of all new tokens (``write_kv``), then attends (``paged_attention``),
+so new tokens see the cached prefix of their own sequence plus the new tokens before them.
+
+On CPU (and for prefill) attention gathers each sequence's blocks and runs SDPA: simple and
+exact, but it moves the KV twice. A GPU kernel that reads blocks in place can be selected for
+decode batches with ``set_attention_backend("triton")``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+NULL_BLOCK_ID = 0
+
+_BACKENDS = ("reference", "triton")
+_backend = "reference"
+# Resolved kernel for the "triton" backend; loaded when the backend is selected, so a
+# missing kernel module is an error at selection time, not a silent fallback later.
+_decode_kernel: Callable | None = None
+# How many attention calls took each path; lets tests and benchmarks prove a path is used.
+path_counts: dict[str, int] = {"reference": 0, "decode_kernel": 0}
+
+
+class PagedKVCache:
+    """The K and V block pool of one model (all layers).
+
+    ``k``/``v``: (num_layers, num_blocks, block_size, num_kv_heads, head_dim). The tensors are
+    owned here; block ownership (who may write which block) belongs to the KV manager.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        for name, value in (
+            ("num_layers", num_layers),
+            ("block_size", block_size),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+        ):
+            if value <= 0:
+                raise ValueError(f"PagedKVCache: {name} must be positive, got {value}")
+        if num_blocks < 2:
+            # Block 0 is reserved as the null block, so one usable block needs two.
+            raise ValueError(f"PagedKVCache: num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    @property
+    def bytes_per_block(self) -> int:
+        return bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes_per_block * self.num_blocks
+
+    @classmethod
+    def from_budget(
+        cls,
+        budget_bytes: int,
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> "PagedKVCache":
+        """Preallocate as many blocks as fit in ``budget_bytes`` (the null block included)."""
+        per_block = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+        num_blocks = num_blocks_for_budget(budget_bytes, per_block)
+        return cls(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+
+
+def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V over all layers for one block."""
+    itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+
+
+def num_blocks_for_budget(budget_bytes: int, block_bytes: int) -> int:
+    """Number of whole blocks (null block included) that fit in ``budget_bytes``."""
+    if block_bytes <= 0:
+        raise ValueError(f"block_bytes must be positive, got {block_bytes}")
+    num_blocks = budget_bytes // block_bytes
+    if num_blocks < 2:
+        raise ValueError(
+            f"KV budget of {budget_bytes} bytes holds {num_blocks} blocks of {block_bytes} bytes; "
+            "need at least 2 (block 0 is the null block)"
+        )
+    return num_blocks
+
+
+@dataclass
+class PagedBatch:
+    """Metadata of one ragged forward step. Built once per step, read by every layer.
+
+    Tensors live on the model's device; the ``*_list`` fields are host copies so the CPU
+    reference path never synchronises with the device.
+    """
+
+    query_start_loc: torch.Tensor  # (B+1,) int64, offsets of each sequence's new tokens
+    seq_lens: torch.Tensor  # (B,) int32, computed + new
+    block_tables: torch.Tensor  # (B, max_blocks) int32, padded with the null block
+    slot_mapping: torch.Tensor  # (N,) int64, cache slot of each new token
+    positions: torch.Tensor  # (N,) int64, RoPE position of each new token
+    block_size: int
+    num_computed_list: list[int]
+    num_new_list: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.num_new_list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+    @property
+    def seq_lens_list(self) -> list[int]:
+        return [c + n for c, n in zip(self.num_computed_list, self.num_new_list)]
+
+    @property
+    def is_decode(self) -> bool:
+        """True when every sequence adds exactly one token (the decode-kernel case)."""
+        return self.num_seqs > 0 and all(n == 1 for n in self.num_new_list)
+
+    @property
+    def last_token_indices(self) -> list[int | None]:
+        """Flat index of each sequence's last new token (None when it has no new token)."""
+        out: list[int | None] = []
+        start = 0
+        for n in self.num_new_list:
+            out.append(start + n - 1 if n > 0 else None)
+            start += n
+        return out
+
+    @classmethod
+    def build(
+        cls,
+        block_tables: list[list[int]],
+        num_computed: list[int],
+        num_new: list[int],
+        positions: list[list[int]] | None,
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> "PagedBatch":
+        """Flatten a ragged step. Token ``i`` of a sequence lives at ``table[i // bs]``, offset ``i % bs``."""
+        num_seqs = len(block_tables)
+        if len(num_computed) != num_seqs or len(num_new) != num_seqs:
+            raise ValueError(
+                f"PagedBatch: {num_seqs} block tables but {len(num_computed)} num_computed "
+                f"and {len(num_new)} num_new"
+            )
+        if positions is not None and len(positions) != num_seqs:
+            raise ValueError(f"PagedBatch: {num_seqs} sequences but {len(positions)} position lists")
+        if block_size <= 0:
+            raise ValueError(f"PagedBatch: block_size must be positive, got {block_size}")
+        for b in range(num_seqs):
+            _check_sequence(b, block_tables[b], num_computed[b], num_new[b], block_size)
+            if positions is not None and len(positions[b]) != num_new[b]:
+                raise ValueError(
+                    f"PagedBatch: sequence {b} has {num_new[b]} new tokens but {len(positions[b])} positions"
+                )
+        max_blocks = max((len(t) for t in block_tables), default=0)
+        padded = [list(t) + [NULL_BLOCK_ID] * (max_blocks - len(t)) for t in block_tables]
+        tables = torch.tensor(padded, dtype=torch.int64).reshape(num_seqs, max_blocks)
+        new_t = torch.tensor(num_new, dtype=torch.int64)
+        starts = torch.zeros(num_seqs + 1, dtype=torch.int64)
+        torch.cumsum(new_t, 0, out=starts[1:])
+        # Vectorised over all tokens on the host (no per-sequence loop), moved to the device once:
+        # token j of the flat batch belongs to sequence seq[j] and sits at logical index[j].
+        seq = torch.repeat_interleave(torch.arange(num_seqs), new_t)  # (N,)
+        index = torch.arange(int(starts[-1])) - starts[seq] + torch.tensor(num_computed, dtype=torch.int64)[seq]
+        slots = tables[seq, index // block_size] * block_size + index % block_size
+        if positions is None:
+            flat_positions = index
+        else:
+            flat_positions = torch.tensor([p for plist in positions for p in plist], dtype=torch.int64)
+        return cls(
+            query_start_loc=starts.to(device),
+            seq_lens=torch.tensor([c + n for c, n in zip(num_computed, num_new)], dtype=torch.int32, device=device),
+            block_tables=tables.to(device=device, dtype=torch.int32),
+            slot_mapping=slots.to(device),
+            positions=flat_positions.to(device),
+            block_size=block_size,
+            num_computed_list=list(num_computed),
+            num_new_list=list(num_new),
+        )
+
+
+def _check_sequence(b: int, table: list[int], computed: int, new: int, block_size: int) -> None:
+    if computed < 0 or new < 0:
+        raise ValueError(f"PagedBatch: sequence {b} has negative counts (computed={computed}, new={new})")
+    seq_len = computed + new
+    needed = -(-seq_len // block_size)
+    if len(table) < needed:
+        raise ValueError(
+            f"PagedBatch: sequence {b} needs {needed} blocks for {seq_len} tokens "
+            f"(block_size {block_size}) but its block table has {len(table)}"
+        )
+    if NULL_BLOCK_ID in table[:needed]:
+        raise ValueError(f"PagedBatch: sequence {b} uses the null block {NULL_BLOCK_ID} for live tokens: {table}")
+
+
+def write_kv(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' K/V, each ``(N, num_kv_heads, head_dim)``, at their cache slots."""
+    if k.shape != v.shape or k.dim() != 3 or k.shape[0] != slot_mapping.shape[0]:
+        raise ValueError(
+            f"write_kv: k {tuple(k.shape)} and v {tuple(v.shape)} must both be (N, kv_heads, head_dim) "
+            f"with N = {slot_mapping.shape[0]} slots"
+        )
+    heads_dim = (cache.num_kv_heads, cache.head_dim)
+    # The layer slice is contiguous (layer is the outermost dim), so this view aliases the pool.
+    cache.k[layer].view(-1, *heads_dim).index_copy_(0, slot_mapping, k.to(cache.dtype))
+    cache.v[layer].view(-1, *heads_dim).index_copy_(0, slot_mapping, v.to(cache.dtype))
+
+
+def paged_attention(
+    q: torch.Tensor, cache: PagedKVCache, layer: int, batch: PagedBatch, scale: float
+) -> torch.Tensor:
+    """Causal attention of the new tokens over their own sequence. q: (N, Hq, D) -> (N, Hq, D)."""
+    if q.dim() != 3 or q.shape[0] != batch.num_tokens or q.shape[2] != cache.head_dim:
+        raise ValueError(f"paged_attention: q {tuple(q.shape)} must be (N={batch.num_tokens}, heads, {cache.head_dim})")
+    if q.shape[1] % cache.num_kv_heads != 0:
+        raise ValueError(
+            f"paged_attention: {q.shape[1]} query heads is not a multiple of {cache.num_kv_heads} kv heads"
+        )
+    if _decode_kernel is not None and q.is_cuda and batch.is_decode:
+        path_counts["decode_kernel"] += 1
+        return _decode_kernel(q, cache.k[layer], cache.v[layer], batch.block_tables, batch.seq_lens, scale)
+    path_counts["reference"] += 1
+    return _reference_paged_attention(q, cache, layer, batch, scale)
+
+
+def _reference_paged_attention(
+    q: torch.Tensor, cache: PagedKVCache, layer: int, batch: PagedBatch, scale: float
+) -> torch.Tensor:
+    """Gather each sequence's blocks into a contiguous K/V and run SDPA with a causal offset."""
+    out = torch.empty_like(q)
+    group = q.shape[1] // cache.num_kv_heads
+    k_layer, v_layer = cache.k[layer], cache.v[layer]  # (num_blocks, bs, Hkv, D)
+    bs = cache.block_size
+    start = 0
+    for b in range(batch.num_seqs):
+        computed, new = batch.num_computed_list[b], batch.num_new_list[b]
+        if new == 0:
+            continue
+        seq_len = computed + new
+        blocks = batch.block_tables[b, : -(-seq_len // bs)].long()
+        k = k_layer[blocks].flatten(0, 1)[:seq_len]  # (S, Hkv, D)
+        v = v_layer[blocks].flatten(0, 1)[:seq_len]
+        # GQA: query head h reads kv head h // group (same order as transformers' repeat_kv).
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1).to(q.dtype)  # (Hq, S, D)
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1).to(q.dtype)
+        qb = q[start : start + new].transpose(0, 1)  # (Hq, T, D)
+        # New token t sits at logical index computed + t and sees keys 0 .. computed + t.
+        key_idx = torch.arange(seq_len, device=q.device)
+        query_idx = torch.arange(computed, seq_len, device=q.device)
+        mask = key_idx[None, :] <= query_idx[:, None]  # (T, S)
+        ob = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale)
+        out[start : start + new] = ob.transpose(0, 1)
+        start += new
+    return out
+
+
+def copy_blocks(cache: PagedKVCache, pairs: list[tuple[int, int]]) -> None:
+    """Copy whole blocks ``src -> dst`` in every layer (copy-on-write of a shared partial block)."""
+    if not pairs:
+        return
+    srcs = [s for s, _ in pairs]
+    dsts = [d for _, d in pairs]
+    for s, d in pairs:
+        if not (0 <= s < cache.num_blocks and 0 <= d < cache.num_blocks):
+            raise ValueError(f"copy_blocks: block pair ({s}, {d}) out of range [0, {cache.num_blocks})")
+        if d == NULL_BLOCK_ID:
+            raise ValueError("copy_blocks: cannot write into the null block 0")
+    if len(set(dsts)) != len(dsts):
+        raise ValueError(f"copy_blocks: duplicate destination blocks in {pairs}")
+    if set(srcs) & set(dsts):
+        # A block that is both read and written in one call would make the result depend on order.
+        raise ValueError(f"copy_blocks: blocks {sorted(set(srcs) & set(dsts))} are both source and destination")
+    src = torch.tensor(srcs, dtype=torch.long, device=cache.device)
+    dst = torch.tensor(dsts, dtype=torch.long, device=cache.device)
+    cache.k[:, dst] = cache.k[:, src]
+    cache.v[:, dst] = cache.v[:, src]
+
+
+def set_attention_backend(name: str) -> None:
+    """Select the attention path: ``reference`` (gather + SDPA) or ``triton`` (in-place decode kernel).
+
+    ``triton`` needs CUDA and ``duplexcache.kv.triton_kernels``; it is refused here when either is
+    missing, rather than silently running the reference path. It applies to decode batches (one
+    new token per sequence) on CUDA tensors; prefill and CPU tensors use the reference path.
+    """
+    global _backend, _decode_kernel
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {_BACKENDS}")
+    if name == "reference":
+        _backend, _decode_kernel = name, None
+        return
+    from duplexcache.kv import triton_kernels  # noqa: PLC0415 - optional GPU dependency
+
+    if not triton_kernels.triton_available("cuda"):
+        raise ValueError("attention backend 'triton' needs Triton and CUDA, and one of them is missing here")
+    _backend, _decode_kernel = name, triton_kernels.paged_decode_attention
+    logger.info("paged attention: decode batches on CUDA use the triton kernel")
+
+
+def get_attention_backend() -> str:
+    return _backend

@@ -1,0 +1,200 @@
+"""Paged KV storage, batch metadata and the reference paged attention (CPU, float32)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from duplexcache.kv import paged_attention as pa
+from duplexcache.kv.paged_attention import (
+    PagedBatch,
+    PagedKVCache,
+    bytes_per_block,
+    copy_blocks,
+    num_blocks_for_budget,
+    paged_attention,
+    write_kv,
+)
+
+HQ, HKV, D = 4, 2, 8
+
+
+def _naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, computed: int) -> torch.Tensor:
+    """Independent reference: explicit loops over heads, softmax of masked scores.
+
+    q: (T, HQ, D) new tokens at logical indices computed..computed+T-1; k, v: (S, HKV, D).
+    """
+    t, s = q.shape[0], k.shape[0]
+    out = torch.zeros_like(q)
+    group = HQ // HKV
+    for h in range(HQ):
+        kh, vh = k[:, h // group].double(), v[:, h // group].double()
+        scores = q[:, h].double() @ kh.T / math.sqrt(D)  # (T, S)
+        for i in range(t):
+            scores[i, computed + i + 1 :] = float("-inf")
+        out[:, h] = (scores.softmax(-1) @ vh).to(q.dtype)
+    return out
+
+
+def _shuffled_tables(counts: list[int], gen: torch.Generator) -> list[list[int]]:
+    ids = (torch.randperm(sum(counts), generator=gen) + 1).tolist()
+    return [[ids.pop() for _ in range(c)] for c in counts]
+
+
+# (block_size, num_computed, num_new): prefill, decode, chunked prefill with a zero-length
+# sequence (full cache hit), a chunk that starts exactly on a block boundary.
+CASES = [
+    (16, [0, 0, 0], [5, 17, 33]),
+    (16, [5, 17, 33], [1, 1, 1]),
+    (4, [3, 8, 7], [6, 0, 9]),
+    (16, [32], [16]),
+    (1, [2, 0], [3, 1]),
+]
+
+
+@pytest.mark.parametrize("block_size,computed,new", CASES)
+def test_paged_attention_matches_naive(block_size, computed, new):
+    gen = torch.Generator().manual_seed(0)
+    layers = 2
+    lens = [c + n for c, n in zip(computed, new)]
+    tables = _shuffled_tables([-(-n // block_size) + 1 for n in lens], gen)  # one spare block each
+    cache = PagedKVCache(layers, sum(len(t) for t in tables) + 1, block_size, HKV, D)
+    ks = [torch.randn(layers, n, HKV, D, generator=gen) for n in lens]
+    vs = [torch.randn(layers, n, HKV, D, generator=gen) for n in lens]
+
+    # Fill the cached prefixes through the same write path, as an earlier step would have.
+    prefix = PagedBatch.build(tables, [0] * len(lens), computed, None, block_size)
+    step = PagedBatch.build(tables, computed, new, None, block_size)
+    for layer in range(layers):
+        write_kv(cache, layer, torch.cat([k[layer, :c] for k, c in zip(ks, computed)]),
+                 torch.cat([v[layer, :c] for v, c in zip(vs, computed)]), prefix.slot_mapping)  # fmt: skip
+        write_kv(cache, layer, torch.cat([k[layer, c:] for k, c in zip(ks, computed)]),
+                 torch.cat([v[layer, c:] for v, c in zip(vs, computed)]), step.slot_mapping)  # fmt: skip
+
+    q = torch.randn(sum(new), HQ, D, generator=gen)
+    for layer in range(layers):
+        out = paged_attention(q, cache, layer, step, scale=D**-0.5)
+        start = 0
+        for b in range(len(lens)):
+            qb = q[start : start + new[b]]
+            ref = _naive_attention(qb, ks[b][layer], vs[b][layer], computed[b])
+            torch.testing.assert_close(out[start : start + new[b]], ref, rtol=1e-5, atol=1e-6)
+            start += new[b]
+
+
+def test_shared_block_written_in_same_forward_is_visible():
+    """Sequence A prefills block 5; B shares block 5 as its cached prefix in the same step.
+
+    Writes of a layer happen for every sequence before that layer's attention, so B must see
+    A's keys (the "two sequences share a prefix in one step" case).
+    """
+    gen = torch.Generator().manual_seed(1)
+    bs = 4
+    cache = PagedKVCache(1, 8, bs, HKV, D)
+    k_a, v_a = torch.randn(bs, HKV, D, generator=gen), torch.randn(bs, HKV, D, generator=gen)
+    k_b, v_b = torch.randn(2, HKV, D, generator=gen), torch.randn(2, HKV, D, generator=gen)
+    batch = PagedBatch.build([[5], [5, 6]], [0, bs], [bs, 2], None, bs)
+    write_kv(cache, 0, torch.cat([k_a, k_b]), torch.cat([v_a, v_b]), batch.slot_mapping)
+    q = torch.randn(bs + 2, HQ, D, generator=gen)
+    out = paged_attention(q, cache, 0, batch, D**-0.5)
+    ref_b = _naive_attention(q[bs:], torch.cat([k_a, k_b]), torch.cat([v_a, v_b]), bs)
+    torch.testing.assert_close(out[bs:], ref_b, rtol=1e-5, atol=1e-6)
+
+
+def test_batch_build_fields_exact():
+    batch = PagedBatch.build([[7, 3, 9], [2]], [5, 0], [3, 2], None, block_size=4)
+    assert batch.query_start_loc.tolist() == [0, 3, 5]
+    assert batch.seq_lens.tolist() == [8, 2] and batch.seq_lens.dtype == torch.int32
+    assert batch.block_tables.tolist() == [[7, 3, 9], [2, 0, 0]] and batch.block_tables.dtype == torch.int32
+    # index 5,6,7 -> block 3 offsets 1..3; index 0,1 -> block 2 offsets 0..1
+    assert batch.slot_mapping.tolist() == [13, 14, 15, 8, 9] and batch.slot_mapping.dtype == torch.int64
+    assert batch.positions.tolist() == [5, 6, 7, 0, 1]
+    assert batch.last_token_indices == [2, 4]
+    assert not batch.is_decode
+    explicit = PagedBatch.build([[1]], [0], [2], [[10, 11]], block_size=4)
+    assert explicit.positions.tolist() == [10, 11]
+
+
+def test_batch_zero_new_tokens():
+    batch = PagedBatch.build([[1, 2], [3]], [20, 0], [0, 3], None, block_size=16)
+    assert batch.query_start_loc.tolist() == [0, 0, 3]
+    assert batch.last_token_indices == [None, 2]
+    assert batch.num_tokens == 3
+
+
+@pytest.mark.parametrize(
+    "tables,computed,new,positions,match",
+    [
+        ([[1]], [10], [10], None, "needs 2 blocks"),
+        ([[1, 0]], [10], [10], None, "null block"),
+        ([[1]], [0], [2], [[0]], "2 new tokens but 1 positions"),
+        ([[1]], [-1], [2], None, "negative"),
+        ([[1], [2]], [0], [1, 1], None, "num_computed"),
+    ],
+)
+def test_batch_build_errors(tables, computed, new, positions, match):
+    with pytest.raises(ValueError, match=match):
+        PagedBatch.build(tables, computed, new, positions, block_size=16)
+
+
+def test_write_kv_lands_in_slot():
+    cache = PagedKVCache(3, 4, 4, HKV, D)
+    k = torch.randn(2, HKV, D)
+    v = torch.randn(2, HKV, D)
+    write_kv(cache, 1, k, v, torch.tensor([13, 2]))  # block 3 offset 1, block 0 offset 2
+    assert torch.equal(cache.k[1, 3, 1], k[0]) and torch.equal(cache.v[1, 0, 2], v[1])
+    assert cache.k[0].abs().sum() == 0 and cache.k[2].abs().sum() == 0  # other layers untouched
+    with pytest.raises(ValueError, match="write_kv"):
+        write_kv(cache, 0, k, v[:1], torch.tensor([1, 2]))
+
+
+def test_copy_blocks():
+    gen = torch.Generator().manual_seed(2)
+    cache = PagedKVCache(2, 6, 4, HKV, D)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=gen))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=gen))
+    k0, v0 = cache.k.clone(), cache.v.clone()
+    copy_blocks(cache, [(1, 4), (2, 5)])
+    assert torch.equal(cache.k[:, 4], k0[:, 1]) and torch.equal(cache.v[:, 5], v0[:, 2])
+    for b in (0, 1, 2, 3):
+        assert torch.equal(cache.k[:, b], k0[:, b]) and torch.equal(cache.v[:, b], v0[:, b])
+    for pairs, match in [([(1, 0)], "null block"), ([(1, 4), (2, 4)], "duplicate"),
+                         ([(1, 2), (2, 3)], "both source and destination"), ([(1, 6)], "out of range")]:  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            copy_blocks(cache, pairs)
+
+
+def test_bytes_per_block_and_budget():
+    # MiniCPM-o 4.5 Thinker in bf16: 144 KiB per token, so 16 tokens per block.
+    per_block = bytes_per_block(36, 16, 8, 128, torch.bfloat16)
+    assert per_block == 144 * 1024 * 16
+    assert num_blocks_for_budget(10 * per_block + per_block - 1, per_block) == 10
+    with pytest.raises(ValueError, match="at least 2"):
+        num_blocks_for_budget(per_block, per_block)
+    cache = PagedKVCache.from_budget(5 * bytes_per_block(2, 4, HKV, D, torch.float32), 2, 4, HKV, D)
+    assert cache.num_blocks == 5 and cache.total_bytes == 5 * cache.bytes_per_block
+    assert cache.k.shape == (2, 5, 4, HKV, D)
+    with pytest.raises(ValueError, match="null block"):
+        PagedKVCache(1, 1, 4, HKV, D)
+
+
+def test_attention_backend_selection(monkeypatch):
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        pa.set_attention_backend("flash")
+    if not torch.cuda.is_available():
+        # Selecting the GPU kernel where it cannot run is refused, not a silent no-op.
+        with pytest.raises(ValueError, match="needs Triton and CUDA"):
+            pa.set_attention_backend("triton")
+    assert pa.get_attention_backend() == "reference"
+
+    # With a decode kernel installed, CPU tensors still take the reference path.
+    calls = []
+    monkeypatch.setattr(pa, "_decode_kernel", lambda *a: calls.append(a))
+    cache = PagedKVCache(1, 3, 4, HKV, D)
+    batch = PagedBatch.build([[1], [2]], [1, 2], [1, 1], None, 4)
+    assert batch.is_decode
+    before = dict(pa.path_counts)
+    paged_attention(torch.randn(2, HQ, D), cache, 0, batch, 1.0)
+    assert calls == [] and pa.path_counts["reference"] == before["reference"] + 1

@@ -1,0 +1,344 @@
+"""Batched Stage 2: speech tokens of many sessions -> 24 kHz PCM, one estimator solve per group.
+
+Per tick: each session's chunk (25 tokens + 3 lookahead; a final chunk may be shorter and keeps
+its lookahead) goes through the conformer (per session: its rel-pos attention depends on the
+session's own cache length), then all sessions with the same frame count solve the 10 Euler
+steps together in the `EulerArena` (each row with its own cache length and noise offset), then
+the Token2wav trim rule, then the vocoder per session (mel cache, source cache, Hamming
+cross-fade; `models.vocoder.hift_stream_step`).
+
+Ownership: the session object owns its caches; the arena only borrows rows during a solve; the
+registry owns shared prompt states. Prompt tensors are never written: after a chunk each cache
+is replaced by a new private tensor (or, for the estimator attention, a private delta).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Literal, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from duplexcache.cfm.arena import EulerArena
+from duplexcache.cfm.config import Code2WavConfig
+from duplexcache.cfm.graph_grid import arena_rows, replay_groups
+from duplexcache.cfm.prompt_cache import AttCache, PlainAttCache, SharedPromptAttCache
+from duplexcache.cfm.prompt_registry import PromptRegistry, PromptState, VoicePrompt
+from duplexcache.models.vocoder import HiftStreamState, hift_stream_step
+
+logger = logging.getLogger(__name__)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass(frozen=True)
+class SessionBytes:
+    private: int
+    shared: int
+
+
+@dataclass
+class _Session:
+    """One live stream. Only `BatchedCode2Wav` mutates it."""
+
+    sid: str
+    voice: str
+    prompt: PromptState          # shared (registry-owned) or this session's own row
+    prompt_shared: bool
+    conformer_cnn: torch.Tensor
+    conformer_att: torch.Tensor
+    estimator_cnn: torch.Tensor
+    att: AttCache
+    vocoder: HiftStreamState
+    generator: torch.Generator
+    chunks: int = 0
+    finished: bool = False
+    last_mel: torch.Tensor | None = field(default=None, repr=False)   # (80, W) of the latest chunk
+
+
+@dataclass
+class _Pending:
+    voice: str
+    seed: int
+
+
+@dataclass
+class _Work:
+    """One session's chunk between the conformer and the solve."""
+
+    sid: str
+    last: bool
+    mu: torch.Tensor      # (80, W)
+    spk: torch.Tensor     # (80,)
+    cond: torch.Tensor | None
+    noise_offset: int
+
+
+class StepOutput(dict):
+    """sid -> float32 PCM (n,) at 24 kHz; `errors` maps the sessions refused this step to why."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.errors: dict[str, ValueError] = {}
+
+
+class BatchedCode2Wav:
+    """Many Code2Wav sessions per estimator call, with optional shared prompt attention."""
+
+    def __init__(self, flow: nn.Module, hift: nn.Module, config: Code2WavConfig) -> None:
+        self.flow, self.hift, self.config = flow, hift, config
+        est = flow.decoder.estimator
+        self.device = next(est.parameters()).device
+        rows = arena_rows(config.max_num_seqs, config.graph_grid, config.arena_rows_from_graph_grid)
+        self.arena = EulerArena(
+            est, rows=rows, max_query=max(config.max_chunk_frames, config.max_prompt_frames),
+            max_cache=config.max_cache_frames, n_timesteps=config.shape.n_timesteps,
+            cfg_rate=config.cfg_rate, key_bucket=config.key_bucket, tiers=config.graph_grid,
+            use_cuda_graphs=config.use_cuda_graphs)
+        self.registry = PromptRegistry(config.prompt_att_sharing)
+        self.sessions: dict[str, _Session] = {}
+        self._pending: dict[str, _Pending] = {}
+
+    # ---- voices and sessions -----------------------------------------------------------
+    def register_voice(self, name: str, tokens: torch.Tensor, mel: torch.Tensor, spk: torch.Tensor) -> None:
+        """tokens (T,) prompt speech tokens; mel (T * up_rate, 80); spk (192,)."""
+        cfg = self.config
+        tokens = torch.as_tensor(tokens).reshape(-1)
+        if mel.dim() != 2 or mel.shape[0] != tokens.numel() * cfg.up_rate:
+            raise ValueError(f"voice {name!r}: mel {tuple(mel.shape)} must be ({tokens.numel() * cfg.up_rate}, bins)")
+        if not cfg.cache_tail_frames <= mel.shape[0] <= cfg.max_prompt_frames:
+            raise ValueError(f"voice {name!r}: prompt of {mel.shape[0]} frames outside "
+                             f"[{cfg.cache_tail_frames}, {cfg.max_prompt_frames}]")
+        self._check_tokens(tokens, f"voice {name!r}")
+        self.registry.register_voice(name, VoicePrompt(tokens.to(self.device), mel.to(self.device),
+                                                       spk.reshape(-1).to(self.device)))
+
+    def add_session(self, sid: str, voice: str, seed: int = 0) -> None:
+        """Queue a session; its setup runs batched at the next `step`. `seed` drives the vocoder's
+        NSF noise for this session only."""
+        if sid in self.sessions or sid in self._pending:
+            raise ValueError(f"session {sid!r} already exists")
+        self.registry.voice(voice)   # raises ValueError for an unknown voice
+        self._pending[sid] = _Pending(voice, seed)
+
+    def remove_session(self, sid: str) -> None:
+        if self._pending.pop(sid, None) is not None:
+            return
+        sess = self.sessions.pop(sid, None)
+        if sess is None:
+            raise ValueError(f"unknown session {sid!r}")
+        if sess.prompt_shared:
+            self.registry.release(sess.voice)
+
+    # ---- the tick ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, chunks: dict[str, Sequence[int] | torch.Tensor], last: dict[str, bool] | None = None) -> StepOutput:
+        """Vocode one chunk for each session in `chunks`. A bad chunk fails only its session."""
+        last = last or {}
+        out = StepOutput()
+        tokens: dict[str, torch.Tensor] = {}
+        for sid, chunk in chunks.items():
+            try:
+                tokens[sid] = self._validate(sid, chunk, bool(last.get(sid, False)))
+            except ValueError as err:
+                out.errors[sid] = err
+        self._setup_pending()
+        work = [self._encode(sid, tok, bool(last.get(sid, False))) for sid, tok in tokens.items()]
+        by_width: dict[int, list[_Work]] = {}
+        for w in work:
+            by_width.setdefault(w.mu.shape[1], []).append(w)
+        for width, group in by_width.items():
+            for g in replay_groups(len(group), self.config.graph_grid, self.arena.rows):
+                self._solve(group[g.start:g.start + g.rows], width, g.tier)
+        for w in work:
+            out[w.sid] = self._vocode(self.sessions[w.sid], w.last)
+        return out
+
+    def _validate(self, sid: str, chunk: Sequence[int] | torch.Tensor, last: bool) -> torch.Tensor:
+        cfg = self.config
+        sess = self.sessions.get(sid)
+        if sess is None and sid not in self._pending:
+            raise ValueError(f"unknown session {sid!r}")
+        if sess is not None and sess.finished:
+            raise ValueError(f"session {sid!r}: chunk after the final chunk")
+        tok = torch.as_tensor(chunk).reshape(-1)
+        if tok.numel() == 0:
+            raise ValueError(f"session {sid!r}: empty chunk")
+        if tok.dtype.is_floating_point or tok.dtype == torch.bool:
+            raise ValueError(f"session {sid!r}: token ids must be integers, got {tok.dtype}")
+        if tok.numel() > cfg.max_chunk_tokens:
+            raise ValueError(f"session {sid!r}: chunk of {tok.numel()} tokens exceeds {cfg.max_chunk_tokens}")
+        if not last and tok.numel() <= cfg.pre_lookahead_len:
+            raise ValueError(f"session {sid!r}: a non-final chunk needs more than "
+                             f"{cfg.pre_lookahead_len} tokens (it ends with the lookahead)")
+        self._check_tokens(tok, f"session {sid!r}")
+        return tok.to(device=self.device, dtype=torch.long)
+
+    def _check_tokens(self, tok: torch.Tensor, who: str) -> None:
+        lo, hi = int(tok.min()), int(tok.max())
+        if lo < 0 or hi >= self.config.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"{who}: token id {bad} outside the vocabulary [0, {self.config.vocab_size})")
+
+    # ---- setup (prompt state) ----------------------------------------------------------
+    def _setup_pending(self) -> None:
+        """Set up every queued session: reuse a voice's shared state, else one batched pass."""
+        todo: dict[str, list[tuple[str, _Pending]]] = {}
+        for sid, p in self._pending.items():
+            state = self.registry.acquire(p.voice) if self.config.prompt_att_sharing else None
+            if state is not None:
+                self._open(sid, p, state, shared=True)
+            else:
+                todo.setdefault(p.voice, []).append((sid, p))
+        self._pending.clear()
+        if not todo:
+            return
+        work = []
+        for voice, items in todo.items():
+            vp = self.registry.voice(voice)
+            for sid, _ in items:
+                work.append(self._encode_prompt(sid, vp))
+        rows = self._solve_setup(work)
+        for voice, items in todo.items():
+            states, shared = self.registry.publish(voice, [rows[sid] for sid, _ in items])
+            for (sid, p), state in zip(items, states):
+                self._open(sid, p, state, shared)
+
+    def _encode_prompt(self, sid: str, vp: VoicePrompt) -> tuple[str, _Work, torch.Tensor, torch.Tensor]:
+        cfg = self.config
+        pad = torch.full((cfg.pre_lookahead_len,), cfg.prompt_pad_token, dtype=torch.long, device=self.device)
+        tokens = torch.cat([vp.tokens.long(), pad])[None]
+        h, spk, ccnn, catt = self._conformer(tokens, vp.spk[None], False, None, None)
+        work = _Work(sid, False, h, spk, vp.mel.transpose(0, 1), noise_offset=0)
+        return sid, work, ccnn, catt
+
+    def _solve_setup(self, items: list[tuple[str, _Work, torch.Tensor, torch.Tensor]]) -> dict[str, PromptState]:
+        """The estimator over each session's prompt (no caches): one row per replay.
+
+        A row's bits can depend on how many rows share its GEMMs. Solving every prompt at tier 1
+        makes a voice's prompt state independent of which sessions started in the same tick, so a
+        late session that reuses a shared state gets the bits it would have computed itself
+        (sharing on == sharing off). It is a once-per-session (or per-voice) cost.
+        """
+        rows: dict[str, PromptState] = {}
+        for sid, w, ccnn, catt in items:
+            width = w.mu.shape[1]
+            self._run_rows([(w, None, None)], width, tier=1)
+            rows[sid] = PromptState(
+                spk=w.spk, conformer_cnn=ccnn, conformer_att=catt,
+                estimator_cnn=self.arena.new_cnn_cache(0).clone(),
+                estimator_att=self.arena.new_att_cache(0, width).clone())
+        return rows
+
+    def _open(self, sid: str, p: _Pending, state: PromptState, shared: bool) -> None:
+        tail = self.config.cache_tail_frames
+        att: AttCache
+        if shared:
+            att = SharedPromptAttCache(state.estimator_att, tail)
+        else:
+            att = PlainAttCache(state.estimator_att, state.num_frames, tail)
+        gen = torch.Generator(device=self.device).manual_seed(p.seed)
+        self.sessions[sid] = _Session(
+            sid, p.voice, state, shared, state.conformer_cnn, state.conformer_att, state.estimator_cnn,
+            att, HiftStreamState.create(state.spk.shape[0], self.device), gen)
+
+    # ---- per-chunk pieces ----------------------------------------------------------------
+    def _conformer(self, tokens: torch.Tensor, spk: torch.Tensor, last: bool,
+                   cnn: torch.Tensor | None, att: torch.Tensor | None):
+        """tokens (1, n) -> mu (80, frames), projected spk (80,), new conformer caches."""
+        flow = self.flow
+        spk = flow.spk_embed_affine_layer(F.normalize(spk, dim=1))
+        h, cnn, att = flow.encoder.forward_chunk(flow.input_embedding(tokens), last, cnn, att)
+        h = flow.encoder_proj(h)                      # (1, frames, 80)
+        return h[0].transpose(0, 1), spk[0], cnn, att
+
+    def _encode(self, sid: str, tokens: torch.Tensor, last: bool) -> _Work:
+        sess = self.sessions[sid]
+        prompt_spk = self.registry.voice(sess.voice).spk[None]
+        mu, spk, sess.conformer_cnn, catt = self._conformer(
+            tokens[None], prompt_spk, last, sess.conformer_cnn, sess.conformer_att)
+        p, tail = sess.prompt.num_frames, self.config.cache_tail_frames
+        if catt.shape[3] > p + tail:   # Token2wav.stream's conformer bound (same cut as the estimator)
+            catt = torch.cat([catt[:, :, :, :p], catt[:, :, :, -tail:]], dim=3)
+        sess.conformer_att = catt
+        noise_frames = self.flow.decoder.rand_noise.shape[2]
+        offset = len(sess.att)
+        if offset + mu.shape[1] > noise_frames:
+            raise AssertionError(f"session {sid!r}: noise buffer of {noise_frames} frames exhausted")
+        return _Work(sid, last, mu, spk, None, offset)
+
+    def _solve(self, group: list[_Work], width: int, tier: int) -> None:
+        sessions = [self.sessions[w.sid] for w in group]
+        self._run_rows([(w, s.estimator_cnn, s.att) for w, s in zip(group, sessions)], width, tier)
+        for r, (w, sess) in enumerate(zip(group, sessions)):
+            sess.last_mel = self.arena.mel(r, width).clone()
+            sess.estimator_cnn = self.arena.new_cnn_cache(r).clone()
+            sess.att.advance(width, self.arena.new_att_cache(r, width + len(sess.att)))
+
+    def _run_rows(self, rows: list[tuple[_Work, torch.Tensor | None, AttCache | None]], width: int, tier: int) -> None:
+        noise = self.flow.decoder.rand_noise[0]      # (80, frames), sliced at each row's own offset
+        max_len = 0
+        for r, (w, cnn, att) in enumerate(rows):
+            self.arena.load_row(r, width, noise[:, w.noise_offset:w.noise_offset + width], w.mu, w.spk,
+                                w.cond, cnn, att)
+            max_len = max(max_len, 0 if att is None else len(att))
+        for r in range(len(rows), tier):
+            self.arena.pad_row(r, width)
+        self.arena.run(tier, width, max_len)
+
+    def _vocode(self, sess: _Session, last: bool) -> torch.Tensor:
+        sess.chunks += 1
+        sess.finished = last
+        pcm = hift_stream_step(self.hift, sess.vocoder, sess.last_mel[None], last, sess.generator)
+        return pcm[0].float()
+
+    # ---- accounting --------------------------------------------------------------------
+    def session_bytes(self, sid: str) -> SessionBytes:
+        """Bytes this session holds privately vs references in its voice's shared prompt state."""
+        sess = self.sessions.get(sid)
+        if sess is None:
+            raise ValueError(f"unknown session {sid!r}")
+        private, shared = sess.att.private_bytes(), sess.att.shared_bytes()
+        for t, src in ((sess.prompt.spk, sess.prompt.spk),
+                       (sess.conformer_cnn, sess.prompt.conformer_cnn),
+                       (sess.conformer_att, sess.prompt.conformer_att),
+                       (sess.estimator_cnn, sess.prompt.estimator_cnn)):
+            if sess.prompt_shared and t is src:
+                shared += _nbytes(t)
+            else:
+                private += _nbytes(t)
+        v = sess.vocoder
+        private += _nbytes(v.mel) + _nbytes(v.source) + _nbytes(v.speech)
+        return SessionBytes(private, shared)
+
+    def voice_bytes(self, voice: str) -> int:
+        """Bytes of the voice's shared prompt state (0 when none is held)."""
+        return self.registry.shared_bytes(voice)
+
+
+def code2wav_session_bytes(config: Code2WavConfig, prompt_frames: int, sharing: bool,
+                           stage: Literal["setup", "steady"], dtype_bytes: int = 4) -> SessionBytes:
+    """Shape-only bytes of one session's Stage-2 caches (estimator + conformer + vocoder).
+
+    setup: right after the prompt pass; steady: after enough chunks that the estimator holds P
+    private frames (+ the prompt tail, shared when `sharing`).
+    """
+    if stage not in ("setup", "steady"):
+        raise ValueError(f"stage must be 'setup' or 'steady', got {stage!r}")
+    s, tail = config.shape, config.cache_tail_frames
+    if prompt_frames < tail:
+        raise ValueError(f"prompt_frames {prompt_frames} < cache tail {tail}")
+    att_f, conf_f = s.att_frame_bytes(dtype_bytes), s.conformer_frame_bytes(dtype_bytes)
+    small = s.estimator_cnn_bytes(dtype_bytes) + s.conformer_size * (2 + 2 * config.up_rate) * dtype_bytes
+    if stage == "setup":
+        total = prompt_frames * (att_f + conf_f) + small
+        return SessionBytes(0, total) if sharing else SessionBytes(total, 0)
+    vocoder = (s.mel_bins * config.mel_cache_len + 2 * config.source_cache_len) * dtype_bytes
+    conformer = (prompt_frames + tail) * conf_f
+    if sharing:
+        return SessionBytes(prompt_frames * att_f + conformer + small + vocoder, tail * att_f)
+    return SessionBytes((prompt_frames + tail) * att_f + conformer + small + vocoder, 0)

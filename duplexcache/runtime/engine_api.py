@@ -1,0 +1,174 @@
+"""The interface between the realtime server and the engine, and the typed objects it passes.
+
+The server (``duplexcache.server``) is written against :class:`EngineAPI` only; the real engine
+(``duplexcache.runtime.engine``) and the test fake both satisfy it. Nothing here imports a web
+library or torch.
+
+Threading contract (the server relies on it):
+
+* ``tick()`` runs in a worker thread, one call at a time (the server never overlaps two ticks).
+* ``open_session``, ``push_audio``, ``close_session``, ``is_queued`` and ``stats`` may be
+  called from another thread while a tick runs. They must be short (queue the input, take a
+  short lock) and must not wait for the running tick to finish.
+
+Session life cycle::
+
+    open_session ──admitted──> live ──tick()...──> close_session (idempotent, frees everything)
+         │                       ^
+         └──queue_if_full──> queued ──(a tick admits it: SessionAdmitted event)
+
+A refused session (no room, not queued) raises :class:`AdmissionError` and owns nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol, Union, runtime_checkable
+
+import numpy as np
+
+INPUT_SAMPLE_RATE = 16_000   # pcm pushed by push_audio
+OUTPUT_SAMPLE_RATE = 24_000  # pcm16 in AudioDelta
+TIERS = ("shared", "private", "free")
+
+
+class AdmissionError(Exception):
+    """A session that cannot be admitted now; ``reason`` says why (e.g. which memory ran out)."""
+
+    code = "admission_refused"
+
+    def __init__(self, reason: str):
+        self.reason = reason
+        super().__init__(reason)
+
+
+# --------------------------------------------------------------------------------------------
+# Events returned by tick()
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class AudioDelta:
+    """Speech output: little-endian int16 mono PCM at 24 kHz."""
+
+    sid: str
+    pcm16: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.pcm16) % 2:
+            raise ValueError(f"AudioDelta for {self.sid!r}: pcm16 has an odd byte count {len(self.pcm16)}")
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    sid: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseDone:
+    """The end of one response (a spoken turn)."""
+
+    sid: str
+
+
+@dataclass(frozen=True, slots=True)
+class SessionError:
+    """A per-session failure, e.g. ``context_length_exceeded`` or ``invalid_audio``.
+
+    ``fatal`` means the engine has already ended the session (it owns nothing any more); the
+    server reports the error and closes the connection. A non-fatal error is only reported.
+    """
+
+    sid: str
+    code: str
+    message: str
+    fatal: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SessionAdmitted:
+    """A session opened with ``queue_if_full=True`` left the queue and is now live."""
+
+    sid: str
+
+
+EngineEvent = Union[AudioDelta, TextDelta, ResponseDone, SessionError, SessionAdmitted]
+
+
+# --------------------------------------------------------------------------------------------
+# Stats
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class TierBytes:
+    """Bytes of one memory pool by tier. ``shared`` is counted once however many sessions share it."""
+
+    shared: int
+    private: int
+    free: int
+
+    def __post_init__(self) -> None:
+        for name in TIERS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"TierBytes.{name} must be a non-negative int, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine.
+
+    Counters (``context_cache_*``, ``cfm_fallbacks``, ``ticks``) are cumulative since start.
+    ``stage_latency_s`` holds the per-stage latency samples (seconds) of the most recent
+    completed tick, the one numbered ``ticks``; a consumer observes them once per new ``ticks``.
+    """
+
+    live_sessions: int
+    queued_sessions: int
+    pools: Mapping[str, TierBytes] = field(default_factory=dict)  # e.g. "thinker_kv", "cfm_prompt"
+    context_cache_hits: int = 0
+    context_cache_misses: int = 0
+    cfm_fallbacks: int = 0
+    ticks: int = 0
+    stage_latency_s: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------------
+# The interface
+# --------------------------------------------------------------------------------------------
+
+@runtime_checkable
+class EngineAPI(Protocol):
+    def open_session(self, client_session: Mapping[str, Any], *, queue_if_full: bool = False) -> str:
+        """Create a session from a client's ``session.update`` object; returns its id.
+
+        Raises AdmissionError (no room and not queued), PrivateConfigKeyError or
+        SessionConfigError (duplexcache.config), ReferenceAudioError (duplexcache.context).
+        With ``queue_if_full`` a session that does not fit is queued (``is_queued`` is true)
+        and a later tick emits SessionAdmitted for it.
+        """
+        ...
+
+    def is_queued(self, sid: str) -> bool:
+        """True while the session waits for admission (False once live, closed or unknown)."""
+        ...
+
+    def push_audio(self, sid: str, pcm: np.ndarray) -> None:
+        """Append input audio: float32, 16 kHz, mono, shape (samples,). ValueError on bad audio
+        or an unknown/queued session."""
+        ...
+
+    def close_session(self, sid: str) -> None:
+        """End a live or queued session and free everything it owns; idempotent."""
+        ...
+
+    def tick(self) -> list[EngineEvent]:
+        """Run one 1-second unit for every live session with >= 1 s of audio buffered."""
+        ...
+
+    def stats(self) -> EngineStats:
+        ...
+
+    def shutdown(self) -> None:
+        """Close every session and release the engine's memory."""
+        ...

@@ -1,0 +1,83 @@
+"""``duplexcache serve``: load the deploy config, build the engine, serve the realtime API.
+
+With no arguments it serves the tiny preset (random weights, CPU) on the configured host/port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from duplexcache.config import PRESETS, ConfigError, DeployConfig
+
+logger = logging.getLogger(__name__)
+
+ENGINE_MODULE = "duplexcache.runtime.engine"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--config", metavar="YAML", help="deploy config file (default: the preset's defaults)")
+    source.add_argument("--preset", choices=PRESETS, help="built-in preset (default: tiny)")
+    parser.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (default: random weights)")
+    parser.add_argument("--host", help="bind address (overrides server.host)")
+    parser.add_argument("--port", type=int, help="port (overrides server.port; 0 picks a free one)")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                        help="uvicorn log level")
+
+
+def load_deploy_config(args: argparse.Namespace) -> DeployConfig:
+    """The DeployConfig the command line names, with its overrides applied (ConfigError if bad)."""
+    deploy = DeployConfig.from_yaml(args.config) if args.config else DeployConfig.default(args.preset or "tiny")
+    try:
+        # validate_assignment=True: a bad override raises a pydantic error naming the field
+        if args.checkpoint is not None:
+            deploy.model.checkpoint_dir = args.checkpoint
+        if args.host is not None:
+            deploy.server.host = args.host
+        if args.port is not None:
+            deploy.server.port = args.port
+    except ValueError as exc:
+        raise ConfigError(f"bad command-line override: {exc}") from None
+    return deploy
+
+
+def build_engine(deploy: DeployConfig):  # -> EngineAPI
+    """Import the real engine lazily; RuntimeError with a clear message if it is not there."""
+    try:
+        module = importlib.import_module(ENGINE_MODULE)
+    except ModuleNotFoundError as exc:
+        if exc.name != ENGINE_MODULE:
+            raise  # the engine exists but one of its own dependencies is missing: show that
+        raise RuntimeError(f"{ENGINE_MODULE} is not available in this build, so there is no engine to serve "
+                           "(the server itself is ready: see duplexcache.runtime.engine_api)") from None
+    factory = getattr(module, "build_engine", None)
+    if factory is None:
+        raise RuntimeError(f"{ENGINE_MODULE} has no build_engine(deploy) function")
+    return factory(deploy)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        deploy = load_deploy_config(args)
+    except (ConfigError, OSError) as exc:
+        print(f"duplexcache serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        engine = build_engine(deploy)
+    except RuntimeError as exc:
+        print(f"duplexcache serve: {exc}", file=sys.stderr)
+        return 2
+
+    import uvicorn
+
+    from duplexcache.server.app import REALTIME_PATH, create_app
+    from duplexcache.server.loopback import uvicorn_config
+
+    app = create_app(engine, deploy)
+    host, port = deploy.server.host, deploy.server.port
+    logger.info("serving preset %s on ws://%s:%d%s", deploy.model.preset, host, port, REALTIME_PATH)
+    uvicorn.Server(uvicorn_config(app, host, port, deploy.server.max_frame_bytes, args.log_level)).run()
+    return 0

@@ -1,0 +1,81 @@
+"""Prometheus metrics of one server, fed from engine stats snapshots and server-side events.
+
+Each :class:`ServerMetrics` has its own ``CollectorRegistry`` (not the process-global one), so
+several apps in one process (tests, a Ray Serve replica) do not collide.
+
+The engine reports cumulative counts; :meth:`ServerMetrics.update` turns them into Prometheus
+counter increments by remembering the last snapshot, and observes a tick's stage latencies
+exactly once (keyed by ``EngineStats.ticks``), so it may be called by both the tick loop and a
+``/metrics`` scrape.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from duplexcache.runtime.engine_api import TIERS, EngineStats
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "duplexcache_"
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+# EngineStats counter field -> metric attribute name on ServerMetrics
+_ENGINE_COUNTERS = ("context_cache_hits", "context_cache_misses", "cfm_fallbacks")
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.live_sessions = Gauge(PREFIX + "live_sessions", "Sessions admitted and running", registry=r)
+        self.queued_sessions = Gauge(PREFIX + "queued_sessions", "Sessions waiting for admission", registry=r)
+        self.connections = Gauge(PREFIX + "connections", "Open WebSocket connections", registry=r)
+        self.bytes = Gauge(PREFIX + "bytes", "Bytes per memory pool and tier (shared counted once)",
+                           ["pool", "tier"], registry=r)
+        self.context_cache_hits = Counter(PREFIX + "context_cache_hits", "Cross-session context cache hits",
+                                          registry=r)
+        self.context_cache_misses = Counter(PREFIX + "context_cache_misses",
+                                            "Cross-session context cache misses", registry=r)
+        self.cfm_fallbacks = Counter(PREFIX + "cfm_fallbacks",
+                                     "Prompt-state rows that diverged and fell back to per-session tensors",
+                                     registry=r)
+        self.late_ticks = Counter(PREFIX + "late_ticks", "Ticks that started after their deadline", registry=r)
+        self.tick_errors = Counter(PREFIX + "tick_errors", "Ticks that raised an exception", registry=r)
+        self.protocol_errors = Counter(PREFIX + "protocol_errors", "Error events sent to clients",
+                                       ["code"], registry=r)
+        self.tick_duration = Histogram(PREFIX + "tick_duration_seconds", "Wall time of one engine tick",
+                                       buckets=LATENCY_BUCKETS, registry=r)
+        self.stage_latency = Histogram(PREFIX + "stage_latency_seconds", "Per-stage latency within a tick",
+                                       ["stage"], buckets=LATENCY_BUCKETS, registry=r)
+        self._last_counts = {name: 0 for name in _ENGINE_COUNTERS}
+        self._last_tick = 0
+
+    def update(self, stats: EngineStats) -> None:
+        """Bring every engine-fed metric up to ``stats``."""
+        self.live_sessions.set(stats.live_sessions)
+        self.queued_sessions.set(stats.queued_sessions)
+        for pool, tiers in stats.pools.items():
+            for tier in TIERS:
+                self.bytes.labels(pool=pool, tier=tier).set(getattr(tiers, tier))
+        for name in _ENGINE_COUNTERS:
+            value = getattr(stats, name)
+            delta = value - self._last_counts[name]
+            if delta < 0:
+                # The engine's counters went backwards (restarted?); take the new baseline.
+                logger.warning("engine counter %s went backwards (%d -> %d)", name, self._last_counts[name], value)
+            elif delta:
+                getattr(self, name).inc(delta)
+            self._last_counts[name] = value
+        if stats.ticks > self._last_tick:
+            for stage, samples in stats.stage_latency_s.items():
+                child = self.stage_latency.labels(stage=stage)
+                for seconds in samples:
+                    child.observe(seconds)
+            self._last_tick = stats.ticks
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

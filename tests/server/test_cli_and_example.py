@@ -1,0 +1,126 @@
+"""`duplexcache serve` argument handling and wiring, and the example client end to end."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import wave
+from pathlib import Path
+
+import numpy as np
+import pytest
+import uvicorn
+from server_fakes import FakeEngine
+
+from duplexcache import cli as top_cli
+from duplexcache.config import DeployConfig
+from duplexcache.server import cli
+from duplexcache.server.app import REALTIME_PATH, create_app
+from duplexcache.server.loopback import WS_SIZE_HEADROOM, LoopbackServer
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "stream_wav.py"
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_no_arguments_means_tiny_preset_on_cpu():
+    deploy = cli.load_deploy_config(_parse([]))
+    assert deploy == DeployConfig.default("tiny")
+    assert deploy.model.preset == "tiny" and deploy.model.device == "cpu"
+
+
+def test_overrides_and_yaml(tmp_path):
+    deploy = cli.load_deploy_config(_parse(["--preset", "minicpmo45", "--checkpoint", "/ckpt", "--host", "::1",
+                                            "--port", "9100"]))
+    assert (deploy.model.preset, deploy.model.checkpoint_dir) == ("minicpmo45", "/ckpt")
+    assert (deploy.server.host, deploy.server.port) == ("::1", 9100)
+    custom = DeployConfig.default("tiny")
+    custom.server.port = 8123
+    path = tmp_path / "deploy.yaml"
+    path.write_text(custom.to_yaml())
+    assert cli.load_deploy_config(_parse(["--config", str(path)])).server.port == 8123
+    with pytest.raises(SystemExit):
+        _parse(["--config", str(path), "--preset", "tiny"])
+
+
+def test_bad_port_and_missing_engine_fail_clearly(monkeypatch, capsys):
+    assert top_cli.main(["serve", "--port", "70000"]) == 2
+    assert "port" in capsys.readouterr().err
+    monkeypatch.setattr(cli, "ENGINE_MODULE", "duplexcache.runtime.no_such_engine")
+    assert cli.run(_parse([])) == 2
+    err = capsys.readouterr().err
+    assert "duplexcache.runtime.no_such_engine is not available" in err
+
+
+def test_run_builds_the_engine_and_serves_it(monkeypatch):
+    seen = {}
+
+    def fake_build(deploy):
+        seen["deploy"] = deploy
+        return FakeEngine(deploy)
+
+    def fake_serve(server):  # stands in for uvicorn.Server.run
+        seen["config"] = server.config
+
+    monkeypatch.setattr(cli, "build_engine", fake_build)
+    monkeypatch.setattr(uvicorn.Server, "run", fake_serve)
+    assert cli.run(_parse(["--port", "0"])) == 0
+    config, deploy = seen["config"], seen["deploy"]
+    assert (config.host, config.port) == ("127.0.0.1", 0)
+    assert config.ws_max_size == deploy.server.max_frame_bytes + WS_SIZE_HEADROOM
+    assert REALTIME_PATH in {route.path for route in config.app.routes}
+
+
+def _load_example():
+    spec = importlib.util.spec_from_file_location("stream_wav_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def _write_wav(path: Path, samples: np.ndarray, rate: int) -> None:
+    with wave.open(str(path), "wb") as wav:
+        wav.setnchannels(1)
+        wav.setsampwidth(2)
+        wav.setframerate(rate)
+        wav.writeframes(samples.astype("<i2").tobytes())
+
+
+def test_example_client_streams_a_wav_and_writes_the_reply(tmp_path):
+    example = _load_example()
+    deploy = DeployConfig.default("tiny")
+    deploy.engine.tick_seconds = 0.05
+    engine = FakeEngine(deploy)
+    inp = tmp_path / "in.wav"
+    _write_wav(inp, np.random.default_rng(0).integers(-3000, 3000, 2 * 16000 + 500), 16000)
+    with LoopbackServer(create_app(engine, deploy)) as srv:
+        url = srv.ws_url(REALTIME_PATH)
+        rc_tone = example.main(["--url", url, "--out", str(tmp_path / "tone.wav"), "--tone-seconds", "3",
+                                "--fast", "--idle-seconds", "0.3"])
+        rc_wav = example.main(["--url", url, "--in", str(inp), "--out", str(tmp_path / "reply.wav"),
+                               "--chunk-ms", "40", "--fast", "--idle-seconds", "0.3"])
+    assert rc_tone == rc_wav == 0
+    for name, units in (("tone.wav", 3), ("reply.wav", 2)):  # one unit per whole second sent
+        with wave.open(str(tmp_path / name), "rb") as wav:
+            assert (wav.getframerate(), wav.getnchannels(), wav.getsampwidth()) == (24000, 1, 2)
+            pcm = np.frombuffer(wav.readframes(wav.getnframes()), "<i2")
+        assert np.array_equal(pcm, np.repeat(np.arange(1, units + 1, dtype=np.int16), 24000))
+    assert engine.live == {} and len(engine.closed) == 2
+    sent = np.concatenate(engine.received["sess_2"])
+    with wave.open(str(inp), "rb") as wav:
+        ref = np.frombuffer(wav.readframes(wav.getnframes()), "<i2").astype(np.float32) / 32768.0
+    assert np.array_equal(sent, ref)
+
+
+def test_example_refuses_a_wav_it_cannot_stream(tmp_path):
+    example = _load_example()
+    path = tmp_path / "cd.wav"
+    _write_wav(path, np.zeros(100, np.int16), 44100)
+    with pytest.raises(ValueError, match="need 16 kHz mono"):
+        example.read_wav_16k(str(path))

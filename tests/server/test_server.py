@@ -1,0 +1,378 @@
+"""The realtime server end to end: a real uvicorn server on loopback, the `websockets` client,
+and the deterministic FakeEngine (see server_fakes.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+
+import httpx
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from server_fakes import FakeEngine, f32_b64, pcm16_b64, recv, recv_type, send, wait_for
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from duplexcache.config import DeployConfig
+from duplexcache.server.app import REALTIME_PATH, create_app
+from duplexcache.server.loopback import LoopbackServer
+
+TICK = 0.05
+MAX_FRAME = 256 * 1024
+
+
+@pytest.fixture
+def serve():
+    servers = []
+
+    def _start(capacity: int = 16, **engine_kwargs):
+        deploy = DeployConfig.default("tiny")
+        deploy.engine.tick_seconds = TICK
+        deploy.server.max_frame_bytes = MAX_FRAME
+        engine = FakeEngine(deploy, capacity=capacity, **engine_kwargs)
+        srv = LoopbackServer(create_app(engine, deploy), max_frame_bytes=MAX_FRAME).start()
+        servers.append(srv)
+        return engine, srv
+
+    yield _start
+    for srv in servers:
+        srv.stop()
+
+
+def _connect(srv: LoopbackServer):
+    return connect(srv.ws_url(REALTIME_PATH), max_size=None, open_timeout=10)
+
+
+async def _create(ws, queue_if_full: bool = False, **session) -> str:
+    await send(ws, {"type": "session.update", "session": session, "queue_if_full": queue_if_full})
+    event = await recv(ws)
+    assert event["type"] == "session.created", event
+    return event["session"]["id"]
+
+
+async def _stream_one(srv: LoopbackServer, index: int, seconds: int = 5):
+    """One client: create, stream `seconds` of audio in 0.25 s chunks, collect until the last unit."""
+    fmt = "pcm16" if index % 2 == 0 else "f32"
+    audio = np.random.default_rng(index).uniform(-0.5, 0.5, 16000 * seconds).astype(np.float32)
+    if fmt == "pcm16":
+        ints = (audio * 32767).astype(np.int16)
+        expected = ints.astype(np.float32) / 32768.0  # what the engine must receive
+        chunks = [pcm16_b64(ints[i:i + 4000]) for i in range(0, len(ints), 4000)]
+    else:
+        expected = audio
+        chunks = [f32_b64(audio[i:i + 4000]) for i in range(0, len(audio), 4000)]
+    async with _connect(srv) as ws:
+        sid = await _create(ws, instructions=f"session {index}", input_audio_format=fmt)
+        for chunk in chunks:
+            await send(ws, {"type": "input_audio_buffer.append", "audio": chunk})
+        events = []
+        while sum(e["type"] == "response.output_audio.delta" for e in events) < seconds:
+            events.append(await recv(ws))
+        await send(ws, {"type": "session.close"})
+        final, rest = await recv_type(ws, "response.done")
+        with pytest.raises(ConnectionClosed):
+            await recv(ws)
+        return sid, expected, events + rest, final, ws.close_code
+
+
+def test_eight_sessions_stream_concurrently(serve):
+    engine, srv = serve()
+
+    async def main():
+        return await asyncio.gather(*(_stream_one(srv, i) for i in range(8)))
+
+    results = asyncio.run(main())
+    assert len({sid for sid, *_ in results}) == 8
+    for sid, expected, events, final, close_code in results:
+        deltas = [base64.b64decode(e["delta"]) for e in events if e["type"] == "response.output_audio.delta"]
+        for unit, delta in enumerate(deltas, start=1):  # 24000 pcm16 samples per unit, in order
+            assert np.array_equal(np.frombuffer(delta, "<i2"), np.full(24000, unit, np.int16))
+        assert [e["delta"] for e in events if e["type"] == "response.output_text.delta"] == \
+            [f"unit {u}" for u in range(1, 6)]
+        assert sum(e["type"] == "response.done" for e in events) == 1  # after unit 3 (done_after_units)
+        assert not [e for e in events if e["type"] == "error"]
+        assert all(isinstance(e["event_id"], str) and e["event_id"] for e in events)
+        assert final["response"]["status_details"] == {"reason": "session_closed"}
+        assert close_code == 1000
+        assert np.array_equal(np.concatenate(engine.received[sid]), expected)
+    wait_for(lambda: len(engine.closed) == 8, what="all sessions closed")
+    assert engine.live == {} and engine.max_ticks_in_flight == 1
+
+
+async def _expect_error(ws, event, code: str, event_id: str | None = None) -> dict:
+    if isinstance(event, (bytes, str)):
+        await ws.send(event)
+    else:
+        await send(ws, event)
+    reply = await recv(ws)
+    assert reply["type"] == "error", reply
+    assert reply["error"]["code"] == code, reply
+    if event_id is not None:
+        assert reply["error"]["event_id"] == event_id
+    return reply
+
+
+def test_malformed_input_gets_errors_while_another_session_streams(serve):
+    engine, srv = serve()
+
+    bystander_in = asyncio.Event()
+
+    async def bystander():
+        async with _connect(srv) as ws:
+            await _create(ws)
+            bystander_in.set()
+            for i in range(3):
+                await send(ws, {"type": "input_audio_buffer.append", "audio": pcm16_b64(np.zeros(16000, np.int16))})
+                await recv_type(ws, "response.output_audio.delta")
+                await asyncio.sleep(0.02)
+            return True
+
+    async def offender():
+        append = {"type": "input_audio_buffer.append"}
+        await bystander_in.wait()
+        async with _connect(srv) as ws:
+            await _expect_error(ws, {**append, "audio": pcm16_b64(np.zeros(10, np.int16))}, "session_not_found")
+            await _expect_error(ws, "{oops", "invalid_json")
+            await _expect_error(ws, {"type": "conversation.item.create", "event_id": "e1"}, "unknown_event_type", "e1")
+            await _expect_error(ws, b"\x00\x01", "binary_frame")
+            reply = await _expect_error(ws, {"type": "session.update", "event_id": "e2",
+                                             "session": {"memory_budget": "1TiB"}}, "private_config_key", "e2")
+            assert "memory_budget" in reply["error"]["message"]
+            assert engine.open_calls == 1  # only the bystander's: the server refused this one itself
+            await _expect_error(ws, {"type": "session.update", "session": {"colour": "red"}}, "invalid_session_config")
+            await _expect_error(ws, {"type": "session.update", "session": {"voice": "broken-ref"}},
+                                "invalid_reference_audio")
+            sid = await _create(ws, input_audio_format="pcm16")
+            await _expect_error(ws, {"type": "session.update", "session": {}}, "session_already_exists")
+            await _expect_error(ws, {**append, "audio": base64.b64encode(b"\x01\x02\x03").decode()}, "invalid_audio")
+            await _expect_error(ws, {**append, "audio": ""}, "invalid_audio")
+            await _expect_error(ws, {**append, "audio": "***"}, "invalid_audio")
+            await _expect_error(ws, {**append}, "invalid_audio")
+            # the session continues after all that
+            await send(ws, {**append, "audio": pcm16_b64(np.ones(16000, np.int16))})
+            delta, skipped = await recv_type(ws, "response.output_audio.delta")
+            assert not [e for e in skipped if e["type"] == "error"]
+        async with _connect(srv) as ws:
+            await _create(ws, input_audio_format="f32")
+            await _expect_error(ws, {**append, "audio": base64.b64encode(b"\x00" * 6).decode()}, "invalid_audio")
+            nan = np.array([0.1, np.nan], dtype=np.float32)
+            reply = await _expect_error(ws, {**append, "audio": f32_b64(nan)}, "invalid_audio")
+            assert "NaN" in reply["error"]["message"]
+        return sid
+
+    async def main():
+        return await asyncio.gather(bystander(), offender())
+
+    ok, sid = asyncio.run(main())
+    assert ok
+    assert engine.opened == 3  # bystander + two offender sessions: no refused update was admitted
+    assert sum(len(a) for a in engine.received[sid]) == 16000  # only the valid append reached the engine
+    body = httpx.get(srv.http_url("/metrics")).text
+    assert 'duplexcache_protocol_errors_total{code="invalid_audio"} 6.0' in body
+
+
+@pytest.mark.parametrize("size", [MAX_FRAME + 1000, 4 * MAX_FRAME])  # app check, transport check
+def test_oversize_frame_closes_only_that_socket(serve, size):
+    engine, srv = serve()
+
+    async def main():
+        async with _connect(srv) as other, _connect(srv) as ws:
+            other_sid = await _create(other)
+            sid = await _create(ws)
+            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": "A" * size}))
+            with pytest.raises(ConnectionClosed):
+                await recv(ws)
+            assert ws.close_code == 1009
+            await send(other, {"type": "input_audio_buffer.append", "audio": pcm16_b64(np.zeros(16000, np.int16))})
+            await recv_type(other, "response.output_audio.delta")
+            return sid, other_sid, ws.close_reason
+
+    sid, other_sid, reason = asyncio.run(main())
+    if size < MAX_FRAME + 64 * 1024:
+        assert "max_frame_bytes" in reason
+    wait_for(lambda: sid in engine.closed, what="oversize session closed")
+    assert engine.received[sid] == []
+
+
+def test_client_disconnect_mid_stream_closes_session(serve):
+    engine, srv = serve()
+
+    async def main():
+        ws = await _connect(srv)
+        sid = await _create(ws)
+        await send(ws, {"type": "input_audio_buffer.append", "audio": pcm16_b64(np.zeros(40000, np.int16))})
+        await recv_type(ws, "response.output_audio.delta")
+        ws.transport.abort()  # no close handshake: the client just vanishes
+        return sid
+
+    sid = asyncio.run(main())
+    wait_for(lambda: sid in engine.closed, what="engine sees close of the vanished session")
+    assert engine.live == {}
+    assert httpx.get(srv.http_url("/health")).json()["connections"] == 0
+
+
+def test_admission_refuses_then_admits_and_queue_gets_created(serve):
+    engine, srv = serve(capacity=2)
+
+    async def main():
+        async with _connect(srv) as a, _connect(srv) as b, _connect(srv) as c, _connect(srv) as d:
+            await _create(a)
+            b_sid = await _create(b)
+            reply = await _expect_error(c, {"type": "session.update", "session": {}}, "admission_refused")
+            assert "memory budget full" in reply["error"]["message"]
+            await send(d, {"type": "session.update", "session": {"voice": "queued"}, "queue_if_full": True})
+            await asyncio.sleep(5 * TICK)
+            assert engine.stats().queued_sessions == 1
+            await _expect_error(d, {"type": "input_audio_buffer.append", "audio": pcm16_b64(np.zeros(8, np.int16))},
+                                "session_not_admitted")
+            await send(a, {"type": "session.close"})
+            created = await recv(d)  # a tick admits the queued session into the freed room
+            assert created["type"] == "session.created" and created["session"]["voice"] == "queued"
+            await _expect_error(c, {"type": "session.update", "session": {}}, "admission_refused")  # still full
+            await send(b, {"type": "session.close"})
+            wait_for(lambda: b_sid in engine.closed, what="b closed")
+            c_sid = await _create(c)  # the refused socket stays usable and gets in once there is room
+            return c_sid, created["session"]["id"]
+
+    c_sid, d_sid = asyncio.run(main())
+    assert engine.opened == 4
+    wait_for(lambda: engine.live == {} and engine.queued == {}, what="everything closed")
+    assert set(engine.closed) == {"sess_1", "sess_2", c_sid, d_sid}
+
+
+def test_health_and_metrics(serve):
+    engine, srv = serve(capacity=4)
+
+    async def main():
+        async with _connect(srv) as a, _connect(srv) as b:
+            for ws in (a, b):
+                await _create(ws)
+                await send(ws, {"type": "input_audio_buffer.append", "audio": pcm16_b64(np.zeros(16000, np.int16))})
+                await recv_type(ws, "response.output_audio.delta")
+            health = httpx.get(srv.http_url("/health"))
+            metrics = httpx.get(srv.http_url("/metrics"))
+            return health, metrics
+
+    health, metrics = asyncio.run(main())
+    assert health.status_code == 200
+    assert health.json() == {"status": "ok", "live_sessions": 2, "queued_sessions": 0, "connections": 2}
+    assert metrics.headers["content-type"].startswith("text/plain")
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(metrics.text) for s in fam.samples}
+    assert samples[("duplexcache_live_sessions", ())] == 2
+    assert samples[("duplexcache_queued_sessions", ())] == 0
+    assert samples[("duplexcache_connections", ())] == 2
+    pool = (("pool", "thinker_kv"),)
+    assert samples[("duplexcache_bytes", pool + (("tier", "private"),))] == 2 * 256 * 1024
+    assert samples[("duplexcache_bytes", pool + (("tier", "shared"),))] == 256 * 1024
+    assert samples[("duplexcache_bytes", pool + (("tier", "free"),))] == 2 * 256 * 1024
+    assert samples[("duplexcache_context_cache_hits_total", ())] == 1
+    assert samples[("duplexcache_context_cache_misses_total", ())] == 1
+    assert samples[("duplexcache_cfm_fallbacks_total", ())] == 0
+    assert ("duplexcache_late_ticks_total", ()) in samples
+    # one thinker sample per completed tick, each observed exactly once
+    count = samples[("duplexcache_stage_latency_seconds_count", (("stage", "thinker"),))]
+    assert 1 <= count <= engine.ticks
+    assert samples[("duplexcache_stage_latency_seconds_sum", (("stage", "code2wav"),))] == pytest.approx(0.03 * count)
+
+
+def test_slow_ticks_are_counted_never_overlap_and_leave_the_loop_free(serve):
+    slow = 0.5
+    engine, srv = serve(tick_delay=slow)
+    wait_for(lambda: engine.ticks >= 1, what="a slow tick")
+    # ticks run back to back (each is late), so a tick is in flight nearly all the time; were it
+    # run on the event loop, a request would wait up to `slow` seconds
+    waits = asyncio.run(_timed_health(srv, 3))
+    assert max(waits) < slow / 2, waits
+    wait_for(lambda: engine.ticks >= 2, what="two slow ticks")
+    samples = {s.name: s.value for fam in text_string_to_metric_families(httpx.get(srv.http_url("/metrics")).text)
+               for s in fam.samples}
+    assert samples["duplexcache_late_ticks_total"] >= 1
+    assert engine.max_ticks_in_flight == 1
+
+
+async def _timed_health(srv: LoopbackServer, repeats: int) -> list[float]:
+    loop = asyncio.get_running_loop()
+    waits = []
+    async with httpx.AsyncClient() as client:
+        for _ in range(repeats):
+            start = loop.time()
+            assert (await client.get(srv.http_url("/health"))).status_code == 200
+            waits.append(loop.time() - start)
+            await asyncio.sleep(0.05)
+    return waits
+
+
+def test_fatal_engine_error_ends_session(serve):
+    engine, srv = serve()
+
+    async def main():
+        async with _connect(srv) as ws:
+            sid = await _create(ws, instructions="overflow")
+            await send(ws, {"type": "input_audio_buffer.append", "audio": pcm16_b64(np.zeros(16000, np.int16))})
+            error, skipped = await recv_type(ws, "error")
+            with pytest.raises(ConnectionClosed):
+                await recv(ws)
+            return sid, error, skipped, ws.close_code
+
+    sid, error, skipped, code = asyncio.run(main())
+    assert [e["type"] for e in skipped] == ["response.output_audio.delta", "response.output_text.delta"]
+    assert error["error"]["code"] == "context_length_exceeded" and code == 1000
+    assert engine.closed == [sid]
+
+
+def test_graceful_shutdown_closes_every_session(serve):
+    engine, srv = serve(capacity=1)
+
+    async def main():
+        async with _connect(srv) as a, _connect(srv) as b:
+            await _create(a)
+            await send(b, {"type": "session.update", "session": {}, "queue_if_full": True})
+            await asyncio.sleep(3 * TICK)
+            await asyncio.to_thread(srv.stop)
+            for ws in (a, b):
+                with pytest.raises(ConnectionClosed):
+                    while True:
+                        await recv(ws)
+            return a.close_code, b.close_code
+
+    codes = asyncio.run(main())
+    assert set(codes) <= {1001, 1012}  # ours (going away) or uvicorn's (service restart)
+    assert engine.shutdown_called and engine.live == {} and engine.queued == {}
+    assert sorted(engine.closed) == ["sess_1", "sess_2"]
+
+
+class _StuckSocket:
+    """A client that never reads: every send blocks; records the close."""
+
+    def __init__(self):
+        self.closed_with = None
+        self.sent = 0
+
+    async def send_text(self, text):
+        self.sent += 1
+        await asyncio.Event().wait()
+
+    async def close(self, code, reason):
+        self.closed_with = (code, reason)
+
+
+def test_slow_client_is_dropped_not_buffered_forever():
+    from duplexcache.server.app import Connection
+    from duplexcache.server.protocol import text_delta
+
+    async def main():
+        ws = _StuckSocket()
+        conn = Connection(ws, max_pending=4)
+        conn.start()
+        for i in range(10):
+            conn.send(text_delta(str(i)))
+            await asyncio.sleep(0)
+        await conn.finish(timeout=1.0)
+        return ws, conn
+
+    ws, conn = asyncio.run(main())
+    assert conn.closing and ws.sent == 1  # the stuck send did not keep the rest queued
+    assert ws.closed_with == (1008, "client too slow")

@@ -1,0 +1,468 @@
+"""GPU paths for the Thinker's paged KV cache (Triton).
+
+Two kernels live here:
+
+* ``paged_decode_attention``: one query token per sequence attends to all of its cached
+  tokens, reading K/V blocks *in place* through the block table (no gather copy).
+  Flash-decoding layout: each sequence's tokens are cut into ``num_splits`` ranges; one
+  program handles one (sequence, kv head, split) and all q heads of that GQA group, with an
+  online softmax; a second small kernel merges the splits by their log-sum-exp.
+* ``rerotate_keys_triton_``: the window compaction's in-place re-rotation of kept keys by
+  ``-delta`` (NeoX half-split RoPE, float32 angle math), one launch over all layers and all
+  listed blocks.
+
+Cache layout (see kv/paged_attention.py)::
+
+    k_cache_layer: (num_blocks, block_size, num_kv_heads, head_dim)
+    token i of a sequence -> block_tables[b, i // block_size], slot i % block_size
+    block 0 is the null block: table padding points at it, so masked loads stay in bounds.
+
+Triton is optional. Without it (or without CUDA, unless ``TRITON_INTERPRET=1`` is set before
+this module is imported, which runs the kernels on CPU tensors for tests) the public
+functions raise ``TritonUnavailableError``; the CPU reference lives in kv/paged_attention.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+try:  # Triton is an optional GPU dependency.
+    import triton
+    import triton.language as tl
+
+    _TRITON_IMPORT_ERROR: Exception | None = None
+except Exception as exc:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+    _TRITON_IMPORT_ERROR = exc
+
+_LOG2E = 1.4426950408889634
+
+
+class TritonUnavailableError(RuntimeError):
+    """Raised when a Triton kernel is requested but cannot run here."""
+
+
+# Triton decides at decoration time whether a kernel is compiled or interpreted, so what
+# counts is the variable's value when this module was imported, not its value now.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def interpreter_enabled() -> bool:
+    """True when the kernels here were built for Triton's CPU interpreter
+    (``TRITON_INTERPRET=1`` when this module was imported)."""
+    return triton is not None and _INTERPRETED
+
+
+def triton_available(device: torch.device | str | None = None) -> bool:
+    """Whether the kernels here can run on tensors of ``device`` (default: CUDA)."""
+    if triton is None:
+        return False
+    dev = torch.device(device) if device is not None else torch.device("cuda")
+    if dev.type == "cuda":
+        return torch.cuda.is_available()
+    return interpreter_enabled()
+
+
+def _require_runnable(device: torch.device) -> None:
+    if triton is None:
+        raise TritonUnavailableError(
+            f"Triton is not installed ({_TRITON_IMPORT_ERROR}); use the PyTorch reference "
+            "backend in duplexcache.kv.paged_attention")
+    if device.type == "cuda":
+        return
+    if not interpreter_enabled():
+        raise TritonUnavailableError(
+            f"Triton kernels need CUDA tensors, got device {device}; use the PyTorch reference "
+            "backend in duplexcache.kv.paged_attention (or set TRITON_INTERPRET=1 before "
+            "importing this module to run the kernels on CPU for testing)")
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+# --------------------------------------------------------------------------------------
+# Kernels (defined only when Triton imports).
+# --------------------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _paged_decode_split_kernel(
+        Q, K, V, BT, SL, OUT_PART, LSE_PART,
+        qk_scale_log2,  # softmax scale * log2(e): the softmax runs in base 2
+        stride_qb, stride_qh,
+        stride_kb, stride_kt, stride_kh,
+        stride_vb, stride_vt, stride_vh,
+        stride_btb,
+        stride_ob, stride_oh, stride_os,
+        stride_lb, stride_lh,
+        GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+        PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        """One program = (sequence b, kv head, split s); all GROUP q heads of the kv head.
+
+        Rows of the q tile beyond GROUP are zero padding so tl.dot gets its 16-row minimum;
+        they are never stored.
+        """
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+
+        seq_len = tl.load(SL + b)
+        # Split length is a multiple of BLOCK_N so every tile but the last one is full.
+        per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = split * per_split
+        end = tl.minimum(start + per_split, seq_len)
+
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, HEAD_DIM)
+        g_mask = offs_g < GROUP
+        heads = kvh * GROUP + offs_g
+        q_ptrs = Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0)  # (BLOCK_G, D)
+
+        m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+
+        bt_row = BT + b.to(tl.int64) * stride_btb
+        for t0 in range(start, end, BLOCK_N):
+            offs_n = t0 + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < end
+            # Out-of-range tokens read the null block 0, which always exists.
+            blk = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+            slot = offs_n % PAGE
+            k_row = K + blk * stride_kb + slot * stride_kt + kvh * stride_kh  # (BLOCK_N,)
+            k = tl.load(k_row[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
+            s = tl.where(n_mask[None, :], s, float("-inf"))  # (BLOCK_G, BLOCK_N)
+
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)  # first tile: exp2(-inf) = 0
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+
+            v_row = V + blk * stride_vb + slot * stride_vt + kvh * stride_vh
+            v = tl.load(v_row[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        # An empty split (start >= end) leaves l_i = 0 and m_i = -inf: store lse = -inf and
+        # zeros so the merge gives it no weight.
+        has = l_i > 0.0
+        out = acc / tl.where(has, l_i, 1.0)[:, None]
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+
+        o_ptrs = (OUT_PART + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh
+                  + split * stride_os + offs_d[None, :])
+        tl.store(o_ptrs, out, mask=g_mask[:, None])
+        tl.store(LSE_PART + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse,
+                 mask=g_mask)
+
+    @triton.jit
+    def _paged_decode_merge_kernel(
+        OUT_PART, LSE_PART, OUT,
+        stride_ob, stride_oh, stride_os,
+        stride_lb, stride_lh,
+        stride_outb, stride_outh,
+        NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+    ):
+        """One program = (sequence b, q head): weight each split by 2^(lse_s - max lse)."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, HEAD_DIM)
+        s_mask = offs_s < NUM_SPLITS
+
+        lse = tl.load(LSE_PART + b.to(tl.int64) * stride_lb + h * stride_lh + offs_s,
+                      mask=s_mask, other=float("-inf"))
+        m = tl.max(lse, axis=0)
+        m = tl.where(m == float("-inf"), 0.0, m)  # seq_len 0: every split empty -> zeros
+        w = tl.exp2(lse - m)
+        denom = tl.sum(w, axis=0)
+        denom = tl.where(denom > 0.0, denom, 1.0)
+
+        o_ptrs = (OUT_PART + b.to(tl.int64) * stride_ob + h * stride_oh
+                  + offs_s[:, None] * stride_os + offs_d[None, :])
+        parts = tl.load(o_ptrs, mask=s_mask[:, None], other=0.0)  # (BLOCK_S, D)
+        out = tl.sum(parts * w[:, None], axis=0) / denom
+        tl.store(OUT + b.to(tl.int64) * stride_outb + h * stride_outh + offs_d,
+                 out.to(OUT.dtype.element_ty))
+
+    @triton.jit
+    def _rerotate_kernel(
+        KC, BIDS, COS, SIN,  # COS/SIN: (D/2,) float32 tables of the angle -delta * inv_freq
+        num_ids,
+        stride_kl, stride_kb, stride_kt, stride_kh,
+        NUM_KV_HEADS: tl.constexpr, PAGE: tl.constexpr, HALF: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+    ):
+        """One program = BLOCK_R (token, kv head) rows of one listed block in one layer."""
+        pid = tl.program_id(0)
+        layer = pid // num_ids
+        i = pid % num_ids
+        blk = tl.load(BIDS + i).to(tl.int64)
+
+        rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        r_mask = rows < PAGE * NUM_KV_HEADS
+        t = rows // NUM_KV_HEADS
+        h = rows % NUM_KV_HEADS
+        base = KC + layer.to(tl.int64) * stride_kl + blk * stride_kb + t * stride_kt + h * stride_kh
+
+        offs = tl.arange(0, HALF)
+        cos = tl.load(COS + offs)[None, :]
+        sin = tl.load(SIN + offs)[None, :]
+
+        p1 = base[:, None] + offs[None, :]
+        p2 = p1 + HALF
+        x1 = tl.load(p1, mask=r_mask[:, None]).to(tl.float32)
+        x2 = tl.load(p2, mask=r_mask[:, None]).to(tl.float32)
+        # NeoX rotate_half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).
+        y1 = x1 * cos - x2 * sin
+        y2 = x2 * cos + x1 * sin
+        tl.store(p1, y1.to(KC.dtype.element_ty), mask=r_mask[:, None])
+        tl.store(p2, y2.to(KC.dtype.element_ty), mask=r_mask[:, None])
+
+
+# --------------------------------------------------------------------------------------
+# Paged decode attention
+# --------------------------------------------------------------------------------------
+_SM_COUNT: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: the split count only matters for coverage in tests
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_tokens: int, num_sms: int,
+                       min_tokens_per_split: int = 256, waves: int = 4) -> int:
+    """Splits per (sequence, kv head) so the grid fills ``waves`` x SMs, but no split is
+    shorter than ``min_tokens_per_split`` (short splits pay more in merge than they gain)."""
+    want = -(-waves * num_sms // max(1, batch * num_kv_heads))
+    cap = max(1, -(-max_tokens // min_tokens_per_split))
+    return max(1, min(want, cap))
+
+
+def _check_decode_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be (batch, num_q_heads, head_dim), got shape {tuple(q.shape)}")
+    if k.dim() != 4 or v.shape != k.shape:
+        raise ValueError("k_cache_layer and v_cache_layer must both be (num_blocks, block_size, "
+                         f"num_kv_heads, head_dim); got {tuple(k.shape)} and {tuple(v.shape)}")
+    batch, num_q_heads, head_dim = q.shape
+    _, page, num_kv_heads, kd = k.shape
+    if kd != head_dim:
+        raise ValueError(f"head_dim mismatch: q has {head_dim}, the cache has {kd}")
+    if not _is_pow2(head_dim) or head_dim < 16:
+        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads "
+                         f"{num_kv_heads}")
+    if q.dtype != k.dtype or v.dtype != k.dtype:
+        raise ValueError(f"dtype mismatch: q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("q, k_cache_layer and v_cache_layer need a contiguous last dimension")
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables must be (batch={batch}, max_blocks), got "
+                         f"{tuple(block_tables.shape)}")
+    if seq_lens.shape != (batch,):
+        raise ValueError(f"seq_lens must be (batch={batch},), got {tuple(seq_lens.shape)}")
+    if block_tables.dtype not in (torch.int32, torch.int64) or seq_lens.dtype not in (
+            torch.int32, torch.int64):
+        raise ValueError("block_tables and seq_lens must be int32 or int64, got "
+                         f"{block_tables.dtype} and {seq_lens.dtype}")
+    devices = {t.device for t in (q, k, v, block_tables, seq_lens)}
+    if len(devices) != 1:
+        raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache_layer: torch.Tensor,
+    v_cache_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Decode attention over a paged KV cache, reading blocks in place.
+
+    Args:
+        q: (B, Hq, D), the one new query token of each sequence (already RoPE'd).
+        k_cache_layer, v_cache_layer: (num_blocks, block_size, Hkv, D) for one layer.
+        block_tables: (B, max_blocks) int32, padded with the null block 0.
+        seq_lens: (B,) int32, number of cached tokens each query attends to (including its
+            own token, which must already be written). Contract (not checked, it would cost a
+            device sync): ``seq_lens[b] <= max_blocks * block_size``. A row with
+            ``seq_lens[b] == 0`` (batch padding) returns zeros.
+        scale: softmax scale, usually ``D ** -0.5``.
+        num_splits: sequence splits per (sequence, kv head); default from the SM count.
+
+    Returns:
+        (B, Hq, D) in q's dtype.
+    """
+    _check_decode_inputs(q, k_cache_layer, v_cache_layer, block_tables, seq_lens)
+    _require_runnable(q.device)
+    if not _is_pow2(block_n) or block_n < 16:
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    batch, num_q_heads, head_dim = q.shape
+    page, num_kv_heads = k_cache_layer.shape[1], k_cache_layer.shape[2]
+    group = num_q_heads // num_kv_heads
+    max_tokens = block_tables.shape[1] * page
+    if num_splits is None:
+        num_splits = default_num_splits(batch, num_kv_heads, max_tokens, _num_sms(q.device))
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+
+    out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    out_part = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32,
+                           device=q.device)
+    lse_part = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
+    # float32 inputs keep full precision (Triton's default dot on float32 is tf32); 16-bit
+    # inputs take the default.
+    precision = "ieee" if q.dtype == torch.float32 else None
+    _paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache_layer, v_cache_layer, block_tables, seq_lens, out_part, lse_part,
+        float(scale) * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache_layer.stride(0), k_cache_layer.stride(1), k_cache_layer.stride(2),
+        v_cache_layer.stride(0), v_cache_layer.stride(1), v_cache_layer.stride(2),
+        block_tables.stride(0),
+        out_part.stride(0), out_part.stride(1), out_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1),
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits, DOT_PRECISION=precision,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    _paged_decode_merge_kernel[(batch, num_q_heads)](
+        out_part, lse_part, out,
+        out_part.stride(0), out_part.stride(1), out_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1),
+        out.stride(0), out.stride(1),
+        NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+        num_warps=4,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Fused re-rotation of kept keys
+# --------------------------------------------------------------------------------------
+def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str = "cpu") -> torch.Tensor:
+    """NeoX inverse frequencies in float32: theta ** (-2i / head_dim), i < head_dim / 2.
+
+    Computed on ``device`` itself, as the forward RoPE computes them there."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    return 1.0 / (theta ** exponents)
+
+
+_INV_FREQ_CACHE: dict[tuple[int, float, str], torch.Tensor] = {}
+
+
+def _cached_inv_freq(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    # Built once per device: a per-call host tensor would need a host-to-device copy, which
+    # stalls the host for longer than the kernel itself runs.
+    key = (head_dim, float(theta), str(device))
+    if key not in _INV_FREQ_CACHE:
+        _INV_FREQ_CACHE[key] = rope_inv_freq(head_dim, theta, device)
+    return _INV_FREQ_CACHE[key]
+
+
+def _block_ids_tensor(block_ids: torch.Tensor | Sequence[int], num_blocks: int,
+                      device: torch.device, check_ids: bool) -> torch.Tensor:
+    ids = block_ids if isinstance(block_ids, torch.Tensor) else torch.tensor(
+        list(block_ids), dtype=torch.int64)
+    if ids.dim() != 1:
+        raise ValueError(f"block_ids must be 1-D, got shape {tuple(ids.shape)}")
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"block_ids must be an integer tensor, got {ids.dtype}")
+    if check_ids and ids.numel() > 0:
+        # One host sync; compaction is rare, and a duplicate id would rotate a key twice.
+        host = ids.cpu()
+        if int(host.min()) < 1 or int(host.max()) >= num_blocks:
+            raise ValueError(f"block_ids must lie in [1, {num_blocks}) (block 0 is the null "
+                             f"block), got min {int(host.min())} max {int(host.max())}")
+        if torch.unique(host).numel() != host.numel():
+            raise ValueError("block_ids contains duplicates: a kept key would be rotated twice")
+    return ids.to(device=device)
+
+
+def rerotate_keys_triton_(
+    k_cache: torch.Tensor,
+    block_ids: torch.Tensor | Sequence[int],
+    delta: int,
+    theta: float,
+    *,
+    check_ids: bool = True,
+    block_rows: int = 64,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """Rotate every key of the listed blocks, in every layer, by -delta positions, in place.
+
+    ``k_cache`` is (L, num_blocks, block_size, Hkv, D) and contiguous in its last dim; V is
+    never touched. Angles are float32 ``(-delta) * inv_freq`` (cos/sin by torch, once); the
+    rotation runs in float32 and is cast back once. ``check_ids`` validates ids on the host
+    (range, no null block, no duplicates); it costs one device sync when ids live on the GPU.
+    Each listed block is read and written by exactly one program, so in place is race-free.
+    Returns ``k_cache``.
+    """
+    if k_cache.dim() != 5:
+        raise ValueError("k_cache must be (num_layers, num_blocks, block_size, num_kv_heads, "
+                         f"head_dim), got shape {tuple(k_cache.shape)}")
+    if isinstance(delta, bool) or not isinstance(delta, int):
+        raise ValueError(f"delta must be an int number of positions, got {delta!r}")
+    num_layers, num_blocks, page, num_kv_heads, head_dim = k_cache.shape
+    if head_dim % 2 or not _is_pow2(head_dim // 2):
+        raise ValueError(f"head_dim must be even with a power-of-two half, got {head_dim}")
+    if k_cache.stride(-1) != 1:
+        raise ValueError("k_cache needs a contiguous last dimension")
+    if not _is_pow2(block_rows):
+        raise ValueError(f"block_rows must be a power of two, got {block_rows}")
+    _require_runnable(k_cache.device)
+    ids = _block_ids_tensor(block_ids, num_blocks, k_cache.device, check_ids)
+    if delta == 0 or ids.numel() == 0 or num_layers == 0:
+        return k_cache
+    # The D/2 angles are computed once by torch in float32, as the forward RoPE computes
+    # them; device cos/sin in the kernel could take a fast approximate path whose error grows
+    # with |angle| (here up to |delta| radians).
+    angle = float(-delta) * _cached_inv_freq(head_dim, theta, k_cache.device)
+    cos, sin = angle.cos(), angle.sin()
+    grid = (num_layers * ids.numel(), triton.cdiv(page * num_kv_heads, block_rows))
+    _rerotate_kernel[grid](
+        k_cache, ids, cos, sin, ids.numel(),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
+        NUM_KV_HEADS=num_kv_heads, PAGE=page, HALF=head_dim // 2, BLOCK_R=block_rows,
+        num_warps=num_warps,
+    )
+    return k_cache
+
+
+__all__ = [
+    "TritonUnavailableError",
+    "default_num_splits",
+    "interpreter_enabled",
+    "paged_decode_attention",
+    "rerotate_keys_triton_",
+    "rope_inv_freq",
+    "triton_available",
+]

@@ -1,0 +1,465 @@
+"""Stage 0 runtime: many duplex sessions over one Thinker and one paged KV pool.
+
+``Stage0Runner`` owns the Stage 0 sessions. It asks the ``KVCacheManager`` for blocks (the
+manager owns block tables and ref counts), applies the anchor-protected window, and runs
+every step as ONE ragged ``Thinker.forward_paged`` over all sessions in the call.
+
+Session layout (block size 16, a 40-token context, sharing on)::
+
+    logical idx  0 ........ 15 | 16 ....... 31 | 32 .. 39 40 .. 47 | 48 ...
+    table        [shared full 0][shared full 1 ][private tail       ][private ...
+                 \\______ anchor: sink_blocks = ceil(40/16) = 3 ______/
+                  ref_cnt = number of sessions   tail: copy of a read-only template
+                  with this context              (copy-on-write), then appended into
+
+Opening sessions (one call, one forward):
+
+1. ``allocate_context`` per session, in call order. A session whose full blocks were
+   allocated earlier in the same call hits them (no duplicate blocks); their K/V is written
+   in the same forward before any attention reads it (design.md contract).
+2. ``cow_pairs`` (a ready template) are copied before the forward; the tail is not computed.
+3. One forward over every session's missed tokens ``[compute_start, compute_end)``.
+4. ``template_pairs`` (a new template from the tail just computed) are copied, then tails of
+   sessions whose template was created earlier in this same call are copied from it
+   ("deferred copy-on-write": every session with one context gets bit-identical K/V).
+5. ``commit_context``.
+
+Appending (``append`` / ``decode``), per session before the forward:
+
+* window ``basic``: ``plan_compaction`` -> ``drop_blocks`` -> ``rerotate_keys_`` of the kept
+  blocks after the anchor by ``-delta`` (anchor blocks are never rotated or written; V is
+  untouched; nothing is copied).
+* window ``rebuild`` (A/B reference only): drop every full block after the anchor, then
+  re-prefill the kept tokens from the session's own input history in the same forward.
+* window ``off``: no compaction; past the model's position limit or with the pool full the
+  session ends with ``ContextLengthExceeded``.
+
+A session that cannot continue is closed (its blocks freed) and its error is returned in
+``StepResult.errors``; the other sessions of the call continue.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from duplexcache.kv.block_hash import context_block_hashes
+from duplexcache.kv.kv_cache_manager import ContextAllocation, KVCacheManager, PoolStats, SessionBytes
+from duplexcache.kv.paged_attention import PagedBatch, PagedKVCache, copy_blocks
+from duplexcache.kv.rope import rerotate_keys_
+from duplexcache.kv.window import ContextLengthExceeded, WindowConfig, plan_compaction
+from duplexcache.runtime.stage0_window import SessionHistory, shift_unit_starts, stage0_session_bytes
+
+if TYPE_CHECKING:
+    from duplexcache.kv.window import WindowPlan
+    from duplexcache.models.thinker import Thinker
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "BlockBudgetTooSmall",
+    "ContextLengthExceeded",
+    "SessionContextInput",
+    "Stage0Runner",
+    "StepResult",
+    "stage0_session_bytes",
+]
+
+
+class BlockBudgetTooSmall(ValueError):
+    """The KV pool cannot hold even one session at its worst case (context + full window)."""
+
+    code = "kv_budget_too_small"
+
+
+@dataclass(frozen=True)
+class SessionContextInput:
+    """The anchor of one session: its whole context, already embedded.
+
+    ``inputs_embeds`` (T, H): token embeddings with the reference-audio embeddings spliced
+    in. ``token_ids`` (T): audio positions carry a filler id, which is why ``extra_key``
+    (sha256 of the reference audio + model revision) must name the embeddings: two sessions
+    share context blocks only if token ids AND extra key are equal.
+    """
+
+    inputs_embeds: torch.Tensor
+    token_ids: Sequence[int]
+    extra_key: bytes = b""
+
+    def __post_init__(self) -> None:
+        if self.inputs_embeds.dim() != 2:
+            raise ValueError(f"context inputs_embeds must be (T, H), got {tuple(self.inputs_embeds.shape)}")
+        ids = self.token_ids.tolist() if isinstance(self.token_ids, torch.Tensor) else list(self.token_ids)
+        object.__setattr__(self, "token_ids", tuple(int(t) for t in ids))
+        if len(self.token_ids) != self.inputs_embeds.shape[0] or not self.token_ids:
+            raise ValueError(
+                f"context has {len(self.token_ids)} token ids and {self.inputs_embeds.shape[0]} "
+                "embeddings; they must be equal and non-zero"
+            )
+        if not isinstance(self.extra_key, (bytes, bytearray)):
+            raise ValueError(f"context extra_key must be bytes, got {type(self.extra_key).__name__}")
+
+    @property
+    def prefix_len(self) -> int:
+        """Anchor length: every context token is protected from the window."""
+        return len(self.token_ids)
+
+
+@dataclass
+class StepResult(Mapping):
+    """Per-session outcome of one call: logits (V,) for sessions that ran, errors for those
+    that ended. Reads like a mapping of logits; ``result[sid]`` re-raises a session's error."""
+
+    logits: dict[str, torch.Tensor] = field(default_factory=dict)
+    errors: dict[str, Exception] = field(default_factory=dict)
+
+    def __getitem__(self, sid: str) -> torch.Tensor:
+        if sid in self.errors:
+            raise self.errors[sid]
+        return self.logits[sid]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.logits)
+
+    def __len__(self) -> int:
+        return len(self.logits)
+
+
+@dataclass
+class _Session:
+    """Runtime state of one session; the manager owns its blocks, this owns the rest."""
+
+    sid: str
+    prefix_len: int
+    unit_starts: list[int] = field(default_factory=list)  # logical indices where units begin
+    history: SessionHistory | None = None  # rebuild mode only
+    num_compactions: int = 0
+
+
+@dataclass
+class _Work:
+    """One session's slice of a ragged forward."""
+
+    sid: str
+    num_computed: int
+    embeds: torch.Tensor  # (num_new, H)
+    wants_logits: bool = True
+
+
+class Stage0Runner:
+    """Stage 0 sessions over a Thinker, a ``KVCacheManager`` and its ``PagedKVCache``."""
+
+    def __init__(
+        self,
+        thinker: Thinker,
+        kv_manager: KVCacheManager,
+        kv_cache: PagedKVCache,
+        window: WindowConfig,
+        share_context: bool,
+        block_size: int = 16,
+    ) -> None:
+        if block_size != kv_manager.block_size or block_size != kv_cache.block_size:
+            raise ValueError(
+                f"block_size {block_size} must equal the manager's ({kv_manager.block_size}) "
+                f"and the cache's ({kv_cache.block_size})"
+            )
+        if kv_cache.num_blocks != kv_manager.pool.num_blocks:
+            raise ValueError(
+                f"KV cache has {kv_cache.num_blocks} blocks but the manager's pool has {kv_manager.pool.num_blocks}"
+            )
+        self.thinker = thinker
+        self.manager = kv_manager
+        self.cache = kv_cache
+        self.window = window
+        self.share_context = share_context
+        self.block_size = block_size
+        self.max_positions = int(thinker.config.max_position_embeddings)
+        self.sessions: dict[str, _Session] = {}
+
+    # ------------------------------------------------------------------ admission
+
+    def worst_case_blocks(self, prefix_len: int) -> int:
+        """Blocks one session may hold at once: its table at the longest length the window
+        allows (``prefix + high``), plus a copy-on-write template reference."""
+        longest = prefix_len + self.window.high_tokens if self.window.enabled else prefix_len
+        template = int(self.share_context and prefix_len % self.block_size != 0)
+        return -(-longest // self.block_size) + template
+
+    def check_fits_alone(self, context: SessionContextInput) -> None:
+        """Raise ``BlockBudgetTooSmall`` (numbers named) if one session alone cannot fit the pool."""
+        need = self.worst_case_blocks(context.prefix_len)
+        have = self.manager.pool.num_usable_blocks
+        if need > have:
+            raise BlockBudgetTooSmall(
+                f"one session needs up to {need} blocks of {self.block_size} tokens (context "
+                f"{context.prefix_len} + window high {self.window.high_tokens if self.window.enabled else 0} "
+                f"tokens) but the KV pool has only {have} usable blocks"
+            )
+
+    def can_open(self, context: SessionContextInput) -> bool:
+        """Whether ``open_session`` would get its blocks now (cache hits counted).
+
+        Raises ``BlockBudgetTooSmall`` if the session could never fit, even in an empty pool.
+        """
+        self.check_fits_alone(context)
+        return self.manager.can_allocate_context(context.token_ids, context.extra_key, self.share_context)
+
+    # ------------------------------------------------------------------ open / close
+
+    def open_session(self, sid: str, context: SessionContextInput) -> None:
+        """Open one session; raises its error (``ContextLengthExceeded``, ``OutOfBlocks``...)."""
+        result = self.open_sessions({sid: context})
+        if sid in result.errors:
+            raise result.errors[sid]
+
+    def open_sessions(self, contexts: Mapping[str, SessionContextInput]) -> StepResult:
+        """Open several sessions with ONE batched forward over the context tokens that missed
+        the shared cache. Returns errors for sessions that could not open (others proceed).
+        Logits are not returned: a full cache hit computes nothing."""
+        for sid, ctx in contexts.items():  # caller mistakes raise before anything is allocated
+            self._validate_context(sid, ctx)
+        result = StepResult()
+        allocs: dict[str, ContextAllocation] = {}
+        for sid, ctx in contexts.items():
+            err = self._admission_error(sid, ctx)
+            if err is not None:
+                logger.info("session %s refused: %s", sid, err)
+                result.errors[sid] = err
+                continue
+            allocs[sid] = self.manager.allocate_context(sid, ctx.token_ids, ctx.extra_key, self.share_context)
+            hist = SessionHistory(ctx.prefix_len) if self.window.mode == "rebuild" else None
+            self.sessions[sid] = _Session(sid, ctx.prefix_len, history=hist)
+        if not allocs:
+            return result
+        deferred = self._deferred_cow(allocs, contexts)
+        copy_blocks(self.cache, [p for a in allocs.values() for p in a.cow_pairs])
+        work = []
+        for sid, a in allocs.items():
+            end = a.compute_end - (a.compute_end % self.block_size if sid in deferred else 0)
+            embeds = contexts[sid].inputs_embeds[a.compute_start:end]
+            work.append(_Work(sid, a.compute_start, embeds, wants_logits=False))
+        self._forward(work)
+        copy_blocks(self.cache, [p for a in allocs.values() for p in a.template_pairs])
+        copy_blocks(self.cache, list(deferred.values()))
+        for sid in allocs:
+            self.manager.commit_context(sid)
+        logger.debug("opened %d sessions: %d cached tokens, %d computed", len(allocs),
+                     sum(a.num_cached_tokens for a in allocs.values()), sum(w.embeds.shape[0] for w in work))
+        return result
+
+    def _validate_context(self, sid: str, ctx: SessionContextInput) -> None:
+        """Caller mistakes: raise ValueError (or ``BlockBudgetTooSmall``) naming the problem."""
+        if sid in self.sessions:
+            raise ValueError(f"session {sid!r} is already open")
+        if ctx.inputs_embeds.shape[1] != self.thinker.config.hidden_size:
+            raise ValueError(
+                f"session {sid!r}: context embeddings have width {ctx.inputs_embeds.shape[1]}, "
+                f"the Thinker's hidden size is {self.thinker.config.hidden_size}"
+            )
+        self.check_fits_alone(ctx)
+
+    def _admission_error(self, sid: str, ctx: SessionContextInput) -> Exception | None:
+        """Why ``sid`` cannot open now (its error, returned for that session only), or None."""
+        longest = ctx.prefix_len + (self.window.high_tokens if self.window.enabled else 0)
+        if longest > self.max_positions:
+            return ContextLengthExceeded(
+                f"context_length_exceeded: session {sid!r}: context of {ctx.prefix_len} tokens + window "
+                f"high {longest - ctx.prefix_len} exceeds the model's {self.max_positions} positions"
+            )
+        if not self.manager.can_allocate_context(ctx.token_ids, ctx.extra_key, self.share_context):
+            need = self.manager.num_blocks_needed(ctx.token_ids, ctx.extra_key, self.share_context)
+            return ContextLengthExceeded(
+                f"context_length_exceeded: session {sid!r}: context of {ctx.prefix_len} tokens needs "
+                f"{need} free blocks, the KV pool has {self.manager.pool.num_free}"
+            )
+        return None
+
+    def _deferred_cow(
+        self, allocs: dict[str, ContextAllocation], contexts: Mapping[str, SessionContextInput]
+    ) -> dict[str, tuple[int, int]]:
+        """Sessions whose tail template is created by an earlier session of this same call.
+
+        The manager offers a template only once it is committed, so such a session would
+        compute its tail itself. Copying the tail from the template after the forward
+        instead saves that compute and makes every session with one context hold the same
+        K/V bits. Returns ``sid -> (template, tail block)`` copies.
+        """
+        if not self.share_context:
+            return {}
+        new_templates = {dst for a in allocs.values() for _, dst in a.template_pairs}
+        out: dict[str, tuple[int, int]] = {}
+        for sid, a in allocs.items():
+            if a.template_pairs or a.cow_pairs or a.num_tokens % self.block_size == 0:
+                continue
+            ctx = contexts[sid]
+            _, partial_key = context_block_hashes(ctx.token_ids, self.block_size, ctx.extra_key)
+            template = self.manager.pool.get_cached_block(partial_key)
+            if template is not None and template.block_id in new_templates:
+                # Its full blocks all hit (the template key chains them), so only the tail is left.
+                assert a.compute_end - a.compute_start == a.num_tokens % self.block_size
+                out[sid] = (template.block_id, a.block_ids[-1])
+        return out
+
+    def close_session(self, sid: str) -> None:
+        """Free every block of ``sid`` (shared ones stay cached until memory is needed)."""
+        if sid not in self.sessions:
+            raise ValueError(f"unknown session {sid!r}")
+        del self.sessions[sid]
+        self.manager.free(sid)
+
+    # ------------------------------------------------------------------ steps
+
+    def append(self, inputs: Mapping[str, torch.Tensor], unit_start: bool) -> StepResult:
+        """Append ``inputs[sid]`` (n, H) to each session in one ragged forward; returns the
+        logits of each session's last new token. ``unit_start``: the first input token of
+        every session begins a unit (``<unit>``), which the window cut prefers to align to."""
+        for sid, embeds in inputs.items():  # caller mistakes raise before any session changes
+            self._check_input(sid, embeds)
+        result = StepResult()
+        work: list[_Work] = []
+        for sid, embeds in inputs.items():
+            try:
+                work.append(self._prepare(sid, embeds, unit_start))
+            except ContextLengthExceeded as err:
+                logger.info("session %s ended: %s", sid, err)
+                self.close_session(sid)
+                result.errors[sid] = err
+        if work:
+            logits = self._forward(work)
+            result.logits.update(logits)
+        for w in work:
+            sess = self.sessions[w.sid]
+            if sess.history is not None:
+                sess.history.append(inputs[w.sid])
+        return result
+
+    def decode(self, tokens: Mapping[str, int]) -> StepResult:
+        """One token per session (e.g. the sampled text token), batched."""
+        if not tokens:
+            return StepResult()
+        sids = list(tokens)
+        device = self.thinker.lm_head.weight.device
+        ids = torch.tensor([int(tokens[s]) for s in sids], dtype=torch.long, device=device)
+        with torch.no_grad():
+            embeds = self.thinker.embed(ids)  # (B, H)
+        return self.append({sid: embeds[i:i + 1] for i, sid in enumerate(sids)}, unit_start=False)
+
+    def _check_input(self, sid: str, embeds: torch.Tensor) -> None:
+        if sid not in self.sessions:
+            raise ValueError(f"unknown session {sid!r}")
+        if embeds.dim() != 2 or embeds.shape[0] == 0 or embeds.shape[1] != self.thinker.config.hidden_size:
+            raise ValueError(
+                f"session {sid!r}: inputs_embeds must be (n >= 1, {self.thinker.config.hidden_size}), "
+                f"got {tuple(embeds.shape)}"
+            )
+
+    def _prepare(self, sid: str, embeds: torch.Tensor, unit_start: bool) -> _Work:
+        """Apply the window for ``sid``, reserve slots for ``embeds``; return its forward slice."""
+        sess = self.sessions[sid]
+        n = embeds.shape[0]
+        num_tokens = self.manager.num_tokens(sid)
+        if unit_start:
+            sess.unit_starts.append(num_tokens)
+        plan = plan_compaction(sess.prefix_len, num_tokens, n, self.window, self.block_size,
+                               sess.unit_starts)  # raises ContextLengthExceeded
+        num_computed = num_tokens
+        if plan is not None and plan.num_dropped_blocks > 0:
+            if self.window.mode == "basic":
+                self._compact_basic(sess, plan)
+                num_computed = plan.new_num_tokens
+            else:
+                embeds, num_computed = self._compact_rebuild(sess, plan, embeds)
+        if num_computed + embeds.shape[0] > self.max_positions:
+            raise ContextLengthExceeded(
+                f"context_length_exceeded: session {sid!r} would reach {num_computed + embeds.shape[0]} "
+                f"tokens, past the model's {self.max_positions} positions (window {self.window.mode})"
+            )
+        slots = num_computed + embeds.shape[0] - self.manager.num_tokens(sid)
+        assert slots >= 0, f"session {sid}: negative slot count {slots}"
+        if not self.manager.can_append(sid, slots):
+            raise ContextLengthExceeded(
+                f"context_length_exceeded: session {sid!r} at {num_computed} tokens needs "
+                f"{self.manager.blocks_for_tokens(num_computed + embeds.shape[0]) - len(self.manager.block_table(sid))} "
+                f"more blocks for {n} tokens, the KV pool has {self.manager.pool.num_free} free"
+            )
+        self.manager.append_slots(sid, slots)
+        return _Work(sid, num_computed, embeds)
+
+    def _compact_basic(self, sess: _Session, plan: WindowPlan) -> None:
+        """Drop the planned blocks and re-rotate the kept non-anchor keys by -delta, in place.
+
+        ``kept_block_range_after`` starts at ``sink_blocks``: the anchor is never in it.
+        """
+        self.manager.drop_blocks(sess.sid, plan.first_dropped_block, plan.num_dropped_blocks)
+        table = self.manager.block_table(sess.sid)
+        kept = [table[i] for i in plan.kept_block_range_after]
+        assert plan.kept_block_range_after.start >= plan.sink_blocks, "window would rotate an anchor block"
+        rerotate_keys_(self.cache.k, kept, plan.delta_tokens, self.thinker.config.rope_theta)
+        self._after_drop(sess, plan)
+
+    def _compact_rebuild(self, sess: _Session, plan: WindowPlan, embeds: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Reference mode: forget the planned tokens, release every full block after the
+        anchor, and return the kept tokens + ``embeds`` to prefill from scratch.
+
+        The partial last block (if any) cannot be dropped; it stays in the table and its
+        slots are rewritten by the re-prefill, like every other kept slot.
+        """
+        assert sess.history is not None
+        self._after_drop(sess, plan)
+        bs, sid = self.block_size, sess.sid
+        num_tokens = self.manager.num_tokens(sid)
+        full = num_tokens // bs
+        if full > plan.sink_blocks:
+            self.manager.drop_blocks(sid, plan.sink_blocks, full - plan.sink_blocks)
+        start = plan.sink_blocks * bs  # first logical index after the anchor blocks
+        kept = sess.history.since(start)
+        assert start + kept.shape[0] == plan.new_num_tokens, "history and plan disagree on the kept length"
+        return torch.cat((kept.to(embeds.dtype), embeds), dim=0), start
+
+    def _after_drop(self, sess: _Session, plan: WindowPlan) -> None:
+        first = plan.first_dropped_block * self.block_size
+        sess.unit_starts = shift_unit_starts(sess.unit_starts, first, plan.delta_tokens)
+        if sess.history is not None:
+            sess.history.drop(first, plan.delta_tokens)
+        sess.num_compactions += 1
+        logger.debug("session %s: window dropped %d blocks (delta %d), %d tokens left", sess.sid,
+                     plan.num_dropped_blocks, plan.delta_tokens, plan.new_num_tokens)
+
+    def _forward(self, work: list[_Work]) -> dict[str, torch.Tensor]:
+        """One ragged forward over ``work``; logits (V,) of the last token of each session that
+        wants them and computed at least one token."""
+        tables = [self.manager.block_table(w.sid) for w in work]
+        batch = PagedBatch.build(tables, [w.num_computed for w in work], [w.embeds.shape[0] for w in work],
+                                 None, self.block_size, self.cache.device)
+        weight = self.thinker.lm_head.weight
+        if batch.num_tokens == 0:
+            return {}
+        embeds = torch.cat([w.embeds for w in work], dim=0).to(device=weight.device, dtype=weight.dtype)
+        with torch.inference_mode():
+            hidden = self.thinker.forward_paged(embeds, batch, self.cache)
+            wanted = [i for i, w in enumerate(work) if w.wants_logits and w.embeds.shape[0] > 0]
+            if not wanted:
+                return {}
+            logits = self.thinker.logits_at(hidden, batch, wanted)
+        return {work[i].sid: logits[j] for j, i in enumerate(wanted)}
+
+    # ------------------------------------------------------------------ accounting
+
+    def num_tokens(self, sid: str) -> int:
+        return self.manager.num_tokens(sid)
+
+    def block_table(self, sid: str) -> list[int]:
+        return self.manager.block_table(sid)
+
+    def num_anchor_blocks(self, sid: str) -> int:
+        return self.manager.num_context_blocks(sid)
+
+    def session_bytes(self, sid: str) -> SessionBytes:
+        return self.manager.session_bytes(sid)
+
+    def pool_stats(self) -> PoolStats:
+        return self.manager.pool_stats()

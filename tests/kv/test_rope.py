@@ -1,0 +1,100 @@
+"""NeoX RoPE helpers against transformers' Qwen3 rotary code, and in-place key re-rotation."""
+
+import pytest
+import torch
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
+
+from duplexcache.kv.rope import apply_rope, rerotate_keys_, rope_cos_sin
+
+THETA = 1e6
+D = 16
+
+
+def hf_rope(x_bhtd: torch.Tensor, positions: torch.Tensor, theta: float = THETA):
+    cfg = Qwen3Config(hidden_size=64, num_attention_heads=4, head_dim=x_bhtd.shape[-1],
+                      rope_parameters={"rope_type": "default", "rope_theta": theta})
+    cos, sin = Qwen3RotaryEmbedding(cfg)(x_bhtd, positions[None])
+    out, _ = apply_rotary_pos_emb(x_bhtd, x_bhtd, cos, sin)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_transformers_bit_exact(dtype):
+    torch.manual_seed(0)
+    pos = torch.tensor([0, 1, 7, 300, 8191, 123456])
+    x = torch.randn(1, 3, len(pos), D).to(dtype)  # (B, H, T, D)
+    cos, sin = rope_cos_sin(pos, D, THETA, dtype=dtype)  # (T, D)
+    ours = apply_rope(x, cos[None, None], sin[None, None])
+    assert torch.equal(ours, hf_rope(x, pos))
+
+
+def rope_keys(raw: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """raw (T, H, D) -> RoPE at positions, float32."""
+    cos, sin = rope_cos_sin(positions, raw.shape[-1], THETA)
+    return apply_rope(raw, cos[:, None], sin[:, None])
+
+
+def make_cache(layers=2, blocks=8, bs=4, heads=2, dtype=torch.float32):
+    torch.manual_seed(1)
+    return torch.randn(layers, blocks, bs, heads, D).to(dtype)
+
+
+@pytest.mark.parametrize("base,tol", [(0, 1e-5), (8000, 2e-3)])
+def test_rotate_by_minus_delta_equals_rope_at_shifted_position(base, tol):
+    # Keys for logical index p = base + 4*j + o are stored in block ids [3, 5, 6], RoPE'd at p.
+    bs, delta = 4, 8
+    ids = [3, 5, 6]
+    raw = torch.randn(2, len(ids) * bs, 2, D)  # (layers, tokens, heads, D)
+    pos = torch.arange(base, base + len(ids) * bs)
+    k_cache = make_cache()
+    for layer in range(2):
+        k_cache[layer, ids] = rope_keys(raw[layer], pos).reshape(len(ids), bs, 2, D)
+    rerotate_keys_(k_cache, ids, delta, THETA)
+    for layer in range(2):
+        want = rope_keys(raw[layer], pos - delta).reshape(len(ids), bs, 2, D)
+        # Equal up to float32 rounding of the angles (larger at large positions).
+        torch.testing.assert_close(k_cache[layer, ids], want, rtol=0, atol=tol)
+        assert not torch.allclose(k_cache[layer, ids], rope_keys(raw[layer], pos).reshape(len(ids), bs, 2, D))
+
+
+def test_in_place_only_listed_blocks_and_layers_each_once():
+    k_cache = make_cache(layers=3)
+    v_cache = make_cache(layers=3) + 1
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    ptr = k_cache.untyped_storage().data_ptr()
+    out = rerotate_keys_(k_cache, [2, 4], 16, THETA, layers=[0, 2])
+    assert out is k_cache and k_cache.untyped_storage().data_ptr() == ptr  # no new storage
+    assert torch.equal(v_cache, before_v)
+    untouched = [b for b in range(8) if b not in (2, 4)]
+    assert torch.equal(k_cache[:, untouched], before_k[:, untouched])
+    assert torch.equal(k_cache[1], before_k[1])
+    # Exactly one rotation: compare with an independent single rotation of the originals.
+    ang = -16 * (1.0 / THETA ** (torch.arange(0, D, 2).float() / D))
+    c, s = torch.cat([ang, ang]).cos(), torch.cat([ang, ang]).sin()
+    x = before_k[[0, 2]][:, [2, 4]]
+    want = x * c + torch.cat([-x[..., D // 2:], x[..., :D // 2]], -1) * s
+    assert torch.equal(k_cache[[0, 2]][:, [2, 4]], want)
+    # Rotating back restores the keys up to rounding.
+    rerotate_keys_(k_cache, [2, 4], -16, THETA, layers=[0, 2])
+    torch.testing.assert_close(k_cache, before_k, rtol=0, atol=1e-6)
+
+
+def test_bf16_cache_computed_in_float32():
+    k_cache = make_cache(dtype=torch.bfloat16)
+    before = k_cache.clone()
+    rerotate_keys_(k_cache, [1, 7], 40, THETA)
+    ang = -40 * (1.0 / THETA ** (torch.arange(0, D, 2).float() / D))
+    c, s = torch.cat([ang, ang]).cos(), torch.cat([ang, ang]).sin()
+    x = before[:, [1, 7]].float()
+    want = (x * c + torch.cat([-x[..., D // 2:], x[..., :D // 2]], -1) * s).to(torch.bfloat16)
+    assert k_cache.dtype == torch.bfloat16 and torch.equal(k_cache[:, [1, 7]], want)
+
+
+@pytest.mark.parametrize("ids,layers,match", [
+    ([2, 2], None, "duplicate"), ([0, 3], None, "null block"), ([8], None, r"\[1, 8\)"),
+    ([2], [0, 0], "layers"), ([2], [5], "layers"),
+])
+def test_bad_arguments(ids, layers, match):
+    with pytest.raises(ValueError, match=match):
+        rerotate_keys_(make_cache(), ids, 4, THETA, layers=layers)

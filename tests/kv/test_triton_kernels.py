@@ -1,0 +1,325 @@
+"""Triton kernels, run on CPU through Triton's interpreter (TRITON_INTERPRET=1).
+
+Each kernel is compared with an independent plain-PyTorch reference (float64) on the same
+random data. Shapes are tiny: the interpreter executes every program in numpy.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+_PREV_INTERPRET = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the decoration of any Triton function
+triton = pytest.importorskip("triton", reason="triton is not installed: kernels cannot be "
+                             "interpreted on CPU")
+
+import numpy as np  # noqa: E402
+
+import duplexcache.kv.triton_kernels as tk  # noqa: E402
+
+_TRITON_VER = tuple(int(x) for x in triton.__version__.split(".")[:2])
+_NUMPY_VER = tuple(int(x) for x in np.__version__.split(".")[:2])
+if _TRITON_VER < (3, 8) and _NUMPY_VER >= (2, 4):
+    pytest.skip(f"triton {triton.__version__}'s interpreter calls int() on 1-element arrays, "
+                f"which numpy {np.__version__} refuses, in every loop with a runtime bound; "
+                "use triton>=3.8 (fixed there) to run these tests", allow_module_level=True)
+
+# Triton's own library functions (tl.cdiv, tl.sum, ...) are decorated when triton is first
+# imported. If another test module imported it earlier without the interpreter, kernels
+# cannot be interpreted in this process: then one test reruns this file in a fresh one.
+_INTERP_OK = isinstance(triton.language.standard.sum,
+                        triton.runtime.interpreter.InterpretedFunction) and isinstance(
+    tk._rerotate_kernel, triton.runtime.interpreter.InterpretedFunction)
+
+# Leave the environment as other test modules expect it; set it again only while this
+# module's tests run (the interpreter reads it at call time too).
+if _PREV_INTERPRET is None:
+    del os.environ["TRITON_INTERPRET"]
+else:
+    os.environ["TRITON_INTERPRET"] = _PREV_INTERPRET
+
+_RUNNER = "test_kernels_in_fresh_interpreter_process"
+
+
+@pytest.fixture(autouse=True)
+def _interpret_env(request, monkeypatch):
+    if not _INTERP_OK and request.node.name != _RUNNER:
+        pytest.skip(f"triton was imported without the interpreter; {_RUNNER} runs this test")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def test_kernels_in_fresh_interpreter_process():
+    if _INTERP_OK:
+        pytest.skip("kernels are interpreted in this process; the tests here ran directly")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-rs",
+                           "-p", "no:cacheprovider", str(Path(__file__).resolve())],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    # The rerun must really interpret the kernels: all but the runner and the bf16 test pass.
+    assert " passed" in proc.stdout and "failed" not in proc.stdout, proc.stdout[-2000:]
+    assert "imported without the interpreter" not in proc.stdout, proc.stdout[-2000:]
+
+
+PAGE = 16
+
+
+# ----------------------------------------------------------------------------- helpers
+def _make_paged(seq_lens: list[int], num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                gen: torch.Generator, extra_blocks: int = 3):
+    """Random cache with shuffled block ids; returns (k, v, block_tables, tables as lists)."""
+    need = [math.ceil(n / PAGE) for n in seq_lens]
+    num_blocks = 1 + sum(need) + extra_blocks
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # never block 0
+    tables, pos = [], 0
+    for n in need:
+        tables.append(perm[pos:pos + n])
+        pos += n
+    max_blocks = max(1, max(need))
+    bt = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    for b, row in enumerate(tables):
+        bt[b, :len(row)] = torch.tensor(row, dtype=torch.int32)
+    shape = (num_blocks, PAGE, num_kv_heads, head_dim)
+    k = torch.randn(shape, generator=gen).to(dtype)
+    v = torch.randn(shape, generator=gen).to(dtype)
+    return k, v, bt, tables
+
+
+def _reference_decode(q, k, v, tables, seq_lens, scale):
+    """Gather each sequence token by token, then softmax attention in float64."""
+    batch, num_q_heads, head_dim = q.shape
+    group = num_q_heads // k.shape[2]
+    out = torch.zeros(batch, num_q_heads, head_dim, dtype=torch.float64)
+    for b, n in enumerate(seq_lens):
+        if n == 0:
+            continue
+        idx = [(tables[b][i // PAGE], i % PAGE) for i in range(n)]
+        kb = torch.stack([k[blk, off] for blk, off in idx]).double()  # (n, Hkv, D)
+        vb = torch.stack([v[blk, off] for blk, off in idx]).double()
+        for h in range(num_q_heads):
+            s = (kb[:, h // group] @ q[b, h].double()) * scale  # (n,)
+            out[b, h] = torch.softmax(s, dim=0) @ vb[:, h // group]
+    return out
+
+
+# ----------------------------------------------------------------------------- decode
+DECODE_CASES = [
+    # (seq_lens, Hq, Hkv, D, num_splits, block_n)
+    ([1, 16, 17, 45], 4, 2, 32, 1, 16),    # one split; lengths at / just past a page edge
+    ([100, 33, 64, 5], 4, 2, 32, 3, 16),   # several splits, some empty for short rows
+    ([70, 0, 129], 8, 2, 16, 4, 32),       # GQA group 4, a padding row (seq_len 0)
+    ([50, 90], 2, 2, 64, 8, 64),           # MHA (group 1, padded to 16 rows), many empty splits
+    ([200], 6, 2, 32, None, 32),           # group 3 (not a power of two), default splits
+]
+
+
+@pytest.mark.parametrize("seq_lens,hq,hkv,d,splits,block_n", DECODE_CASES)
+def test_paged_decode_matches_reference(seq_lens, hq, hkv, d, splits, block_n):
+    gen = torch.Generator().manual_seed(1234 + sum(seq_lens))
+    k, v, bt, tables = _make_paged(seq_lens, hkv, d, torch.float32, gen)
+    q = torch.randn(len(seq_lens), hq, d, generator=gen)
+    scale = d ** -0.5
+    out = tk.paged_decode_attention(q, k, v, bt, torch.tensor(seq_lens, dtype=torch.int32),
+                                    scale, num_splits=splits, block_n=block_n)
+    ref = _reference_decode(q, k, v, tables, seq_lens, scale)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_decode_reads_blocks_in_place_shared_blocks():
+    """Two sequences share their first blocks (a shared context), then diverge; a garbage
+    value in the null block and in unlisted blocks must not leak in."""
+    gen = torch.Generator().manual_seed(7)
+    hkv, d = 2, 32
+    k = torch.randn(10, PAGE, hkv, d, generator=gen)
+    v = torch.randn(10, PAGE, hkv, d, generator=gen)
+    k[0].fill_(1e4)
+    v[0].fill_(1e4)  # the null block is padding: never part of any softmax
+    tables = [[3, 7, 5], [3, 7, 9, 2]]
+    seq_lens = [40, 60]
+    bt = torch.tensor([[3, 7, 5, 0], [3, 7, 9, 2]], dtype=torch.int32)
+    q = torch.randn(2, 4, d, generator=gen)
+    out = tk.paged_decode_attention(q, k, v, bt, torch.tensor(seq_lens, dtype=torch.int32),
+                                    d ** -0.5, num_splits=2, block_n=16)
+    ref = _reference_decode(q, k, v, tables, seq_lens, d ** -0.5)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(tk.interpreter_enabled(), reason="Triton's CPU interpreter runs tl.dot on "
+                    "bf16's raw uint16 storage (wrong by ~1e10); bf16 is checked on the GPU by "
+                    "duplexcache.bench.gpu_stage0")
+def test_paged_decode_bf16_close_to_float64():
+    gen = torch.Generator().manual_seed(99)
+    seq_lens = [80, 31]
+    k, v, bt, tables = _make_paged(seq_lens, 2, 32, torch.bfloat16, gen)
+    q = torch.randn(2, 4, 32, generator=gen).to(torch.bfloat16)
+    out = tk.paged_decode_attention(q, k, v, bt, torch.tensor(seq_lens, dtype=torch.int32),
+                                    32 ** -0.5, num_splits=2, block_n=16)
+    assert out.dtype == torch.bfloat16
+    ref = _reference_decode(q, k, v, tables, seq_lens, 32 ** -0.5)
+    rel = (out.double() - ref).norm() / ref.norm()
+    assert rel < 1e-2, rel
+
+
+def test_paged_decode_rejects_bad_inputs():
+    q = torch.randn(2, 4, 32)
+    k = torch.randn(5, PAGE, 2, 32)
+    bt = torch.zeros(2, 3, dtype=torch.int32)
+    sl = torch.tensor([3, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        tk.paged_decode_attention(torch.randn(2, 3, 32), k, k, bt, sl, 1.0)
+    with pytest.raises(ValueError, match="head_dim mismatch"):
+        tk.paged_decode_attention(torch.randn(2, 4, 16), k, k, bt, sl, 1.0)
+    with pytest.raises(ValueError, match="power of two"):
+        tk.paged_decode_attention(torch.randn(2, 4, 24), torch.randn(5, PAGE, 2, 24),
+                                  torch.randn(5, PAGE, 2, 24), bt, sl, 1.0)
+    with pytest.raises(ValueError, match="dtype mismatch"):
+        tk.paged_decode_attention(q.double(), k, k, bt, sl, 1.0)
+    with pytest.raises(ValueError, match="block_tables"):
+        tk.paged_decode_attention(q, k, k, bt[:1], sl, 1.0)
+    with pytest.raises(ValueError, match="seq_lens"):
+        tk.paged_decode_attention(q, k, k, bt, sl[:1], 1.0)
+    with pytest.raises(ValueError, match="block_n"):
+        tk.paged_decode_attention(q, k, k, bt, sl, 1.0, block_n=24)
+
+
+def test_default_num_splits():
+    # 64 x 8 (seq, head) pairs already fill 132 SMs 3.9 times: one more split reaches 4 waves.
+    assert tk.default_num_splits(64, 8, 8000, 132) == 2
+    # A single long sequence is cut into many splits, but none shorter than 256 tokens.
+    assert tk.default_num_splits(1, 8, 8000, 132) == 32
+    assert tk.default_num_splits(1, 8, 300, 132) == 2
+    assert tk.default_num_splits(1, 1, 10, 132) == 1
+
+
+# ----------------------------------------------------------------------------- re-rotation
+def _rope_neox(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Forward NeoX RoPE in float64: x (..., T, H, D) rotated to positions (T,)."""
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    ang = positions.double()[:, None] * inv[None, :]  # (T, D/2)
+    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    x1, x2 = x[..., : d // 2].double(), x[..., d // 2:].double()
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def _reference_rerotate(k: torch.Tensor, block_ids: list[int], delta: int, theta: float):
+    """Plain PyTorch: float32 angles of -delta, applied to the listed blocks only."""
+    out = k.clone()
+    d = k.shape[-1]
+    ang = float(-delta) * tk.rope_inv_freq(d, theta)  # float32, as the spec asks
+    cos, sin = ang.cos(), ang.sin()
+    sel = out[:, block_ids].float()
+    x1, x2 = sel[..., : d // 2], sel[..., d // 2:]
+    out[:, block_ids] = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(k.dtype)
+    return out
+
+
+@pytest.mark.parametrize("delta,block_ids", [(32, [2, 5, 3]), (4096, [1, 6]), (-48, [4])])
+def test_rerotate_matches_reference_and_leaves_others(delta, block_ids):
+    gen = torch.Generator().manual_seed(5 + delta)
+    k = torch.randn(3, 8, PAGE, 2, 32, generator=gen)
+    ref = _reference_rerotate(k, block_ids, delta, 1e6)
+    got = tk.rerotate_keys_triton_(k.clone(), torch.tensor(block_ids), delta, 1e6,
+                                   block_rows=8)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    untouched = [b for b in range(8) if b not in block_ids]
+    assert torch.equal(got[:, untouched], k[:, untouched])  # bit-exact: never written
+
+
+def test_rerotate_equals_rope_at_shifted_positions():
+    """Keys written at positions p, rotated by -delta, equal keys written at p - delta."""
+    gen = torch.Generator().manual_seed(11)
+    theta, delta, d = 1e6, 160, 64
+    raw = torch.randn(2, 4, PAGE, 2, d, generator=gen, dtype=torch.float64)
+    blocks = [1, 3]
+    start = 2000  # the kept tokens sat at positions start .. start + 31
+    pos = torch.arange(start, start + 2 * PAGE)
+    k = torch.zeros(2, 4, PAGE, 2, d)
+    expect = k.clone()
+    for j, blk in enumerate(blocks):
+        p = pos[j * PAGE:(j + 1) * PAGE]
+        for layer in range(2):
+            k[layer, blk] = _rope_neox(raw[layer, blk], p, theta).float()
+            expect[layer, blk] = _rope_neox(raw[layer, blk], p - delta, theta).float()
+    tk.rerotate_keys_triton_(k, blocks, delta, theta)
+    # float32 angle math on positions up to 2000: error of a few 1e-5 is expected.
+    torch.testing.assert_close(k, expect, rtol=0, atol=5e-4)
+
+
+def test_rerotate_bf16_and_zero_delta():
+    gen = torch.Generator().manual_seed(3)
+    k = torch.randn(2, 4, PAGE, 2, 32, generator=gen).to(torch.bfloat16)
+    same = tk.rerotate_keys_triton_(k.clone(), [1, 2], 0, 1e6)
+    assert torch.equal(same, k)
+    got = tk.rerotate_keys_triton_(k.clone(), [1, 2], 64, 1e6)
+    ref = _reference_rerotate(k, [1, 2], 64, 1e6)
+    # Both round a float32 result to bf16 once; cos/sin of numpy vs torch may differ in the
+    # last float32 bit, which can flip one bf16 rounding: allow one bf16 ulp (2^-7 relative).
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2 ** -7, atol=2 ** -7)
+    assert not torch.equal(got, k)
+
+
+def test_rerotate_rejects_bad_ids():
+    k = torch.randn(1, 4, PAGE, 1, 16)
+    with pytest.raises(ValueError, match="duplicates"):
+        tk.rerotate_keys_triton_(k, [1, 1], 16, 1e6)
+    with pytest.raises(ValueError, match="null"):
+        tk.rerotate_keys_triton_(k, [0, 2], 16, 1e6)
+    with pytest.raises(ValueError, match="null"):
+        tk.rerotate_keys_triton_(k, [4], 16, 1e6)
+    with pytest.raises(ValueError, match="delta"):
+        tk.rerotate_keys_triton_(k, [1], 1.5, 1e6)
+
+
+def test_cpu_tensors_without_interpreter_raise(monkeypatch):
+    monkeypatch.setattr(tk, "_INTERPRETED", False)  # as if imported for CUDA
+    with pytest.raises(tk.TritonUnavailableError, match="CUDA"):
+        tk.rerotate_keys_triton_(torch.randn(1, 2, PAGE, 1, 16), [1], 16, 1e6)
+
+
+# ----------------------------------------------------------------------------- bench helpers
+def test_bench_paths_agree_on_cpu():
+    """The GPU bench's dense, gather and paged layouts compute one function (tiny, fp32)."""
+    from duplexcache.bench import gpu_stage0 as gb
+
+    gen = torch.Generator().manual_seed(21)
+    b, hq, hkv, t, d = 3, 4, 2, 40, 32
+    bt, num_blocks = gb.build_block_tables(b, t, gen, device="cpu")
+    k = torch.randn(b, hkv, t, d, generator=gen)
+    v = torch.randn(b, hkv, t, d, generator=gen)
+    q = torch.randn(b, hq, d, generator=gen)
+    pk, pv = gb.to_paged(k, bt, num_blocks), gb.to_paged(v, bt, num_blocks)
+    scale = d ** -0.5
+    ref = gb.reference_fp32(q, k, v, scale, rows=b)
+    torch.testing.assert_close(gb.dense_gqa(q, k, v, scale), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gb.dense_grouped(q, k, v, scale), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gb.gather_then_sdpa(q, pk, pv, bt, t, scale, gb.dense_gqa), ref,
+                               rtol=1e-5, atol=1e-5)
+    out = tk.paged_decode_attention(q, pk, pv, bt, torch.full((b,), t, dtype=torch.int32),
+                                    scale, num_splits=2, block_n=16)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_bench_torch_rerotate_matches_kernel_and_project_rope():
+    from duplexcache.bench import gpu_stage0 as gb
+
+    gen = torch.Generator().manual_seed(8)
+    k = torch.randn(2, 6, PAGE, 2, 32, generator=gen)
+    ids = [5, 1, 3]
+    a = k.clone()
+    gb.torch_rerotate_(a, torch.tensor(ids), 320, 1e6)
+    b = tk.rerotate_keys_triton_(k.clone(), ids, 320, 1e6)
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    rope = pytest.importorskip("duplexcache.kv.rope")
+    c = rope.rerotate_keys_(k.clone(), ids, 320, 1e6)
+    torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-5)

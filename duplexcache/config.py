@@ -438,7 +438,7 @@ class SessionRuntimeConfig:
     model_revision: str
 
 
-def _find_private_key(obj: Any, prefix: str = "") -> str | None:
+def find_private_key(obj: Any, prefix: str = "") -> str | None:
     """The dotted path of the first server-owned key anywhere in ``obj`` (nested dicts too)."""
     if not isinstance(obj, Mapping):
         return None
@@ -446,7 +446,7 @@ def _find_private_key(obj: Any, prefix: str = "") -> str | None:
         path = f"{prefix}{key}"
         if key in PRIVATE_RUNTIME_CONFIG_KEYS:
             return path
-        found = _find_private_key(value, path + ".")
+        found = find_private_key(value, path + ".")
         if found is not None:
             return found
     return None
@@ -494,7 +494,7 @@ def build_runtime_config(deploy: DeployConfig, client_session: Mapping[str, Any]
     session = {} if client_session is None else client_session
     if not isinstance(session, Mapping):
         raise SessionConfigError(f"session must be an object, got {type(session).__name__}")
-    private = _find_private_key(session)
+    private = find_private_key(session)
     if private is not None:
         raise PrivateConfigKeyError(private)
     unknown = sorted(set(session) - CLIENT_SESSION_KEYS)

@@ -29,7 +29,7 @@ from typing import Any, Mapping, Union
 
 import numpy as np
 
-from duplexcache.config import INPUT_AUDIO_FORMATS, PRIVATE_RUNTIME_CONFIG_KEYS, SessionRuntimeConfig
+from duplexcache.config import INPUT_AUDIO_FORMATS, PRIVATE_RUNTIME_CONFIG_KEYS, SessionRuntimeConfig, find_private_key
 
 # error.type values (as in the OpenAI Realtime API)
 INVALID_REQUEST = "invalid_request_error"
@@ -124,20 +124,6 @@ def _parse_session_update(obj: Mapping[str, Any], event_id: str | None) -> Sessi
         raise ProtocolError("private_config_key",
                             f"session key {private!r} is server-owned and cannot be set by a client", event_id)
     return SessionUpdate(session, queue_if_full, event_id)
-
-
-def find_private_key(obj: Any, prefix: str = "") -> str | None:
-    """Dotted path of the first server-owned key anywhere in ``obj`` (nested objects too)."""
-    if not isinstance(obj, Mapping):
-        return None
-    for key, value in obj.items():
-        path = f"{prefix}{key}"
-        if key in PRIVATE_RUNTIME_CONFIG_KEYS:
-            return path
-        found = find_private_key(value, path + ".")
-        if found is not None:
-            return found
-    return None
 
 
 def decode_audio(audio_b64: str, audio_format: str) -> np.ndarray:

@@ -29,7 +29,7 @@ from typing import Any, Mapping, Union
 
 import numpy as np
 
-from duplexcache.config import INPUT_AUDIO_FORMATS, PRIVATE_RUNTIME_CONFIG_KEYS, SessionRuntimeConfig, find_private_key
+from duplexcache.config import INPUT_AUDIO_FORMATS, SessionRuntimeConfig, find_private_key
 
 # error.type values (as in the OpenAI Realtime API)
 INVALID_REQUEST = "invalid_request_error"

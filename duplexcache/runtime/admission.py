@@ -1,0 +1,234 @@
+"""One memory budget for every per-session cache, and admission against it.
+
+The budget (``engine.memory_budget - engine.activation_reserve``; weights live outside it) is
+split once, at start-up, into::
+
+    budget = fixed                       Code2Wav arena + the two null blocks + voice prompts
+           + Thinker KV pool             preallocated blocks (shared anchors + private windows)
+           + Talker KV pool              preallocated blocks (one full turn per session)
+           + dynamic region              Code2Wav session caches + audio-encoder caches
+                                         (+ per-voice prompt states when shared)
+
+The split is sized for the *reference session* of each voice (empty instructions, that voice's
+reference audio): ``n = (budget - fixed - shared parts) // per-session worst case`` sessions fit,
+and each pool gets ``n`` sessions' worth plus the shared parts of every voice's context once.
+
+Admission is a ledger over the same numbers. A session reserves its worst case at admission:
+
+* Thinker: its private blocks at a full window (``context + high_tokens``, or the model's
+  position limit with the window off) and, when ``shared_anchor_blocks`` is on, the shared
+  context blocks + copy-on-write template -- paid once per distinct context (by anchor key);
+* Talker: one full turn (``max_position_embeddings`` tokens);
+* dynamic: its steady Code2Wav caches and its audio-encoder cache, plus the voice's prompt state
+  -- paid once per voice when ``cfm_prompt_att_sharing`` is on.
+
+``refusal(fp)`` asks ("can I?") and names the numbers; ``admit`` only asserts. Because every
+live session stays within its reservation and the pools hold the reservations, the mutating
+pool calls in the engine can only assert: there is no out-of-memory path.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+
+from duplexcache.config import format_bytes
+
+logger = logging.getLogger(__name__)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Worst-case memory of one session: what it owns and what it may share."""
+
+    thinker_private_blocks: int
+    thinker_shared_blocks: int     # full context blocks + template; 0 unless anchors are shared
+    context_key: bytes | None      # names the shared anchor (None when nothing is shared)
+    talker_blocks: int
+    dynamic_private_bytes: int     # Code2Wav caches + audio-encoder cache
+    voice: str
+    voice_shared_bytes: int        # the voice's prompt state; 0 unless prompt sharing is on
+
+    def __post_init__(self) -> None:
+        for name in ("thinker_private_blocks", "thinker_shared_blocks", "talker_blocks",
+                     "dynamic_private_bytes", "voice_shared_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"Footprint.{name} must be >= 0, got {getattr(self, name)}")
+        if self.thinker_shared_blocks and self.context_key is None:
+            raise ValueError("a footprint with shared Thinker blocks needs a context_key")
+
+
+def thinker_worst_blocks(context_tokens: int, longest_tokens: int, block_size: int, share: bool) -> tuple[int, int]:
+    """(private, shared) Thinker blocks of a session holding ``longest_tokens`` tokens.
+
+    Mirrors the KV manager's layout (block 16, context 40, longest 70)::
+
+        [ctx 0-15][ctx 16-31][ctx 32-39 + win][win][win]   + template
+         shared    shared     private          private      shared (copy-on-write source)
+
+    Without sharing every table block is private and there is no template.
+    """
+    if context_tokens <= 0 or longest_tokens < context_tokens or block_size <= 0:
+        raise ValueError(f"need 0 < context_tokens <= longest_tokens and block_size > 0, got "
+                         f"{context_tokens}, {longest_tokens}, {block_size}")
+    table = -(-longest_tokens // block_size)
+    if not share:
+        return table, 0
+    full = context_tokens // block_size
+    template = int(context_tokens % block_size != 0)
+    return table - full, full + template
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How the budget is split (bytes and block counts; pool block counts include the null block)."""
+
+    budget_bytes: int
+    fixed_bytes: int
+    thinker_blocks: int
+    thinker_block_bytes: int
+    talker_blocks: int
+    talker_block_bytes: int
+    dynamic_bytes: int
+    planned_sessions: int
+
+    @property
+    def thinker_bytes(self) -> int:
+        return self.thinker_blocks * self.thinker_block_bytes
+
+    @property
+    def talker_bytes(self) -> int:
+        return self.talker_blocks * self.talker_block_bytes
+
+    def describe(self) -> str:
+        return (f"budget {format_bytes(self.budget_bytes)}: fixed {_mib(self.fixed_bytes)}, Thinker KV "
+                f"{self.thinker_blocks} blocks ({_mib(self.thinker_bytes)}), Talker KV {self.talker_blocks} "
+                f"blocks ({_mib(self.talker_bytes)}), dynamic {_mib(self.dynamic_bytes)}; sized for "
+                f"{self.planned_sessions} reference sessions")
+
+
+class BudgetTooSmall(ValueError):
+    """The budget cannot hold even one reference session."""
+
+
+def plan_memory(budget_bytes: int, fixed_bytes: int, references: list[Footprint],
+                thinker_block_bytes: int, talker_block_bytes: int) -> MemoryPlan:
+    """Split ``budget_bytes`` for the reference sessions (one per voice), see the module docstring."""
+    if not references:
+        raise ValueError("plan_memory needs at least one reference footprint")
+    contexts = {fp.context_key: fp.thinker_shared_blocks for fp in references if fp.thinker_shared_blocks}
+    voices = {fp.voice: fp.voice_shared_bytes for fp in references}
+    shared_blocks = sum(contexts.values())
+    shared_bytes = shared_blocks * thinker_block_bytes + sum(voices.values())
+    tp = max(fp.thinker_private_blocks for fp in references)
+    tk = max(fp.talker_blocks for fp in references)
+    dyn = max(fp.dynamic_private_bytes for fp in references)
+    per_session = tp * thinker_block_bytes + tk * talker_block_bytes + dyn
+    nulls = thinker_block_bytes + talker_block_bytes
+    room = budget_bytes - fixed_bytes - nulls - shared_bytes
+    n = room // per_session if per_session > 0 else 0
+    if n < 1:
+        raise BudgetTooSmall(
+            f"memory budget of {_mib(budget_bytes)} cannot hold one session: fixed {_mib(fixed_bytes)} "
+            f"+ null blocks {_mib(nulls)} + shared context/voice state {_mib(shared_bytes)} + one session's "
+            f"worst case {_mib(per_session)} (Thinker {tp} blocks, Talker {tk} blocks, Code2Wav+encoder "
+            f"{_mib(dyn)}) = {_mib(fixed_bytes + nulls + shared_bytes + per_session)}")
+    thinker_blocks = 1 + n * tp + shared_blocks
+    talker_blocks = 1 + n * tk
+    dynamic = budget_bytes - fixed_bytes - thinker_blocks * thinker_block_bytes - talker_blocks * talker_block_bytes
+    assert dynamic >= n * dyn + sum(voices.values()), "plan leaves the dynamic region short"
+    return MemoryPlan(budget_bytes, fixed_bytes, thinker_blocks, thinker_block_bytes, talker_blocks,
+                      talker_block_bytes, dynamic, n)
+
+
+class AdmissionLedger:
+    """Reservations of the admitted sessions against a :class:`MemoryPlan`."""
+
+    def __init__(self, plan: MemoryPlan) -> None:
+        self.plan = plan
+        self.thinker_capacity = plan.thinker_blocks - 1   # the null block is never handed out
+        self.talker_capacity = plan.talker_blocks - 1
+        self.dynamic_capacity = plan.dynamic_bytes
+        self._sessions: dict[str, Footprint] = {}
+        self._contexts: Counter[bytes] = Counter()
+        self._voices: Counter[str] = Counter()
+        self.thinker_reserved = 0
+        self.talker_reserved = 0
+        self.dynamic_reserved = 0
+
+    def __contains__(self, sid: object) -> bool:
+        return sid in self._sessions
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def cost(self, fp: Footprint) -> tuple[int, int, int]:
+        """(Thinker blocks, Talker blocks, dynamic bytes) admitting ``fp`` now would reserve:
+        shared parts already paid by a live session of the same context/voice are free."""
+        thinker = fp.thinker_private_blocks
+        if fp.thinker_shared_blocks and self._contexts[fp.context_key] == 0:
+            thinker += fp.thinker_shared_blocks
+        dynamic = fp.dynamic_private_bytes
+        if fp.voice_shared_bytes and self._voices[fp.voice] == 0:
+            dynamic += fp.voice_shared_bytes
+        return thinker, fp.talker_blocks, dynamic
+
+    def refusal(self, fp: Footprint) -> str | None:
+        """Why ``fp`` cannot be admitted now (every short pool, with numbers), or None."""
+        thinker, talker, dynamic = self.cost(fp)
+        problems = []
+        if self.thinker_reserved + thinker > self.thinker_capacity:
+            problems.append(
+                f"Thinker KV needs {thinker} blocks ({_mib(thinker * self.plan.thinker_block_bytes)}) but only "
+                f"{self.thinker_capacity - self.thinker_reserved} of {self.thinker_capacity} are unreserved")
+        if self.talker_reserved + talker > self.talker_capacity:
+            problems.append(
+                f"Talker KV needs {talker} blocks ({_mib(talker * self.plan.talker_block_bytes)}) but only "
+                f"{self.talker_capacity - self.talker_reserved} of {self.talker_capacity} are unreserved")
+        if self.dynamic_reserved + dynamic > self.dynamic_capacity:
+            problems.append(
+                f"Code2Wav/encoder caches need {_mib(dynamic)} but only "
+                f"{_mib(self.dynamic_capacity - self.dynamic_reserved)} of {_mib(self.dynamic_capacity)} are unreserved")
+        if not problems:
+            return None
+        return (f"memory budget full ({len(self._sessions)} live sessions, budget "
+                f"{format_bytes(self.plan.budget_bytes)}): " + "; ".join(problems))
+
+    def admit(self, sid: str, fp: Footprint) -> None:
+        assert sid not in self._sessions, f"session {sid} admitted twice"
+        reason = self.refusal(fp)
+        assert reason is None, f"admit() without a passing refusal() check: {reason}"
+        thinker, talker, dynamic = self.cost(fp)
+        self.thinker_reserved += thinker
+        self.talker_reserved += talker
+        self.dynamic_reserved += dynamic
+        if fp.thinker_shared_blocks:
+            self._contexts[fp.context_key] += 1
+        if fp.voice_shared_bytes:
+            self._voices[fp.voice] += 1
+        self._sessions[sid] = fp
+
+    def release(self, sid: str) -> None:
+        """Give back ``sid``'s reservation (the last session of a context/voice frees its shared part)."""
+        fp = self._sessions.pop(sid, None)
+        if fp is None:
+            raise ValueError(f"session {sid!r} holds no reservation")
+        self.thinker_reserved -= fp.thinker_private_blocks
+        self.talker_reserved -= fp.talker_blocks
+        self.dynamic_reserved -= fp.dynamic_private_bytes
+        if fp.thinker_shared_blocks:
+            self._contexts[fp.context_key] -= 1
+            if self._contexts[fp.context_key] == 0:
+                del self._contexts[fp.context_key]
+                self.thinker_reserved -= fp.thinker_shared_blocks
+        if fp.voice_shared_bytes:
+            self._voices[fp.voice] -= 1
+            if self._voices[fp.voice] == 0:
+                del self._voices[fp.voice]
+                self.dynamic_reserved -= fp.voice_shared_bytes
+        assert min(self.thinker_reserved, self.talker_reserved, self.dynamic_reserved) >= 0, "negative reservation"

@@ -1,0 +1,135 @@
+"""The models one engine serves, built for a preset with random weights or loaded from a checkpoint.
+
+Shapes come from each model's ``tiny()`` / ``minicpmo45()`` config. The tiny configs are aligned
+here so the stages connect: the audio encoder's output width and the Talker's ``llm_dim`` are the
+Thinker's hidden size, and the Talker's text embedding covers the Thinker's vocabulary (the
+Talker embeds the Thinker's text ids).
+
+Random weights: every model keeps its own init (seeded by ``seed``), except the flow, whose
+reference zero-inits the adaLN and output layers; with those zeros the estimator would output
+zeros and Code2Wav would do no real work, so the flow is re-drawn from a seeded normal.
+
+Checkpoint (``model.checkpoint_dir``): the Thinker (``llm.``), Talker (``tts.``) and audio encoder
+(``apm.`` + ``audio_projection_layer.``) load strictly from the directory; Stage 2 loads
+``assets/token2wav/flow.pt`` and ``hift.pt`` strictly; voices come from ``voices/*.safetensors``
+when present (see runtime/voices.py). Checkpoint loading is untested here (no weights).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from duplexcache.config import DeployConfig
+from duplexcache.context.tokenizer import Tokenizer, load_tokenizer
+from duplexcache.models.audio_encoder import AudioEncoder, AudioEncoderConfig
+from duplexcache.models.flow import FlowConfig, build_flow
+from duplexcache.models.talker import Talker, TalkerConfig
+from duplexcache.models.thinker import Thinker, ThinkerConfig
+from duplexcache.models.vocoder import (
+    VocoderConfig,
+    build_vocoder,
+    hift_state_dict_from_checkpoint,
+)
+from duplexcache.runtime.voices import VoiceRegistry, synthetic_voice
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Synthetic voice lengths per preset: (reference audio seconds, Code2Wav prompt seconds).
+# minicpmo45 uses the reference's 6 s prompt (P = 300 frames); tiny keeps CPU runs short.
+VOICE_SECONDS = {"tiny": (1.0, 2.4), "minicpmo45": (6.0, 6.0)}
+DEFAULT_VOICES = ("default", "alt")
+
+
+@dataclass
+class ModelBundle:
+    """Everything the engine runs. Stage 2 (flow + hift) is float32, as in the reference."""
+
+    thinker: Thinker
+    talker: Talker
+    audio_encoder: AudioEncoder
+    flow: nn.Module
+    hift: nn.Module
+    tokenizer: Tokenizer
+    voices: VoiceRegistry
+    dtype: torch.dtype
+    device: torch.device
+
+    def weight_bytes(self) -> int:
+        mods = (self.thinker, self.talker, self.audio_encoder, self.flow, self.hift)
+        return sum(p.numel() * p.element_size() for m in mods for p in m.parameters())
+
+
+def preset_configs(preset: str) -> tuple[ThinkerConfig, TalkerConfig, AudioEncoderConfig, FlowConfig, VocoderConfig]:
+    """The five model configs of a preset, aligned so the stages connect."""
+    if preset == "minicpmo45":
+        return (ThinkerConfig.minicpmo45(), TalkerConfig.minicpmo45(), AudioEncoderConfig.minicpmo45(),
+                FlowConfig.minicpmo45(), VocoderConfig.minicpmo45())
+    if preset == "tiny":
+        thinker = ThinkerConfig.tiny()
+        talker = TalkerConfig.tiny(llm_dim=thinker.hidden_size, num_text_tokens=thinker.vocab_size)
+        encoder = AudioEncoderConfig.tiny(out_dim=thinker.hidden_size)
+        return thinker, talker, encoder, FlowConfig.tiny(), VocoderConfig.tiny()
+    raise ValueError(f"unknown preset {preset!r} (known: tiny, minicpmo45)")
+
+
+def randomize_(module: nn.Module, seed: int) -> None:
+    """Seeded normal weights everywhere (std 0.5/sqrt(fan_in) for matrices, 0.1 otherwise)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            std = 0.5 / math.sqrt(p.shape[-1]) if p.dim() >= 2 else 0.1
+            p.copy_((torch.randn(p.shape, generator=gen) * std).to(p.dtype))
+
+
+def build_models(deploy: DeployConfig, seed: int = 0) -> ModelBundle:
+    """Build (random weights) or load (``checkpoint_dir``) the preset's models on the config's device."""
+    m = deploy.model
+    dtype, device = DTYPES[m.dtype], torch.device(m.device)
+    if device.type == "meta":
+        raise ValueError("model.device 'meta' builds shapes only; the engine needs real weights")
+    tk_cfg, tl_cfg, enc_cfg, flow_cfg, voc_cfg = preset_configs(m.preset)
+    if m.checkpoint_dir is not None:
+        return _load_models(deploy, dtype, device, flow_cfg, voc_cfg)
+    torch.manual_seed(seed)
+    # Construct on the target device: the minicpmo45 Thinker built on the host first would need
+    # 32 GB of host memory and minutes of CPU init before the copy.
+    with device:
+        thinker = Thinker(tk_cfg).to(dtype=dtype).eval()
+        talker = Talker(tl_cfg).to(dtype=dtype).eval()
+        encoder = AudioEncoder(enc_cfg).to(dtype=dtype).eval()
+    flow = build_flow(flow_cfg)
+    randomize_(flow, seed + 1)
+    flow = flow.to(device).eval()
+    hift = build_vocoder(voc_cfg, device)
+    ref_s, prompt_s = VOICE_SECONDS[m.preset]
+    voices = VoiceRegistry([synthetic_voice(n, ref_s, prompt_s, flow_cfg.vocab_size) for n in DEFAULT_VOICES])
+    logger.info("built %s models with random weights on %s (%s)", m.preset, device, m.dtype)
+    return ModelBundle(thinker, talker, encoder, flow, hift, load_tokenizer(None), voices, dtype, device)
+
+
+def _load_models(deploy: DeployConfig, dtype: torch.dtype, device: torch.device,
+                 flow_cfg: FlowConfig, voc_cfg: VocoderConfig) -> ModelBundle:
+    from duplexcache.models import checkpoint
+
+    root = Path(deploy.model.checkpoint_dir)
+    thinker = Thinker.from_pretrained(root, dtype=dtype, device=device)
+    talker = Talker.from_pretrained(root, dtype=dtype, device=device).eval()
+    encoder = AudioEncoder.from_pretrained(root, dtype=dtype, device=device).eval()
+    t2w = root / "assets" / "token2wav"
+    flow = build_flow(flow_cfg)
+    checkpoint.load_strict(flow, checkpoint.load_state_dict(t2w / "flow.pt"), "flow")
+    hift = build_vocoder(voc_cfg)
+    checkpoint.load_strict(hift, hift_state_dict_from_checkpoint(checkpoint.load_state_dict(t2w / "hift.pt")), "hift")
+    ref_s, prompt_s = VOICE_SECONDS[deploy.model.preset]
+    voices = VoiceRegistry([synthetic_voice(n, ref_s, prompt_s, flow_cfg.vocab_size) for n in DEFAULT_VOICES])
+    if (root / "voices").is_dir():
+        voices.load_dir(root / "voices")
+    return ModelBundle(thinker, talker, encoder, flow.to(device).eval(), hift.to(device).eval(),
+                       load_tokenizer(root), voices, dtype, device)

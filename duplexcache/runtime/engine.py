@@ -1,0 +1,700 @@
+"""The duplex engine: many live sessions per device, one tick = one 1-second unit for each.
+
+One tick, batched over every live session with a unit of audio buffered (>= 1 s; the first unit
+is 1.035 s)::
+
+    audio encoder   stream_step: the unit's PCM -> 10 embeddings (per-session streaming KV)
+    Thinker         append [</unit>] <unit> + 10 embeddings, then decode <= 20 tokens:
+                    <|listen|>  |  <|speak|> text.. (<|chunk_eos|> | <|turn_eos|>)   (policy.py)
+    Talker          speaking units: condition = the unit's text + end token with the Thinker
+                    hidden states that produced them -> 25 codes + end (KV kept for the turn)
+    Code2Wav        25 codes + 3 lookahead -> 1 s of 24 kHz PCM
+
+Lookahead: a unit's 25 codes are held back until the next speaking unit of the same turn, whose
+first 3 codes are the lookahead (chunk of 28, not final). When the turn ends (``<|turn_eos|>``,
+a ``<|listen|>`` after speaking, or a Talker turn at its position limit) the held codes go out
+as the final chunk (25 codes, ``last``) in the same tick. So speech lags the text by one unit
+inside a turn, and each non-final chunk is exactly 24 000 samples; the final chunk also flushes
+the vocoder's 3840-sample cross-fade tail. Each turn is one Code2Wav stream (prompt state from the
+voice, caches reset), as in the reference's per-response ``Token2wav.stream``.
+
+Sessions open, stream and close at any time (thread-safe per engine_api): ``open_session``
+admits against the ledger at once (shape arithmetic only, no model call), and the next tick
+builds the context and opens the Stage 0 session; ``close_session`` releases the reservation
+at once and the next tick frees the blocks, before it opens anything.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+import zlib
+from collections import OrderedDict, deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from duplexcache.cfm.code2wav import BatchedCode2Wav, code2wav_session_bytes
+from duplexcache.cfm.config import Code2WavConfig as CfmConfig
+from duplexcache.cfm.config import Code2WavShape
+from duplexcache.config import (
+    DeployConfig,
+    SessionConfigError,
+    SessionRuntimeConfig,
+    build_runtime_config,
+)
+from duplexcache.context import (
+    EmbeddingResult,
+    EncoderPath,
+    SessionContextBuilder,
+    build_session_context,
+)
+from duplexcache.kv.block_pool import BlockPool
+from duplexcache.kv.kv_cache_manager import KVCacheManager
+from duplexcache.kv.paged_attention import PagedKVCache
+from duplexcache.kv.window import WindowConfig
+from duplexcache.models.audio_encoder import StreamingAudioEncoderState
+from duplexcache.models.talker import TalkerUnitRequest, generate_unit
+from duplexcache.runtime.admission import (
+    AdmissionLedger,
+    Footprint,
+    MemoryPlan,
+    plan_memory,
+    thinker_worst_blocks,
+)
+from duplexcache.runtime.bundle import ModelBundle, build_models
+from duplexcache.runtime.engine_api import (
+    INPUT_SAMPLE_RATE,
+    AdmissionError,
+    AudioDelta,
+    EngineEvent,
+    EngineStats,
+    ResponseDone,
+    SessionAdmitted,
+    SessionError,
+    TextDelta,
+    TierBytes,
+)
+from duplexcache.runtime.policy import (
+    MAX_UNIT_TOKENS,
+    ControlTokens,
+    make_policy,
+    text_token_ids,
+)
+from duplexcache.runtime.stage0 import SessionContextInput, Stage0Runner
+from duplexcache.runtime.voices import Voice
+
+logger = logging.getLogger(__name__)
+
+STAGES = ("encoder", "thinker", "talker", "code2wav", "tick")
+LOOKAHEAD = 3
+LATENCY_HISTORY = 4096
+
+
+def build_engine(deploy: DeployConfig) -> DuplexEngine:
+    """The engine for a deploy config: the preset's models (random weights or the checkpoint)."""
+    return DuplexEngine(deploy, build_models(deploy))
+
+
+def pcm16_bytes(pcm: torch.Tensor) -> bytes:
+    """float PCM in [-1, 1] -> little-endian int16 bytes (clipped)."""
+    x = torch.clamp(pcm.detach().float().cpu(), -1.0, 1.0) * 32767.0
+    return torch.round(x).to(torch.int16).numpy().astype("<i2").tobytes()
+
+
+@dataclass
+class _Session:
+    """One engine session. ``audio``/``buffered`` are guarded by the engine lock; everything else
+    belongs to the tick thread."""
+
+    sid: str
+    config: SessionRuntimeConfig
+    voice: Voice
+    footprint: Footprint
+    audio: list[np.ndarray] = field(default_factory=list)
+    buffered: int = 0
+    encoder_state: StreamingAudioEncoderState | None = None
+    opened: bool = False          # Stage 0 session exists
+    unit_index: int = 0
+    turn_index: int = 0
+    c2w_sid: str | None = None    # Code2Wav stream of the current turn
+    held: torch.Tensor | None = None  # 25 codes waiting for their lookahead
+    talker_blocks: list = field(default_factory=list)
+    talker_len: int = 0
+
+
+@dataclass
+class _Unit:
+    """One session's unit inside a tick."""
+
+    session: _Session
+    pcm: np.ndarray
+    decision: int | None = None
+    tokens: list[int] = field(default_factory=list)        # text + end token
+    hidden: list[torch.Tensor] = field(default_factory=list)  # Thinker hidden that produced each
+    codes: torch.Tensor | None = None
+
+
+@dataclass
+class _Final:
+    """The last chunk of an audio turn."""
+
+    session: _Session
+    codes: torch.Tensor
+    response_done: bool  # False when only the Talker's turn was cut (position limit)
+
+
+class _LmHeadTap:
+    """Captures the input of the Thinker's lm_head during one Stage 0 call: the hidden states
+    whose logits the call returns, in the order of ``StepResult.logits``."""
+
+    def __init__(self, thinker) -> None:
+        self.thinker = thinker
+        self.rows: torch.Tensor | None = None
+
+    def __enter__(self) -> _LmHeadTap:
+        self._handle = self.thinker.lm_head.register_forward_pre_hook(self._hook)
+        return self
+
+    def _hook(self, module, args) -> None:
+        self.rows = args[0].detach()
+
+    def __exit__(self, *exc: object) -> None:
+        self._handle.remove()
+
+
+class DuplexEngine:
+    """Implements :class:`duplexcache.runtime.engine_api.EngineAPI` over real models."""
+
+    def __init__(self, deploy: DeployConfig, models: ModelBundle) -> None:
+        self.deploy = deploy
+        self.models = models
+        self.voices = models.voices
+        self.control = ControlTokens.from_tokenizer(models.tokenizer)
+        self.policy = make_policy(deploy.engine.speak_policy, self.control,
+                                  text_token_ids(models.tokenizer, models.thinker.config.vocab_size))
+        self.block_size = deploy.stage0.block_size
+        w = deploy.stage0.window
+        self.window = WindowConfig(mode=w.mode, high_tokens=w.high_tokens, low_tokens=w.low_tokens)
+        self.reference_encodes = 0
+        self.builder = SessionContextBuilder.from_config(deploy, models.tokenizer, self._embed_tokens,
+                                                         self._encode_reference_audio)
+        self.code2wav = BatchedCode2Wav(models.flow, models.hift, self._cfm_config())
+        for v in self.voices.names():
+            voice = self.voices.get(v)
+            self.code2wav.register_voice(v, voice.prompt_tokens, voice.prompt_mel, voice.spk)
+        self._ref_embeddings = {v: self._count_ref_embeddings(self.voices.get(v)) for v in self.voices.names()}
+        self.plan = self._plan()
+        self.ledger = AdmissionLedger(self.plan)
+        self._build_pools()
+        self._lock = threading.Lock()
+        self._sessions: dict[str, _Session] = {}
+        self._queue: OrderedDict[str, _Session] = OrderedDict()
+        self._closing: list[_Session] = []
+        self._ids = itertools.count(1)
+        self._ticks = 0
+        self.late_ticks = 0
+        self.latency_history: dict[str, deque] = {s: deque(maxlen=LATENCY_HISTORY) for s in STAGES}
+        self._last_latency: dict[str, tuple[float, ...]] = {}
+        self._pools: dict[str, TierBytes] = {}
+        self.code2wav_peak = TierBytes(shared=0, private=0, free=self.plan.dynamic_bytes)
+        self._closed = False
+        self._refresh_pools()
+        logger.info("engine ready: %s", self.plan.describe())
+
+    # ------------------------------------------------------------------ construction
+
+    def _cfm_config(self) -> CfmConfig:
+        c = self.deploy.code2wav
+        prompt = max(self.voices.get(v).prompt_frames for v in self.voices.names())
+        return CfmConfig(shape=Code2WavShape.from_flow(self.models.flow), max_num_seqs=c.max_num_seqs,
+                         prompt_att_sharing=c.cfm_prompt_att_sharing,
+                         arena_rows_from_graph_grid=c.cfm_arena_rows_from_graph_grid,
+                         graph_grid=c.graph_grid or (), max_prompt_frames=max(prompt, 100),
+                         use_cuda_graphs=self.models.device.type == "cuda")
+
+    def _count_ref_embeddings(self, voice: Voice) -> int:
+        with torch.no_grad():
+            return int(self.models.audio_encoder.embed_audio(voice.ref_audio).shape[0])
+
+    def _plan(self) -> MemoryPlan:
+        e = self.deploy.engine
+        budget = e.memory_budget - e.activation_reserve
+        if self.models.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.models.device)
+            if e.memory_budget > free:
+                raise ValueError(f"engine.memory_budget {e.memory_budget} bytes exceeds the {free} bytes free on "
+                                 f"{self.models.device} after loading weights; lower it")
+        fixed = self.code2wav.arena.nbytes() + sum(self.voices.get(v).nbytes() for v in self.voices.names())
+        refs = [self._footprint(self._default_config(v), self.voices.get(v)) for v in self.voices.names()]
+        return plan_memory(budget, fixed, refs, self._thinker_block_bytes(), self._talker_block_bytes())
+
+    def _thinker_block_bytes(self) -> int:
+        c = self.models.thinker.config
+        elem = torch.empty((), dtype=self.models.dtype).element_size()
+        return 2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim * elem
+
+    def _talker_block_bytes(self) -> int:
+        c = self.models.talker.config
+        elem = torch.empty((), dtype=self.models.dtype).element_size()
+        return 2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim * elem
+
+    def _build_pools(self) -> None:
+        m, bs, dev, dt = self.models, self.block_size, self.models.device, self.models.dtype
+        self.thinker_cache = m.thinker.make_kv_cache(self.plan.thinker_blocks, bs, dt, dev)
+        self.thinker_manager = KVCacheManager(BlockPool(self.plan.thinker_blocks), bs, self.thinker_cache.bytes_per_block)
+        self.stage0 = Stage0Runner(m.thinker, self.thinker_manager, self.thinker_cache, self.window,
+                                   share_context=self.deploy.stage0.shared_anchor_blocks, block_size=bs)
+        tc = m.talker.config
+        self.talker_cache = PagedKVCache(tc.num_hidden_layers, self.plan.talker_blocks, bs, tc.num_key_value_heads,
+                                         tc.head_dim, dt, dev)
+        self.talker_pool = BlockPool(self.plan.talker_blocks)
+
+    def _default_config(self, voice: str) -> SessionRuntimeConfig:
+        return build_runtime_config(self.deploy, {"voice": voice})
+
+    # ------------------------------------------------------------------ model adapters
+
+    def _embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.models.thinker.embed(ids.to(self.models.device))
+
+    def _encode_reference_audio(self, audio: torch.Tensor, state: Any) -> EmbeddingResult:
+        """Whole-clip encode (touches no per-session streaming state); counted for metrics/tests."""
+        self.reference_encodes += 1
+        with torch.no_grad():
+            emb = self.models.audio_encoder.embed_audio(audio)
+        return EmbeddingResult(emb.to(self.models.dtype), EncoderPath.WHOLE_CLIP)
+
+    # ------------------------------------------------------------------ admission
+
+    def _footprint(self, cfg: SessionRuntimeConfig, voice: Voice) -> Footprint:
+        """Worst-case footprint from shapes only: the context length comes from the context
+        builder's own layout with zero-width stand-in embeddings (no model runs)."""
+        r = self._ref_embeddings[voice.name]
+        ctx = build_session_context(
+            self.models.tokenizer, lambda ids: torch.zeros(len(ids), 1),
+            lambda a, s: EmbeddingResult(torch.zeros(r, 1), EncoderPath.WHOLE_CLIP),
+            cfg.instructions, voice.ref_audio, cfg.initial_user_text, model_revision=cfg.model_revision)
+        max_pos = self.models.thinker.config.max_position_embeddings
+        longest = ctx.total + self.window.high_tokens if self.window.enabled else max_pos
+        if longest > max_pos:
+            raise AdmissionError(
+                f"context_length_exceeded: context of {ctx.total} tokens + window high {self.window.high_tokens} "
+                f"exceeds the model's {max_pos} positions")
+        share = self.deploy.stage0.shared_anchor_blocks
+        private, shared = thinker_worst_blocks(ctx.total, longest, self.block_size, share)
+        talker_blocks = -(-self.models.talker.config.max_position_embeddings // self.block_size)
+        cfm = self.code2wav.config
+        sharing = cfm.prompt_att_sharing
+        setup = code2wav_session_bytes(cfm, voice.prompt_frames, sharing, "setup")
+        steady = code2wav_session_bytes(cfm, voice.prompt_frames, sharing, "steady")
+        encoder = self.models.audio_encoder.cfg.kv_bytes_per_session(self.models.dtype)
+        dynamic = max(setup.private, steady.private) + encoder
+        voice_shared = setup.shared if sharing else 0
+        return Footprint(private, shared, ctx.extra_key if share else None, talker_blocks, dynamic,
+                         voice.name, voice_shared)
+
+    def _check_session(self, client_session: Mapping[str, Any]) -> tuple[SessionRuntimeConfig, Voice]:
+        cfg = build_runtime_config(self.deploy, client_session)
+        w = self.deploy.stage0.window
+        if (cfg.window_high_tokens, cfg.window_low_tokens) != (w.high_tokens, w.low_tokens):
+            # The Stage 0 runner has one window for all sessions; refusing beats ignoring it.
+            raise SessionConfigError(
+                f"per-session window marks ({cfg.window_high_tokens}/{cfg.window_low_tokens}) are not "
+                f"supported by this engine; the server window is {w.high_tokens}/{w.low_tokens}")
+        if cfg.voice not in self.voices:
+            raise SessionConfigError(f"unknown voice {cfg.voice!r} (known: {', '.join(self.voices.names())})")
+        return cfg, self.voices.get(cfg.voice)
+
+    def open_session(self, client_session: Mapping[str, Any], *, queue_if_full: bool = False) -> str:
+        if self._closed:
+            raise RuntimeError("engine is shut down")
+        cfg, voice = self._check_session(client_session)
+        fp = self._footprint(cfg, voice)
+        with self._lock:
+            sid = f"sess_{next(self._ids)}"
+            sess = _Session(sid, cfg, voice, fp)
+            reason = self.ledger.refusal(fp)
+            if reason is None and not self._queue:
+                self.ledger.admit(sid, fp)
+                self._sessions[sid] = sess
+            elif queue_if_full:
+                self._queue[sid] = sess
+                logger.info("session %s queued: %s", sid, reason or "earlier sessions are queued")
+            else:
+                raise AdmissionError(reason or "sessions are queued ahead of this one")
+        return sid
+
+    def is_queued(self, sid: str) -> bool:
+        with self._lock:
+            return sid in self._queue
+
+    def push_audio(self, sid: str, pcm: np.ndarray) -> None:
+        if not isinstance(pcm, np.ndarray) or pcm.dtype != np.float32 or pcm.ndim != 1:
+            raise ValueError(f"audio must be a float32 numpy array of shape (samples,) at {INPUT_SAMPLE_RATE} Hz")
+        if pcm.size == 0 or not np.isfinite(pcm).all():
+            raise ValueError("audio is empty or contains NaN/Inf")
+        with self._lock:
+            sess = self._sessions.get(sid)
+            if sess is None:
+                what = "queued" if sid in self._queue else "unknown"
+                raise ValueError(f"cannot push audio to {what} session {sid!r}")
+            sess.audio.append(pcm.copy())
+            sess.buffered += pcm.size
+
+    def close_session(self, sid: str) -> None:
+        with self._lock:
+            if self._queue.pop(sid, None) is not None:
+                return
+            sess = self._sessions.pop(sid, None)
+            if sess is None:
+                return
+            self.ledger.release(sid)
+            self._closing.append(sess)   # its memory is freed at the start of the next tick
+
+    # ------------------------------------------------------------------ the tick
+
+    def tick(self) -> list[EngineEvent]:
+        if self._closed:
+            raise RuntimeError("engine is shut down")
+        start = time.perf_counter()
+        lat = dict.fromkeys(STAGES, 0.0)
+        events: list[EngineEvent] = []
+        with self._lock:
+            closing, self._closing = self._closing, []
+        for sess in closing:
+            self._free(sess)
+        events += self._admit_queued()
+        with self._lock:
+            pending = [s for s in self._sessions.values() if not s.opened]
+        if pending:
+            events += self._open(pending)
+        units = self._take_units()
+        if units:
+            events += self._run_units(units, lat)
+        lat["tick"] = time.perf_counter() - start
+        with self._lock:
+            live = set(self._sessions)
+        # A session closed while this tick ran gets no more events.
+        events = [e for e in events if e.sid in live or isinstance(e, SessionError)]
+        self._finish_tick(lat)
+        return events
+
+    def _finish_tick(self, lat: dict[str, float]) -> None:
+        for stage, value in lat.items():
+            self.latency_history[stage].append(value)
+        period = self.deploy.engine.tick_seconds
+        if lat["tick"] > period:
+            self.late_ticks += 1
+            logger.warning("tick %d ran late: %.3f s > tick_seconds %.3f s (back-pressure: %d late ticks)",
+                           self._ticks + 1, lat["tick"], period, self.late_ticks)
+        self._refresh_pools()
+        with self._lock:
+            self._last_latency = {k: (v,) for k, v in lat.items()}
+            self._ticks += 1
+
+    def _admit_queued(self) -> list[EngineEvent]:
+        events: list[EngineEvent] = []
+        with self._lock:
+            while self._queue:
+                sid, sess = next(iter(self._queue.items()))
+                if self.ledger.refusal(sess.footprint) is not None:
+                    break  # FIFO: later sessions wait behind the first one
+                del self._queue[sid]
+                self.ledger.admit(sid, sess.footprint)
+                self._sessions[sid] = sess
+                events.append(SessionAdmitted(sid))
+        return events
+
+    def _open(self, pending: list[_Session]) -> list[EngineEvent]:
+        """Build each session's context (context cache on the way) and open them in Stage 0."""
+        contexts = {}
+        for sess in pending:
+            sess.encoder_state = self.models.audio_encoder.new_stream_state()
+            ctx = self.builder.build(sess.config.instructions, sess.voice.ref_audio, sess.config.initial_user_text,
+                                     encoder_state=sess.encoder_state)
+            contexts[sess.sid] = SessionContextInput(ctx.inputs_embeds, ctx.token_ids, ctx.extra_key)
+        result = self.stage0.open_sessions(contexts)
+        events: list[EngineEvent] = []
+        for sess in pending:
+            if sess.sid in result.errors:
+                events.append(self._end(sess, result.errors[sess.sid]))
+            else:
+                sess.opened = True
+        return events
+
+    def _take_units(self) -> list[_Unit]:
+        enc = self.models.audio_encoder
+        units = []
+        with self._lock:
+            for sess in self._sessions.values():
+                if not sess.opened:
+                    continue
+                need = enc.expected_chunk_samples(sess.encoder_state)
+                if sess.buffered < need:
+                    continue
+                if sess.buffered >= need + 2 * enc.cfg.chunk_samples:
+                    logger.debug("session %s is %.1f s behind", sess.sid, sess.buffered / INPUT_SAMPLE_RATE)
+                audio = np.concatenate(sess.audio)
+                rest = audio[need:]
+                sess.audio = [rest] if rest.size else []
+                sess.buffered = rest.size
+                units.append(_Unit(sess, audio[:need]))
+        return units
+
+    def _run_units(self, units: list[_Unit], lat: dict[str, float]) -> list[EngineEvent]:
+        events: list[EngineEvent] = []
+        t = time.perf_counter()
+        embeds = self.models.audio_encoder.stream_step([u.session.encoder_state for u in units],
+                                                       [torch.from_numpy(u.pcm) for u in units])
+        lat["encoder"] = time.perf_counter() - t
+        t = time.perf_counter()
+        units = self._thinker(units, embeds, events)
+        lat["thinker"] = time.perf_counter() - t
+        for u in units:
+            text = [tok for tok in u.tokens if tok not in self.control.ends]
+            if text:
+                events.append(TextDelta(u.session.sid, self._detokenize(text)))
+        # A stage that had nothing to do this tick records 0 (not a sample).
+        t = time.perf_counter()
+        finals = self._talker(units)
+        if any(u.codes is not None for u in units):
+            lat["talker"] = time.perf_counter() - t
+        t = time.perf_counter()
+        audio = self._code2wav(units, finals)
+        if any(isinstance(e, AudioDelta) for e in audio):
+            lat["code2wav"] = time.perf_counter() - t
+        events += audio
+        for u in units:
+            u.session.unit_index += 1
+        return events
+
+    # ------------------------------------------------------------------ Thinker
+
+    def _thinker(self, units: list[_Unit], embeds: list[torch.Tensor], events: list[EngineEvent]) -> list[_Unit]:
+        """Append each unit's audio, then decode until every session listened or ended its text."""
+        th, c = self.models.thinker, self.control
+        inputs = {}
+        for u, emb in zip(units, embeds):
+            ids = ([c.unit_end] if u.session.unit_index > 0 else []) + [c.unit]
+            tok = self._embed_tokens(torch.tensor(ids, dtype=torch.long))
+            inputs[u.session.sid] = torch.cat([tok, emb.to(tok.dtype)], dim=0)
+        by_sid = {u.session.sid: u for u in units}
+        result = self.stage0.append(inputs, unit_start=True)
+        self._drop_failed(by_sid, result.errors, events)
+        feed = {}
+        for sid, logits in result.logits.items():
+            u = by_sid[sid]
+            u.decision = self.policy.decide(u.session.unit_index, logits)
+            feed[sid] = u.decision
+        while feed:
+            with _LmHeadTap(th) as tap:
+                result = self.stage0.decode(feed)
+            self._drop_failed(by_sid, result.errors, events)
+            hidden = dict(zip(result.logits, tap.rows)) if result.logits else {}
+            nxt = {}
+            for sid, fed in feed.items():
+                if sid in result.errors or fed == c.listen or fed in c.ends:
+                    continue  # the unit is complete: its last token is now in the KV
+                u = by_sid[sid]
+                num_text = len(u.tokens)
+                if num_text >= MAX_UNIT_TOKENS - 2:
+                    tok = c.chunk_eos   # decision + 18 text + end = 20 tokens
+                else:
+                    tok = self.policy.next_token(u.session.unit_index, num_text, result.logits[sid])
+                u.tokens.append(tok)
+                u.hidden.append(hidden[sid])
+                nxt[sid] = tok
+            feed = nxt
+        return [u for u in units if u.session.sid in by_sid]
+
+    def _drop_failed(self, by_sid: dict[str, _Unit], errors: Mapping[str, Exception], events: list[EngineEvent]) -> None:
+        for sid, err in errors.items():
+            u = by_sid.pop(sid, None)
+            if u is not None:
+                events.append(self._end(u.session, err))
+
+    def _detokenize(self, ids: list[int]) -> str:
+        tok = self.models.tokenizer
+        inner = getattr(tok, "_tok", None)
+        if inner is not None:
+            return inner.decode(ids)
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    # ------------------------------------------------------------------ Talker
+
+    def _talker(self, units: list[_Unit]) -> dict[str, _Final]:
+        """25 codes for each speaking unit. Returns held codes to flush as final chunks of turns
+        that end before this unit (a listen after speaking, or a Talker turn at its limit)."""
+        finals: dict[str, _Final] = {}
+        cfg = self.models.talker.config
+        speakers = []
+        for u in units:
+            s = u.session
+            if u.decision != self.control.speak:
+                if s.c2w_sid is not None:   # stopped speaking: the turn is over
+                    self._close_turn(s, finals)
+                continue
+            need = len(u.tokens) + cfg.tokens_per_unit + 1
+            if s.talker_len + need > cfg.max_position_embeddings:
+                logger.info("session %s: Talker turn at %d tokens; starting a new audio turn", s.sid, s.talker_len)
+                self._close_turn(s, finals, response_done=False)   # the Thinker's turn goes on
+            self._grow_talker(s, s.talker_len + need)
+            speakers.append(u)
+        if not speakers:
+            return finals
+        reqs = [TalkerUnitRequest(self._talker_table(u.session), u.session.talker_len,
+                                  torch.tensor(u.tokens, dtype=torch.long), torch.stack(u.hidden))
+                for u in speakers]
+        for u, res in zip(speakers, generate_unit(self.models.talker, self.talker_cache, reqs)):
+            u.session.talker_len = res.num_computed
+            u.codes = res.codes[: cfg.tokens_per_unit]
+        return finals
+
+    def _talker_table(self, s: _Session) -> list[int]:
+        return [b.block_id for b in s.talker_blocks]
+
+    def _grow_talker(self, s: _Session, num_tokens: int) -> None:
+        need = -(-num_tokens // self.block_size) - len(s.talker_blocks)
+        if need > 0:
+            # The ledger reserved a full turn for this session, so the pool has the blocks.
+            assert need <= self.talker_pool.num_free, f"Talker pool short for {s.sid}: admission bug"
+            s.talker_blocks.extend(self.talker_pool.get_new_blocks(need))
+
+    def _free_talker(self, s: _Session) -> None:
+        if s.talker_blocks:
+            self.talker_pool.free_blocks(s.talker_blocks[::-1])
+        s.talker_blocks, s.talker_len = [], 0
+
+    def _close_turn(self, s: _Session, finals: dict[str, _Final], response_done: bool = True) -> None:
+        """End the audio turn: its held codes become the final chunk; the Talker KV resets."""
+        assert s.c2w_sid is not None
+        if s.held is not None:
+            finals[s.c2w_sid] = _Final(s, s.held, response_done)
+        else:
+            self.code2wav.remove_session(s.c2w_sid)
+        s.held, s.c2w_sid = None, None
+        self._free_talker(s)
+
+    # ------------------------------------------------------------------ Code2Wav
+
+    def _code2wav(self, units: list[_Unit], finals: dict[str, _Final]) -> list[EngineEvent]:
+        """Non-final chunks (held codes + lookahead) in one batched step, then the final chunks
+        of every turn that ended in this tick in a second one."""
+        chunks: dict[str, torch.Tensor] = {}
+        owner = {csid: f.session for csid, f in finals.items()}
+        for u in units:
+            s = u.session
+            if u.codes is None:
+                continue
+            if s.c2w_sid is None:
+                s.turn_index += 1
+                s.c2w_sid = f"{s.sid}#{s.turn_index}"
+                self.code2wav.add_session(s.c2w_sid, s.voice.name, seed=zlib.crc32(s.c2w_sid.encode()))
+            owner[s.c2w_sid] = s
+            if s.held is not None:
+                chunks[s.c2w_sid] = torch.cat([s.held, u.codes[:LOOKAHEAD]])
+            s.held = u.codes
+            if u.tokens and u.tokens[-1] == self.control.turn_eos:
+                self._close_turn(s, finals)
+        events: list[EngineEvent] = []
+        final_chunks = {csid: f.codes for csid, f in finals.items()}
+        for batch, last in ((chunks, False), (final_chunks, True)):
+            if not batch:
+                continue
+            out = self.code2wav.step(batch, {sid: last for sid in batch})
+            for csid, err in out.errors.items():
+                logger.error("Code2Wav refused %s: %s", csid, err)
+            for csid, pcm in out.items():
+                events.append(AudioDelta(owner[csid].sid, pcm16_bytes(pcm)))
+        self._note_code2wav_peak()
+        for csid, f in finals.items():
+            self.code2wav.remove_session(csid)
+            if f.response_done:
+                events.append(ResponseDone(f.session.sid))
+        return events
+
+    # ------------------------------------------------------------------ ending sessions
+
+    def _end(self, sess: _Session, err: Exception) -> SessionError:
+        """End a session the engine cannot continue (it owns nothing afterwards)."""
+        code = getattr(err, "code", "engine_error")
+        logger.info("session %s ended: %s", sess.sid, err)
+        with self._lock:
+            if self._sessions.pop(sess.sid, None) is not None:
+                self.ledger.release(sess.sid)
+        self._free(sess)
+        return SessionError(sess.sid, code, str(err), fatal=True)
+
+    def _free(self, sess: _Session) -> None:
+        """Free everything ``sess`` holds (tick thread only)."""
+        if sess.opened and sess.sid in self.stage0.sessions:
+            self.stage0.close_session(sess.sid)
+        sess.opened = False
+        if sess.c2w_sid is not None:
+            self.code2wav.remove_session(sess.c2w_sid)
+            sess.c2w_sid, sess.held = None, None
+        self._free_talker(sess)
+        sess.encoder_state = None
+
+    def shutdown(self) -> None:
+        """Close every session and release the engine's memory (call with no tick running)."""
+        with self._lock:
+            sessions = list(self._sessions.values()) + self._closing
+            for sid in list(self._sessions):
+                self.ledger.release(sid)
+            self._sessions.clear()
+            self._queue.clear()
+            self._closing = []
+        for sess in sessions:
+            self._free(sess)
+        self._closed = True
+        self.thinker_cache = self.talker_cache = None  # type: ignore[assignment]
+        logger.info("engine shut down")
+
+    # ------------------------------------------------------------------ stats
+
+    def _code2wav_tier(self) -> TierBytes:
+        shared = sum(self.code2wav.voice_bytes(v) for v in self.voices.names())
+        private = sum(self.code2wav.session_bytes(s).private for s in self.code2wav.sessions)
+        return TierBytes(shared=shared, private=private, free=max(0, self.plan.dynamic_bytes - shared - private))
+
+    def _note_code2wav_peak(self) -> None:
+        """Code2Wav streams end inside the tick that ends their turn; keep the busiest moment."""
+        now = self._code2wav_tier()
+        if now.shared + now.private > self.code2wav_peak.shared + self.code2wav_peak.private:
+            self.code2wav_peak = now
+
+    def _refresh_pools(self) -> None:
+        """Bytes per tier, computed on the tick thread (stats() only reads the snapshot)."""
+        ps = self.stage0.pool_stats()
+        b = ps.bytes_per_block
+        thinker = TierBytes(shared=ps.shared * b, private=(ps.used - ps.shared) * b, free=ps.free * b)
+        tb = self.talker_cache.bytes_per_block if self.talker_cache is not None else 0
+        t_used = self.talker_pool.num_usable_blocks - self.talker_pool.num_free
+        talker = TierBytes(shared=0, private=t_used * tb, free=self.talker_pool.num_free * tb)
+        c2w = self._code2wav_tier()
+        with self._lock:
+            enc = sum(s.encoder_state.nbytes for s in self._sessions.values() if s.encoder_state is not None)
+        # The dynamic region holds both Code2Wav and encoder caches: its free bytes are shown once.
+        c2w = TierBytes(shared=c2w.shared, private=c2w.private, free=max(0, c2w.free - enc))
+        pools = {"thinker_kv": thinker, "talker_kv": talker, "code2wav": c2w,
+                 "audio_encoder": TierBytes(shared=0, private=enc, free=0)}
+        with self._lock:
+            self._pools = pools
+
+    def stats(self) -> EngineStats:
+        cache = self.builder.cache
+        with self._lock:
+            return EngineStats(
+                live_sessions=len(self._sessions), queued_sessions=len(self._queue), pools=dict(self._pools),
+                context_cache_hits=cache.hits if cache is not None else 0,
+                context_cache_misses=cache.misses if cache is not None else 0,
+                cfm_fallbacks=self.code2wav.registry.fallbacks, ticks=self._ticks,
+                stage_latency_s=dict(self._last_latency))

@@ -1,0 +1,156 @@
+"""When a session speaks, and which text tokens it says: the Thinker's per-unit decisions.
+
+One unit of the Thinker, after ``</unit>`` (closing the previous unit) + ``<unit>`` + 10 audio
+embeddings are appended::
+
+    decision   <|listen|>                                  -> the unit is silent
+               <|speak|> t_1 .. t_n  (<|chunk_eos|> | <|turn_eos|>)
+                                                          -> speech text of this unit; the
+                                                             Talker turns it into 25 codes
+
+At most :data:`MAX_UNIT_TOKENS` (20) tokens are decoded per unit (decision + text + end); the
+engine forces ``<|chunk_eos|>`` at the limit.
+
+Two policies:
+
+* :class:`ModelPolicy` (``speak_policy.mode: model``): the Thinker decides. The decision is the
+  argmax of the logits restricted to {listen, speak}; text tokens are the argmax (or a sample)
+  over the ordinary text ids plus the two end tokens. Control tokens can never appear as text.
+* :class:`ScriptedPolicy` (``every_k_units``): with random weights the decision is noise, so
+  demos and benchmarks force a deterministic load. Units are grouped in blocks of ``k``; the
+  last ``turn_units`` units of each block speak (one turn), the others listen. A speaking unit
+  says ``text_tokens`` text tokens (the model's argmax over text ids, so they still depend on
+  the input) and ends with ``<|turn_eos|>`` on the block's last unit, else ``<|chunk_eos|>``::
+
+      k = 4, turn_units = 2:   L L S S | L L S S | ...    (S S = one turn of 2 chunks)
+      k = 2, turn_units = 2:   S S | S S | ...            (the config default)
+
+Token ids come from the tokenizer (a real checkpoint's ids win). ``<|turn_eos|>`` is not in the
+spec's list; 151717 is the id public MiniCPM-o 4.5 test fixtures use, not verified against the
+real tokenizer (which is not available here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from duplexcache.config import SpeakPolicy
+from duplexcache.context.tokenizer import FIRST_SPECIAL_ID, ByteTokenizer, Tokenizer
+
+MAX_UNIT_TOKENS = 20
+TURN_EOS_FALLBACK_ID = 151717
+
+
+@dataclass(frozen=True)
+class ControlTokens:
+    """Ids of the unit-protocol tokens."""
+
+    unit: int
+    unit_end: int
+    listen: int
+    speak: int
+    chunk_eos: int
+    turn_eos: int
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Tokenizer) -> ControlTokens:
+        try:
+            turn_eos = tokenizer.token_id("<|turn_eos|>")
+        except KeyError:
+            turn_eos = TURN_EOS_FALLBACK_ID
+        return cls(unit=tokenizer.token_id("<unit>"), unit_end=tokenizer.token_id("</unit>"),
+                   listen=tokenizer.token_id("<|listen|>"), speak=tokenizer.token_id("<|speak|>"),
+                   chunk_eos=tokenizer.token_id("<|chunk_eos|>"), turn_eos=turn_eos)
+
+    @property
+    def ends(self) -> tuple[int, int]:
+        return (self.chunk_eos, self.turn_eos)
+
+
+def text_token_ids(tokenizer: Tokenizer, vocab_size: int) -> torch.Tensor:
+    """Ids a unit's speech text may use: printable ASCII for the byte fallback tokenizer (so the
+    text deltas are readable), every ordinary (non-special) id for a real tokenizer."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return torch.arange(32, 127)
+    return torch.arange(0, min(FIRST_SPECIAL_ID, vocab_size))
+
+
+class DecisionPolicy(Protocol):
+    def decide(self, unit_index: int, logits: torch.Tensor) -> int:
+        """The decision token (listen or speak) of unit ``unit_index`` from the logits (V,)
+        after its audio."""
+        ...
+
+    def next_token(self, unit_index: int, num_text: int, logits: torch.Tensor) -> int:
+        """The next token of a speaking unit that has said ``num_text`` text tokens: a text id
+        or one of the two end tokens."""
+        ...
+
+
+def _argmax_over(logits: torch.Tensor, ids: torch.Tensor) -> int:
+    return int(ids[int(torch.argmax(logits[ids.to(logits.device)].float()))])
+
+
+class ModelPolicy:
+    """The Thinker decides; logits restricted to what is legal at each point."""
+
+    def __init__(self, control: ControlTokens, text_ids: torch.Tensor, temperature: float = 0.0,
+                 generator: torch.Generator | None = None) -> None:
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        self.control = control
+        self.decision_ids = torch.tensor([control.listen, control.speak])
+        self.text_ids = torch.cat([text_ids, torch.tensor(control.ends)])
+        self.temperature = temperature
+        self.generator = generator
+
+    def _pick(self, logits: torch.Tensor, ids: torch.Tensor) -> int:
+        if self.temperature == 0:
+            return _argmax_over(logits, ids)
+        probs = torch.softmax(logits[ids.to(logits.device)].float().cpu() / self.temperature, dim=-1)
+        return int(ids[int(torch.multinomial(probs, 1, generator=self.generator))])
+
+    def decide(self, unit_index: int, logits: torch.Tensor) -> int:
+        return self._pick(logits, self.decision_ids)
+
+    def next_token(self, unit_index: int, num_text: int, logits: torch.Tensor) -> int:
+        return self._pick(logits, self.text_ids)
+
+
+class ScriptedPolicy:
+    """Deterministic speaking schedule (see the module docstring)."""
+
+    def __init__(self, control: ControlTokens, text_ids: torch.Tensor, k: int, turn_units: int = 2,
+                 text_tokens: int = 3) -> None:
+        if k < 1 or turn_units < 1 or not 0 <= text_tokens <= MAX_UNIT_TOKENS - 2:
+            raise ValueError(f"need k >= 1, turn_units >= 1, 0 <= text_tokens <= {MAX_UNIT_TOKENS - 2}; "
+                             f"got {k}, {turn_units}, {text_tokens}")
+        self.control = control
+        self.text_ids = text_ids
+        self.k = k
+        self.turn_units = min(turn_units, k)
+        self.text_tokens = text_tokens
+
+    def speaks(self, unit_index: int) -> bool:
+        return unit_index % self.k >= self.k - self.turn_units
+
+    def decide(self, unit_index: int, logits: torch.Tensor) -> int:
+        return self.control.speak if self.speaks(unit_index) else self.control.listen
+
+    def next_token(self, unit_index: int, num_text: int, logits: torch.Tensor) -> int:
+        if num_text < self.text_tokens:
+            return _argmax_over(logits, self.text_ids)
+        ends_turn = unit_index % self.k == self.k - 1
+        return self.control.turn_eos if ends_turn else self.control.chunk_eos
+
+
+def make_policy(settings: SpeakPolicy, control: ControlTokens, text_ids: torch.Tensor) -> DecisionPolicy:
+    """The policy ``engine.speak_policy`` names."""
+    if settings.mode == "model":
+        return ModelPolicy(control, text_ids)
+    if settings.mode == "every_k_units":
+        return ScriptedPolicy(control, text_ids, k=settings.k)
+    raise ValueError(f"unknown speak_policy mode {settings.mode!r}")

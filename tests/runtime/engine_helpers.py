@@ -1,0 +1,62 @@
+"""Shared pieces of the engine tests: one tiny model bundle per test session, YAML deploys."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import yaml
+
+from duplexcache.config import DeployConfig
+from duplexcache.runtime.bundle import ModelBundle, build_models
+from duplexcache.runtime.engine import DuplexEngine
+from duplexcache.runtime.engine_api import (
+    AudioDelta,
+    ResponseDone,
+    SessionError,
+    TextDelta,
+)
+
+torch.set_num_threads(1)  # 2 shared cores: avoid oversubscription
+
+_MODELS: dict[str, ModelBundle] = {}
+FIRST = 16_560
+UNIT = 16_000
+
+
+def tiny_models() -> ModelBundle:
+    """Built once (seeded); engines only read models, so tests share them."""
+    if "tiny" not in _MODELS:
+        _MODELS["tiny"] = build_models(DeployConfig.default("tiny"), seed=0)
+    return _MODELS["tiny"]
+
+
+def deploy_from_yaml(tmp_path, name: str, sections: dict) -> DeployConfig:
+    """Write ``sections`` as a deploy YAML and load it the way `duplexcache serve` does."""
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(sections))
+    return DeployConfig.from_yaml(path, environ={})
+
+
+def engine(tmp_path, name: str, sections: dict | None = None, models: ModelBundle | None = None) -> DuplexEngine:
+    return DuplexEngine(deploy_from_yaml(tmp_path, name, sections or {}), models or tiny_models())
+
+
+def audio(seed: int, units: int) -> np.ndarray:
+    """Synthetic 16 kHz input for ``units`` units (the first is 1.035 s)."""
+    n = FIRST + UNIT * (units - 1)
+    return np.random.default_rng(seed).uniform(-0.3, 0.3, n).astype(np.float32)
+
+
+def collect(events) -> dict:
+    """sid -> {"audio": [pcm16 bytes...], "text": [...], "done": n, "errors": [...]}."""
+    out: dict = {}
+    for e in events:
+        d = out.setdefault(e.sid, {"audio": [], "text": [], "done": 0, "errors": []})
+        if isinstance(e, AudioDelta):
+            d["audio"].append(e.pcm16)
+        elif isinstance(e, TextDelta):
+            d["text"].append(e.text)
+        elif isinstance(e, ResponseDone):
+            d["done"] += 1
+        elif isinstance(e, SessionError):
+            d["errors"].append(e)
+    return out

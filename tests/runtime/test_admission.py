@@ -1,0 +1,127 @@
+"""Admission against one memory budget: exact capacity from shapes, shared parts paid once."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_helpers import engine, tiny_models
+
+from duplexcache.cfm.code2wav import code2wav_session_bytes
+from duplexcache.context import SessionContextBuilder
+from duplexcache.runtime.admission import (
+    AdmissionLedger,
+    BudgetTooSmall,
+    Footprint,
+    MemoryPlan,
+    thinker_worst_blocks,
+)
+from duplexcache.runtime.engine_api import AdmissionError, SessionAdmitted
+from duplexcache.runtime.stage0 import stage0_session_bytes
+
+RESERVE = 1 << 20
+
+
+def _independent_session_bytes(eng, share: bool) -> tuple[int, int]:
+    """(private per session, shared once) of a default-voice session, from shapes alone, with
+    the context length taken from a real context build (not from the engine's counting path)."""
+    m = tiny_models()
+    voice = m.voices.get("default")
+    builder = SessionContextBuilder(m.tokenizer, eng._embed_tokens, eng._encode_reference_audio, model_revision="x")
+    ctx = builder.build("", voice.ref_audio)
+    high = eng.deploy.stage0.window.high_tokens
+    kv = stage0_session_bytes(m.thinker.config, ctx.total, high, share, dtype_bytes=4, block_size=16)
+    tc = m.talker.config
+    talker = -(-tc.max_position_embeddings // 16) * 2 * tc.num_hidden_layers * 16 * tc.num_key_value_heads * tc.head_dim * 4
+    cfm = eng.code2wav.config
+    setup = code2wav_session_bytes(cfm, voice.prompt_frames, False, "setup")
+    steady = code2wav_session_bytes(cfm, voice.prompt_frames, False, "steady")
+    enc = m.audio_encoder.cfg.kv_bytes_per_session(m.dtype)
+    return kv.private + talker + max(setup.private, steady.private) + enc, kv.shared
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_budget_for_exactly_k_sessions_refuses_the_next_and_admits_after_close(tmp_path, k):
+    probe = engine(tmp_path, "probe")
+    per_session, _ = _independent_session_bytes(probe, share=False)
+    nulls = probe.plan.thinker_block_bytes + probe.plan.talker_block_bytes
+    # With sharing off the second voice's context costs nothing up front; the fixed part is the
+    # arena and the voices' tensors.
+    assert probe.plan.fixed_bytes == probe.code2wav.arena.nbytes() + sum(
+        v.nbytes() for v in (probe.voices.get(n) for n in probe.voices.names()))
+    budget = probe.plan.fixed_bytes + nulls + k * per_session + per_session // 2
+    eng = engine(tmp_path, f"k{k}", {"engine": {"memory_budget": budget + RESERVE, "activation_reserve": RESERVE}})
+    assert eng.plan.planned_sessions == k
+    sids = [eng.open_session({"voice": "default"}) for _ in range(k)]
+    with pytest.raises(AdmissionError) as info:
+        eng.open_session({"voice": "default"})
+    reason = info.value.reason
+    assert f"{k} live sessions" in reason and "Thinker KV needs" in reason and "blocks" in reason
+    assert eng.stats().live_sessions == k           # the refused session owns nothing
+    eng.close_session(sids[0])
+    again = eng.open_session({"voice": "default"})
+    assert eng.stats().live_sessions == k
+    queued = eng.open_session({"voice": "default"}, queue_if_full=True)
+    assert eng.is_queued(queued)
+    eng.close_session(again)
+    assert SessionAdmitted(queued) in eng.tick()
+
+
+def test_budget_too_small_for_one_session_is_a_clear_error(tmp_path):
+    with pytest.raises(BudgetTooSmall, match="cannot hold one session"):
+        engine(tmp_path, "small", {"engine": {"memory_budget": "100MiB", "activation_reserve": "1MiB"}})
+
+
+def test_thinker_worst_blocks_matches_stage0_accounting():
+    cfg = tiny_models().thinker.config
+    per_block = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4 * 16
+    for ctx, high, share in [(40, 30, True), (40, 30, False), (48, 100, True), (7, 9, True)]:
+        private, shared = thinker_worst_blocks(ctx, ctx + high, 16, share)
+        ref = stage0_session_bytes(cfg, ctx, high, share, dtype_bytes=4, block_size=16)
+        assert (private * per_block, shared * per_block) == (ref.private, ref.shared)
+
+
+def _fp(voice="v", ctx=b"c", shared=4, private=10, talker=3, dyn=100, vshared=50):
+    return Footprint(private, shared, ctx if shared else None, talker, dyn, voice, vshared)
+
+
+def test_ledger_shared_parts_paid_once_per_context_and_voice():
+    plan = MemoryPlan(budget_bytes=0, fixed_bytes=0, thinker_blocks=1 + 4 + 3 * 10, thinker_block_bytes=1,
+                      talker_blocks=1 + 9, talker_block_bytes=1, dynamic_bytes=50 + 3 * 100, planned_sessions=3)
+    led = AdmissionLedger(plan)
+    assert led.cost(_fp()) == (14, 3, 150)
+    for i in range(3):
+        assert led.refusal(_fp()) is None
+        led.admit(f"s{i}", _fp())
+    assert led.cost(_fp()) == (10, 3, 100)          # joining the live context/voice: private only
+    assert (led.thinker_reserved, led.dynamic_reserved) == (34, 350)
+    assert "Thinker KV needs 10 blocks" in led.refusal(_fp())
+    other = _fp(voice="w", ctx=b"d")
+    assert "Thinker KV needs 14 blocks" in led.refusal(other)   # a new context pays its anchor
+    for i in range(3):
+        led.release(f"s{i}")
+    assert (led.thinker_reserved, led.talker_reserved, led.dynamic_reserved) == (0, 0, 0)
+    with pytest.raises(ValueError, match="no reservation"):
+        led.release("s0")
+
+
+def test_sharing_on_admits_more_sessions_in_the_same_budget(tmp_path):
+    sections = {"engine": {"memory_budget": "160MiB", "activation_reserve": "1MiB"}}
+    off = engine(tmp_path, "off", sections)
+    on = engine(tmp_path, "on", {**sections, "stage0": {"shared_anchor_blocks": True},
+                                 "code2wav": {"cfm_prompt_att_sharing": True}})
+
+    def fill(eng):
+        n = 0
+        while True:
+            try:
+                eng.open_session({"voice": "default"})
+            except AdmissionError:
+                return n
+            n += 1
+
+    n_off, n_on = fill(off), fill(on)
+    assert n_off == off.plan.planned_sessions and n_on >= on.plan.planned_sessions
+    assert n_on > n_off

@@ -1,0 +1,143 @@
+"""The duplex engine end to end on the tiny preset (CPU, random weights)."""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_helpers import audio, collect, engine, tiny_models
+
+from duplexcache.models.thinker import Thinker
+from duplexcache.runtime.engine_api import EngineAPI, SessionAdmitted
+
+SHARING_ON = {"stage0": {"shared_anchor_blocks": True},
+              "context_cache": {"duplex_context_caching": True},
+              "code2wav": {"cfm_prompt_att_sharing": True}}
+VOICES = ["default", "alt", "default", "alt"]
+
+
+def _run_four(eng, ticks: int = 2) -> dict:
+    sids = [eng.open_session({"voice": v, "instructions": "be brief"}) for v in VOICES]
+    for i, sid in enumerate(sids):
+        eng.push_audio(sid, audio(i, ticks))
+    got = {}
+    for _ in range(ticks):
+        for sid, d in collect(eng.tick()).items():
+            slot = got.setdefault(sid, {"audio": [], "text": [], "done": 0, "errors": []})
+            for k in ("audio", "text", "errors"):
+                slot[k] += d[k]
+            slot["done"] += d["done"]
+    return {VOICES[i] + str(i): got[sid] for i, sid in enumerate(sids)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("engine")
+    on, off = engine(tmp, "on", SHARING_ON), engine(tmp, "off")
+    assert isinstance(on, EngineAPI)
+    return _run_four(on), _run_four(off), on
+
+
+def test_four_sessions_two_voices_speak_one_turn(runs):
+    on, _, eng = runs
+    cfg = eng.code2wav.config
+    chunk = cfg.shape.mel_bins and 25 * cfg.up_rate * cfg.samples_per_frame      # 1 s at 24 kHz
+    for name, d in on.items():
+        assert not d["errors"], d["errors"]
+        # default policy (k=2): units 0 and 1 are one turn; unit 0's 25 codes wait for unit 1's
+        # lookahead, then unit 1's codes are the final chunk (+ the vocoder's cross-fade tail).
+        assert [len(a) // 2 for a in d["audio"]] == [chunk, chunk + cfg.source_cache_len], name
+        assert chunk == 24_000
+        assert d["done"] == 1 and len(d["text"]) == 2 and all(d["text"])
+    pcm = np.frombuffer(on["default0"]["audio"][0], dtype="<i2")
+    assert np.abs(pcm).max() > 0
+
+
+def test_sharing_switches_do_not_change_audio_bytes(runs):
+    on, off, _ = runs
+    assert on.keys() == off.keys()
+    for name in on:
+        assert len(on[name]["audio"]) >= 2
+        assert on[name]["audio"] == off[name]["audio"], name   # bytes equality, both chunks
+        assert on[name]["text"] == off[name]["text"]
+    # different voices give different audio (the comparison above is not vacuous)
+    assert on["default0"]["audio"] != on["alt1"]["audio"]
+
+
+def test_200_open_stream_close_cycles_leave_pools_as_they_started(tmp_path):
+    eng = engine(tmp_path, "cycles", SHARING_ON)
+    start_talker = eng.talker_pool.num_free
+
+    def cycle(i: int) -> None:
+        sid = eng.open_session({"voice": VOICES[i % 2], "instructions": f"cycle {i % 3}"})
+        eng.tick()                        # opens it in Stage 0 (context cache, shared anchors)
+        if i % 10 == 0:                   # every 10th also streams a speaking unit (Talker + Code2Wav)
+            eng.push_audio(sid, audio(i, 1))
+            eng.tick()
+        eng.close_session(sid)
+        eng.tick()                        # frees it
+
+    for i in range(6):                    # every distinct context (2 voices x 3 instructions) once
+        cycle(i)
+    warm = eng.stage0.pool_stats()        # shared context blocks stay cached (LRU) by design
+    assert warm.cached_free > 0
+    for i in range(6, 200):
+        cycle(i)
+    assert eng.stage0.pool_stats() == warm
+    assert warm.used == 0 and warm.free == warm.num_blocks
+    eng.thinker_manager.check_invariants()
+    assert eng.talker_pool.num_free == start_talker == eng.talker_pool.num_usable_blocks
+    assert not eng.code2wav.sessions and not eng.code2wav._pending
+    assert eng.code2wav.registry.ref_count("default") == 0 and eng.code2wav.voice_bytes("default") == 0
+    assert len(eng.ledger) == 0
+    assert (eng.ledger.thinker_reserved, eng.ledger.talker_reserved, eng.ledger.dynamic_reserved) == (0, 0, 0)
+    s = eng.stats()
+    assert s.live_sessions == 0 and s.pools["thinker_kv"].private == 0 and s.pools["code2wav"].private == 0
+
+
+def test_context_length_exceeded_ends_only_that_session(tmp_path):
+    base = tiny_models()
+    torch.manual_seed(0)
+    short_thinker = Thinker(dataclasses.replace(base.thinker.config, max_position_embeddings=160)).eval()
+    models = dataclasses.replace(base, thinker=short_thinker)
+    eng = engine(tmp_path, "cle", {"stage0": {"window": {"mode": "off"}}}, models=models)
+    long_sid = eng.open_session({"voice": "default", "instructions": "x" * 100})
+    short_sid = eng.open_session({"voice": "alt"})
+    for i, sid in enumerate((long_sid, short_sid)):
+        eng.push_audio(sid, audio(i, 4))
+    errors, short_events = [], []
+    for _ in range(4):
+        got = collect(eng.tick())
+        errors += got.get(long_sid, {}).get("errors", [])
+        short_events.append(got.get(short_sid, {}))
+        assert not got.get(short_sid, {}).get("errors")
+    assert len(errors) == 1 and errors[0].code == "context_length_exceeded" and errors[0].fatal
+    assert long_sid not in eng.stage0.sessions and long_sid not in eng.ledger
+    assert short_sid in eng.stage0.sessions and eng.stats().live_sessions == 1
+    assert all(e.get("text") for e in short_events)          # the other session kept going
+    with pytest.raises(ValueError, match="unknown"):
+        eng.push_audio(long_sid, audio(0, 1))
+    eng.close_session(long_sid)                               # idempotent after a fatal error
+
+
+def test_queued_session_is_admitted_when_one_closes(tmp_path):
+    eng = engine(tmp_path, "queue")
+    cap = eng.plan.planned_sessions
+    sids = [eng.open_session({"voice": "default"}) for _ in range(cap)]
+    queued = eng.open_session({"voice": "default"}, queue_if_full=True)
+    assert eng.is_queued(queued) and eng.stats().queued_sessions == 1
+    with pytest.raises(ValueError, match="queued"):
+        eng.push_audio(queued, audio(0, 1))
+    eng.tick()
+    assert eng.is_queued(queued)
+    eng.close_session(sids[0])
+    events = eng.tick()
+    assert SessionAdmitted(queued) in events and not eng.is_queued(queued)
+    eng.push_audio(queued, audio(0, 1))
+    eng.shutdown()
+    assert eng.stats().live_sessions == 0

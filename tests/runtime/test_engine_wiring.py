@@ -1,0 +1,116 @@
+"""Every deploy switch reaches the component that uses it: YAML on vs off -> observable effect."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_helpers import audio, engine
+
+from duplexcache.cfm.prompt_cache import PlainAttCache, SharedPromptAttCache
+from duplexcache.config import ConfigError, SessionConfigError
+from duplexcache.runtime.policy import ModelPolicy, ScriptedPolicy, text_token_ids
+
+
+def _open_two(eng, voice="default"):
+    sids = [eng.open_session({"voice": voice}) for _ in range(2)]
+    eng.tick()
+    return sids
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_shared_anchor_blocks_reach_stage0(tmp_path, on):
+    eng = engine(tmp_path, "anchor", {"stage0": {"shared_anchor_blocks": on}})
+    assert eng.stage0.share_context is on
+    a, b = _open_two(eng)
+    ta, tb = eng.stage0.block_table(a), eng.stage0.block_table(b)
+    blocks = eng.thinker_manager.pool.blocks
+    if on:
+        assert ta[0] == tb[0] and blocks[ta[0]].ref_cnt == 2 and eng.stats().pools["thinker_kv"].shared > 0
+    else:
+        assert ta[0] != tb[0] and blocks[ta[0]].ref_cnt == 1 and eng.stats().pools["thinker_kv"].shared == 0
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_duplex_context_caching_skips_the_reference_encode(tmp_path, on):
+    eng = engine(tmp_path, "ctx", {"context_cache": {"duplex_context_caching": on, "capacity": 3}})
+    _open_two(eng)
+    if on:
+        assert eng.builder.cache is not None and eng.builder.cache.capacity == 3
+        assert eng.reference_encodes == 1
+        s = eng.stats()
+        assert (s.context_cache_hits, s.context_cache_misses) == (1, 1)
+    else:
+        assert eng.builder.cache is None and eng.reference_encodes == 2
+
+
+@pytest.mark.parametrize("mode", ["basic", "off"])
+def test_window_settings_reach_stage0(tmp_path, mode):
+    eng = engine(tmp_path, "win", {"stage0": {"window": {"mode": mode, "high_tokens": 40, "low_tokens": 20}},
+                                   "engine": {"speak_policy": {"k": 8}}})   # listen units: cheap ticks
+    assert (eng.stage0.window.mode, eng.stage0.window.high_tokens, eng.stage0.window.low_tokens) == (mode, 40, 20)
+    sid = eng.open_session({"voice": "default"})
+    eng.push_audio(sid, audio(0, 4))
+    for _ in range(5):
+        eng.tick()
+    compactions = eng.stage0.sessions[sid].num_compactions
+    prefix = eng.stage0.sessions[sid].prefix_len
+    if mode == "basic":
+        assert compactions >= 1 and eng.stage0.num_tokens(sid) <= prefix + 40
+    else:
+        assert compactions == 0 and eng.stage0.num_tokens(sid) > prefix + 40
+
+
+def test_client_window_marks_are_refused_not_ignored(tmp_path):
+    eng = engine(tmp_path, "cw")
+    with pytest.raises(SessionConfigError, match="per-session window"):
+        eng.open_session({"voice": "default", "window": {"high_tokens": 100, "low_tokens": 50}})
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_cfm_prompt_att_sharing_reaches_code2wav(tmp_path, on):
+    eng = engine(tmp_path, "cfm", {"code2wav": {"cfm_prompt_att_sharing": on}})
+    assert eng.code2wav.registry.sharing is on
+    # keep both turns open across ticks so their Code2Wav streams are alive to inspect
+    eng.policy = ScriptedPolicy(eng.control, text_token_ids(eng.models.tokenizer, 151748), k=100, turn_units=100)
+    a, b = (eng.open_session({"voice": "default"}) for _ in range(2))
+    for i, sid in enumerate((a, b)):
+        eng.push_audio(sid, audio(i, 2))
+    eng.tick()
+    eng.tick()
+    sa, sb = (eng.code2wav.sessions[eng._sessions[s].c2w_sid] for s in (a, b))
+    if on:
+        assert isinstance(sa.att, SharedPromptAttCache) and sa.prompt is sb.prompt
+        assert sa.att.prompt.untyped_storage().data_ptr() == sb.att.prompt.untyped_storage().data_ptr()
+        assert eng.code2wav.registry.ref_count("default") == 2 and eng.stats().pools["code2wav"].shared > 0
+    else:
+        assert isinstance(sa.att, PlainAttCache) and sa.prompt is not sb.prompt
+        assert eng.stats().pools["code2wav"].shared == 0
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_arena_rows_from_graph_grid_and_max_num_seqs(tmp_path, on):
+    eng = engine(tmp_path, "arena", {"code2wav": {"cfm_arena_rows_from_graph_grid": on, "graph_grid": [1, 2],
+                                                  "max_num_seqs": 4}})
+    assert eng.code2wav.config.graph_grid == (1, 2) and eng.code2wav.config.max_num_seqs == 4
+    assert eng.code2wav.arena.rows == (2 if on else 4)
+
+
+def test_arena_switch_without_grid_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match="would change nothing"):
+        engine(tmp_path, "arena_bad", {"code2wav": {"cfm_arena_rows_from_graph_grid": True}})
+
+
+def test_speak_policy_block_size_and_budget_reach_the_engine(tmp_path):
+    small = engine(tmp_path, "a", {"engine": {"speak_policy": {"mode": "model"}, "memory_budget": "256MiB"},
+                                   "stage0": {"block_size": 32}})
+    big = engine(tmp_path, "b", {"engine": {"speak_policy": {"mode": "every_k_units", "k": 3}}})
+    assert isinstance(small.policy, ModelPolicy)
+    assert isinstance(big.policy, ScriptedPolicy) and big.policy.k == 3
+    assert [big.policy.speaks(u) for u in range(6)] == [False, True, True, False, True, True]
+    assert small.thinker_cache.block_size == small.talker_cache.block_size == 32
+    assert small.plan.budget_bytes == (256 << 20) - (64 << 20)
+    assert small.plan.planned_sessions < big.plan.planned_sessions
+    assert big.thinker_cache.num_blocks == big.plan.thinker_blocks > small.thinker_cache.num_blocks

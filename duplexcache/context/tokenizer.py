@@ -34,6 +34,7 @@ SPECIAL_TOKEN_IDS: dict[str, int] = {
     "<|tts_bos|>": 151703,
     "<|listen|>": 151705,
     "<|speak|>": 151706,
+    "<|turn_eos|>": 151717,
     "<|chunk_eos|>": 151718,
     "<|tts_pad|>": 151722,
 }

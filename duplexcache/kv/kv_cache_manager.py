@@ -9,10 +9,12 @@ Lifecycle of one session (what the runtime calls, in order)::
     apply_block_copies_([k, v], alloc.cow_pairs)      # before the forward: tail from template
     forward over tokens alloc.compute_start .. alloc.compute_end-1 (may be empty)
     apply_block_copies_([k, v], alloc.template_pairs) # after the forward: fill new template
-    mgr.commit_context(sid)                           # template now usable by later sessions
+    apply_block_copies_([k, v], alloc.deferred_cow_pairs)  # then: tail from a same-step template
+    mgr.commit_context(sid)                           # template now ready for later steps
     per tick:  mgr.can_append(sid, n) -> mgr.append_slots(sid, n) -> forward
     window:    plan = plan_compaction(...); mgr.drop_blocks(sid, plan.first_dropped_block,
                plan.num_dropped_blocks); rerotate_keys_(k, kept ids, plan.delta_tokens, theta)
+    rebuild:   mgr.truncate(sid, sink_blocks * block_size), then re-prefill the kept tokens
     end:       mgr.free(sid)
 
 Context layout (block_size 16, a 53-token context)::
@@ -29,7 +31,9 @@ Context layout (block_size 16, a 53-token context)::
 Same-step hits: a hit may name blocks whose K/V another session computes in the *same*
 forward. That is correct because the paged forward writes every sequence's K/V of a layer
 before that layer's attention (docs/design.md). The runtime must therefore run the forward
-for every allocation it made before freeing any of them.
+for every allocation it made before freeing any of them. The tail template such a creator
+registers is filled only after the forward, so a same-step session gets its tail as a
+``deferred_cow_pairs`` copy, applied after every ``template_pairs`` copy of the step.
 
 Full hit: when every context block hits (context length a multiple of 16, or a ready
 template for the tail), there is nothing to compute (``compute_start == compute_end``).
@@ -119,7 +123,8 @@ class ContextAllocation:
     compute_start: int  # first token to compute (== num_cached_tokens)
     compute_end: int  # one past the last token to compute
     blocks_to_compute: tuple[int, ...]  # blocks the forward writes, in table order
-    # Read-only template the partial last block is copied from, or None (then it is computed).
+    # Ready read-only template the partial last block is copied from before the forward
+    # (cow_pairs), or None: the tail is computed, or copied after it (deferred_cow_pairs).
     cow_source_block_id: int | None
     # (src, dst) whole-block copies to apply BEFORE the session's next forward:
     # template -> the session's private tail block.
@@ -128,16 +133,19 @@ class ContextAllocation:
     # commit_context(sid): the session's computed tail -> a new read-only template.
     template_pairs: tuple[tuple[int, int], ...] = ()
     # The template of this context's tail that the session references (counted in its
-    # shared bytes), or None (share=False, or no partial tail). Three cases:
-    #   cow_source_block_id set   -> a ready template, copied by cow_pairs;
-    #   template_pairs set        -> this session creates it;
-    #   neither                   -> the session computes its tail itself (compute_end ==
-    #     num_tokens). Usually another session created the template earlier in this same
-    #     step and fills it after the forward; then, if compute_start == num_tokens -
-    #     num_tokens % block_size (all full blocks hit), a runtime may instead skip the tail
-    #     tokens and copy (template_block_id -> block_ids[-1]) after the creator's
-    #     template_pairs, giving every session of the context the same K/V bits.
+    # shared bytes), or None (share=False, or no partial tail). Four cases:
+    #   cow_pairs set             -> a ready template, copied before the forward;
+    #   template_pairs set        -> this session creates it (computes the tail, then copies);
+    #   deferred_cow_pairs set    -> another session created it earlier in this same step
+    #                                and fills it after the forward: copied after that;
+    #   none of them              -> some full block missed, so the session computes its
+    #                                whole tail itself (compute_end == num_tokens).
     template_block_id: int | None = None
+    # (src, dst) copies to apply AFTER the forward AND after every allocation's template_pairs
+    # of the step: template (filled by its creator's template_pairs) -> this session's private
+    # tail. Then the tail is not computed (compute_end stops at the last full block), and every
+    # session of one context holds the same K/V bits in its tail.
+    deferred_cow_pairs: tuple[tuple[int, int], ...] = ()
 
     @property
     def token_range(self) -> range:
@@ -211,6 +219,9 @@ class _ContextPlan:
     template: KVCacheBlock | None  # ready template to copy the tail from
     make_template: bool  # allocate and register a new template
     ref_only_template: KVCacheBlock | None = None  # referenced for accounting, not copied from
+    # A template registered but not yet filled (created earlier in this step): copied from
+    # after the step's forward (deferred copy-on-write).
+    deferred_template: KVCacheBlock | None = None
     num_new_blocks: int = 0
     num_free_hits: int = 0
 
@@ -237,7 +248,8 @@ class KVCacheManager:
         # Counters for metrics.
         self.num_hit_blocks = 0
         self.num_miss_blocks = 0
-        self.num_cow_copies = 0
+        self.num_cow_copies = 0  # ready and deferred template -> tail copies
+        self.num_truncated_blocks = 0
 
     # ---------------------------------------------------------------- queries
 
@@ -283,25 +295,28 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        template, make_template, ref_only = None, False, None
+        template, make_template, ref_only, deferred = None, False, None, None
         if partial_key is not None:
             existing = self.pool.get_cached_block(partial_key)
             if existing is None:
                 make_template = True
-            elif len(hits) == num_full and existing.block_id not in self._pending_templates:
-                template = existing
-            else:
-                # Being filled in this step (or some full block missed): the session computes
-                # its tail, but still references the template so accounting is the same for
+            elif len(hits) < num_full:
+                # A full block missed (evicted): the session recomputes from there, tail
+                # included, but still references the template so accounting is the same for
                 # every session of one context.
                 ref_only = existing
+            elif existing.block_id in self._pending_templates:
+                deferred = existing  # filled after this step's forward by its creator
+            else:
+                template = existing
         num_new = (num_full - len(hits)) + int(has_tail) + int(make_template)
         free_hits = [b for b in hits if b.ref_cnt == 0]
-        for t in (template, ref_only):
+        for t in (template, ref_only, deferred):
             if t is not None and t.ref_cnt == 0:
                 free_hits.append(t)
         return _ContextPlan(n, list(full_keys), partial_key, hits, template, make_template,
-                            ref_only_template=ref_only, num_new_blocks=num_new, num_free_hits=len(free_hits))
+                            ref_only_template=ref_only, deferred_template=deferred,
+                            num_new_blocks=num_new, num_free_hits=len(free_hits))
 
     def num_blocks_needed(self, token_ids: Sequence[int], extra_key: bytes | Sequence[bytes] = b"",
                           share: bool = True) -> int:
@@ -342,9 +357,9 @@ class KVCacheManager:
         blocks = self._take_context_blocks(plan)
         sess = _Session(blocks=blocks, num_tokens=n, num_context_tokens=n)
         self._sessions[sid] = sess
-        cow_pairs, template_pairs = self._attach_template(sess, plan)
-        # A tail copied from a ready template is not computed.
-        compute_end = (n // bs) * bs if cow_pairs else n
+        cow_pairs, template_pairs, deferred_pairs = self._attach_template(sess, plan)
+        # A tail copied from a template (now or after the forward) is not computed.
+        compute_end = (n // bs) * bs if cow_pairs or deferred_pairs else n
         start = len(plan.hits) * bs
         to_compute = tuple(b.block_id for b in blocks[start // bs:-(-compute_end // bs)])
         return ContextAllocation(
@@ -354,6 +369,7 @@ class KVCacheManager:
             cow_source_block_id=plan.template.block_id if plan.template is not None else None,
             cow_pairs=cow_pairs, template_pairs=template_pairs,
             template_block_id=sess.template.block_id if sess.template is not None else None,
+            deferred_cow_pairs=deferred_pairs,
         )
 
     def _take_context_blocks(self, plan: _ContextPlan) -> list[KVCacheBlock]:
@@ -362,7 +378,7 @@ class KVCacheManager:
         num_full, num_hits = n // bs, len(plan.hits)
         # Take hits off the free list first, so allocating new blocks cannot evict them.
         self.pool.touch(plan.hits)
-        for t in (plan.template, plan.ref_only_template):
+        for t in (plan.template, plan.ref_only_template, plan.deferred_template):
             if t is not None:
                 self.pool.touch([t])
         fresh = self.pool.get_new_blocks(num_full - num_hits + int(n % bs != 0))
@@ -377,28 +393,36 @@ class KVCacheManager:
         self.num_miss_blocks += num_full - num_hits
         return list(plan.hits) + fresh
 
-    def _attach_template(self, sess: _Session, plan: _ContextPlan) -> tuple[tuple, tuple]:
-        """Give the session its tail template reference; returns (cow_pairs, template_pairs)."""
+    def _attach_template(self, sess: _Session, plan: _ContextPlan) -> tuple[tuple, tuple, tuple]:
+        """Give the session its tail template reference (templates were touched already).
+
+        Returns (cow_pairs, template_pairs, deferred_cow_pairs); at most one is non-empty.
+        """
         tail = sess.blocks[-1].block_id if sess.blocks else None
-        if plan.template is not None:  # ready (already touched): copy it into the private tail
+        if plan.template is not None:  # ready: copy it into the private tail before the forward
             sess.template = plan.template
             self.num_cow_copies += 1
-            return ((plan.template.block_id, tail),), ()
+            return ((plan.template.block_id, tail),), (), ()
+        if plan.deferred_template is not None:  # filled this step: copy after the forward
+            sess.template = plan.deferred_template
+            self.num_cow_copies += 1
+            return (), (), ((plan.deferred_template.block_id, tail),)
         if plan.make_template:  # this session computes the tail; keep a read-only copy
             (template,) = self.pool.get_new_blocks(1)
             assert plan.partial_key is not None
             self.pool.cache_full_block(template, plan.partial_key)
             sess.template, sess.template_pending = template, True
             self._pending_templates.add(template.block_id)
-            return (), ((tail, template.block_id),)
+            return (), ((tail, template.block_id),), ()
         sess.template = plan.ref_only_template  # may be None
-        return (), ()
+        return (), (), ()
 
     def commit_context(self, sid: str) -> None:
         """Mark the context of ``sid`` computed and its template_pairs copied.
 
-        Until then a template the session created is not offered to other sessions
-        (they compute their tail themselves), so forgetting this call only costs compute.
+        Until then a template the session created is offered to other sessions only as a
+        deferred copy (``deferred_cow_pairs``, applied after the step's template_pairs),
+        never as a ready ``cow_pairs`` copy that would run before the template is filled.
         """
         sess = self._get(sid)
         if sess.template_pending:
@@ -484,6 +508,38 @@ class KVCacheManager:
         sess.dropped_tokens += num_blocks * self.block_size
         self.pool.free_blocks(dropped[::-1])
         return [b.block_id for b in dropped]
+
+    def truncate(self, sid: str, num_tokens: int) -> list[int]:
+        """Shorten ``sid`` to its first ``num_tokens`` tokens; returns the released ids in table order.
+
+        Every block past the one holding token ``num_tokens - 1`` is released, the partial
+        last block included (which ``drop_blocks`` cannot do). ``num_tokens`` must be at least
+        the context length, so anchor blocks are never released. Released blocks are private
+        (only context blocks are shared): freed tail first, so they go to the front of the
+        free list with the old last block handed out first (the ``free`` order).
+
+            block 4, context 6 (anchor = table idx 0..1), 17 tokens, truncate(sid, 8):
+            logical  0-3   4-7  | 8-11  12-15  16
+            table    [ 0 ][ 1 ] | [ 2 ][ 3 ][ 4: partial ]
+                     kept       | released: entries 4, 3, 2 become the free list's first 3
+            truncate(sid, 9) would keep table idx 2 (it holds token 8) and release 3 and 4.
+        """
+        sess = self._get(sid)
+        if not sess.num_context_tokens <= num_tokens <= sess.num_tokens:
+            raise ValueError(
+                f"truncate({sid!r}, {num_tokens}): must keep between the context "
+                f"({sess.num_context_tokens} tokens, the anchor) and the session's {sess.num_tokens} tokens"
+            )
+        keep = self.blocks_for_tokens(num_tokens)
+        released = sess.blocks[keep:]
+        assert all(b.block_hash is None and b.ref_cnt == 1 for b in released), (
+            f"truncate({sid!r}): a block past the anchor is shared: {released}"
+        )
+        del sess.blocks[keep:]
+        sess.num_tokens = num_tokens
+        self.num_truncated_blocks += len(released)
+        self.pool.free_blocks(released[::-1])
+        return [b.block_id for b in released]
 
     # ---------------------------------------------------------------- accounting
 

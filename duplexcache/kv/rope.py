@@ -66,6 +66,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 rerotation_path_counts: dict[str, int] = {"torch": 0, "triton": 0}
 
 
+def _is_cuda(t: torch.Tensor) -> bool:
+    """``t.is_cuda``, behind a name so CPU tests can take the CUDA dispatch branch."""
+    return t.is_cuda
+
+
 def _fused_rerotation_available(device: torch.device) -> bool:
     try:
         from duplexcache.kv.triton_kernels import triton_available  # noqa: PLC0415
@@ -107,7 +112,7 @@ def rerotate_keys_(
     layer_list = range(num_layers) if layers is None else list(layers)
     if any(not 0 <= l < num_layers for l in layer_list) or len(set(layer_list)) != len(layer_list):
         raise ValueError(f"rerotate_keys_: layers must be distinct and in [0, {num_layers}): {list(layer_list)}")
-    if layers is None and k_cache.is_cuda and _fused_rerotation_available(k_cache.device):
+    if layers is None and _is_cuda(k_cache) and _fused_rerotation_available(k_cache.device):
         # One fused kernel over all layers and blocks: the per-layer loop below costs ~6 ms
         # for 36 layers x 6000 tokens on an H200, the kernel ~0.5 ms (docs/benchmarks.md).
         from duplexcache.kv.triton_kernels import rerotate_keys_triton_  # noqa: PLC0415

@@ -19,9 +19,10 @@ Opening sessions (one call, one forward):
    in the same forward before any attention reads it (design.md contract).
 2. ``cow_pairs`` (a ready template) are copied before the forward; the tail is not computed.
 3. One forward over every session's missed tokens ``[compute_start, compute_end)``.
-4. ``template_pairs`` (a new template from the tail just computed) are copied, then tails of
-   sessions whose template was created earlier in this same call are copied from it
-   ("deferred copy-on-write": every session with one context gets bit-identical K/V).
+4. ``template_pairs`` (a new template from the tail just computed) are copied, then the
+   ``deferred_cow_pairs`` the manager reported for sessions whose template was created
+   earlier in this same call ("deferred copy-on-write": their tails are not computed, and
+   every session with one context gets bit-identical K/V).
 5. ``commit_context``.
 
 Appending (``append`` / ``decode``), per session before the forward:
@@ -29,8 +30,9 @@ Appending (``append`` / ``decode``), per session before the forward:
 * window ``basic``: ``plan_compaction`` -> ``drop_blocks`` -> ``rerotate_keys_`` of the kept
   blocks after the anchor by ``-delta`` (anchor blocks are never rotated or written; V is
   untouched; nothing is copied).
-* window ``rebuild`` (A/B reference only): drop every full block after the anchor, then
-  re-prefill the kept tokens from the session's own input history in the same forward.
+* window ``rebuild`` (A/B reference only): ``truncate`` the session to its anchor blocks
+  (every block after them is released, the partial last one included), then re-prefill the
+  kept tokens from the session's own input history in the same forward.
 * window ``off``: no compaction; past the model's position limit or with the pool full the
   session ends with ``ContextLengthExceeded``.
 
@@ -47,7 +49,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from duplexcache.kv.block_hash import context_block_hashes
 from duplexcache.kv.kv_cache_manager import ContextAllocation, KVCacheManager, PoolStats, SessionBytes
 from duplexcache.kv.paged_attention import PagedBatch, PagedKVCache, copy_blocks
 from duplexcache.kv.rope import rerotate_keys_
@@ -66,6 +67,7 @@ __all__ = [
     "SessionContextInput",
     "Stage0Runner",
     "StepResult",
+    "WorstCaseBlocks",
     "stage0_session_bytes",
 ]
 
@@ -74,6 +76,27 @@ class BlockBudgetTooSmall(ValueError):
     """The KV pool cannot hold even one session at its worst case (context + full window)."""
 
     code = "kv_budget_too_small"
+
+
+@dataclass(frozen=True)
+class WorstCaseBlocks:
+    """Blocks one session references at its longest (``Stage0Runner.worst_case``).
+
+    ``shared_blocks`` (full context blocks + template) exist once per distinct context, not
+    once per session; ``private_blocks`` are the session's own.
+    """
+
+    table_blocks: int  # ceil(longest / block_size)
+    template_blocks: int  # 1: a reference to the context tail's copy-on-write template
+    shared_blocks: int  # full context blocks + template; 0 without sharing
+
+    @property
+    def total(self) -> int:
+        return self.table_blocks + self.template_blocks
+
+    @property
+    def private_blocks(self) -> int:
+        return self.total - self.shared_blocks
 
 
 @dataclass(frozen=True)
@@ -182,16 +205,57 @@ class Stage0Runner:
 
     # ------------------------------------------------------------------ admission
 
+    def longest_tokens(self, prefix_len: int) -> int:
+        """The most tokens one session's table can hold: ``prefix + high`` with a window
+        (compaction runs before an append would pass it, and a session whose ``prefix + high``
+        exceeds the model's positions is refused at open), the model's positions without."""
+        if prefix_len <= 0:
+            raise ValueError(f"prefix_len must be > 0, got {prefix_len}")
+        return prefix_len + self.window.high_tokens if self.window.enabled else self.max_positions
+
+    def worst_case(self, prefix_len: int) -> WorstCaseBlocks:
+        """Blocks one session references at its longest, split into private and shared.
+
+        Table blocks are ``ceil(longest / block_size)``; with sharing, a context that ends
+        mid-block adds one reference to its read-only copy-on-write template (a block outside
+        the table). Block 16, context 40, window high 96, sharing on::
+
+            longest = 40 + 96 = 136 tokens -> table = ceil(136 / 16) = 9 blocks
+            table idx  0      1      | 2      3      ...  8        |
+            logical    0-15   16-31  | 32-47  48-63  ...  128-135  |  (outside the table)
+                       [full] [full] | [tail] [win]  ...  [win]    |  [template T]
+                       shared        | private                     |  shared
+            full = 40 // 16 = 2            template = (40 % 16 != 0) = 1
+            shared  = full + template = 3  (paid once per distinct context)
+            private = table - full    = 7  (the tail is a private copy of T)
+            total   = table + template = 10
+            sharing off: 9 private table blocks, no template (total 9).
+        """
+        longest = self.longest_tokens(prefix_len)
+        table = -(-longest // self.block_size)
+        if not self.share_context:
+            return WorstCaseBlocks(table_blocks=table, template_blocks=0, shared_blocks=0)
+        full = prefix_len // self.block_size
+        template = int(prefix_len % self.block_size != 0)
+        return WorstCaseBlocks(table_blocks=table, template_blocks=template, shared_blocks=full + template)
+
     def worst_case_blocks(self, prefix_len: int) -> int:
-        """Blocks one session may hold at once: its table at the longest length the window
-        allows (``prefix + high``), plus a copy-on-write template reference."""
-        longest = prefix_len + self.window.high_tokens if self.window.enabled else prefix_len
-        template = int(self.share_context and prefix_len % self.block_size != 0)
-        return -(-longest // self.block_size) + template
+        """Blocks one session may hold at once (table at its longest + template reference);
+        see ``worst_case`` for the formula and the private/shared split."""
+        return self.worst_case(prefix_len).total
 
     def check_fits_alone(self, context: SessionContextInput) -> None:
-        """Raise ``BlockBudgetTooSmall`` (numbers named) if one session alone cannot fit the pool."""
-        need = self.worst_case_blocks(context.prefix_len)
+        """Raise ``BlockBudgetTooSmall`` (numbers named) if one session alone cannot fit the pool.
+
+        With a window that is its worst case; with window ``off`` there is no bound but the
+        model's positions, so only the context (+ template) must fit: such a session ends with
+        ``context_length_exceeded`` when the pool runs out.
+        """
+        if self.window.enabled:
+            need = self.worst_case_blocks(context.prefix_len)
+        else:
+            wc = self.worst_case(context.prefix_len)
+            need = self.manager.blocks_for_tokens(context.prefix_len) + wc.template_blocks
         have = self.manager.pool.num_usable_blocks
         if need > have:
             raise BlockBudgetTooSmall(
@@ -235,16 +299,13 @@ class Stage0Runner:
             self.sessions[sid] = _Session(sid, ctx.prefix_len, history=hist)
         if not allocs:
             return result
-        deferred = self._deferred_cow(allocs, contexts)
         copy_blocks(self.cache, [p for a in allocs.values() for p in a.cow_pairs])
-        work = []
-        for sid, a in allocs.items():
-            end = a.compute_end - (a.compute_end % self.block_size if sid in deferred else 0)
-            embeds = contexts[sid].inputs_embeds[a.compute_start:end]
-            work.append(_Work(sid, a.compute_start, embeds, wants_logits=False))
+        work = [_Work(sid, a.compute_start, contexts[sid].inputs_embeds[a.compute_start:a.compute_end],
+                      wants_logits=False) for sid, a in allocs.items()]
         self._forward(work)
+        # Templates first: a deferred copy reads a template that a template copy just filled.
         copy_blocks(self.cache, [p for a in allocs.values() for p in a.template_pairs])
-        copy_blocks(self.cache, list(deferred.values()))
+        copy_blocks(self.cache, [p for a in allocs.values() for p in a.deferred_cow_pairs])
         for sid in allocs:
             self.manager.commit_context(sid)
         logger.debug("opened %d sessions: %d cached tokens, %d computed", len(allocs),
@@ -277,32 +338,6 @@ class Stage0Runner:
                 f"{need} free blocks, the KV pool has {self.manager.pool.num_free}"
             )
         return None
-
-    def _deferred_cow(
-        self, allocs: dict[str, ContextAllocation], contexts: Mapping[str, SessionContextInput]
-    ) -> dict[str, tuple[int, int]]:
-        """Sessions whose tail template is created by an earlier session of this same call.
-
-        The manager offers a template only once it is committed, so such a session would
-        compute its tail itself. Copying the tail from the template after the forward
-        instead saves that compute and makes every session with one context hold the same
-        K/V bits. Returns ``sid -> (template, tail block)`` copies.
-        """
-        if not self.share_context:
-            return {}
-        new_templates = {dst for a in allocs.values() for _, dst in a.template_pairs}
-        out: dict[str, tuple[int, int]] = {}
-        for sid, a in allocs.items():
-            if a.template_pairs or a.cow_pairs or a.num_tokens % self.block_size == 0:
-                continue
-            ctx = contexts[sid]
-            _, partial_key = context_block_hashes(ctx.token_ids, self.block_size, ctx.extra_key)
-            template = self.manager.pool.get_cached_block(partial_key)
-            if template is not None and template.block_id in new_templates:
-                # Its full blocks all hit (the template key chains them), so only the tail is left.
-                assert a.compute_end - a.compute_start == a.num_tokens % self.block_size
-                out[sid] = (template.block_id, a.block_ids[-1])
-        return out
 
     def close_session(self, sid: str) -> None:
         """Free every block of ``sid`` (shared ones stay cached until memory is needed)."""
@@ -402,20 +437,17 @@ class Stage0Runner:
         self._after_drop(sess, plan)
 
     def _compact_rebuild(self, sess: _Session, plan: WindowPlan, embeds: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Reference mode: forget the planned tokens, release every full block after the
-        anchor, and return the kept tokens + ``embeds`` to prefill from scratch.
+        """Reference mode: forget the planned tokens, release the whole kept window, and
+        return the kept tokens + ``embeds`` to prefill from scratch after the anchor.
 
-        The partial last block (if any) cannot be dropped; it stays in the table and its
-        slots are rewritten by the re-prefill, like every other kept slot.
+            sink 3, block 16: [anchor 0..47][dropped][kept ... partial]
+            truncate(sid, 48) -> [anchor 0..47]          (every later block released)
+            re-prefill        -> [anchor 0..47][kept + new, fresh blocks from 48]
         """
         assert sess.history is not None
         self._after_drop(sess, plan)
-        bs, sid = self.block_size, sess.sid
-        num_tokens = self.manager.num_tokens(sid)
-        full = num_tokens // bs
-        if full > plan.sink_blocks:
-            self.manager.drop_blocks(sid, plan.sink_blocks, full - plan.sink_blocks)
-        start = plan.sink_blocks * bs  # first logical index after the anchor blocks
+        start = plan.sink_blocks * self.block_size  # first logical index after the anchor blocks
+        self.manager.truncate(sess.sid, start)
         kept = sess.history.since(start)
         assert start + kept.shape[0] == plan.new_num_tokens, "history and plan disagree on the kept length"
         return torch.cat((kept.to(embeds.dtype), embeds), dim=0), start

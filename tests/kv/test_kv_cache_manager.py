@@ -68,9 +68,12 @@ def test_same_step_second_session_hits_first_sessions_blocks():
     b = m.allocate_context("b", CTX10, b"v")  # no commit / forward in between
     assert a.block_ids[:2] == b.block_ids[:2] == (1, 2)
     assert b.num_cached_tokens == 8 and b.compute_start == 8
-    # a's template is still pending (not filled): b computes its own 2-token tail.
+    # a's template is still pending (filled after the forward): b computes nothing and copies
+    # its 2-token tail from the template after a's template_pairs (deferred copy-on-write).
     assert b.cow_source_block_id is None and b.cow_pairs == () and b.template_pairs == ()
-    assert b.compute_end == 10 and b.blocks_to_compute == (b.block_ids[2],)
+    assert b.compute_end == 8 and b.blocks_to_compute == () and b.num_tokens_to_compute == 0
+    assert a.template_pairs == ((3, 4),) and b.deferred_cow_pairs == ((4, 5),)
+    assert a.deferred_cow_pairs == ()
     # b still references a's template (no copy), so both sessions account the same bytes.
     assert a.template_block_id == b.template_block_id == 4
     assert refs(m) == {1: 2, 2: 2, 3: 1, 4: 2, 5: 1}
@@ -79,6 +82,8 @@ def test_same_step_second_session_hits_first_sessions_blocks():
     m.commit_context("a")
     c = m.allocate_context("c", CTX10, b"v")  # a later step: the template is ready
     assert c.cow_pairs == ((4, c.block_ids[2]),) and c.compute_start == c.compute_end == 8
+    assert c.deferred_cow_pairs == ()  # a ready template is copied before, not after
+    assert m.num_cow_copies == 2  # b's deferred copy and c's
     m.check_invariants()
 
 
@@ -220,19 +225,24 @@ def test_random_sessions_keep_contents_and_invariants():
     expect: dict[str, list] = {}
     contexts = [(list(range(n)), bytes([e])) for n in (5, 8, 11, 16) for e in (1, 2)]
     pending: list[tuple] = []
+    num_deferred = [0]
 
     def write(bid, off, val):
         slots.setdefault(bid, [None] * BS)[off] = val
 
-    def end_step():  # the forward of this step, then template copies, then commits
-        for sid, alloc, content in pending:
-            if sid not in m:
-                continue
+    def end_step():  # the forward of this step, then template copies, deferred copies, commits
+        live = [(sid, alloc, content) for sid, alloc, content in pending if sid in m]
+        for sid, alloc, content in live:
             table = alloc.block_ids
             for i in alloc.token_range:
                 write(table[i // BS], i % BS, content[i])
+        for _, alloc, _ in live:
             for s, d in alloc.template_pairs:
                 slots[d] = list(slots[s])
+        for _, alloc, _ in live:
+            for s, d in alloc.deferred_cow_pairs:
+                slots[d] = list(slots[s])
+        for sid, _, _ in live:
             m.commit_context(sid)
         pending.clear()
 
@@ -252,6 +262,7 @@ def test_random_sessions_keep_contents_and_invariants():
                 alloc = m.allocate_context(sid, toks, ek)
                 for s, d in alloc.cow_pairs:
                     slots[d] = list(slots[s])
+                num_deferred[0] += len(alloc.deferred_cow_pairs)
                 content = [(t, ek) for t in toks]
                 expect[sid] = content
                 pending.append((sid, alloc, content))
@@ -285,7 +296,7 @@ def test_random_sessions_keep_contents_and_invariants():
         m.check_invariants()
     end_step()
     check_contents()
-    assert m.num_hit_blocks > 0 and m.num_cow_copies > 0
+    assert m.num_hit_blocks > 0 and m.num_cow_copies > 0 and num_deferred[0] > 0
 
 
 def test_allocation_never_evicts_its_own_hits():
@@ -301,4 +312,103 @@ def test_allocation_never_evicts_its_own_hits():
     assert b.block_ids == (1, 2, 5, 4) and b.num_cached_tokens == 8
     assert m.num_blocks_needed(CTX8, b"w") == 2  # c's first block 3 still cached, its 4 evicted
     assert free_ids(m) == [3]
+    m.check_invariants()
+
+
+def test_deferred_cow_pairs_fill_same_step_tails_after_the_template():
+    """The manager, not the runtime, says which tails are copied from a template that is
+    filled after this step's forward; applying template_pairs then deferred_cow_pairs gives
+    every session of one context its creator's tail bits."""
+    torch.manual_seed(0)
+    m = make(20)
+    k = torch.zeros(2, 20, BS, 1, 2)  # (layers, blocks, block_size, heads, dim)
+    v = torch.zeros_like(k)
+    a = m.allocate_context("a", CTX10, b"v")  # creator: table 1 2 3, template 4
+    b = m.allocate_context("b", CTX10, b"v")  # same step: hits 1 2, tail 5, deferred from 4
+    c = m.allocate_context("c", CTX10, b"v", share=False)  # 6 7 8: computes all, no template
+    d = m.allocate_context("d", CTX10, b"w")  # other voice: 9 10 11, its own template 12
+    e = m.allocate_context("e", CTX8, b"v")  # no tail: 13 14, nothing to defer
+    f = m.allocate_context("f", CTX10, b"v")  # a third same-step session: tail 15
+    assert [x.block_ids for x in (a, b, c, d, e, f)] == [
+        (1, 2, 3), (1, 2, 5), (6, 7, 8), (9, 10, 11), (13, 14), (1, 2, 15)]
+    assert [x.template_pairs for x in (a, b, c, d, e, f)] == [((3, 4),), (), (), ((11, 12),), (), ()]
+    assert [x.deferred_cow_pairs for x in (a, b, c, d, e, f)] == [(), ((4, 5),), (), (), (), ((4, 15),)]
+    assert [x.token_range for x in (a, b, c, d, e, f)] == [
+        range(10), range(8, 8), range(10), range(10), range(8), range(8, 8)]
+    assert refs(m)[4] == 3 and m.num_cow_copies == 2
+    m.check_invariants()
+    # The step's forward writes each session's computed tokens...
+    for x in (a, b, c, d, e, f):
+        for i in x.token_range:
+            bid = x.block_ids[i // BS]
+            k[:, bid, i % BS] = torch.randn(2, 1, 2)
+            v[:, bid, i % BS] = torch.randn(2, 1, 2)
+    # ...then every template copy, then the deferred copies (they read the templates).
+    apply_block_copies_([k, v], [p for x in (a, b, c, d, e, f) for p in x.template_pairs])
+    apply_block_copies_([k, v], [p for x in (a, b, c, d, e, f) for p in x.deferred_cow_pairs])
+    for tail in (5, 15):
+        assert torch.equal(k[:, tail, :2], k[:, 3, :2]) and torch.equal(v[:, tail, :2], v[:, 3, :2])
+        assert torch.count_nonzero(k[:, tail, :2]) == k[:, tail, :2].numel()  # really written
+    for sid in "abcdef":
+        m.commit_context(sid)
+    # A later step gets the now-ready template as an ordinary copy before its forward.
+    g = m.allocate_context("g", CTX10, b"v")
+    assert g.block_ids == (1, 2, 16) and g.token_range == range(8, 8)
+    assert g.cow_pairs == ((4, 16),) and g.deferred_cow_pairs == ()
+    assert m.session_bytes("b") == m.session_bytes("a") == SessionBytes(private=10, shared=30)
+    m.check_invariants()
+
+
+def _session_of_26_tokens() -> KVCacheManager:
+    m = make(16)
+    m.allocate_context("a", CTX10, b"v")  # anchor table 1 2 3 (2 shared + tail), template 4
+    m.commit_context("a")
+    m.append_slots("a", 16)  # 26 tokens: 7 blocks, the last partial (tokens 24, 25)
+    assert m.block_table("a") == [1, 2, 3, 5, 6, 7, 8] and free_ids(m) == list(range(9, 16))
+    return m
+
+
+@pytest.mark.parametrize("keep,released,table,free_front", [
+    (26, [], [1, 2, 3, 5, 6, 7, 8], [9]),
+    (25, [], [1, 2, 3, 5, 6, 7, 8], [9]),  # token 24 is still in block 8
+    (24, [8], [1, 2, 3, 5, 6, 7], [8, 9]),  # the partial last block goes too
+    (21, [8], [1, 2, 3, 5, 6, 7], [8, 9]),
+    (20, [7, 8], [1, 2, 3, 5, 6], [8, 7, 9]),
+    (13, [6, 7, 8], [1, 2, 3, 5], [8, 7, 6, 9]),
+    (12, [5, 6, 7, 8], [1, 2, 3], [8, 7, 6, 5, 9]),  # back to the anchor blocks
+    (10, [5, 6, 7, 8], [1, 2, 3], [8, 7, 6, 5, 9]),  # the context itself: anchor kept whole
+])
+def test_truncate_releases_every_block_past_the_last_kept_token(keep, released, table, free_front):
+    m = _session_of_26_tokens()
+    assert m.truncate("a", keep) == released
+    assert m.block_table("a") == table and m.num_tokens("a") == keep
+    assert free_ids(m)[:len(free_front)] == free_front and len(free_ids(m)) == 7 + len(released)
+    assert m.num_truncated_blocks == len(released)
+    assert refs(m) == {1: 1, 2: 1, 3: 1, 4: 1, **{b: 1 for b in table[3:]}}  # template kept
+    m.check_invariants()
+    # Appending again takes the released blocks back, old last block first.
+    new = m.append_slots("a", 26 - keep)
+    assert new == free_front[:len(released)]
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("keep", [9, 0, 27, -1])
+def test_truncate_refuses_anchor_tokens_and_growth(keep):
+    m = _session_of_26_tokens()
+    with pytest.raises(ValueError, match=r"truncate\('a', -?\d+\): must keep between the context \(10"):
+        m.truncate("a", keep)
+    assert m.block_table("a") == [1, 2, 3, 5, 6, 7, 8] and m.num_tokens("a") == 26
+    with pytest.raises(ValueError, match="unknown session"):
+        m.truncate("zz", 10)
+
+
+def test_truncate_never_releases_shared_anchor_blocks():
+    m = make(12)
+    m.allocate_context("a", CTX8, b"v")  # 1 2: full, shared
+    m.allocate_context("b", CTX8, b"v")
+    m.append_slots("a", 9)  # 17 tokens: 3, 4, 5
+    assert m.block_table("a") == [1, 2, 3, 4, 5]
+    assert m.truncate("a", 8) == [3, 4, 5]
+    assert m.block_table("a") == m.block_table("b") == [1, 2] and refs(m) == {1: 2, 2: 2}
+    assert free_ids(m)[:3] == [5, 4, 3]
     m.check_invariants()

@@ -5,6 +5,7 @@ import torch
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
+from duplexcache.kv import rope
 from duplexcache.kv.rope import apply_rope, rerotate_keys_, rope_cos_sin
 
 THETA = 1e6
@@ -98,3 +99,88 @@ def test_bf16_cache_computed_in_float32():
 def test_bad_arguments(ids, layers, match):
     with pytest.raises(ValueError, match=match):
         rerotate_keys_(make_cache(), ids, 4, THETA, layers=layers)
+
+
+# ---------------------------------------------------------------- CUDA dispatch (decided on CPU)
+
+
+class _RecordingKernel:
+    """Stands in for ``rerotate_keys_triton_``: records each call, touches nothing."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def __call__(self, k_cache, block_ids, delta, theta, **kwargs):
+        self.calls.append((k_cache, block_ids.clone(), delta, theta, kwargs))
+        return k_cache
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """Make rerotate_keys_ believe its cache is on CUDA with the fused kernel available; the
+    kernel itself is replaced by a recorder. Returns (recorder, set_is_cuda)."""
+    kernel = _RecordingKernel()
+    # By dotted path: importing triton_kernels (and so triton) at this module's top would
+    # decorate Triton functions before tests/kv/test_triton_kernels.py enables the interpreter.
+    monkeypatch.setattr("duplexcache.kv.triton_kernels.rerotate_keys_triton_", kernel)
+    monkeypatch.setattr(rope, "_fused_rerotation_available", lambda device: True)
+    # Counters are module state: start each test from a known point.
+    monkeypatch.setattr(rope, "rerotation_path_counts", {"torch": 0, "triton": 0})
+
+    def set_is_cuda(value: bool) -> None:
+        monkeypatch.setattr(rope, "_is_cuda", lambda t: value)
+
+    return kernel, set_is_cuda
+
+
+def test_cuda_tensor_dispatches_to_fused_kernel(fake_cuda):
+    kernel, set_is_cuda = fake_cuda
+    set_is_cuda(True)
+    k_cache = make_cache()
+    before = k_cache.clone()
+    out = rope.rerotate_keys_(k_cache, [5, 2, 7], 12, THETA)
+    assert out is k_cache
+    assert len(kernel.calls) == 1
+    got_cache, got_ids, got_delta, got_theta, kwargs = kernel.calls[0]
+    assert got_cache is k_cache  # the cache itself, in place: no copy handed to the kernel
+    assert got_ids.dtype == torch.long and got_ids.tolist() == [5, 2, 7]
+    assert got_ids.device == k_cache.device
+    assert (got_delta, got_theta) == (12, THETA)
+    assert kwargs == {"check_ids": False}  # ids were validated once on the host already
+    assert torch.equal(k_cache, before)  # the torch loop did not run as well
+    assert rope.rerotation_path_counts == {"torch": 0, "triton": 1}
+
+
+def test_cpu_tensor_never_dispatches_to_fused_kernel(fake_cuda):
+    kernel, _ = fake_cuda  # kernel "available", but the tensor is a real CPU tensor
+    k_cache = make_cache()
+    before = k_cache.clone()
+    rope.rerotate_keys_(k_cache, [5, 2], 12, THETA)
+    assert kernel.calls == []
+    assert not torch.equal(k_cache[:, [5, 2]], before[:, [5, 2]])  # rotated by the torch path
+    assert rope.rerotation_path_counts == {"torch": 1, "triton": 0}
+
+
+@pytest.mark.parametrize("case", ["layers", "kernel_unavailable", "bad_ids", "no_op"])
+def test_cuda_dispatch_exceptions(fake_cuda, monkeypatch, case):
+    """The fused kernel runs only for all layers, when available, after validation, and not
+    for an empty or zero-delta rotation."""
+    kernel, set_is_cuda = fake_cuda
+    set_is_cuda(True)
+    k_cache = make_cache()
+    if case == "layers":  # the kernel rotates every layer; a layer subset takes the torch loop
+        rope.rerotate_keys_(k_cache, [3], 4, THETA, layers=[1])
+        assert rope.rerotation_path_counts == {"torch": 1, "triton": 0}
+    elif case == "kernel_unavailable":
+        monkeypatch.setattr(rope, "_fused_rerotation_available", lambda device: False)
+        rope.rerotate_keys_(k_cache, [3], 4, THETA)
+        assert rope.rerotation_path_counts == {"torch": 1, "triton": 0}
+    elif case == "bad_ids":
+        with pytest.raises(ValueError, match="duplicate"):
+            rope.rerotate_keys_(k_cache, [3, 3], 4, THETA)
+        assert rope.rerotation_path_counts == {"torch": 0, "triton": 0}
+    else:
+        rope.rerotate_keys_(k_cache, [3], 0, THETA)
+        rope.rerotate_keys_(k_cache, [], 4, THETA)
+        assert rope.rerotation_path_counts == {"torch": 0, "triton": 0}
+    assert kernel.calls == []

@@ -15,10 +15,12 @@ from duplexcache.kv.block_pool import BlockPool
 from duplexcache.kv.kv_cache_manager import KVCacheManager
 from duplexcache.kv.window import ContextLengthExceeded, WindowConfig
 from duplexcache.models.thinker import Thinker, ThinkerConfig
+from duplexcache.runtime.admission import thinker_worst_blocks
 from duplexcache.runtime.stage0 import (
     BlockBudgetTooSmall,
     SessionContextInput,
     Stage0Runner,
+    WorstCaseBlocks,
     stage0_session_bytes,
 )
 
@@ -114,6 +116,8 @@ def test_same_context_one_physical_copy_and_bit_exact_vs_unshared():
     # template the other 3 copy), without sharing all 4 compute all 40 tokens.
     assert open_counting_tokens(shared, {sid: ctx for sid in sids}) == [40]
     assert open_counting_tokens(private, {sid: ctx for sid in sids}) == [160]
+    # The 3 tails came from the manager's deferred copy-on-write pairs, not a recomputation.
+    assert shared.manager.num_cow_copies == 3 and private.manager.num_cow_copies == 0
     tables = [shared.block_table(s) for s in sids]
     full = tables[0][:2]
     assert all(t[:2] == full for t in tables), tables  # same physical full blocks everywhere
@@ -327,3 +331,41 @@ def test_evicted_context_is_recomputed_not_read_stale():
     ref = dense_last_logits(thinker, torch.cat([ctx_a.inputs_embeds, inputs["a2"]]))
     torch.testing.assert_close(out["a2"], ref, rtol=1e-5, atol=1e-5)
     r.manager.check_invariants()
+
+
+# ---------------------------------------------------------------- worst case for admission
+
+
+@pytest.mark.parametrize("mode,high,prefix,share,table,template,shared", [
+    ("basic", 96, 40, True, 9, 1, 3),  # ceil(136/16) = 9; 2 full + template shared
+    ("basic", 96, 40, False, 9, 0, 0),  # no template, nothing shared
+    ("basic", 96, 32, True, 8, 0, 2),  # context on a block boundary: no template
+    ("basic", 96, 41, True, 9, 1, 3),  # ceil(137/16) = 9
+    ("basic", 97, 40, True, 9, 1, 3),  # 137 tokens: still 9
+    ("basic", 105, 40, True, 10, 1, 3),  # 145 tokens: a 10th block
+    ("rebuild", 96, 5, True, 7, 1, 1),  # ceil(101/16) = 7; the template is the only shared block
+    ("off", 96, 40, True, 8, 1, 3),  # no window: the model's 128 positions -> 8 blocks
+    ("off", 96, 40, False, 8, 0, 0),
+])
+def test_worst_case_blocks_exact(mode, high, prefix, share, table, template, shared):
+    thinker = make_thinker(max_position_embeddings=128, num_hidden_layers=1)
+    r = make_runner(thinker, window=WindowConfig(mode, high_tokens=high, low_tokens=high // 2), share=share)
+    wc = r.worst_case(prefix)
+    assert wc == WorstCaseBlocks(table_blocks=table, template_blocks=template, shared_blocks=shared)
+    assert r.worst_case_blocks(prefix) == table + template == wc.private_blocks + wc.shared_blocks
+    # The engine's admission arithmetic agrees with the runner's.
+    assert thinker_worst_blocks(prefix, r.longest_tokens(prefix), BS, share) == (wc.private_blocks, wc.shared_blocks)
+    with pytest.raises(ValueError, match="prefix_len"):
+        r.worst_case(0)
+
+
+def test_window_off_fits_alone_needs_only_the_context():
+    """Without a window a session runs until the pool or the model's positions end it, so
+    only its context (+ template) must fit the pool; its worst case is the model's positions."""
+    thinker = make_thinker()
+    r = make_runner(thinker, num_blocks=5)  # 4 usable blocks, window off
+    ctx = make_context(thinker, 40, seed=1)
+    assert r.worst_case_blocks(40) == 40960 // BS + 1
+    assert r.can_open(ctx)  # 3 context blocks + template = 4
+    with pytest.raises(BlockBudgetTooSmall, match=r"needs up to 5 blocks .*context 49 \+ window high 0"):
+        r.can_open(make_context(thinker, 49, seed=2))  # ceil(49/16) = 4 blocks + template > 4

@@ -266,3 +266,59 @@ def test_ten_minute_call_stays_bounded_never_touches_anchor_and_leaks_nothing():
     st = r.pool_stats()
     assert st.used == 0 and st.free == st.num_blocks == 31
     assert st.cached_free == 3  # only the shared context blocks + template stay cached
+
+
+# ---------------------------------------------------------------- rebuild releases the whole kept window
+
+
+def test_rebuild_truncates_to_the_anchor_and_reprefills_into_released_blocks():
+    """Rebuild = release the kept window (partial last block included) and re-prefill it.
+
+    Context 40 (anchor = table idx 0..2), units of 12: after 8 units the session holds
+    136 = 40 + 96 tokens in 9 blocks (idx 8 partial: tokens 128..135). The 9th unit would
+    reach 148 > 136: the cut moves to the unit start 112 (block 7), so 4 blocks (64 tokens)
+    are dropped and 72 tokens are kept. Rebuild truncates to 48 tokens, releasing idx 3..8
+    (6 blocks, tail first to the free-list front), then takes 3 of them back for the
+    24 kept + 12 new tokens.
+    """
+    thinker = make_thinker(1)
+    r = make_runner(thinker, "rebuild", share=False)
+    r.open_sessions({"a": context(thinker)})
+    run_call(r, thinker, ["a"], 8)
+    assert r.num_tokens("a") == CTX + HIGH and r.sessions["a"].num_compactions == 0
+    old = r.block_table("a")
+    assert len(old) == 9
+    free_before = r.manager.pool.free_block_queue.block_ids()
+    calls = []
+    truncate = r.manager.truncate
+
+    def recording_truncate(sid, n):
+        out = truncate(sid, n)
+        calls.append((sid, n, out))
+        return out
+
+    r.manager.truncate = recording_truncate
+    run_call(r, thinker, ["a"], 9, first_step=8)
+    assert calls == [("a", 48, old[3:])]  # all 6 blocks after the anchor, partial idx 8 too
+    assert r.num_tokens("a") == 72 + 12 and r.sessions["a"].num_compactions == 1
+    assert r.block_table("a") == old[:3] + [old[8], old[7], old[6]]
+    assert r.manager.pool.free_block_queue.block_ids() == [old[5], old[4], old[3]] + free_before
+    r.manager.check_invariants()
+
+
+def test_worst_case_blocks_is_reached_exactly_and_never_passed():
+    """``worst_case_blocks`` is the true peak of one session: reached with the window full,
+    never passed across compactions, in both window modes and with sharing on and off."""
+    thinker = make_thinker(1)
+    for mode in ("basic", "rebuild"):
+        for share in (True, False):
+            r = make_runner(thinker, mode, share=share)
+            r.open_sessions({"a": context(thinker)})
+            want = r.worst_case_blocks(CTX)
+            assert want == (10 if share else 9)  # ceil(136/16) = 9 table blocks (+ template)
+            peak = 0
+            for step in range(16):  # 2 compactions
+                assert not r.append({"a": unit(thinker, 0, step)}, unit_start=True).errors
+                peak = max(peak, r.pool_stats().used)  # one session: used == blocks it holds
+            assert r.sessions["a"].num_compactions >= 2
+            assert peak == want, (mode, share, peak, want)

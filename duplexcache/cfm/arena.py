@@ -14,15 +14,28 @@ Attention buffer, per (step, layer, row, cfg, head), along the key axis:
 The estimator writes the chunk's new K/V into [0, W) in place, so after a run `[0, W + L_r)` is
 the reference's `new_att_cache` for that row; nothing is concatenated. Keys past W + L_r are
 masked (rows of one micro-batch have their own cache lengths). Lb is a cache-length bucket.
+K = max(largest setup width, largest chunk width + largest cache): the setup pass (width P, no
+cache) and a chunk (width <= 56, cache <= P + 100) never need more.
 
-On CUDA each (tier, query width W, bucket Lb) is captured once as a CUDA graph; static buffers
-are allocated at the largest size, graphs are captured largest first into one memory pool, and a
-replay picks the smallest bucket that fits. On CPU the same `_euler` runs eagerly.
+CUDA graphs (policy: lazy capture). `run` looks up the key (tier, W, Lb); the first time a key
+is needed it is captured (one eager warm-up on a side stream, then the capture) and from then on
+replayed. Tiers come from the graph grid via `replay_groups` (the smallest tier that fits; rows
+past the batch are padded slots whose inputs are zeros), so the set of keys is small: per tier,
+one width per chunk size and one bucket per 64 frames of cache. All graphs share one memory pool.
+That is safe in any capture order because `_euler` keeps nothing in the pool between replays:
+every result is copied into the static buffers, which live outside the pool, and replays never
+overlap (one stream). Lazy capture was chosen over capturing the whole grid at start-up because
+most (tier, W, Lb) keys of a grid are never met in a given deployment, and each capture costs
+about two eager solves. On CPU (or with graphs off) the same `_euler` runs eagerly.
+`stats` counts captures, replays and eager runs, so a caller can prove which path ran.
 """
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -32,13 +45,63 @@ from duplexcache.cfm.prompt_cache import AttCache
 
 logger = logging.getLogger(__name__)
 
+GraphKey = tuple[int, int, int]   # (tier, query width W, cache-length bucket Lb)
+
 
 class ArenaShapeError(ValueError):
     """A micro-batch does not fit the arena's static buffers."""
 
 
+class ArenaGraphError(RuntimeError):
+    """EulerArena: a captured graph would read or write memory that is no longer the arena's."""
+
+
+@dataclass
+class ArenaStats:
+    """How solves ran. Only `EulerArena.run` changes these."""
+
+    captures: int = 0     # graphs captured (one per distinct key)
+    replays: int = 0      # solves run by replaying a captured graph
+    eager_runs: int = 0   # solves run op by op (CPU, or graphs off)
+
+
+class GraphBackend(Protocol):
+    """Turns a solve into something replayable. `capture(fn)` runs/records `fn` (which reads and
+    writes only static buffers) and returns a callable that repeats it."""
+
+    def capture(self, fn: Callable[[], None]) -> Callable[[], None]: ...
+
+
+class CudaGraphBackend:
+    """torch.cuda.CUDAGraph capture into one shared memory pool."""
+
+    def __init__(self) -> None:
+        self.pool = None   # set by the first capture, shared by every later one
+
+    def capture(self, fn: Callable[[], None]) -> Callable[[], None]:
+        # Warm-up on a side stream first: lazy cuBLAS/cuDNN initialisation and the allocator's
+        # first allocations must not happen inside the capture.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            fn()
+        if self.pool is None:
+            self.pool = graph.pool()
+        return graph.replay
+
+
 def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x * (1 + scale) + shift
+
+
+def _twice(t: torch.Tensor) -> torch.Tensor:
+    """(n, ...) -> (2n, ...) with every row repeated once in place: rows [r0, r0, r1, r1, ...].
+    Same values as repeat_interleave(2, 0), written as expand + reshape so it never needs the host."""
+    return t.unsqueeze(1).expand(t.shape[0], 2, *t.shape[1:]).flatten(0, 1)
 
 
 def euler_times(n_timesteps: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,12 +135,12 @@ def _attention(attn: nn.Module, x: torch.Tensor, att: torch.Tensor, mask: torch.
     return attn.proj(out.transpose(1, 2).reshape(b2, w, nh * hd))
 
 
-def _estimator(est: nn.Module, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,
+def _estimator(est: nn.Module, x: torch.Tensor, mu: torch.Tensor, c: torch.Tensor, spks: torch.Tensor,
                cond: torch.Tensor, cnn_in: torch.Tensor, cnn_out: torch.Tensor, att: torch.Tensor,
                mask: torch.Tensor, num_keys: int) -> torch.Tensor:
-    """One DiT call over B2 = 2 * tier rows. cnn_in/out (depth, B2, 2H, 2); att (depth, B2, heads, K, 2hd)."""
+    """One DiT call over B2 = 2 * tier rows. c (B2, 1, H) timestep embedding;
+    cnn_in/out (depth, B2, 2H, 2); att (depth, B2, heads, K, 2hd)."""
     width = x.shape[2]
-    c = est.t_embedder(t).unsqueeze(1)                       # (B2, 1, H)
     h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, width), cond], dim=1)
     h = est.in_proj(h.transpose(1, 2))                      # (B2, W, H)
     for i, block in enumerate(est.blocks):
@@ -94,27 +157,36 @@ def _estimator(est: nn.Module, x: torch.Tensor, mu: torch.Tensor, t: torch.Tenso
 
 
 class EulerArena:
-    """Static buffers for `rows` sessions and the whole-Euler solve over a prefix of them."""
+    """Static buffers for `rows` sessions and the whole-Euler solve over a prefix of them.
+
+    max_query: widest chunk (frames) that comes with a cache; max_cache: longest cache (P + 100);
+    max_setup_query: widest setup pass (P frames, no cache). The estimator's weights must be final
+    before the first `run` (graphs read them in place; the timestep embedding is computed once).
+    """
 
     def __init__(self, estimator: nn.Module, rows: int, max_query: int, max_cache: int,
-                 n_timesteps: int, cfg_rate: float, key_bucket: int = 64,
-                 tiers: tuple[int, ...] = (), use_cuda_graphs: bool = True) -> None:
+                 n_timesteps: int, cfg_rate: float, key_bucket: int = 64, max_setup_query: int = 0,
+                 use_cuda_graphs: bool = True, graph_backend: GraphBackend | None = None) -> None:
+        if rows < 1 or max_query < 1 or max_cache < 0 or key_bucket < 1:
+            raise ValueError(f"bad arena shape: rows={rows} max_query={max_query} max_cache={max_cache} "
+                             f"key_bucket={key_bucket}")
         p = next(estimator.parameters())
         device, dtype = p.device, p.dtype
         self.estimator = estimator
-        self.rows, self.max_query, self.max_cache = rows, max_query, max_cache
+        self.rows, self.max_cache = rows, max_cache
+        self.max_query = max(max_query, max_setup_query)
         self.n_timesteps, self.cfg_rate, self.key_bucket = n_timesteps, cfg_rate, key_bucket
-        self.tiers = tuple(t for t in tiers if t <= rows)
         depth = len(estimator.blocks)
         attn = estimator.blocks[0].attn
         hidden = estimator.in_proj.out_features
         mel = estimator.out_channels
-        self.key_capacity = max(max_query, max_query + max_cache)
+        self.key_capacity = max(max_setup_query, max_query + max_cache)
         z = dict(device=device, dtype=dtype)
-        self.x = torch.zeros(rows, mel, max_query, **z)        # initial noise per row
-        self.out = torch.zeros(rows, mel, max_query, **z)      # mel per row after 10 steps
-        self.mu = torch.zeros(rows, mel, max_query, **z)
-        self.cond = torch.zeros(rows, mel, max_query, **z)
+        width = self.max_query
+        self.x = torch.zeros(rows, mel, width, **z)        # initial noise per row
+        self.out = torch.zeros(rows, mel, width, **z)      # mel per row after n steps
+        self.mu = torch.zeros(rows, mel, width, **z)
+        self.cond = torch.zeros(rows, mel, width, **z)
         self.spks = torch.zeros(rows, mel, **z)
         self.cnn_in = torch.zeros(n_timesteps, depth, rows, 2, 2 * hidden, 2, **z)
         self.cnn_out = torch.zeros_like(self.cnn_in)
@@ -122,10 +194,22 @@ class EulerArena:
                                2 * attn.head_dim, **z)
         self.cache_len = torch.zeros(rows, dtype=torch.long, device=device)
         self.t_steps, self.dt_steps = euler_times(n_timesteps, device, dtype)
-        self.use_graphs = use_cuda_graphs and device.type == "cuda"
-        self._graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
-        self._pool = None
+        self.t_emb = torch.zeros(n_timesteps, hidden, **z)   # timestep embedding per Euler step
+        self._t_emb_ready = False
+        if graph_backend is None and use_cuda_graphs and device.type == "cuda":
+            graph_backend = CudaGraphBackend()
+        self.graph_backend = graph_backend
+        self._graphs: dict[GraphKey, Callable[[], None]] = {}
+        self.stats = ArenaStats()
         self._buffer_ptrs = self._ptrs()
+
+    @property
+    def use_graphs(self) -> bool:
+        return self.graph_backend is not None
+
+    @property
+    def graph_keys(self) -> list[GraphKey]:
+        return list(self._graphs)
 
     # ---- filling rows ------------------------------------------------------------------
     def load_row(self, row: int, width: int, noise: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor,
@@ -179,32 +263,64 @@ class EulerArena:
         return min(self.key_bucket * math.ceil(cache_len / self.key_bucket), self.key_capacity - width)
 
     def run(self, tier: int, width: int, max_cache_len: int) -> None:
-        """Solve rows [0, tier) (all loaded or padded) for a chunk of `width` frames."""
+        """Solve rows [0, tier) (all loaded or padded) for a chunk of `width` frames.
+
+        With a graph backend: replay the graph of (tier, width, bucket), capturing it first if
+        this key was never needed before. Without one: run eagerly.
+        """
         if not 1 <= tier <= self.rows:
             raise ArenaShapeError(f"tier {tier} outside 1..{self.rows}")
+        if not 1 <= width <= self.max_query:
+            raise ArenaShapeError(f"width {width} outside 1..{self.max_query}")
         lb = self.bucket(width, max_cache_len)
         if lb < max_cache_len:
             raise ArenaShapeError(f"cache of {max_cache_len} frames does not fit with width {width}")
-        if self.use_graphs:
-            self._replay(tier, width, lb)
-        else:
+        self._prepare_time_embedding()
+        if self.graph_backend is None:
+            self.stats.eager_runs += 1
             self._euler(tier, width, lb)
+            return
+        # Graphs bake in buffer addresses: refuse to replay if a buffer was replaced.
+        if self._ptrs() != self._buffer_ptrs:
+            raise ArenaGraphError("EulerArena static buffers changed since the arena was built; "
+                                  "captured graphs would use freed memory")
+        key = (tier, width, lb)
+        replay = self._graphs.get(key)
+        if replay is None:
+            logger.info("capturing whole-Euler graph tier=%d width=%d bucket=%d", tier, width, lb)
+            replay = self.graph_backend.capture(lambda: self._euler(tier, width, lb))
+            self._graphs[key] = replay
+            self.stats.captures += 1
+        replay()
+        self.stats.replays += 1
+
+    @torch.inference_mode()
+    def _prepare_time_embedding(self) -> None:
+        """t_emb[k] = t_embedder(t_k), computed once, outside any graph: the embedder builds its
+        frequency table on the host, and a host-to-device copy cannot be captured."""
+        if not self._t_emb_ready:
+            self.t_emb.copy_(self.estimator.t_embedder(self.t_steps))
+            self._t_emb_ready = True
 
     @torch.inference_mode()
     def _euler(self, tier: int, width: int, lb: int) -> None:
-        """All n Euler steps with CFG over rows [0, tier). Reads and writes static buffers only."""
+        """All n Euler steps with CFG over rows [0, tier). Reads and writes static buffers only
+        (anything else it allocates dies before it returns), so it can be captured as is."""
         num_keys = width + lb
         x = self.x[:tier, :, :width]
-        mu_in = torch.stack([self.mu[:tier, :, :width], torch.zeros_like(self.mu[:tier, :, :width])], 1).flatten(0, 1)
-        cond_in = torch.stack([self.cond[:tier, :, :width], torch.zeros_like(self.cond[:tier, :, :width])], 1).flatten(0, 1)
-        spks_in = torch.stack([self.spks[:tier], torch.zeros_like(self.spks[:tier])], 1).flatten(0, 1)
+        mu = self.mu[:tier, :, :width]
+        cond = self.cond[:tier, :, :width]
+        spks = self.spks[:tier]
+        # rows: cond, uncond, cond, uncond, ... (the uncond row has mu, spk and cond zeroed)
+        mu_in = torch.stack([mu, torch.zeros_like(mu)], 1).flatten(0, 1)
+        cond_in = torch.stack([cond, torch.zeros_like(cond)], 1).flatten(0, 1)
+        spks_in = torch.stack([spks, torch.zeros_like(spks)], 1).flatten(0, 1)
         keys = torch.arange(num_keys, device=x.device)
         valid = keys.unsqueeze(0) < (width + self.cache_len[:tier]).unsqueeze(1)      # (tier, keys)
-        mask = valid.repeat_interleave(2, dim=0)[:, None, None, :]                   # (2*tier, 1, 1, keys)
+        mask = _twice(valid)[:, None, None, :]                                        # (2*tier, 1, 1, keys)
         for k in range(self.n_timesteps):
-            x_in = x.repeat_interleave(2, dim=0)                                      # rows: cond, uncond
-            t_in = self.t_steps[k].expand(2 * tier)
-            dphi = _estimator(self.estimator, x_in, mu_in, t_in, spks_in, cond_in,
+            c = self.t_emb[k].reshape(1, 1, -1)                                        # same t for every row
+            dphi = _estimator(self.estimator, _twice(x), mu_in, c, spks_in, cond_in,
                               self.cnn_in[k, :, :tier].flatten(1, 2), self.cnn_out[k, :, :tier].flatten(1, 2),
                               self.att[k, :, :tier].flatten(1, 2), mask, num_keys)
             dphi = dphi.unflatten(0, (tier, 2))
@@ -212,46 +328,12 @@ class EulerArena:
             x = x + self.dt_steps[k] * dphi
         self.out[:tier, :, :width].copy_(x)
 
-    # ---- CUDA graphs -------------------------------------------------------------------
     def _ptrs(self) -> tuple[int, ...]:
-        return tuple(b.data_ptr() for b in (self.x, self.out, self.mu, self.cond, self.spks,
-                                            self.cnn_in, self.cnn_out, self.att, self.cache_len))
-
-    def capture(self, widths: list[int], tiers: list[int] | None = None) -> None:
-        """Capture graphs for every (tier, width, bucket), largest first, into one pool."""
-        if not self.use_graphs:
-            return
-        tiers = sorted(tiers or list(self.tiers) or [self.rows], reverse=True)
-        for tier in tiers:
-            for width in sorted(widths, reverse=True):
-                buckets = {self.bucket(width, n) for n in range(0, self.max_cache + 1)}
-                for lb in sorted(buckets, reverse=True):
-                    self._capture_one(tier, width, lb)
-
-    def _capture_one(self, tier: int, width: int, lb: int) -> None:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._euler(tier, width, lb)   # warm-up (allocator, kernels)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self._euler(tier, width, lb)
-        if self._pool is None:
-            self._pool = graph.pool()
-        self._graphs[(tier, width, lb)] = graph
-
-    def _replay(self, tier: int, width: int, lb: int) -> None:
-        # Graphs bake in buffer addresses: refuse to replay if a buffer was replaced.
-        if self._ptrs() != self._buffer_ptrs:
-            raise RuntimeError("EulerArena static buffers changed since capture")
-        graph = self._graphs.get((tier, width, lb))
-        if graph is None:
-            logger.debug("no CUDA graph for tier=%d width=%d bucket=%d; running eagerly", tier, width, lb)
-            self._euler(tier, width, lb)
-            return
-        graph.replay()
+        return tuple(b.data_ptr() for b in (self.x, self.out, self.mu, self.cond, self.spks, self.cnn_in,
+                                            self.cnn_out, self.att, self.cache_len, self.t_steps,
+                                            self.dt_steps, self.t_emb))
 
     def nbytes(self) -> int:
+        """Bytes of the static buffers (the graph pool's scratch is not included)."""
         return sum(b.numel() * b.element_size() for b in (self.x, self.out, self.mu, self.cond, self.spks,
                                                          self.cnn_in, self.cnn_out, self.att))

@@ -7,6 +7,11 @@ steps together in the `EulerArena` (each row with its own cache length and noise
 the Token2wav trim rule, then the vocoder per session (mel cache, source cache, Hamming
 cross-fade; `models.vocoder.hift_stream_step`).
 
+CUDA graphs: on a CUDA device every estimator solve (setup passes included) goes through the
+arena's graph path: the first solve of a (tier, width, cache bucket) key captures it, later ones
+replay it (`graph_stats` counts captures, replays and eager runs). On CPU the same solve runs
+eagerly. The conformer and the vocoder still run eagerly, one session at a time.
+
 Ownership: the session object owns its caches; the arena only borrows rows during a solve; the
 registry owns shared prompt states. Prompt tensors are never written: after a chunk each cache
 is replaced by a new private tensor (or, for the estimator attention, a private delta).
@@ -14,14 +19,15 @@ is replaced by a new private tensor (or, for the estimator attention, a private 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from duplexcache.cfm.arena import EulerArena
+from duplexcache.cfm.arena import ArenaStats, EulerArena, GraphBackend
 from duplexcache.cfm.config import Code2WavConfig
 from duplexcache.cfm.graph_grid import arena_rows, replay_groups
 from duplexcache.cfm.prompt_cache import AttCache, PlainAttCache, SharedPromptAttCache
@@ -47,8 +53,10 @@ class _Session:
 
     sid: str
     voice: str
-    prompt: PromptState          # shared (registry-owned) or this session's own row
+    prompt: PromptState | None   # the voice's shared state (registry-owned); None when private
     prompt_shared: bool
+    prompt_frames: int           # P of the voice prompt (the trim keeps first P + last tail)
+    spk: torch.Tensor            # (80,) projected x-vector
     conformer_cnn: torch.Tensor
     conformer_att: torch.Tensor
     estimator_cnn: torch.Tensor
@@ -89,19 +97,28 @@ class StepOutput(dict):
 class BatchedCode2Wav:
     """Many Code2Wav sessions per estimator call, with optional shared prompt attention."""
 
-    def __init__(self, flow: nn.Module, hift: nn.Module, config: Code2WavConfig) -> None:
+    def __init__(self, flow: nn.Module, hift: nn.Module, config: Code2WavConfig,
+                 graph_backend: GraphBackend | None = None) -> None:
+        """On CUDA (and `config.use_cuda_graphs`) every estimator solve is a CUDA-graph replay,
+        captured lazily per (tier, width, cache bucket); elsewhere it runs eagerly. `graph_backend`
+        replaces the CUDA one (tests inject a fake to exercise the capture logic on CPU)."""
         self.flow, self.hift, self.config = flow, hift, config
         est = flow.decoder.estimator
         self.device = next(est.parameters()).device
         rows = arena_rows(config.max_num_seqs, config.graph_grid, config.arena_rows_from_graph_grid)
         self.arena = EulerArena(
-            est, rows=rows, max_query=max(config.max_chunk_frames, config.max_prompt_frames),
-            max_cache=config.max_cache_frames, n_timesteps=config.shape.n_timesteps,
-            cfg_rate=config.cfg_rate, key_bucket=config.key_bucket, tiers=config.graph_grid,
-            use_cuda_graphs=config.use_cuda_graphs)
+            est, rows=rows, max_query=config.max_chunk_frames, max_cache=config.max_cache_frames,
+            n_timesteps=config.shape.n_timesteps, cfg_rate=config.cfg_rate, key_bucket=config.key_bucket,
+            max_setup_query=config.max_prompt_frames, use_cuda_graphs=config.use_cuda_graphs,
+            graph_backend=graph_backend)
         self.registry = PromptRegistry(config.prompt_att_sharing)
         self.sessions: dict[str, _Session] = {}
         self._pending: dict[str, _Pending] = {}
+
+    @property
+    def graph_stats(self) -> ArenaStats:
+        """Counters of the estimator solves: graph captures, replays, eager runs."""
+        return self.arena.stats
 
     # ---- voices and sessions -----------------------------------------------------------
     def register_voice(self, name: str, tokens: torch.Tensor, mel: torch.Tensor, spk: torch.Tensor) -> None:
@@ -242,8 +259,11 @@ class BatchedCode2Wav:
         else:
             att = PlainAttCache(state.estimator_att, state.num_frames, tail)
         gen = torch.Generator(device=self.device).manual_seed(p.seed)
+        # A private session keeps no PromptState: its setup tensors are referenced only by the
+        # caches that start from them, so each is freed as soon as its cache moves on.
         self.sessions[sid] = _Session(
-            sid, p.voice, state, shared, state.conformer_cnn, state.conformer_att, state.estimator_cnn,
+            sid, p.voice, state if shared else None, shared, state.num_frames, state.spk,
+            state.conformer_cnn, state.conformer_att, state.estimator_cnn,
             att, HiftStreamState.create(state.spk.shape[0], self.device), gen)
 
     # ---- per-chunk pieces ----------------------------------------------------------------
@@ -261,7 +281,7 @@ class BatchedCode2Wav:
         prompt_spk = self.registry.voice(sess.voice).spk[None]
         mu, spk, sess.conformer_cnn, catt = self._conformer(
             tokens[None], prompt_spk, last, sess.conformer_cnn, sess.conformer_att)
-        p, tail = sess.prompt.num_frames, self.config.cache_tail_frames
+        p, tail = sess.prompt_frames, self.config.cache_tail_frames
         if catt.shape[3] > p + tail:   # Token2wav.stream's conformer bound (same cut as the estimator)
             catt = torch.cat([catt[:, :, :, :p], catt[:, :, :, -tail:]], dim=3)
         sess.conformer_att = catt
@@ -303,11 +323,10 @@ class BatchedCode2Wav:
         if sess is None:
             raise ValueError(f"unknown session {sid!r}")
         private, shared = sess.att.private_bytes(), sess.att.shared_bytes()
-        for t, src in ((sess.prompt.spk, sess.prompt.spk),
-                       (sess.conformer_cnn, sess.prompt.conformer_cnn),
-                       (sess.conformer_att, sess.prompt.conformer_att),
-                       (sess.estimator_cnn, sess.prompt.estimator_cnn)):
-            if sess.prompt_shared and t is src:
+        src = sess.prompt   # None for a private session: everything it holds is private
+        for t, name in ((sess.spk, "spk"), (sess.conformer_cnn, "conformer_cnn"),
+                        (sess.conformer_att, "conformer_att"), (sess.estimator_cnn, "estimator_cnn")):
+            if src is not None and t is getattr(src, name):
                 shared += _nbytes(t)
             else:
                 private += _nbytes(t)

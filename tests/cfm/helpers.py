@@ -87,5 +87,5 @@ def reference_stream(flow, hift, voice, chunks, pad_token: int, tail: int = TAIL
     return mels, pcms
 
 
-def new_stage(flow, hift, **kw) -> BatchedCode2Wav:
-    return BatchedCode2Wav(flow, hift, make_config(flow, **kw))
+def new_stage(flow, hift, graph_backend=None, **kw) -> BatchedCode2Wav:
+    return BatchedCode2Wav(flow, hift, make_config(flow, **kw), graph_backend=graph_backend)

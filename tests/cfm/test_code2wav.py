@@ -193,3 +193,33 @@ def test_stage_refuses_grid_switch_without_grid():
         new_stage(flow, hift, arena_rows_from_graph_grid=True, graph_grid=())
     assert new_stage(flow, hift, max_num_seqs=8, graph_grid=(1, 4),
                      arena_rows_from_graph_grid=True).arena.rows == 4
+
+
+def test_private_session_frees_its_setup_tensors():
+    """Sharing off: once a session's caches move on, its setup (prompt-pass) tensors must be freed;
+    a leftover reference would cost P frames of estimator cache per session (375 MiB at full size)."""
+    import gc
+    import weakref
+    flow, hift = tiny_models()
+    stage = new_stage(flow, hift, prompt_att_sharing=False)
+    stage.register_voice("a", *VOICES["a"])
+    refs = []
+    real = stage._solve_setup
+
+    def spy(items):
+        rows = real(items)
+        refs.extend(weakref.ref(r.estimator_att) for r in rows.values())
+        return rows
+    stage._solve_setup = spy
+    stage.add_session("x", "a")
+    toks = token_stream(7, 2)
+    stage.step({"x": toks[0]})
+    stage.step({"x": toks[1]}, {"x": True})
+    gc.collect()
+    assert refs and all(r() is None for r in refs)
+    b = stage.session_bytes("x")
+    assert b.shared == 0 and b.private == stage.sessions["x"].att.private_bytes() + sum(
+        t.numel() * 4 for t in (stage.sessions["x"].spk, stage.sessions["x"].conformer_cnn,
+                                stage.sessions["x"].conformer_att, stage.sessions["x"].estimator_cnn,
+                                stage.sessions["x"].vocoder.mel, stage.sessions["x"].vocoder.source,
+                                stage.sessions["x"].vocoder.speech))

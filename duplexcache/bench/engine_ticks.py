@@ -1,0 +1,542 @@
+"""Engine tick benchmark: per-stage tick latency of the duplex engine at several session counts.
+
+    python -m duplexcache.bench.engine_ticks [--preset tiny|minicpmo45] [--device cpu|cuda]
+        [--sessions 1,8,16,32] [--ticks 6] [--warmup-ticks 2] [--memory-budget 80GiB]
+        [--all-switches on|off] [--max-seconds 420] [--out DIR]
+
+The models are built once (random weights; minicpmo45 on CUDA in bf16). For each session count
+``n`` a fresh :class:`DuplexEngine` is built over the same :class:`ModelBundle`, ``n`` sessions are
+opened (voices ``default``/``alt`` alternating, the same instructions), each is given audio for
+``warmup + ticks`` units (the first unit 1.035 s, then 1 s each; a seeded tone plus noise at
+16 kHz), ``--warmup-ticks`` ticks run unrecorded (they open the sessions, compile kernels and
+capture Code2Wav graphs), then ``--ticks`` ticks are recorded. Then every session is closed, the
+engine shut down and its memory freed before the next ``n``.
+
+What is recorded per tick:
+* the engine's own per-stage latency (``stats().stage_latency_s``: encoder, thinker, talker,
+  code2wav, tick). The engine takes these with ``time.perf_counter`` and no device
+  synchronisation inside the tick, so on CUDA a stage may be charged for kernels queued by the
+  stage before it; the stage totals are still right wherever a stage ends in a host read.
+* ``wall``: wall clock around ``tick()`` with ``torch.cuda.synchronize()`` before and after. This
+  is the figure the 1 s real-time test uses.
+* the number of sessions that got text in the tick (the scripted policy with ``k <= 2`` makes
+  every unit speak, so this must equal ``n``: a tick that silently skipped sessions is caught).
+
+A stage with no work in a tick records 0 in the engine (e.g. Code2Wav on the first unit of a
+turn); percentiles are over the ticks where it ran, and the sample count says how many. With 6
+recorded ticks, p99 is interpolated between the two slowest ticks (near the max).
+
+Admission refusals are recorded, not raised; larger ``n`` are then skipped (admission is
+monotone in ``n`` for identical sessions). An out-of-memory or other error ends the sweep with
+the error recorded. ``--max-seconds`` bounds the whole run's wall clock (model build included):
+no new ``n`` starts after it, and an ``n`` still running stops between ticks (marked ``stopped``).
+results.json and results.md are rewritten after every ``n``, so a killed run leaves its rows.
+
+The deploy config is the preset's defaults plus these flags; environment overrides
+(``DUPLEXCACHE_*``) are ignored so that a run is reproducible from its command line.
+Imports only torch, numpy and the package (pydantic/pyyaml through the config).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import math
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from duplexcache.config import DeployConfig, format_bytes, parse_bytes
+from duplexcache.runtime.bundle import ModelBundle, build_models
+from duplexcache.runtime.engine import DuplexEngine
+from duplexcache.runtime.engine_api import (
+    INPUT_SAMPLE_RATE,
+    AdmissionError,
+    AudioDelta,
+    SessionError,
+    TextDelta,
+)
+
+logger = logging.getLogger(__name__)
+
+STAGES = ("encoder", "thinker", "talker", "code2wav", "tick")
+REALTIME_S = 1.0  # one tick is one 1-second unit: slower than this falls behind the audio
+VOICES = ("default", "alt")
+INSTRUCTIONS = "You are a friendly voice assistant. Keep every answer short."
+# minicpmo45 on an H200: weights take ~18 GiB of the 140; 80 GiB of pools leaves room for
+# activations. tiny keeps its preset budget (the pools are preallocated, also on the CPU).
+DEFAULT_BUDGET = {"minicpmo45": "80GiB"}
+# The three sharing switches of the Two-Tier Omni Cache. cfm_arena_rows_from_graph_grid is left
+# at its default: it needs a graph grid, and setting one changes what Code2Wav captures.
+SWITCHES = {"stage0": ("shared_anchor_blocks",), "context_cache": ("duplex_context_caching",),
+            "code2wav": ("cfm_prompt_att_sharing",)}
+
+EngineFactory = Callable[[DeployConfig, ModelBundle], DuplexEngine]
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class TickBenchConfig:
+    preset: str = "tiny"
+    device: str = "cpu"
+    sessions: tuple[int, ...] = (1, 8, 16, 32)
+    ticks: int = 6
+    warmup_ticks: int = 2
+    memory_budget: str | None = None   # None: DEFAULT_BUDGET or the preset's own
+    all_switches: bool = True
+    max_seconds: float = 420.0
+    speak_k: int = 2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.preset not in ("tiny", "minicpmo45"):
+            raise ValueError(f"unknown preset {self.preset!r} (known: tiny, minicpmo45)")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.preset == "minicpmo45" and self.device != "cuda":
+            raise ValueError("the minicpmo45 preset (8B parameters) needs --device cuda")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda but torch sees no CUDA device")
+        if not self.sessions or any(not isinstance(n, int) or n < 1 for n in self.sessions):
+            raise ValueError(f"sessions must be positive ints, got {self.sessions!r}")
+        self.sessions = tuple(sorted(set(self.sessions)))
+        if self.ticks < 1 or self.warmup_ticks < 0:
+            raise ValueError(f"need ticks >= 1 and warmup_ticks >= 0, got {self.ticks}, {self.warmup_ticks}")
+        if self.max_seconds <= 0:
+            raise ValueError(f"max_seconds must be positive, got {self.max_seconds}")
+        if self.speak_k < 1:
+            raise ValueError(f"speak_k must be >= 1, got {self.speak_k}")
+        if self.memory_budget is not None:
+            parse_bytes(self.memory_budget)   # raises ValueError naming the bad size
+        if self.warmup_ticks < 2:
+            logger.warning("warmup_ticks=%d: the first Code2Wav step (graph capture on CUDA) "
+                           "falls in a recorded tick", self.warmup_ticks)
+
+    def budget(self) -> str | None:
+        return self.memory_budget or DEFAULT_BUDGET.get(self.preset)
+
+
+def make_deploy(cfg: TickBenchConfig) -> DeployConfig:
+    """The preset's defaults with the bench's device, budget, switches and scripted policy."""
+    raw = DeployConfig.default(cfg.preset).to_dict()
+    raw["model"]["device"] = cfg.device
+    if cfg.device == "cpu":
+        raw["model"]["dtype"] = "float32"
+    budget = cfg.budget()
+    if budget is not None:
+        raw["engine"]["memory_budget"] = budget
+        reserve = parse_bytes(raw["engine"]["activation_reserve"])
+        if reserve >= parse_bytes(budget):   # e.g. a small test budget under the 8 GiB reserve
+            raw["engine"]["activation_reserve"] = format_bytes(parse_bytes(budget) // 8)
+    for section, keys in SWITCHES.items():
+        for key in keys:
+            raw[section][key] = cfg.all_switches
+    raw["engine"]["speak_policy"] = {"mode": "every_k_units", "k": cfg.speak_k}
+    return DeployConfig.from_dict(raw, environ={})
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs and statistics
+# --------------------------------------------------------------------------------------------
+
+def session_audio(index: int, units: int, first: int, unit: int, seed: int = 0) -> np.ndarray:
+    """``units`` units of 16 kHz input for session ``index``: a tone (pitch per session) plus
+    seeded noise, float32 in [-0.5, 0.5]."""
+    n = first + unit * (units - 1)
+    t = np.arange(n, dtype=np.float64) / INPUT_SAMPLE_RATE
+    tone = 0.2 * np.sin(2 * math.pi * (180.0 + 35.0 * index) * t)
+    noise = np.random.default_rng(seed * 100_003 + index).uniform(-0.1, 0.1, n)
+    return (tone + noise).astype(np.float32)
+
+
+def summarize(values: list[float]) -> dict[str, float | int | None]:
+    """p50/p99/max in seconds over the ticks where the stage ran (value > 0)."""
+    ran = np.asarray([v for v in values if v > 0.0], dtype=np.float64)
+    if ran.size == 0:
+        return {"p50": None, "p99": None, "max": None, "n": 0}
+    return {"p50": float(np.percentile(ran, 50)), "p99": float(np.percentile(ran, 99)),
+            "max": float(ran.max()), "n": int(ran.size)}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --------------------------------------------------------------------------------------------
+# One session count
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class RunResult:
+    """One session count. ``status``: ok | refused | oom | error | stopped | skipped."""
+
+    sessions: int
+    status: str = "ok"
+    note: str = ""
+    admitted: int = 0
+    planned_sessions: int | None = None
+    per_tick: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in (*STAGES, "wall")})
+    text_sessions: list[int] = field(default_factory=list)   # sessions with text, per recorded tick
+    audio_chunks: list[int] = field(default_factory=list)
+    session_errors: int = 0
+    late_ticks: int = 0
+    max_memory_allocated: int | None = None
+    memory_allocated_after: int | None = None   # after the engine was freed: should be the weights
+    seconds: float = 0.0
+
+    @property
+    def all_under_1s(self) -> bool | None:
+        """Every recorded tick (synchronised wall clock) under 1 s; None when nothing ran."""
+        if self.status != "ok" or not self.per_tick["wall"]:
+            return None
+        return max(self.per_tick["wall"]) < REALTIME_S
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"sessions": self.sessions, "status": self.status, "note": self.note, "admitted": self.admitted,
+                "planned_sessions": self.planned_sessions, "recorded_ticks": len(self.per_tick["wall"]),
+                "stages_s": {s: summarize(v) for s, v in self.per_tick.items()},
+                "all_ticks_under_1s": self.all_under_1s, "per_tick_s": self.per_tick,
+                "text_sessions_per_tick": self.text_sessions, "audio_chunks_per_tick": self.audio_chunks,
+                "session_errors": self.session_errors, "late_ticks": self.late_ticks,
+                "max_memory_allocated": self.max_memory_allocated,
+                "memory_allocated_after": self.memory_allocated_after, "seconds": round(self.seconds, 3)}
+
+
+class _Deadline:
+    def __init__(self, start: float, max_seconds: float) -> None:
+        self.start, self.max_seconds = start, max_seconds
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def passed(self) -> bool:
+        return self.elapsed() >= self.max_seconds
+
+
+def _open_all(eng: DuplexEngine, n: int, res: RunResult) -> list[str]:
+    """Open ``n`` sessions; on the first refusal record it and return what was admitted."""
+    sids: list[str] = []
+    for i in range(n):
+        try:
+            sids.append(eng.open_session({"voice": VOICES[i % len(VOICES)], "instructions": INSTRUCTIONS}))
+        except AdmissionError as exc:
+            res.status, res.note = "refused", f"admitted {len(sids)} of {n}: {exc.reason}"
+            logger.info("n=%d: admission refused after %d sessions: %s", n, len(sids), exc.reason)
+            break
+    res.admitted = len(sids)
+    return sids
+
+
+def _record_tick(eng: DuplexEngine, res: RunResult, device: torch.device) -> None:
+    before = eng.stats().ticks
+    _sync(device)
+    t0 = time.perf_counter()
+    events = eng.tick()
+    _sync(device)
+    wall = time.perf_counter() - t0
+    st = eng.stats()
+    assert st.ticks == before + 1, f"engine tick counter went {before} -> {st.ticks}"
+    for stage in STAGES:
+        res.per_tick[stage].append(float(st.stage_latency_s.get(stage, (0.0,))[-1]))
+    res.per_tick["wall"].append(wall)
+    res.text_sessions.append(len({e.sid for e in events if isinstance(e, TextDelta)}))
+    res.audio_chunks.append(sum(isinstance(e, AudioDelta) for e in events))
+    res.session_errors += sum(isinstance(e, SessionError) for e in events)
+
+
+def _drive(eng: DuplexEngine, n: int, cfg: TickBenchConfig, res: RunResult, deadline: _Deadline,
+           sids: list[str]) -> None:
+    """Open (into ``sids``), feed, warm up and record; the caller closes the sessions."""
+    res.planned_sessions = eng.plan.planned_sessions
+    sids += _open_all(eng, n, res)
+    if res.status == "refused":
+        return
+    enc = eng.models.audio_encoder.cfg
+    units = cfg.warmup_ticks + cfg.ticks
+    for i, sid in enumerate(sids):
+        eng.push_audio(sid, session_audio(i, units, enc.first_chunk_samples, enc.chunk_samples, cfg.seed))
+    for k in range(cfg.warmup_ticks):
+        if deadline.passed():
+            res.status = "stopped"
+            res.note = f"wall-clock budget of {cfg.max_seconds:.0f} s spent after {k} warm-up ticks"
+            return
+        t0 = time.perf_counter()
+        events = eng.tick()
+        res.session_errors += sum(isinstance(e, SessionError) for e in events)
+        logger.info("n=%d warm-up tick %d/%d: %.2f s", n, k + 1, cfg.warmup_ticks, time.perf_counter() - t0)
+    late_before = eng.late_ticks
+    for k in range(cfg.ticks):
+        if deadline.passed():
+            res.status = "stopped"
+            res.note = f"wall-clock budget of {cfg.max_seconds:.0f} s spent after {k} recorded ticks"
+            break
+        _record_tick(eng, res, eng.models.device)
+        logger.info("n=%d tick %d/%d: %.1f ms (wall %.1f ms)", n, k + 1, cfg.ticks,
+                    1e3 * res.per_tick["tick"][-1], 1e3 * res.per_tick["wall"][-1])
+    res.late_ticks = eng.late_ticks - late_before
+    if res.session_errors and res.status == "ok":
+        res.status, res.note = "error", f"{res.session_errors} session errors during the run"
+    short = [k for k, t in enumerate(res.text_sessions) if t != len(sids)]
+    if cfg.speak_k <= 2 and short and res.status == "ok":
+        # k <= 2 makes every unit speak: a tick without text from every session skipped some,
+        # and its latency would flatter the engine.
+        res.status = "error"
+        res.note = f"recorded ticks {short} ran fewer than {len(sids)} sessions ({res.text_sessions})"
+
+
+def run_sessions(models: ModelBundle, deploy: DeployConfig, n: int, cfg: TickBenchConfig,
+                 deadline: _Deadline, engine_factory: EngineFactory = DuplexEngine) -> RunResult:
+    """One session count on a fresh engine; always closes, shuts down and frees it."""
+    res = RunResult(n)
+    device = models.device
+    t0 = time.perf_counter()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    eng: DuplexEngine | None = None
+    sids: list[str] = []
+    try:
+        eng = engine_factory(deploy, models)
+        _drive(eng, n, cfg, res, deadline, sids)
+    except torch.OutOfMemoryError as exc:
+        res.status, res.note = "oom", f"out of memory: {str(exc).splitlines()[0]}"
+        logger.error("n=%d: %s", n, res.note)
+    except Exception as exc:  # the sweep reports the failure and stops; the traceback goes to the log
+        res.status, res.note = "error", f"{type(exc).__name__}: {exc}"
+        logger.exception("n=%d failed", n)
+    finally:
+        if device.type == "cuda":
+            res.max_memory_allocated = int(torch.cuda.max_memory_allocated(device))
+        if eng is not None:
+            _close(eng, sids)
+        del eng
+        gc.collect()   # the engine's pools and graphs must be gone before the next budget check
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            res.memory_allocated_after = int(torch.cuda.memory_allocated(device))
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def _close(eng: DuplexEngine, sids: list[str]) -> None:
+    try:
+        for sid in sids:
+            eng.close_session(sid)   # idempotent, also for sessions the engine already ended
+        eng.shutdown()
+    except Exception:  # cleanup must not hide the run's own result
+        logger.exception("engine shutdown failed")
+
+
+# --------------------------------------------------------------------------------------------
+# The sweep
+# --------------------------------------------------------------------------------------------
+
+def hardware_line(device: torch.device) -> str:
+    torch_line = f"torch {torch.__version__}"
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return (f"{props.name}, {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB; "
+                f"{torch_line}, CUDA {torch.version.cuda}")
+    return f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads; {torch_line}"
+
+
+def largest_realtime(rows: list[RunResult]) -> int | None:
+    """The largest session count tried whose every recorded tick ran under 1 s."""
+    ok = [r.sessions for r in rows if r.all_under_1s]
+    return max(ok) if ok else None
+
+
+def _skip_reason(rows: list[RunResult], deadline: _Deadline, cfg: TickBenchConfig) -> str | None:
+    if deadline.passed():
+        return f"wall-clock budget of {cfg.max_seconds:.0f} s spent ({deadline.elapsed():.0f} s elapsed)"
+    if not rows:
+        return None
+    last = rows[-1]
+    if last.status in ("refused", "oom", "error", "stopped"):
+        return f"n={last.sessions} ended {last.status}"
+    if last.status == "skipped":
+        return last.note
+    return None
+
+
+def run_benchmark(cfg: TickBenchConfig, out: Path | None = None, models: ModelBundle | None = None,
+                  engine_factory: EngineFactory = DuplexEngine) -> dict[str, Any]:
+    """Build the models once (unless given), run every session count, write the report after
+    each one when ``out`` is set. Returns the JSON-able results."""
+    deadline = _Deadline(time.perf_counter(), cfg.max_seconds)
+    deploy = make_deploy(cfg)
+    if models is None:
+        logger.info("building %s models on %s (%s)", cfg.preset, cfg.device, deploy.model.dtype)
+        models = build_models(deploy, seed=cfg.seed)
+        _sync(models.device)
+    build_s = deadline.elapsed()
+    weights_alloc = int(torch.cuda.memory_allocated(models.device)) if models.device.type == "cuda" else None
+    logger.info("models ready in %.1f s (%s of weights)", build_s, format_bytes(models.weight_bytes()))
+    rows: list[RunResult] = []
+    results: dict[str, Any] = {}
+    for n in cfg.sessions:
+        reason = _skip_reason(rows, deadline, cfg)
+        if reason is not None:
+            logger.info("n=%d skipped: %s", n, reason)
+            rows.append(RunResult(n, status="skipped", note=reason))
+            continue
+        logger.info("n=%d: fresh engine, %d warm-up + %d recorded ticks (%.0f s elapsed)",
+                    n, cfg.warmup_ticks, cfg.ticks, deadline.elapsed())
+        res = run_sessions(models, deploy, n, cfg, deadline, engine_factory)
+        rows.append(res)
+        _check_freed(res, weights_alloc)
+        wall = summarize(res.per_tick["wall"])
+        logger.info("n=%d %s in %.1f s: wall p50 %s s, max %s s, all < 1 s: %s %s", n, res.status, res.seconds,
+                    _fmt(wall["p50"]), _fmt(wall["max"]), res.all_under_1s, res.note)
+        results = _results(cfg, deploy, models, rows, build_s, weights_alloc, deadline)
+        if out is not None:
+            write_report(results, out)
+    results = _results(cfg, deploy, models, rows, build_s, weights_alloc, deadline)
+    if out is not None:
+        write_report(results, out)
+    return results
+
+
+def _check_freed(res: RunResult, weights_alloc: int | None) -> None:
+    """The next engine's budget check needs this one's pools gone; say so loudly if they are not."""
+    if weights_alloc is None or res.memory_allocated_after is None:
+        return
+    left = res.memory_allocated_after - weights_alloc
+    if left > 2**30:
+        logger.warning("n=%d: %s still allocated after the engine was freed (a reference kept it alive); "
+                       "the next engine's budget check may fail", res.sessions, format_bytes(left))
+
+
+def _fmt(x: float | None, scale: float = 1.0, digits: int = 3) -> str:
+    return "-" if x is None else f"{x * scale:.{digits}f}"
+
+
+def _results(cfg: TickBenchConfig, deploy: DeployConfig, models: ModelBundle, rows: list[RunResult],
+             build_s: float, weights_alloc: int | None, deadline: _Deadline) -> dict[str, Any]:
+    skipped = [r.sessions for r in rows if r.status == "skipped"]
+    return {
+        "hardware": hardware_line(models.device),
+        "config": {"preset": cfg.preset, "device": cfg.device, "dtype": deploy.model.dtype,
+                   "sessions": list(cfg.sessions), "ticks": cfg.ticks, "warmup_ticks": cfg.warmup_ticks,
+                   "memory_budget": format_bytes(deploy.engine.memory_budget),
+                   "activation_reserve": format_bytes(deploy.engine.activation_reserve),
+                   "all_switches": cfg.all_switches, "speak_policy": f"every_k_units k={cfg.speak_k}",
+                   "max_seconds": cfg.max_seconds, "seed": cfg.seed},
+        "model_build_s": round(build_s, 3),
+        "weight_bytes": models.weight_bytes(),
+        "memory_allocated_after_build": weights_alloc,
+        "largest_sessions_all_ticks_under_1s": largest_realtime(rows),
+        "skipped_sessions": skipped,
+        "elapsed_s": round(deadline.elapsed(), 3),
+        "runs": [r.to_dict() for r in rows],
+    }
+
+
+def _stage_cell(s: dict) -> str:
+    if s["n"] == 0:
+        return "-"
+    return f"{s['p50'] * 1e3:.1f} / {s['p99'] * 1e3:.1f} / {s['max'] * 1e3:.1f}"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    c = results["config"]
+    lines = [
+        "# Engine tick benchmark", "",
+        f"hardware: {results['hardware']}  ",
+        f"preset {c['preset']} on {c['device']} ({c['dtype']}), random weights, scripted policy "
+        f"{c['speak_policy']}; sharing switches {'on' if c['all_switches'] else 'off'}; "
+        f"budget {c['memory_budget']} (reserve {c['activation_reserve']})  ",
+        f"{c['warmup_ticks']} warm-up + {c['ticks']} recorded ticks per session count; models built once in "
+        f"{results['model_build_s']:.1f} s; whole run {results['elapsed_s']:.1f} s "
+        f"(budget {c['max_seconds']:.0f} s)", "",
+        "Per stage: p50 / p99 / max in ms over the recorded ticks where the stage ran (the engine's "
+        "timers, no device sync inside a tick). `wall`: synchronised wall clock around `tick()`, the "
+        "figure the 1 s test uses.", "",
+        "| sessions | status | " + " | ".join(f"{s} ms" for s in (*STAGES, "wall"))
+        + " | all ticks < 1 s | text/tick | peak alloc GiB |",
+        "|---" * (len(STAGES) + 6) + "|",
+    ]
+    for r in results["runs"]:
+        cells = [_stage_cell(r["stages_s"][s]) for s in (*STAGES, "wall")]
+        under = {True: "yes", False: "no", None: "-"}[r["all_ticks_under_1s"]]
+        text = f"{min(r['text_sessions_per_tick'])}" if r["text_sessions_per_tick"] else "-"
+        mem = "-" if r["max_memory_allocated"] is None else f"{r['max_memory_allocated'] / 2**30:.2f}"
+        lines.append(f"| {r['sessions']} | {r['status']} | " + " | ".join(cells) + f" | {under} | {text} | {mem} |")
+    best = results["largest_sessions_all_ticks_under_1s"]
+    lines += ["", f"**Largest session count tried with every tick < 1 s: {best if best is not None else 'none'}**"]
+    notes = [f"- n={r['sessions']}: {r['status']}: {r['note']}" for r in results["runs"] if r["note"]]
+    if notes:
+        lines += ["", "Notes:", *notes]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def write_report(results: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    (out / "results.md").write_text(markdown(results))
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+
+def _session_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--sessions wants comma-separated ints, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"--sessions wants positive ints, got {text!r}")
+    return values
+
+
+def parse_args(argv: list[str] | None) -> tuple[TickBenchConfig, Path]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", choices=("tiny", "minicpmo45"), default="tiny")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="default: cuda for minicpmo45, cpu for tiny")
+    p.add_argument("--sessions", type=_session_list, default=(1, 8, 16, 32))
+    p.add_argument("--ticks", type=int, default=6)
+    p.add_argument("--warmup-ticks", type=int, default=2)
+    p.add_argument("--memory-budget", default=None,
+                   help="engine.memory_budget (default: 80GiB for minicpmo45, the preset's for tiny)")
+    p.add_argument("--all-switches", choices=("on", "off"), default="on",
+                   help="shared_anchor_blocks, duplex_context_caching, cfm_prompt_att_sharing")
+    p.add_argument("--speak-k", type=int, default=2, help="scripted policy: speak in the last min(2,k) of k units")
+    p.add_argument("--max-seconds", type=float, default=420.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("out/engine_ticks"))
+    a = p.parse_args(argv)
+    device = a.device or ("cuda" if a.preset == "minicpmo45" else "cpu")
+    try:
+        cfg = TickBenchConfig(a.preset, device, a.sessions, a.ticks, a.warmup_ticks, a.memory_budget,
+                              a.all_switches == "on", a.max_seconds, a.speak_k, a.seed)
+    except ValueError as exc:
+        p.error(str(exc))
+    return cfg, a.out
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg, out = parse_args(argv)
+    results = run_benchmark(cfg, out)
+    print(markdown(results), flush=True)
+    logger.info("wrote %s and %s", out / "results.json", out / "results.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""Engine tick benchmark (duplexcache/bench/engine_ticks.py): a reduced tiny run on CPU.
+
+Checked against independent sources, not the bench's own summary:
+* per-stage numbers: the engine's ``latency_history`` deque (the bench reads ``stats()``), and
+  p50/p99 recomputed here by hand-written linear interpolation;
+* every recorded tick ran a unit for every session (text from each session, so the audio pushed
+  covered warm-up + recorded ticks), and Code2Wav has a sample exactly in the ticks with audio;
+* one model build, a fresh engine per session count, every session closed and every engine shut;
+* refusals, the wall-clock budget and the CLI write a report instead of raising.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from duplexcache.bench import engine_ticks as et
+from duplexcache.config import DeployConfig
+from duplexcache.runtime.bundle import build_models
+from duplexcache.runtime.engine import DuplexEngine
+
+torch.set_num_threads(1)  # 2 shared cores
+TICKS, WARMUP = 2, 2
+
+
+class TrackedEngine(DuplexEngine):
+    """Records what the bench does to it; ``delay_s`` slows every tick (for the budget test)."""
+
+    built: list["TrackedEngine"] = []
+    delay_s = 0.0
+
+    def __init__(self, deploy, models) -> None:
+        super().__init__(deploy, models)
+        self.opened: list[str] = []
+        self.closed: list[str] = []
+        self.shutdowns = 0
+        TrackedEngine.built.append(self)
+
+    def open_session(self, client_session, *, queue_if_full=False):
+        sid = super().open_session(client_session, queue_if_full=queue_if_full)
+        self.opened.append(sid)
+        return sid
+
+    def close_session(self, sid):
+        self.closed.append(sid)
+        super().close_session(sid)
+
+    def tick(self):
+        time.sleep(self.delay_s)
+        return super().tick()
+
+    def shutdown(self):
+        self.shutdowns += 1
+        super().shutdown()
+
+
+@pytest.fixture(scope="module")
+def models():
+    return build_models(DeployConfig.default("tiny"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def reduced(models, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ticks")
+    TrackedEngine.built = []
+    cfg = et.TickBenchConfig("tiny", "cpu", (1, 2), TICKS, WARMUP)
+    results = et.run_benchmark(cfg, out, models=models, engine_factory=TrackedEngine)
+    return results, out, list(TrackedEngine.built)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks, written out independently of numpy."""
+    v = sorted(values)
+    pos = (len(v) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def test_reduced_run_writes_table_with_stage_numbers(reduced):
+    results, out, _ = reduced
+    md = (out / "results.md").read_text()
+    assert json.loads((out / "results.json").read_text()) == results
+    assert "| sessions | status | encoder ms | thinker ms | talker ms | code2wav ms | tick ms | wall ms " \
+           "| all ticks < 1 s |" in md
+    rows = [line for line in md.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
+    assert len(rows) == 2
+    for line in rows:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[1] == "ok"
+        for cell in cells[2:8]:       # encoder, thinker, talker, code2wav, tick, wall all ran
+            p50, p99, mx = (float(x) for x in cell.split(" / "))
+            assert 0 < p50 <= p99 <= mx
+        assert cells[8] in ("yes", "no")
+    assert "Largest session count tried with every tick < 1 s" in md
+
+
+def test_every_recorded_tick_ran_every_session(reduced):
+    results, _, _ = reduced
+    for run in results["runs"]:
+        n = run["sessions"]
+        assert run["status"] == "ok" and run["admitted"] == n and run["session_errors"] == 0
+        assert run["recorded_ticks"] == TICKS
+        assert run["text_sessions_per_tick"] == [n] * TICKS   # k=2: every unit speaks
+        c2w = run["per_tick_s"]["code2wav"]
+        # Code2Wav has a sample exactly in the ticks that emitted audio (none in a turn's first unit)
+        assert [v > 0 for v in c2w] == [a > 0 for a in run["audio_chunks_per_tick"]]
+        assert sum(a > 0 for a in run["audio_chunks_per_tick"]) == TICKS // 2
+
+
+def test_stage_numbers_match_engine_history_and_percentiles(reduced):
+    results, _, engines = reduced
+    assert len(engines) == 2
+    for run, eng in zip(results["runs"], engines):
+        per = run["per_tick_s"]
+        for stage in et.STAGES:
+            assert per[stage] == list(eng.latency_history[stage])[-TICKS:], stage
+            ran = [v for v in per[stage] if v > 0]
+            s = run["stages_s"][stage]
+            assert s["n"] == len(ran)
+            assert s["p50"] == pytest.approx(_percentile(ran, 50), rel=1e-12)
+            assert s["p99"] == pytest.approx(_percentile(ran, 99), rel=1e-12)
+            assert s["max"] == max(ran)
+        for k in range(TICKS):
+            parts = sum(per[s][k] for s in ("encoder", "thinker", "talker", "code2wav"))
+            assert parts <= per["tick"][k] <= per["wall"][k]
+        assert run["all_ticks_under_1s"] == (max(per["wall"]) < 1.0)
+    want = [r["sessions"] for r in results["runs"] if r["all_ticks_under_1s"]]
+    assert results["largest_sessions_all_ticks_under_1s"] == (max(want) if want else None)
+
+
+def test_fresh_engine_per_count_all_closed_and_shut_down(reduced):
+    _, _, engines = reduced
+    assert [len(e.opened) for e in engines] == [1, 2]
+    for eng in engines:
+        assert eng.closed == eng.opened and eng.shutdowns == 1
+        assert eng.stats().live_sessions == 0 and len(eng.ledger) == 0
+        with pytest.raises(RuntimeError, match="shut down"):
+            eng.tick()
+    assert engines[0].models is engines[1].models   # one model bundle for the whole sweep
+
+
+def test_refusal_is_recorded_and_larger_counts_skipped(models):
+    TrackedEngine.built = []
+    cfg = et.TickBenchConfig("tiny", "cpu", (64, 65), 1, 0)
+    results = et.run_benchmark(cfg, models=models, engine_factory=TrackedEngine)
+    first, second = results["runs"]
+    assert first["status"] == "refused" and first["recorded_ticks"] == 0
+    assert first["admitted"] < 64 and first["planned_sessions"] < 64
+    assert f"admitted {first['admitted']} of 64" in first["note"]
+    assert second["status"] == "skipped" and "n=64 ended refused" in second["note"]
+    assert results["largest_sessions_all_ticks_under_1s"] is None
+    eng = TrackedEngine.built[0]
+    assert eng.closed == eng.opened and eng.shutdowns == 1 and len(eng.ledger) == 0
+
+
+def test_wall_clock_budget_stops_the_sweep(models):
+    TrackedEngine.built, TrackedEngine.delay_s = [], 1.2
+    try:
+        cfg = et.TickBenchConfig("tiny", "cpu", (1, 2), 3, 1, max_seconds=1.0)
+        results = et.run_benchmark(cfg, models=models, engine_factory=TrackedEngine)
+    finally:
+        TrackedEngine.delay_s = 0.0
+    first, second = results["runs"]
+    assert first["status"] == "stopped" and first["recorded_ticks"] == 0
+    assert "wall-clock budget" in first["note"]
+    assert second["status"] == "skipped" and results["skipped_sessions"] == [2]
+    assert len(TrackedEngine.built) == 1 and TrackedEngine.built[0].shutdowns == 1
+    md = et.markdown(results)
+    assert "| 1 | stopped |" in md and "wall-clock budget" in md
+
+
+@pytest.fixture
+def restore_logging():
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def test_cli_writes_report_when_budget_is_spent(tmp_path, capsys, restore_logging):
+    assert et.main(["--sessions", "1,8", "--max-seconds", "0.001", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [r["status"] for r in results["runs"]] == ["skipped", "skipped"]
+    assert "wall-clock budget" in results["runs"][0]["note"]
+    assert "# Engine tick benchmark" in capsys.readouterr().out
+
+
+def test_deploy_switches_policy_and_bad_input():
+    on = et.make_deploy(et.TickBenchConfig(memory_budget="256MiB"))
+    off = et.make_deploy(et.TickBenchConfig(all_switches=False, speak_k=3))
+    assert (on.stage0.shared_anchor_blocks, on.context_cache.duplex_context_caching,
+            on.code2wav.cfm_prompt_att_sharing) == (True, True, True)
+    assert (off.stage0.shared_anchor_blocks, off.context_cache.duplex_context_caching,
+            off.code2wav.cfm_prompt_att_sharing) == (False, False, False)
+    assert on.engine.memory_budget == 256 * 2**20 and on.model.dtype == "float32"
+    assert off.engine.speak_policy.mode == "every_k_units" and off.engine.speak_policy.k == 3
+    with pytest.raises(ValueError, match="needs --device cuda"):
+        et.TickBenchConfig("minicpmo45", "cpu")
+    with pytest.raises(ValueError, match="positive"):
+        et.TickBenchConfig(sessions=(0, 2))
+    with pytest.raises(ValueError):
+        et.TickBenchConfig(memory_budget="lots")
+    with pytest.raises(SystemExit):
+        et.parse_args(["--sessions", "1,x"])
+
+
+def test_session_audio_lengths_and_seeding():
+    a = et.session_audio(0, 3, 16_560, 16_000)
+    assert a.dtype == np.float32 and a.shape == (16_560 + 2 * 16_000,)
+    assert np.array_equal(a, et.session_audio(0, 3, 16_560, 16_000))
+    assert not np.array_equal(a, et.session_audio(1, 3, 16_560, 16_000))
+    assert np.abs(a).max() <= 0.3 + 1e-6 and np.abs(a).max() > 0.1

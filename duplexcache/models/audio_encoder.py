@@ -53,6 +53,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from duplexcache.models.layers import MultiModalProjector
+
 logger = logging.getLogger(__name__)
 
 SAMPLE_RATE = 16000
@@ -305,19 +307,6 @@ class WhisperEncoder(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.layer_norm(x)
-
-
-class MultiModalProjector(nn.Module):
-    """MiniCPM-o's projector: Linear(in, out), ReLU, Linear(out, out)."""
-
-    def __init__(self, in_dim: int, out_dim: int) -> None:
-        super().__init__()
-        self.linear1 = nn.Linear(in_dim, out_dim)
-        self.relu = nn.ReLU()
-        self.linear2 = nn.Linear(out_dim, out_dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear2(self.relu(self.linear1(x)))
 
 
 # ----------------------------------------------------------------------------- streaming state

@@ -3,7 +3,7 @@
 Module and parameter names follow MiniCPM-o 4.5's ``MiniCPMTTS`` (checkpoint prefix ``tts.``)::
 
     model            transformers LlamaModel (embed_tokens is unused by the code path but kept
-                     so the checkpoint loads strictly)
+                     so the checkpoint loads strictly); its layers are ``models/layers.py``'s
     emb_text         Embedding(num_text_tokens, hidden)       text token of each condition row
     projector_spk    linear1 (llm_dim->hidden), ReLU, linear2 (hidden->hidden)
     projector_semantic  same shape; projects Thinker hidden states
@@ -35,9 +35,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
 
-from duplexcache.kv.paged_attention import PagedBatch, PagedKVCache, paged_attention, write_kv
-from duplexcache.kv.rope import apply_rope as _rope_rotate
+from duplexcache.kv.paged_attention import PagedBatch, PagedKVCache
 from duplexcache.kv.rope import rope_cos_sin
+from duplexcache.models.layers import (
+    DecoderLayer, GQAttention, MultiModalProjector, RMSNorm, SwiGLUMLP, check_paged_step,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -109,73 +111,10 @@ class TalkerConfig:
 # ----------------------------------------------------------------------------- backbone
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (..., heads, D); cos/sin (..., D) from kv.rope.rope_cos_sin (float32 angles)."""
-    return _rope_rotate(x, cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype))
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.to(torch.float32)  # normalise in float32 as transformers does
-        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-
-
-class LlamaAttention(nn.Module):
-    def __init__(self, cfg: TalkerConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.scale = cfg.head_dim ** -0.5
-        h = cfg.hidden_size
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
-
-    def forward(self, x, cos, sin, batch: PagedBatch | None = None, cache: PagedKVCache | None = None):
-        lead = x.shape[:-1]
-        q = apply_rope(self.q_proj(x).view(*lead, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
-        if batch is not None:  # paged: x is (N, hidden)
-            write_kv(cache, self.layer_idx, k, v, batch.slot_mapping)
-            out = paged_attention(q, cache, self.layer_idx, batch, self.scale)  # (N, Hq, D)
-            return self.o_proj(out.reshape(x.shape[0], -1))
-        group = self.num_heads // self.num_kv_heads  # dense: x is (B, T, hidden)
-        q = q.transpose(1, 2)  # (B, Hq, T, D)
-        k = k.repeat_interleave(group, dim=2).transpose(1, 2)
-        v = v.repeat_interleave(group, dim=2).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-        return self.o_proj(out.transpose(1, 2).reshape(*lead, -1))
-
-
-class LlamaMLP(nn.Module):
-    def __init__(self, cfg: TalkerConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: TalkerConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx)
-        self.mlp = LlamaMLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x, cos, sin, batch=None, cache=None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+def llama_decoder_layer(cfg: TalkerConfig, layer_idx: int) -> DecoderLayer:
+    """transformers' ``LlamaDecoderLayer`` (no q/k norm, no biases)."""
+    attn = GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, layer_idx)
+    return DecoderLayer(attn, SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size), cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaBackbone(nn.Module):
@@ -184,19 +123,8 @@ class LlamaBackbone(nn.Module):
     def __init__(self, cfg: TalkerConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(llama_decoder_layer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
-class MultiModalProjector(nn.Module):
-    def __init__(self, in_dim: int, out_dim: int) -> None:
-        super().__init__()
-        self.linear1 = nn.Linear(in_dim, out_dim)
-        self.relu = nn.ReLU()
-        self.linear2 = nn.Linear(out_dim, out_dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear2(self.relu(self.linear1(x)))
 
 
 # ----------------------------------------------------------------------------- talker
@@ -229,14 +157,9 @@ class Talker(nn.Module):
 
     def forward_paged(self, inputs_embeds: torch.Tensor, batch: PagedBatch, cache: PagedKVCache) -> torch.Tensor:
         """One ragged step over the paged cache: (N, hidden) -> final-norm hidden (N, hidden)."""
-        if inputs_embeds.dim() != 2 or inputs_embeds.shape != (batch.num_tokens, self.config.hidden_size):
-            raise ValueError(f"forward_paged: inputs_embeds must be (N={batch.num_tokens}, "
-                             f"{self.config.hidden_size}), got {tuple(inputs_embeds.shape)}")
-        if (cache.num_layers, cache.num_kv_heads, cache.head_dim) != (
-                self.config.num_hidden_layers, self.config.num_key_value_heads, self.config.head_dim):
-            raise ValueError("forward_paged: the KV cache shape does not match the Talker's layers/kv heads/head_dim")
-        if cache.block_size != batch.block_size:
-            raise ValueError(f"forward_paged: batch block_size {batch.block_size} != cache {cache.block_size}")
+        cfg = self.config
+        check_paged_step("Talker", inputs_embeds, batch, cache, hidden_size=cfg.hidden_size,
+                         num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
         if batch.num_tokens and int(batch.positions.max()) >= self.config.max_position_embeddings:
             raise ValueError(f"Talker turn too long: position {int(batch.positions.max())} >= "
                              f"max_position_embeddings {self.config.max_position_embeddings}")

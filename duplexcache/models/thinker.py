@@ -5,6 +5,9 @@ Architecture per layer (pre-norm)::
     x -> input_layernorm -> q/k/v proj -> per-head RMSNorm on q, k -> NeoX RoPE -> GQA attention
       -> o_proj -> + x -> post_attention_layernorm -> SwiGLU MLP -> + residual
 
+The norm, MLP, attention and residual layer are the shared ones of ``models/layers.py``; this
+file adds Qwen3's per-head q/k norm (``ThinkerAttention``) and the model around the layers.
+
 Parameter names are exactly those of ``Qwen3ForCausalLM`` (``model.embed_tokens``,
 ``model.layers.N.self_attn.q_proj``, ..., ``model.norm``, ``lm_head``) so a Hugging Face state
 dict, or the ``llm.`` part of a MiniCPM-o checkpoint, loads with ``strict=True``.
@@ -22,12 +25,12 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from duplexcache.kv.paged_attention import PagedBatch, PagedKVCache, paged_attention, write_kv
-from duplexcache.kv.rope import apply_rope, rope_cos_sin
+from duplexcache.kv.paged_attention import PagedBatch, PagedKVCache
+from duplexcache.kv.rope import rope_cos_sin
 from duplexcache.models.checkpoint import CheckpointError, checkpoint_keys, load_state_dict, load_strict, read_hf_config
+from duplexcache.models.layers import DecoderLayer, GQAttention, RMSNorm, SwiGLUMLP, check_paged_step
 
 logger = logging.getLogger(__name__)
 
@@ -152,92 +155,29 @@ def select_qwen3_config(config: dict) -> dict:
 # --- layers -------------------------------------------------------------------------------
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+class ThinkerAttention(GQAttention):
+    """Qwen3 attention: GQA + RoPE with a per-head RMSNorm on q and k before RoPE."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32, scale in the input dtype (same order of casts as transformers).
-        dtype = x.dtype
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
-
-
-class ThinkerAttention(nn.Module):
     def __init__(self, config: ThinkerConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
-        h, d, bias = config.hidden_size, config.head_dim, config.attention_bias
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
-        self.q_norm = RMSNorm(d, config.rms_norm_eps)  # per head, before RoPE
-        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        super().__init__(
+            config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+            layer_idx, bias=config.attention_bias,
+        )  # fmt: skip
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
-    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        lead = x.shape[:-1]
-        q = self.q_norm(self.q_proj(x).view(*lead, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        batch: PagedBatch | None = None,
-        cache: PagedKVCache | None = None,
-    ) -> torch.Tensor:
-        if batch is None:
-            return self._forward_dense(x, cos, sin)
-        q, k, v = self._qkv(x, cos, sin)  # (N, h, D)
-        write_kv(cache, self.layer_idx, k, v, batch.slot_mapping)
-        out = paged_attention(q, cache, self.layer_idx, batch, self.scale)  # (N, Hq, D)
-        return self.o_proj(out.reshape(x.shape[0], -1))
-
-    def _forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q, k, v = self._qkv(x, cos, sin)  # (B, T, h, D)
-        group = self.num_heads // self.num_kv_heads
-        q = q.transpose(1, 2)  # (B, Hq, T, D)
-        k = k.repeat_interleave(group, dim=2).transpose(1, 2)
-        v = v.repeat_interleave(group, dim=2).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q_norm(q), self.k_norm(k)
 
 
-class ThinkerMLP(nn.Module):
-    def __init__(self, config: ThinkerConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class ThinkerDecoderLayer(nn.Module):
-    def __init__(self, config: ThinkerConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.self_attn = ThinkerAttention(config, layer_idx)
-        self.mlp = ThinkerMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, x, cos, sin, batch=None, cache=None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+def qwen3_decoder_layer(config: ThinkerConfig, layer_idx: int) -> DecoderLayer:
+    """``Qwen3DecoderLayer``: self_attn, mlp, input_layernorm, post_attention_layernorm."""
+    return DecoderLayer(
+        ThinkerAttention(config, layer_idx),
+        SwiGLUMLP(config.hidden_size, config.intermediate_size),
+        config.hidden_size,
+        config.rms_norm_eps,
+    )
 
 
 class ThinkerModel(nn.Module):
@@ -246,7 +186,7 @@ class ThinkerModel(nn.Module):
     def __init__(self, config: ThinkerConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(ThinkerDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(qwen3_decoder_layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -334,21 +274,10 @@ class Thinker(nn.Module):
         their block tables. Call ``compute_logits`` / ``logits_at`` on the result.
         """
         cfg = self.config
-        if tuple(inputs_embeds.shape) != (batch.num_tokens, cfg.hidden_size):
-            raise ValueError(
-                f"forward_paged: inputs_embeds must be (N={batch.num_tokens}, {cfg.hidden_size}), "
-                f"got {tuple(inputs_embeds.shape)}"
-            )
-        cache_shape = (cache.num_layers, cache.num_kv_heads, cache.head_dim)
-        model_shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
-        if cache_shape != model_shape:
-            raise ValueError(
-                f"forward_paged: KV cache (layers, kv heads, head_dim) {cache_shape} != model {model_shape}"
-            )
-        if cache.block_size != batch.block_size:
-            raise ValueError(
-                f"forward_paged: batch block_size {batch.block_size} != cache block_size {cache.block_size}"
-            )
+        check_paged_step(
+            "Thinker", inputs_embeds, batch, cache, hidden_size=cfg.hidden_size,
+            num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+        )  # fmt: skip
         cos, sin = rope_cos_sin(batch.positions, self.config.head_dim, self.config.rope_theta, inputs_embeds.dtype)
         x = inputs_embeds
         for layer in self.model.layers:

@@ -16,45 +16,39 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from duplexcache.models.audio_encoder import AudioEncoder, AudioEncoderConfig
 from duplexcache.models.checkpoint import CheckpointError, checkpoint_keys, load_state_dict
+from duplexcache.verify.common import (
+    FLOAT32_TOLERANCE, add_source_arguments, exit_unusable, relative_error, report, run_on_source, source_error,
+)
 
+TARGET = "audio-encoder"
 PRESETS: dict[str, Callable[[], AudioEncoderConfig]] = {
     "tiny": AudioEncoderConfig.tiny, "minicpmo45": AudioEncoderConfig.minicpmo45}
-TOLERANCE = 1e-5  # float32 fidelity rule
+TOLERANCE = FLOAT32_TOLERANCE
 
 # Test-only hook: called with the loaded encoder before comparing (to prove the check can fail).
 _post_load_hook: Callable[[AudioEncoder], None] | None = None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", help="Whisper or MiniCPM-o checkpoint directory")
-    source.add_argument("--preset", choices=sorted(PRESETS), help="build a model of this shape (with --random-weights)")
-    parser.add_argument("--random-weights", action="store_true", help="random weights saved to a temp dir")
+    add_source_arguments(parser, PRESETS, checkpoint_help="Whisper or MiniCPM-o checkpoint directory")
     parser.add_argument("--chunks", type=int, default=4, help="streaming chunks (1 s each after the first)")
-    parser.add_argument("--seed", type=int, default=0)
 
 
 def run(args: argparse.Namespace) -> int:
-    if (args.preset is not None) != bool(args.random_weights):
-        print("verify audio-encoder: --preset and --random-weights go together")
-        return 2
-    if args.chunks < 1:
-        print("verify audio-encoder: --chunks must be >= 1")
-        return 2
-    if args.random_weights:
-        with tempfile.TemporaryDirectory(prefix="duplexcache-apm-") as tmp:
-            save_random_checkpoint(PRESETS[args.preset](), tmp, seed=args.seed)
-            return _verify_dir(tmp, args)
-    return _verify_dir(args.checkpoint, args)
+    problem = source_error(args)
+    if problem is None and args.chunks < 1:
+        problem = "--chunks must be >= 1"
+    if problem:
+        return exit_unusable(TARGET, problem)
+    return run_on_source(TARGET, args, PRESETS, save_random_checkpoint, lambda path: _verify_dir(path, args))
 
 
 def _verify_dir(path: str, args: argparse.Namespace) -> int:
@@ -62,17 +56,11 @@ def _verify_dir(path: str, args: argparse.Namespace) -> int:
         ours = AudioEncoder.from_pretrained(path).eval()
         ref = load_reference(path, ours.cfg)
     except (CheckpointError, ValueError, OSError, KeyError) as exc:
-        print(f"verify audio-encoder: cannot load {path}: {exc}")
-        return 2
+        return exit_unusable(TARGET, f"cannot load {path}: {exc}")
     if _post_load_hook is not None:
         _post_load_hook(ours)
     errors = compare(ours, ref, args.chunks, args.seed)
-    print(f"verify audio-encoder: {path}; relative error = max|ours - ref| / max|ref|")
-    for name, err in errors.items():
-        print(f"  {name:<11} {err:.3e}  {'ok' if err <= TOLERANCE else 'FAIL'}")
-    passed = all(err <= TOLERANCE for err in errors.values())
-    print(f"verify audio-encoder: {'PASS' if passed else 'FAIL'} (tolerance {TOLERANCE:g}, float32)")
-    return 0 if passed else 1
+    return report(TARGET, path, errors, TOLERANCE, f"{TOLERANCE:g}, float32")
 
 
 def _whisper_config(cfg: AudioEncoderConfig):
@@ -117,11 +105,6 @@ def load_reference(path: str | Path, cfg: AudioEncoderConfig):
     ref = WhisperEncoder(_whisper_config(cfg)).eval()
     ref.load_state_dict(load_state_dict(path, prefix or None) if prefix else load_state_dict(path), strict=True)
     return ref
-
-
-def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    ours, ref = ours.double(), ref.double()
-    return float((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
 def reference_projection(ours: AudioEncoder, frames: torch.Tensor) -> torch.Tensor:

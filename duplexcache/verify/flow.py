@@ -39,6 +39,7 @@ from duplexcache.models.flow import CausalMaskedDiffWithXvec, FlowConfig, build_
 from duplexcache.models.vocoder import (
     HiFTGenerator, HiftStreamState, VocoderConfig, build_vocoder, hift_state_dict_from_checkpoint, hift_stream_step,
 )
+from duplexcache.verify.common import FLOAT32_TOLERANCE, exit_unusable, relative_error, verdict
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,8 @@ PRESETS: dict[str, Callable[[], tuple[FlowConfig, VocoderConfig]]] = {
     "tiny": lambda: (FlowConfig.tiny(), VocoderConfig.tiny()),
     "minicpmo45": lambda: (FlowConfig.minicpmo45(), VocoderConfig.minicpmo45()),
 }
-TOLERANCE = 1e-5  # float32 fidelity rule (SPEC section 1)
+TARGET = "flow"
+TOLERANCE = FLOAT32_TOLERANCE
 CHUNK_TOKENS = 25
 SILENCE_TOKEN = 4218  # Token2wav.set_stream_cache's right pad
 REF_SCRATCH_STEPS = 16  # the reference's scratch buffers hold 16 Euler steps ...
@@ -282,13 +284,6 @@ def stream_reference(flow: nn.Module, hift: nn.Module, inp: StreamInputs,
     return mels, wavs, stream_cache
 
 
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    if ours.shape != ref.shape:
-        return float("inf")
-    ours, ref = ours.detach().double(), ref.detach().double()
-    return float((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-
-
 # ----------------------------------------------------------------------------------------
 # CLI
 # ----------------------------------------------------------------------------------------
@@ -308,12 +303,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Unlike the other targets, --preset also names the shape of a --checkpoint here.
     if (args.checkpoint is None) == (not args.random_weights):
-        print("verify flow: give exactly one of --checkpoint DIR or --random-weights (with --preset)")
-        return 2
+        return exit_unusable(TARGET, "give exactly one of --checkpoint DIR or --random-weights (with --preset)")
     if args.chunks < 3:
-        print("verify flow: --chunks must be >= 3")
-        return 2
+        return exit_unusable(TARGET, "--chunks must be >= 3")
     preset = args.preset or ("minicpmo45" if args.checkpoint else "tiny")
     flow_cfg, voc_cfg = PRESETS[preset]()
     device = torch.device(args.device)
@@ -331,8 +325,7 @@ def run(args: argparse.Namespace) -> int:
             load_strict(ours_flow, ref_flow.state_dict(), "flow")
             load_strict(ours_hift, ref_hift.state_dict(), "hift")
     except CheckpointError as exc:
-        print(f"verify flow: cannot load checkpoint: {exc}")
-        return 2
+        return exit_unusable(TARGET, f"cannot load checkpoint: {exc}")
     if args.checkpoint:  # same weights on the reference side
         ref_flow.load_state_dict(ours_flow.state_dict(), strict=True)
         ref_hift.load_state_dict(ours_hift.state_dict(), strict=True)
@@ -341,8 +334,8 @@ def run(args: argparse.Namespace) -> int:
     inp = make_inputs(flow_cfg, prompt_tokens, args.chunks, args.seed, device)
     ref_mels, ref_wavs, _ = stream_reference(ref_flow, ref_hift, inp, args.n_timesteps)
     our_mels, our_wavs, _ = stream_ours(ours_flow, ours_hift, inp, args.n_timesteps)
-    mel_err = rel_err(torch.cat(our_mels, 2), torch.cat(ref_mels, 2))
-    wav_err = rel_err(torch.cat(our_wavs, 1), torch.cat(ref_wavs, 1))
+    mel_err = relative_error(torch.cat(our_mels, 2), torch.cat(ref_mels, 2))
+    wav_err = relative_error(torch.cat(our_wavs, 1), torch.cat(ref_wavs, 1))
     exact = all(torch.equal(a, b) for a, b in zip(our_mels + our_wavs, ref_mels + ref_wavs))
     print(f"verify flow: preset={preset} device={device} chunks={args.chunks} prompt_frames={inp.prompt_mel.shape[1]}")
     print(f"  mel      max rel err {mel_err:.3e}")
@@ -351,6 +344,4 @@ def run(args: argparse.Namespace) -> int:
     if args.chunks < 4:
         # P -> P+50 -> P+100 -> trimmed after chunk 3: only chunk 4 onwards reads a trimmed cache
         print("  note: the P+100 cache trim first affects chunk 4; use --chunks >= 4 to cover it")
-    ok = mel_err <= args.tolerance and wav_err <= args.tolerance
-    print(f"verify flow: {'PASS' if ok else 'FAIL'} (tolerance {args.tolerance:g})")
-    return 0 if ok else 1
+    return verdict(TARGET, mel_err <= args.tolerance and wav_err <= args.tolerance, f"{args.tolerance:g}")

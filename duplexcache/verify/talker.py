@@ -16,18 +16,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from duplexcache.kv.paged_attention import PagedBatch, PagedKVCache
 from duplexcache.models.checkpoint import CheckpointError, checkpoint_keys, load_state_dict
 from duplexcache.models.talker import Talker, TalkerConfig
+from duplexcache.verify.common import (
+    FLOAT32_TOLERANCE, add_source_arguments, exit_unusable, relative_error, report, run_on_source, source_error,
+)
 
+TARGET = "talker"
 PRESETS: dict[str, Callable[[], TalkerConfig]] = {"tiny": TalkerConfig.tiny, "minicpmo45": TalkerConfig.minicpmo45}
-TOLERANCE = 1e-5  # float32 fidelity rule
+TOLERANCE = FLOAT32_TOLERANCE
 _LENGTHS = (5, 17, 33)
 
 # Test-only hook: called with the loaded Talker before comparing (to prove the check can fail).
@@ -35,27 +38,18 @@ _post_load_hook: Callable[[Talker], None] | None = None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", help="MiniCPM-o checkpoint directory (Talker under tts.)")
-    source.add_argument("--preset", choices=sorted(PRESETS), help="build a model of this shape (with --random-weights)")
-    parser.add_argument("--random-weights", action="store_true", help="random weights saved to a temp dir")
+    add_source_arguments(parser, PRESETS, checkpoint_help="MiniCPM-o checkpoint directory (Talker under tts.)")
     parser.add_argument("--decode-steps", type=int, default=3)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
 
 
 def run(args: argparse.Namespace) -> int:
-    if (args.preset is not None) != bool(args.random_weights):
-        print("verify talker: --preset and --random-weights go together")
-        return 2
-    if args.decode_steps < 0 or args.block_size < 1:
-        print("verify talker: --decode-steps must be >= 0 and --block-size >= 1")
-        return 2
-    if args.random_weights:
-        with tempfile.TemporaryDirectory(prefix="duplexcache-talker-") as tmp:
-            save_random_checkpoint(PRESETS[args.preset](), tmp, seed=args.seed)
-            return _verify_dir(tmp, args)
-    return _verify_dir(args.checkpoint, args)
+    problem = source_error(args)
+    if problem is None and (args.decode_steps < 0 or args.block_size < 1):
+        problem = "--decode-steps must be >= 0 and --block-size >= 1"
+    if problem:
+        return exit_unusable(TARGET, problem)
+    return run_on_source(TARGET, args, PRESETS, save_random_checkpoint, lambda path: _verify_dir(path, args))
 
 
 def _verify_dir(path: str, args: argparse.Namespace) -> int:
@@ -63,17 +57,11 @@ def _verify_dir(path: str, args: argparse.Namespace) -> int:
         ours = Talker.from_pretrained(path).eval()
         ref = load_reference(path, ours.config)
     except (CheckpointError, ValueError, OSError, KeyError) as exc:
-        print(f"verify talker: cannot load {path}: {exc}")
-        return 2
+        return exit_unusable(TARGET, f"cannot load {path}: {exc}")
     if _post_load_hook is not None:
         _post_load_hook(ours)
     errors = compare(ours, ref, args.block_size, args.decode_steps, args.seed)
-    print(f"verify talker: {path}; relative error = max|ours - ref| / max|ref|")
-    for name, err in errors.items():
-        print(f"  {name:<14} {err:.3e}  {'ok' if err <= TOLERANCE else 'FAIL'}")
-    passed = all(err <= TOLERANCE for err in errors.values())
-    print(f"verify talker: {'PASS' if passed else 'FAIL'} (tolerance {TOLERANCE:g}, float32)")
-    return 0 if passed else 1
+    return report(TARGET, path, errors, TOLERANCE, f"{TOLERANCE:g}, float32")
 
 
 def save_random_checkpoint(cfg: TalkerConfig, path: str | Path, seed: int = 0) -> None:
@@ -111,11 +99,6 @@ def load_reference(path: str | Path, cfg: TalkerConfig):
     ref = LlamaModel(LlamaConfig(**cfg.to_llama_dict())).eval()
     ref.load_state_dict(load_state_dict(path, prefix), strict=True)
     return ref
-
-
-def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    ours, ref = ours.double(), ref.double()
-    return float((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
 def reference_logits(ours: Talker, hidden: torch.Tensor) -> torch.Tensor:

@@ -17,23 +17,26 @@ from __future__ import annotations
 
 import argparse
 import logging
-import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from duplexcache.kv.paged_attention import PagedBatch
 from duplexcache.models.checkpoint import CheckpointError, checkpoint_keys, load_state_dict, read_hf_config
 from duplexcache.models.thinker import Thinker, ThinkerConfig, select_qwen3_config
+from duplexcache.verify.common import (
+    FLOAT32_TOLERANCE, add_source_arguments, exit_unusable, relative_error, report, run_on_source, source_error,
+)
 
 logger = logging.getLogger(__name__)
 
+TARGET = "thinker"
 PRESETS: dict[str, Callable[[], ThinkerConfig]] = {"tiny": ThinkerConfig.tiny, "minicpmo45": ThinkerConfig.minicpmo45}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Max relative error allowed per dtype. float32 is the fidelity rule of the spec; the half
 # precisions only bound rounding differences between two implementations of the same math.
-TOLERANCES = {"float32": 1e-5, "bfloat16": 3e-2, "float16": 5e-3}
+TOLERANCES = {"float32": FLOAT32_TOLERANCE, "bfloat16": 3e-2, "float16": 5e-3}
 _BASE_LENGTHS = (5, 17, 33)
 
 # Test-only hook: called with the loaded Thinker before comparing (e.g. to perturb a weight
@@ -42,33 +45,24 @@ _post_load_hook: Callable[[Thinker], None] | None = None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", help="Qwen3 or MiniCPM-o checkpoint directory")
-    source.add_argument("--preset", choices=sorted(PRESETS), help="build a model of this shape (with --random-weights)")
-    parser.add_argument("--random-weights", action="store_true", help="random weights saved with transformers")
+    add_source_arguments(
+        parser, PRESETS, checkpoint_help="Qwen3 or MiniCPM-o checkpoint directory",
+        random_help="random weights saved with transformers",
+    )  # fmt: skip
     parser.add_argument("--sessions", type=int, default=3, help="ragged sessions (lengths 5, 17, 33, ...)")
     parser.add_argument("--decode-steps", type=int, default=3)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--seed", type=int, default=0)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.preset is not None and not args.random_weights:
-        print("verify thinker: --preset needs --random-weights (no checkpoint to load)")
-        return 2
-    if args.random_weights and args.preset is None:
-        print("verify thinker: --random-weights needs --preset")
-        return 2
-    if args.sessions < 1 or args.decode_steps < 0 or args.block_size < 1:
-        print("verify thinker: --sessions and --block-size must be >= 1, --decode-steps >= 0")
-        return 2
-    if args.random_weights:
-        with tempfile.TemporaryDirectory(prefix="duplexcache-thinker-") as tmp:
-            save_random_checkpoint(PRESETS[args.preset](), tmp, seed=args.seed)
-            return _verify_dir(tmp, args)
-    return _verify_dir(args.checkpoint, args)
+    problem = source_error(args)
+    if problem is None and (args.sessions < 1 or args.decode_steps < 0 or args.block_size < 1):
+        problem = "--sessions and --block-size must be >= 1, --decode-steps >= 0"
+    if problem:
+        return exit_unusable(TARGET, problem)
+    return run_on_source(TARGET, args, PRESETS, save_random_checkpoint, lambda path: _verify_dir(path, args))
 
 
 def _verify_dir(path: str, args: argparse.Namespace) -> int:
@@ -76,24 +70,17 @@ def _verify_dir(path: str, args: argparse.Namespace) -> int:
     try:
         ours = Thinker.from_pretrained(path, dtype=dtype, device=device)
     except (CheckpointError, ValueError, OSError) as exc:
-        print(f"verify thinker: cannot load {path}: {exc}")
-        return 2
+        return exit_unusable(TARGET, f"cannot load {path}: {exc}")
     try:
         ref = load_reference(path, dtype, device)
     except Exception as exc:  # whatever transformers raises, the checkpoint is unusable for the check
-        print(f"verify thinker: transformers cannot load {path}: {type(exc).__name__}: {exc}")
-        return 2
+        return exit_unusable(TARGET, f"transformers cannot load {path}: {type(exc).__name__}: {exc}")
     if _post_load_hook is not None:
         _post_load_hook(ours)
     errors = compare_paths(ours, ref, args.sessions, args.block_size, args.decode_steps, args.seed)
     tol = TOLERANCES[args.dtype]
-    print(f"verify thinker: {path} ({args.dtype}, {args.device}, {args.sessions} sessions, "
-          f"block size {args.block_size}); relative error = max|ours - ref| / max|ref|")  # fmt: skip
-    for name, err in errors.items():
-        print(f"  {name:<14} {err:.3e}  {'ok' if err <= tol else 'FAIL'}")
-    passed = all(err <= tol for err in errors.values())
-    print(f"verify thinker: {'PASS' if passed else 'FAIL'} (tolerance {tol:g} for {args.dtype})")
-    return 0 if passed else 1
+    subject = f"{path} ({args.dtype}, {args.device}, {args.sessions} sessions, block size {args.block_size})"
+    return report(TARGET, subject, errors, tol, f"{tol:g} for {args.dtype}")
 
 
 def save_random_checkpoint(config: ThinkerConfig, path: str | Path, seed: int = 0) -> None:
@@ -136,11 +123,6 @@ def load_reference(path: str | Path, dtype: torch.dtype, device: torch.device):
 def session_lengths(num_sessions: int) -> list[int]:
     """5, 17, 33, 12, 24, 40, ...: ragged, crossing block boundaries at block size 16."""
     return [_BASE_LENGTHS[i % 3] + 7 * (i // 3) for i in range(num_sessions)]
-
-
-def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    ours, ref = ours.double(), ref.double()
-    return float((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
 @torch.no_grad()

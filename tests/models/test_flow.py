@@ -9,7 +9,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import reference_stage2 as R  # noqa: E402
+import reference_stage2 as R  # noqa: E402  (skips when the reference is absent)
+from reference_stage2 import one_thread  # noqa: E402,F401  (autouse fixture)
 
 from duplexcache.models.checkpoint import CheckpointError, load_strict  # noqa: E402
 from duplexcache.models.flow import (  # noqa: E402
@@ -19,15 +20,6 @@ from duplexcache.models.flow import (  # noqa: E402
 N_STEPS = 10
 PROMPT_TOKENS = 10  # P = 20 frames: the trim (P + 100) starts at the 3rd chunk
 NUM_CHUNKS = 4
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # 2 shared cores: oversubscribed intra-op threads make tiny convs ~20x slower
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")

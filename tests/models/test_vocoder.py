@@ -10,21 +10,14 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import reference_stage2 as R  # noqa: E402
+import reference_stage2 as R  # noqa: E402  (skips when the reference is absent)
+from reference_stage2 import one_thread  # noqa: E402,F401  (autouse fixture)
 
 from duplexcache.models.checkpoint import CheckpointError, load_strict  # noqa: E402
 from duplexcache.models.vocoder import (  # noqa: E402
     HiftStreamState, VocoderConfig, build_vocoder, hift_state_dict_from_checkpoint, hift_stream_step,
     periodic_hann,
 )
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")

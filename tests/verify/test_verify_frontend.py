@@ -1,8 +1,6 @@
 """``duplexcache verify audio-encoder|talker``: pass on random weights, fail on a perturbed
 weight (exit 1), refuse an unloadable checkpoint (exit 2)."""
 
-import argparse
-
 import pytest
 import torch
 
@@ -12,15 +10,9 @@ from duplexcache.verify import audio_encoder as verify_apm  # noqa: E402
 from duplexcache.verify import talker as verify_talker  # noqa: E402
 
 
-def parse(mod, argv):
-    parser = argparse.ArgumentParser()
-    mod.add_arguments(parser)
-    return parser.parse_args(argv)
-
-
 @pytest.mark.parametrize("mod", [verify_apm, verify_talker])
-def test_random_tiny_passes(mod, capsys):
-    assert mod.run(parse(mod, ["--preset", "tiny", "--random-weights"])) == 0
+def test_random_tiny_passes(run_verify, mod, capsys):
+    assert run_verify(mod, "--preset", "tiny", "--random-weights") == 0
     assert "PASS" in capsys.readouterr().out
 
 
@@ -35,29 +27,29 @@ def _perturb_talker(model):
 
 
 @pytest.mark.parametrize("mod, hook", [(verify_apm, _perturb_apm), (verify_talker, _perturb_talker)])
-def test_perturbed_weight_fails(mod, hook, monkeypatch, capsys):
+def test_perturbed_weight_fails(run_verify, mod, hook, monkeypatch, capsys):
     monkeypatch.setattr(mod, "_post_load_hook", hook)
-    assert mod.run(parse(mod, ["--preset", "tiny", "--random-weights"])) == 1
+    assert run_verify(mod, "--preset", "tiny", "--random-weights") == 1
     assert "FAIL" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("mod", [verify_apm, verify_talker])
-def test_unloadable_checkpoint_exits_2(mod, tmp_path):
-    assert mod.run(parse(mod, ["--checkpoint", str(tmp_path)])) == 2  # no config, no weights
+def test_unloadable_checkpoint_exits_2(run_verify, mod, tmp_path):
+    assert run_verify(mod, "--checkpoint", str(tmp_path)) == 2  # no config, no weights
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
-    assert mod.run(parse(mod, ["--checkpoint", str(tmp_path)])) == 2
+    assert run_verify(mod, "--checkpoint", str(tmp_path)) == 2
 
 
-def test_wrong_shape_checkpoint_exits_2(tmp_path):
+def test_wrong_shape_checkpoint_exits_2(run_verify, tmp_path):
     from duplexcache.models.talker import TalkerConfig
 
     verify_talker.save_random_checkpoint(TalkerConfig.tiny(), tmp_path)
     cfg = (tmp_path / "config.json").read_text().replace('"num_audio_tokens": 50', '"num_audio_tokens": 51')
     (tmp_path / "config.json").write_text(cfg)
-    assert verify_talker.run(parse(verify_talker, ["--checkpoint", str(tmp_path)])) == 2
+    assert run_verify(verify_talker, "--checkpoint", str(tmp_path)) == 2
 
 
-def test_preset_without_random_weights_exits_2():
-    assert verify_apm.run(parse(verify_apm, ["--preset", "tiny"])) == 2
-    assert verify_talker.run(parse(verify_talker, ["--preset", "tiny"])) == 2
+def test_preset_without_random_weights_exits_2(run_verify):
+    assert run_verify(verify_apm, "--preset", "tiny") == 2
+    assert run_verify(verify_talker, "--preset", "tiny") == 2

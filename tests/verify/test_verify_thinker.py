@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
@@ -14,12 +13,6 @@ from duplexcache.verify import thinker as verify
 
 SMALL = ThinkerConfig(vocab_size=500, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8)  # fmt: skip
-
-
-def _run(*argv: str) -> int:
-    parser = argparse.ArgumentParser()
-    verify.add_arguments(parser)
-    return verify.run(parser.parse_args(list(argv)))
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +32,12 @@ def test_preset_random_weights_through_cli(capsys):
     assert "PASS (tolerance 1e-05 for float32)" in out
 
 
-def test_checkpoint_dir_passes(small_dir, capsys):
-    assert _run("--checkpoint", str(small_dir), "--sessions", "4", "--block-size", "4") == 0
+def test_checkpoint_dir_passes(run_verify, small_dir, capsys):
+    assert run_verify(verify, "--checkpoint", str(small_dir), "--sessions", "4", "--block-size", "4") == 0
     assert "PASS" in capsys.readouterr().out
 
 
-def test_minicpmo_dir_passes(small_dir, tmp_path):
+def test_minicpmo_dir_passes(run_verify, small_dir, tmp_path):
     """The ``llm.`` part of a MiniCPM-o-style checkpoint, next to other stages' weights."""
     from duplexcache.models.checkpoint import load_state_dict
 
@@ -52,35 +45,35 @@ def test_minicpmo_dir_passes(small_dir, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     state = {f"llm.{k}": v for k, v in load_state_dict(small_dir).items()}
     save_file({**state, "apm.w": torch.ones(3)}, tmp_path / "model.safetensors")
-    assert _run("--checkpoint", str(tmp_path)) == 0
+    assert run_verify(verify, "--checkpoint", str(tmp_path)) == 0
 
 
-def test_perturbed_weight_fails(small_dir, monkeypatch, capsys):
+def test_perturbed_weight_fails(run_verify, small_dir, monkeypatch, capsys):
     def perturb(model):
         with torch.no_grad():
             model.model.layers[1].self_attn.k_norm.weight[3] += 1e-3
 
     monkeypatch.setattr(verify, "_post_load_hook", perturb)
-    assert _run("--checkpoint", str(small_dir)) == 1
+    assert run_verify(verify, "--checkpoint", str(small_dir)) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "dense prefill" in out
 
 
-def test_broken_file_exits_2(tmp_path, capsys):
+def test_broken_file_exits_2(run_verify, tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(SMALL.to_hf_config()))
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00garbage")
-    assert _run("--checkpoint", str(tmp_path)) == 2
+    assert run_verify(verify, "--checkpoint", str(tmp_path)) == 2
     assert "cannot load" in capsys.readouterr().out
 
 
-def test_missing_key_and_missing_dir_exit_2(small_dir, tmp_path, capsys):
+def test_missing_key_and_missing_dir_exit_2(run_verify, small_dir, tmp_path, capsys):
     from duplexcache.models.checkpoint import load_state_dict
 
     state = load_state_dict(small_dir)
     del state["model.norm.weight"]
     (tmp_path / "config.json").write_text((small_dir / "config.json").read_text())
     save_file(state, tmp_path / "model.safetensors")
-    assert _run("--checkpoint", str(tmp_path)) == 2
+    assert run_verify(verify, "--checkpoint", str(tmp_path)) == 2
     assert "model.norm.weight" in capsys.readouterr().out
-    assert _run("--checkpoint", str(tmp_path / "absent")) == 2
-    assert _run("--preset", "tiny") == 2  # a preset without --random-weights has nothing to load
+    assert run_verify(verify, "--checkpoint", str(tmp_path / "absent")) == 2
+    assert run_verify(verify, "--preset", "tiny") == 2  # a preset without --random-weights has nothing to load

@@ -15,9 +15,12 @@ and each pool gets ``n`` sessions' worth plus the shared parts of every voice's 
 
 Admission is a ledger over the same numbers. A session reserves its worst case at admission:
 
-* Thinker: its private blocks at a full window (``context + high_tokens``, or the model's
-  position limit with the window off) and, when ``shared_anchor_blocks`` is on, the shared
-  context blocks + copy-on-write template -- paid once per distinct context (by anchor key);
+* Thinker: its private blocks at a full window (``context + high_tokens`` with the session's
+  own high mark -- a client may lower it --, or the model's position limit with the window
+  off) and, when ``shared_anchor_blocks`` is on, the shared context blocks + copy-on-write
+  template -- paid once per distinct context (by anchor key). The block counts come from
+  ``runtime.stage0.session_worst_case``, the formula ``Stage0Runner.worst_case`` uses, so the
+  ledger and the runner cannot disagree;
 * Talker: one full turn (``max_position_embeddings`` tokens);
 * dynamic: its steady Code2Wav caches and its audio-encoder cache, plus the voice's prompt state
   -- paid once per voice when ``cfm_prompt_att_sharing`` is on.
@@ -61,27 +64,6 @@ class Footprint:
                 raise ValueError(f"Footprint.{name} must be >= 0, got {getattr(self, name)}")
         if self.thinker_shared_blocks and self.context_key is None:
             raise ValueError("a footprint with shared Thinker blocks needs a context_key")
-
-
-def thinker_worst_blocks(context_tokens: int, longest_tokens: int, block_size: int, share: bool) -> tuple[int, int]:
-    """(private, shared) Thinker blocks of a session holding ``longest_tokens`` tokens.
-
-    Mirrors the KV manager's layout (block 16, context 40, longest 70)::
-
-        [ctx 0-15][ctx 16-31][ctx 32-39 + win][win][win]   + template
-         shared    shared     private          private      shared (copy-on-write source)
-
-    Without sharing every table block is private and there is no template.
-    """
-    if context_tokens <= 0 or longest_tokens < context_tokens or block_size <= 0:
-        raise ValueError(f"need 0 < context_tokens <= longest_tokens and block_size > 0, got "
-                         f"{context_tokens}, {longest_tokens}, {block_size}")
-    table = -(-longest_tokens // block_size)
-    if not share:
-        return table, 0
-    full = context_tokens // block_size
-    template = int(context_tokens % block_size != 0)
-    return table - full, full + template
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,6 @@ from duplexcache.runtime.admission import (
     Footprint,
     MemoryPlan,
     plan_memory,
-    thinker_worst_blocks,
 )
 from duplexcache.runtime.bundle import ModelBundle, build_models
 from duplexcache.runtime.engine_api import (
@@ -86,7 +85,11 @@ from duplexcache.runtime.policy import (
     make_policy,
     text_token_ids,
 )
-from duplexcache.runtime.stage0 import SessionContextInput, Stage0Runner
+from duplexcache.runtime.stage0 import (
+    SessionContextInput,
+    Stage0Runner,
+    session_worst_case,
+)
 from duplexcache.runtime.voices import Voice
 
 logger = logging.getLogger(__name__)
@@ -147,25 +150,6 @@ class _Final:
     session: _Session
     codes: torch.Tensor
     response_done: bool  # False when only the Talker's turn was cut (position limit)
-
-
-class _LmHeadTap:
-    """Captures the input of the Thinker's lm_head during one Stage 0 call: the hidden states
-    whose logits the call returns, in the order of ``StepResult.logits``."""
-
-    def __init__(self, thinker) -> None:
-        self.thinker = thinker
-        self.rows: torch.Tensor | None = None
-
-    def __enter__(self) -> _LmHeadTap:
-        self._handle = self.thinker.lm_head.register_forward_pre_hook(self._hook)
-        return self
-
-    def _hook(self, module, args) -> None:
-        self.rows = args[0].detach()
-
-    def __exit__(self, *exc: object) -> None:
-        self._handle.remove()
 
 
 def _select_attention_backend(device: torch.device) -> None:
@@ -294,13 +278,14 @@ class DuplexEngine:
             lambda a, s: EmbeddingResult(torch.zeros(r, 1), EncoderPath.WHOLE_CLIP),
             cfg.instructions, voice.ref_audio, cfg.initial_user_text, model_revision=cfg.model_revision)
         max_pos = self.models.thinker.config.max_position_embeddings
-        longest = ctx.total + self.window.high_tokens if self.window.enabled else max_pos
-        if longest > max_pos:
+        window = self._session_window(cfg)
+        if window.enabled and ctx.total + window.high_tokens > max_pos:
             raise AdmissionError(
-                f"context_length_exceeded: context of {ctx.total} tokens + window high {self.window.high_tokens} "
+                f"context_length_exceeded: context of {ctx.total} tokens + window high {window.high_tokens} "
                 f"exceeds the model's {max_pos} positions")
         share = self.deploy.stage0.shared_anchor_blocks
-        private, shared = thinker_worst_blocks(ctx.total, longest, self.block_size, share)
+        # The runner's own formula (Stage0Runner.worst_case), with this session's marks.
+        wc = session_worst_case(ctx.total, window, max_pos, self.block_size, share)
         talker_blocks = -(-self.models.talker.config.max_position_embeddings // self.block_size)
         cfm = self.code2wav.config
         sharing = cfm.prompt_att_sharing
@@ -309,17 +294,17 @@ class DuplexEngine:
         encoder = self.models.audio_encoder.cfg.kv_bytes_per_session(self.models.dtype)
         dynamic = max(setup.private, steady.private) + encoder
         voice_shared = setup.shared if sharing else 0
-        return Footprint(private, shared, ctx.extra_key if share else None, talker_blocks, dynamic,
-                         voice.name, voice_shared)
+        return Footprint(wc.private_blocks, wc.shared_blocks, ctx.extra_key if share else None, talker_blocks,
+                         dynamic, voice.name, voice_shared)
+
+    def _session_window(self, cfg: SessionRuntimeConfig) -> WindowConfig:
+        """The session's Stage 0 window: the server's mode with the client's marks (config.py
+        already refused marks above the server's, or any marks when overrides are off)."""
+        return WindowConfig(mode=cfg.window_mode, high_tokens=cfg.window_high_tokens,
+                            low_tokens=cfg.window_low_tokens)
 
     def _check_session(self, client_session: Mapping[str, Any]) -> tuple[SessionRuntimeConfig, Voice]:
         cfg = build_runtime_config(self.deploy, client_session)
-        w = self.deploy.stage0.window
-        if (cfg.window_high_tokens, cfg.window_low_tokens) != (w.high_tokens, w.low_tokens):
-            # The Stage 0 runner has one window for all sessions; refusing beats ignoring it.
-            raise SessionConfigError(
-                f"per-session window marks ({cfg.window_high_tokens}/{cfg.window_low_tokens}) are not "
-                f"supported by this engine; the server window is {w.high_tokens}/{w.low_tokens}")
         if cfg.voice not in self.voices:
             raise SessionConfigError(f"unknown voice {cfg.voice!r} (known: {', '.join(self.voices.names())})")
         return cfg, self.voices.get(cfg.voice)
@@ -426,13 +411,14 @@ class DuplexEngine:
 
     def _open(self, pending: list[_Session]) -> list[EngineEvent]:
         """Build each session's context (context cache on the way) and open them in Stage 0."""
-        contexts = {}
+        contexts, windows = {}, {}
         for sess in pending:
             sess.encoder_state = self.models.audio_encoder.new_stream_state()
             ctx = self.builder.build(sess.config.instructions, sess.voice.ref_audio, sess.config.initial_user_text,
                                      encoder_state=sess.encoder_state)
             contexts[sess.sid] = SessionContextInput(ctx.inputs_embeds, ctx.token_ids, ctx.extra_key)
-        result = self.stage0.open_sessions(contexts)
+            windows[sess.sid] = self._session_window(sess.config)   # what its footprint reserved
+        result = self.stage0.open_sessions(contexts, windows)
         events: list[EngineEvent] = []
         for sess in pending:
             if sess.sid in result.errors:
@@ -491,7 +477,7 @@ class DuplexEngine:
 
     def _thinker(self, units: list[_Unit], embeds: list[torch.Tensor], events: list[EngineEvent]) -> list[_Unit]:
         """Append each unit's audio, then decode until every session listened or ended its text."""
-        th, c = self.models.thinker, self.control
+        c = self.control
         inputs = {}
         for u, emb in zip(units, embeds):
             ids = ([c.unit_end] if u.session.unit_index > 0 else []) + [c.unit]
@@ -506,10 +492,8 @@ class DuplexEngine:
             u.decision = self.policy.decide(u.session.unit_index, logits)
             feed[sid] = u.decision
         while feed:
-            with _LmHeadTap(th) as tap:
-                result = self.stage0.decode(feed)
+            result = self.stage0.decode(feed)
             self._drop_failed(by_sid, result.errors, events)
-            hidden = dict(zip(result.logits, tap.rows)) if result.logits else {}
             nxt = {}
             for sid, fed in feed.items():
                 if sid in result.errors or fed == c.listen or fed in c.ends:
@@ -521,7 +505,7 @@ class DuplexEngine:
                 else:
                     tok = self.policy.next_token(u.session.unit_index, num_text, result.logits[sid])
                 u.tokens.append(tok)
-                u.hidden.append(hidden[sid])
+                u.hidden.append(result.hidden[sid])   # the row whose logits chose ``tok``
                 nxt[sid] = tok
             feed = nxt
         return [u for u in units if u.session.sid in by_sid]

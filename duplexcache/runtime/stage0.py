@@ -36,6 +36,15 @@ Appending (``append`` / ``decode``), per session before the forward:
 * window ``off``: no compaction; past the model's position limit or with the pool full the
   session ends with ``ContextLengthExceeded``.
 
+Per-session windows: every session has its own ``WindowConfig`` (given at open, default the
+runner's). Only the marks may differ between sessions, never the mode; a session's compaction
+and its worst case use its own marks.
+
+Results: ``append`` / ``decode`` return, per session, the logits of its last new token and the
+final-norm hidden state that produced them (``StepResult.hidden``, the exact row ``lm_head``
+consumed). The Talker is conditioned on those rows, so the runner hands them out rather than
+letting callers tap the lm_head.
+
 A session that cannot continue is closed (its blocks freed) and its error is returned in
 ``StepResult.errors``; the other sessions of the call continue.
 """
@@ -49,11 +58,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from duplexcache.kv.kv_cache_manager import ContextAllocation, KVCacheManager, PoolStats, SessionBytes
+from duplexcache.kv.kv_cache_manager import (
+    ContextAllocation,
+    KVCacheManager,
+    PoolStats,
+    SessionBytes,
+)
 from duplexcache.kv.paged_attention import PagedBatch, PagedKVCache, copy_blocks
 from duplexcache.kv.rope import rerotate_keys_
 from duplexcache.kv.window import ContextLengthExceeded, WindowConfig, plan_compaction
-from duplexcache.runtime.stage0_window import SessionHistory, shift_unit_starts, stage0_session_bytes
+from duplexcache.runtime.stage0_window import (
+    SessionHistory,
+    shift_unit_starts,
+    stage0_session_bytes,
+)
 
 if TYPE_CHECKING:
     from duplexcache.kv.window import WindowPlan
@@ -68,6 +86,8 @@ __all__ = [
     "Stage0Runner",
     "StepResult",
     "WorstCaseBlocks",
+    "session_longest_tokens",
+    "session_worst_case",
     "stage0_session_bytes",
 ]
 
@@ -97,6 +117,46 @@ class WorstCaseBlocks:
     @property
     def private_blocks(self) -> int:
         return self.total - self.shared_blocks
+
+
+def session_longest_tokens(prefix_len: int, window: WindowConfig, max_positions: int) -> int:
+    """The most tokens one session's table can hold: ``prefix + high`` with a window
+    (compaction runs before an append would pass it; a session whose ``prefix + high`` exceeds
+    the model's positions is refused at open), the model's positions without one."""
+    if prefix_len <= 0:
+        raise ValueError(f"prefix_len must be > 0, got {prefix_len}")
+    return prefix_len + window.high_tokens if window.enabled else max_positions
+
+
+def session_worst_case(prefix_len: int, window: WindowConfig, max_positions: int, block_size: int,
+                       share_context: bool) -> WorstCaseBlocks:
+    """Blocks one session references at its longest, split into private and shared.
+
+    The one formula for the runner (``Stage0Runner.worst_case``) and the engine's admission
+    (which needs it before any runner exists). Table blocks are ``ceil(longest / block_size)``;
+    with sharing, a context that ends mid-block adds one reference to its read-only
+    copy-on-write template (a block outside the table). Block 16, context 40, high 96, sharing on::
+
+        longest = 40 + 96 = 136 tokens -> table = ceil(136 / 16) = 9 blocks
+        table idx  0      1      | 2      3      ...  8        |
+        logical    0-15   16-31  | 32-47  48-63  ...  128-135  |  (outside the table)
+                   [full] [full] | [tail] [win]  ...  [win]    |  [template T]
+                   shared        | private                     |  shared
+        full = 40 // 16 = 2            template = (40 % 16 != 0) = 1
+        shared  = full + template = 3  (paid once per distinct context)
+        private = table - full    = 7  (the tail is a private copy of T)
+        total   = table + template = 10
+        sharing off: 9 private table blocks, no template (total 9).
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be > 0, got {block_size}")
+    longest = session_longest_tokens(prefix_len, window, max_positions)
+    table = -(-longest // block_size)
+    if not share_context:
+        return WorstCaseBlocks(table_blocks=table, template_blocks=0, shared_blocks=0)
+    full = prefix_len // block_size
+    template = int(prefix_len % block_size != 0)
+    return WorstCaseBlocks(table_blocks=table, template_blocks=template, shared_blocks=full + template)
 
 
 @dataclass(frozen=True)
@@ -135,10 +195,16 @@ class SessionContextInput:
 @dataclass
 class StepResult(Mapping):
     """Per-session outcome of one call: logits (V,) for sessions that ran, errors for those
-    that ended. Reads like a mapping of logits; ``result[sid]`` re-raises a session's error."""
+    that ended. Reads like a mapping of logits; ``result[sid]`` re-raises a session's error.
+
+    ``hidden[sid]`` (H,) is the final-norm hidden state of the session's last new token: the
+    row ``lm_head`` turned into ``logits[sid]`` (same keys as ``logits``). Only that row is
+    kept; the other rows of the forward are not returned.
+    """
 
     logits: dict[str, torch.Tensor] = field(default_factory=dict)
     errors: dict[str, Exception] = field(default_factory=dict)
+    hidden: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __getitem__(self, sid: str) -> torch.Tensor:
         if sid in self.errors:
@@ -158,6 +224,7 @@ class _Session:
 
     sid: str
     prefix_len: int
+    window: WindowConfig  # this session's marks (the runner's mode)
     unit_starts: list[int] = field(default_factory=list)  # logical indices where units begin
     history: SessionHistory | None = None  # rebuild mode only
     num_compactions: int = 0
@@ -205,98 +272,104 @@ class Stage0Runner:
 
     # ------------------------------------------------------------------ admission
 
-    def longest_tokens(self, prefix_len: int) -> int:
-        """The most tokens one session's table can hold: ``prefix + high`` with a window
-        (compaction runs before an append would pass it, and a session whose ``prefix + high``
-        exceeds the model's positions is refused at open), the model's positions without."""
-        if prefix_len <= 0:
-            raise ValueError(f"prefix_len must be > 0, got {prefix_len}")
-        return prefix_len + self.window.high_tokens if self.window.enabled else self.max_positions
+    def session_window(self, sid: str) -> WindowConfig:
+        """The window ``sid`` compacts with (its own marks, the runner's mode)."""
+        if sid not in self.sessions:
+            raise ValueError(f"unknown session {sid!r}")
+        return self.sessions[sid].window
 
-    def worst_case(self, prefix_len: int) -> WorstCaseBlocks:
-        """Blocks one session references at its longest, split into private and shared.
+    def _resolve_window(self, window: WindowConfig | None, sid: str = "") -> WindowConfig:
+        """``window`` or the runner's default; ValueError if it is not a ``WindowConfig`` of the
+        runner's mode (one mode per runner: ``rebuild`` keeps histories, ``off`` sizes pools by
+        the model's positions; only the marks are per session)."""
+        if window is None:
+            return self.window
+        if not isinstance(window, WindowConfig):
+            raise ValueError(f"session {sid!r}: window must be a WindowConfig, got {type(window).__name__}")
+        if window.mode != self.window.mode:
+            raise ValueError(
+                f"session {sid!r}: window mode {window.mode!r} differs from the runner's {self.window.mode!r}; "
+                "only the high/low marks may differ per session"
+            )
+        return window
 
-        Table blocks are ``ceil(longest / block_size)``; with sharing, a context that ends
-        mid-block adds one reference to its read-only copy-on-write template (a block outside
-        the table). Block 16, context 40, window high 96, sharing on::
+    def longest_tokens(self, prefix_len: int, window: WindowConfig | None = None) -> int:
+        """The most tokens one session's table can hold (``session_longest_tokens``) with
+        ``window`` (default: the runner's)."""
+        return session_longest_tokens(prefix_len, self._resolve_window(window), self.max_positions)
 
-            longest = 40 + 96 = 136 tokens -> table = ceil(136 / 16) = 9 blocks
-            table idx  0      1      | 2      3      ...  8        |
-            logical    0-15   16-31  | 32-47  48-63  ...  128-135  |  (outside the table)
-                       [full] [full] | [tail] [win]  ...  [win]    |  [template T]
-                       shared        | private                     |  shared
-            full = 40 // 16 = 2            template = (40 % 16 != 0) = 1
-            shared  = full + template = 3  (paid once per distinct context)
-            private = table - full    = 7  (the tail is a private copy of T)
-            total   = table + template = 10
-            sharing off: 9 private table blocks, no template (total 9).
-        """
-        longest = self.longest_tokens(prefix_len)
-        table = -(-longest // self.block_size)
-        if not self.share_context:
-            return WorstCaseBlocks(table_blocks=table, template_blocks=0, shared_blocks=0)
-        full = prefix_len // self.block_size
-        template = int(prefix_len % self.block_size != 0)
-        return WorstCaseBlocks(table_blocks=table, template_blocks=template, shared_blocks=full + template)
+    def worst_case(self, prefix_len: int, window: WindowConfig | None = None) -> WorstCaseBlocks:
+        """Blocks one session with ``window`` (default: the runner's) references at its longest;
+        the formula and its diagram are in ``session_worst_case``."""
+        return session_worst_case(prefix_len, self._resolve_window(window), self.max_positions,
+                                  self.block_size, self.share_context)
 
-    def worst_case_blocks(self, prefix_len: int) -> int:
-        """Blocks one session may hold at once (table at its longest + template reference);
-        see ``worst_case`` for the formula and the private/shared split."""
-        return self.worst_case(prefix_len).total
+    def worst_case_blocks(self, prefix_len: int, window: WindowConfig | None = None) -> int:
+        """Blocks one session may hold at once (table at its longest + template reference)."""
+        return self.worst_case(prefix_len, window).total
 
-    def check_fits_alone(self, context: SessionContextInput) -> None:
+    def check_fits_alone(self, context: SessionContextInput, window: WindowConfig | None = None) -> None:
         """Raise ``BlockBudgetTooSmall`` (numbers named) if one session alone cannot fit the pool.
 
         With a window that is its worst case; with window ``off`` there is no bound but the
         model's positions, so only the context (+ template) must fit: such a session ends with
         ``context_length_exceeded`` when the pool runs out.
         """
-        if self.window.enabled:
-            need = self.worst_case_blocks(context.prefix_len)
+        window = self._resolve_window(window)
+        wc = self.worst_case(context.prefix_len, window)
+        if window.enabled:
+            need = wc.total
         else:
-            wc = self.worst_case(context.prefix_len)
             need = self.manager.blocks_for_tokens(context.prefix_len) + wc.template_blocks
         have = self.manager.pool.num_usable_blocks
         if need > have:
             raise BlockBudgetTooSmall(
                 f"one session needs up to {need} blocks of {self.block_size} tokens (context "
-                f"{context.prefix_len} + window high {self.window.high_tokens if self.window.enabled else 0} "
+                f"{context.prefix_len} + window high {window.high_tokens if window.enabled else 0} "
                 f"tokens) but the KV pool has only {have} usable blocks"
             )
 
-    def can_open(self, context: SessionContextInput) -> bool:
+    def can_open(self, context: SessionContextInput, window: WindowConfig | None = None) -> bool:
         """Whether ``open_session`` would get its blocks now (cache hits counted).
 
         Raises ``BlockBudgetTooSmall`` if the session could never fit, even in an empty pool.
         """
-        self.check_fits_alone(context)
+        self.check_fits_alone(context, window)
         return self.manager.can_allocate_context(context.token_ids, context.extra_key, self.share_context)
 
     # ------------------------------------------------------------------ open / close
 
-    def open_session(self, sid: str, context: SessionContextInput) -> None:
-        """Open one session; raises its error (``ContextLengthExceeded``, ``OutOfBlocks``...)."""
-        result = self.open_sessions({sid: context})
+    def open_session(self, sid: str, context: SessionContextInput, window: WindowConfig | None = None) -> None:
+        """Open one session with ``window`` (None: the runner's); raises its error
+        (``ContextLengthExceeded``, ``OutOfBlocks``...)."""
+        result = self.open_sessions({sid: context}, None if window is None else {sid: window})
         if sid in result.errors:
             raise result.errors[sid]
 
-    def open_sessions(self, contexts: Mapping[str, SessionContextInput]) -> StepResult:
+    def open_sessions(self, contexts: Mapping[str, SessionContextInput],
+                      windows: Mapping[str, WindowConfig] | None = None) -> StepResult:
         """Open several sessions with ONE batched forward over the context tokens that missed
-        the shared cache. Returns errors for sessions that could not open (others proceed).
-        Logits are not returned: a full cache hit computes nothing."""
+        the shared cache. ``windows[sid]`` is that session's window (missing: the runner's).
+        Returns errors for sessions that could not open (others proceed). Logits are not
+        returned: a full cache hit computes nothing."""
+        windows = dict(windows or {})
+        unknown = sorted(set(windows) - set(contexts))
+        if unknown:
+            raise ValueError(f"windows given for sessions not being opened: {unknown}")
+        resolved = {sid: self._resolve_window(windows.get(sid), sid) for sid in contexts}
         for sid, ctx in contexts.items():  # caller mistakes raise before anything is allocated
-            self._validate_context(sid, ctx)
+            self._validate_context(sid, ctx, resolved[sid])
         result = StepResult()
         allocs: dict[str, ContextAllocation] = {}
         for sid, ctx in contexts.items():
-            err = self._admission_error(sid, ctx)
+            err = self._admission_error(sid, ctx, resolved[sid])
             if err is not None:
                 logger.info("session %s refused: %s", sid, err)
                 result.errors[sid] = err
                 continue
             allocs[sid] = self.manager.allocate_context(sid, ctx.token_ids, ctx.extra_key, self.share_context)
             hist = SessionHistory(ctx.prefix_len) if self.window.mode == "rebuild" else None
-            self.sessions[sid] = _Session(sid, ctx.prefix_len, history=hist)
+            self.sessions[sid] = _Session(sid, ctx.prefix_len, resolved[sid], history=hist)
         if not allocs:
             return result
         copy_blocks(self.cache, [p for a in allocs.values() for p in a.cow_pairs])
@@ -312,7 +385,7 @@ class Stage0Runner:
                      sum(a.num_cached_tokens for a in allocs.values()), sum(w.embeds.shape[0] for w in work))
         return result
 
-    def _validate_context(self, sid: str, ctx: SessionContextInput) -> None:
+    def _validate_context(self, sid: str, ctx: SessionContextInput, window: WindowConfig) -> None:
         """Caller mistakes: raise ValueError (or ``BlockBudgetTooSmall``) naming the problem."""
         if sid in self.sessions:
             raise ValueError(f"session {sid!r} is already open")
@@ -321,11 +394,11 @@ class Stage0Runner:
                 f"session {sid!r}: context embeddings have width {ctx.inputs_embeds.shape[1]}, "
                 f"the Thinker's hidden size is {self.thinker.config.hidden_size}"
             )
-        self.check_fits_alone(ctx)
+        self.check_fits_alone(ctx, window)
 
-    def _admission_error(self, sid: str, ctx: SessionContextInput) -> Exception | None:
+    def _admission_error(self, sid: str, ctx: SessionContextInput, window: WindowConfig) -> Exception | None:
         """Why ``sid`` cannot open now (its error, returned for that session only), or None."""
-        longest = ctx.prefix_len + (self.window.high_tokens if self.window.enabled else 0)
+        longest = ctx.prefix_len + (window.high_tokens if window.enabled else 0)
         if longest > self.max_positions:
             return ContextLengthExceeded(
                 f"context_length_exceeded: session {sid!r}: context of {ctx.prefix_len} tokens + window "
@@ -350,7 +423,8 @@ class Stage0Runner:
 
     def append(self, inputs: Mapping[str, torch.Tensor], unit_start: bool) -> StepResult:
         """Append ``inputs[sid]`` (n, H) to each session in one ragged forward; returns the
-        logits of each session's last new token. ``unit_start``: the first input token of
+        logits of each session's last new token and its final-norm hidden state
+        (``StepResult.hidden``). ``unit_start``: the first input token of
         every session begins a unit (``<unit>``), which the window cut prefers to align to."""
         for sid, embeds in inputs.items():  # caller mistakes raise before any session changes
             self._check_input(sid, embeds)
@@ -364,8 +438,7 @@ class Stage0Runner:
                 self.close_session(sid)
                 result.errors[sid] = err
         if work:
-            logits = self._forward(work)
-            result.logits.update(logits)
+            result.logits, result.hidden = self._forward(work)
         for w in work:
             sess = self.sessions[w.sid]
             if sess.history is not None:
@@ -373,7 +446,8 @@ class Stage0Runner:
         return result
 
     def decode(self, tokens: Mapping[str, int]) -> StepResult:
-        """One token per session (e.g. the sampled text token), batched."""
+        """One token per session (e.g. the sampled text token), batched; logits and hidden
+        state of that token per session, as ``append``."""
         if not tokens:
             return StepResult()
         sids = list(tokens)
@@ -399,8 +473,8 @@ class Stage0Runner:
         num_tokens = self.manager.num_tokens(sid)
         if unit_start:
             sess.unit_starts.append(num_tokens)
-        plan = plan_compaction(sess.prefix_len, num_tokens, n, self.window, self.block_size,
-                               sess.unit_starts)  # raises ContextLengthExceeded
+        plan = plan_compaction(sess.prefix_len, num_tokens, n, sess.window, self.block_size,
+                               sess.unit_starts)  # raises ContextLengthExceeded (this session's marks)
         num_computed = num_tokens
         if plan is not None and plan.num_dropped_blocks > 0:
             if self.window.mode == "basic":
@@ -461,23 +535,29 @@ class Stage0Runner:
         logger.debug("session %s: window dropped %d blocks (delta %d), %d tokens left", sess.sid,
                      plan.num_dropped_blocks, plan.delta_tokens, plan.new_num_tokens)
 
-    def _forward(self, work: list[_Work]) -> dict[str, torch.Tensor]:
-        """One ragged forward over ``work``; logits (V,) of the last token of each session that
-        wants them and computed at least one token."""
+    def _forward(self, work: list[_Work]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """One ragged forward over ``work``. For each session that wants logits and computed at
+        least one token: its last token's final-norm hidden state (H,) and the logits (V,)
+        ``lm_head`` makes of exactly that row. Returns ``(logits, hidden)``, keyed by sid."""
         tables = [self.manager.block_table(w.sid) for w in work]
         batch = PagedBatch.build(tables, [w.num_computed for w in work], [w.embeds.shape[0] for w in work],
                                  None, self.block_size, self.cache.device)
         weight = self.thinker.lm_head.weight
         if batch.num_tokens == 0:
-            return {}
+            return {}, {}
         embeds = torch.cat([w.embeds for w in work], dim=0).to(device=weight.device, dtype=weight.dtype)
         with torch.inference_mode():
-            hidden = self.thinker.forward_paged(embeds, batch, self.cache)
+            hidden = self.thinker.forward_paged(embeds, batch, self.cache)  # (N, H) after the final norm
             wanted = [i for i, w in enumerate(work) if w.wants_logits and w.embeds.shape[0] > 0]
             if not wanted:
-                return {}
-            logits = self.thinker.logits_at(hidden, batch, wanted)
-        return {work[i].sid: logits[j] for j, i in enumerate(wanted)}
+                return {}, {}
+            last = batch.last_token_indices
+            rows = torch.tensor([last[i] for i in wanted], dtype=torch.long, device=hidden.device)
+            last_hidden = hidden[rows]  # (B, H): a copy, so the (N, H) activations can be freed
+            logits = self.thinker.compute_logits(last_hidden)  # (B, V)
+        sids = [work[i].sid for i in wanted]
+        return ({sid: logits[j] for j, sid in enumerate(sids)},
+                {sid: last_hidden[j] for j, sid in enumerate(sids)})
 
     # ------------------------------------------------------------------ accounting
 

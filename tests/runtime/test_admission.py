@@ -16,7 +16,6 @@ from duplexcache.runtime.admission import (
     BudgetTooSmall,
     Footprint,
     MemoryPlan,
-    thinker_worst_blocks,
 )
 from duplexcache.runtime.engine_api import AdmissionError, SessionAdmitted
 from duplexcache.runtime.stage0 import stage0_session_bytes
@@ -74,13 +73,22 @@ def test_budget_too_small_for_one_session_is_a_clear_error(tmp_path):
         engine(tmp_path, "small", {"engine": {"memory_budget": "100MiB", "activation_reserve": "1MiB"}})
 
 
-def test_thinker_worst_blocks_matches_stage0_accounting():
-    cfg = tiny_models().thinker.config
-    per_block = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4 * 16
-    for ctx, high, share in [(40, 30, True), (40, 30, False), (48, 100, True), (7, 9, True)]:
-        private, shared = thinker_worst_blocks(ctx, ctx + high, 16, share)
-        ref = stage0_session_bytes(cfg, ctx, high, share, dtype_bytes=4, block_size=16)
-        assert (private * per_block, shared * per_block) == (ref.private, ref.shared)
+@pytest.mark.parametrize("share", [True, False])
+def test_thinker_reservation_is_the_runners_worst_case_for_the_real_context(tmp_path, share):
+    """One formula: the ledger reserves what ``Stage0Runner.worst_case`` says for the context the
+    session really opens with (the footprint counts that context from shapes before any model
+    runs; the runner sees the built one), with the session's own window."""
+    eng = engine(tmp_path, f"wc{share}", {"stage0": {"shared_anchor_blocks": share}})
+    sid = eng.open_session({"voice": "alt", "instructions": "be brief",
+                            "window": {"high_tokens": 300, "low_tokens": 100}})
+    reserved = eng.ledger.thinker_reserved
+    eng.tick()
+    s = eng.stage0.sessions[sid]
+    wc = eng.stage0.worst_case(s.prefix_len, s.window)
+    assert s.window.high_tokens == 300 and s.prefix_len > 16
+    assert reserved == wc.private_blocks + wc.shared_blocks == wc.total   # the first session pays both
+    assert wc.table_blocks == -(-(s.prefix_len + 300) // 16)
+    assert (wc.shared_blocks > 0) is share
 
 
 def _fp(voice="v", ctx=b"c", shared=4, private=10, talker=3, dyn=100, vshared=50):

@@ -141,3 +141,37 @@ def test_queued_session_is_admitted_when_one_closes(tmp_path):
     eng.push_audio(queued, audio(0, 1))
     eng.shutdown()
     assert eng.stats().live_sessions == 0
+
+
+def test_talker_is_conditioned_on_the_rows_lm_head_consumed(tmp_path, monkeypatch):
+    """The Talker's condition rows are the Thinker hidden states that produced each text/end
+    token: row j equals (torch.equal) the lm_head input of the session in decode call j,
+    captured here independently with a pre-hook (the engine itself reads StepResult.hidden)."""
+    import duplexcache.runtime.engine as engine_mod
+
+    eng = engine(tmp_path, "cond")
+    reqs = []
+    real = engine_mod.generate_unit
+
+    def recording(model, cache, requests):
+        reqs.extend(requests)
+        return real(model, cache, requests)
+
+    monkeypatch.setattr(engine_mod, "generate_unit", recording)
+    sids = [eng.open_session({"voice": v}) for v in ("default", "alt")]
+    eng.tick()                                    # opens both in Stage 0
+    for i, sid in enumerate(sids):
+        eng.push_audio(sid, audio(i, 1))
+    calls: list[torch.Tensor] = []
+    hook = eng.models.thinker.lm_head.register_forward_pre_hook(lambda m, a: calls.append(a[0].clone()))
+    try:
+        eng.tick()                                # one speaking unit each (k=2)
+    finally:
+        hook.remove()
+    assert len(reqs) == 2
+    for req in reqs:
+        rows = req.thinker_hidden
+        assert rows.shape == (len(req.text_token_ids), eng.models.thinker.config.hidden_size) and len(rows) >= 2
+        for j in range(len(rows)):                # calls[0] is the append that chose <|speak|>
+            assert sum(torch.equal(rows[j], r) for r in calls[1 + j]) == 1, j
+    assert not torch.equal(reqs[0].thinker_hidden, reqs[1].thinker_hidden)

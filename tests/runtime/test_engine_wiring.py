@@ -11,6 +11,7 @@ from engine_helpers import audio, engine
 
 from duplexcache.cfm.prompt_cache import PlainAttCache, SharedPromptAttCache
 from duplexcache.config import ConfigError, SessionConfigError
+from duplexcache.kv.window import WindowConfig
 from duplexcache.runtime.policy import ModelPolicy, ScriptedPolicy, text_token_ids
 
 
@@ -63,10 +64,47 @@ def test_window_settings_reach_stage0(tmp_path, mode):
         assert compactions == 0 and eng.stage0.num_tokens(sid) > prefix + 40
 
 
-def test_client_window_marks_are_refused_not_ignored(tmp_path):
-    eng = engine(tmp_path, "cw")
-    with pytest.raises(SessionConfigError, match="per-session window"):
-        eng.open_session({"voice": "default", "window": {"high_tokens": 100, "low_tokens": 50}})
+SERVER_WINDOW = {"stage0": {"window": {"mode": "basic", "high_tokens": 80, "low_tokens": 40}},
+                 "engine": {"speak_policy": {"k": 8}}}   # listen units: cheap ticks
+
+
+def test_client_window_marks_reach_stage0_and_admission(tmp_path):
+    """A client lowering the window gets its own marks in Stage 0 (compacts at them, in the same
+    batch as a default session) and reserves the smaller worst case the runner computes."""
+    eng = engine(tmp_path, "cw", SERVER_WINDOW)
+    a = eng.open_session({"voice": "default"})
+    cost_a = eng.ledger.thinker_reserved
+    b = eng.open_session({"voice": "default", "window": {"high_tokens": 48, "low_tokens": 16}})
+    cost_b = eng.ledger.thinker_reserved - cost_a
+    eng.tick()                                           # opens both in Stage 0
+    st = eng.stage0
+    assert st.session_window(a) == WindowConfig("basic", 80, 40) == st.window
+    assert st.session_window(b) == WindowConfig("basic", 48, 16)
+    prefix = st.sessions[a].prefix_len
+    assert st.sessions[b].prefix_len == prefix
+    # sharing off: a session reserves its whole table at its own high mark, as the runner says
+    assert cost_a == st.worst_case(prefix).private_blocks == -(-(prefix + 80) // 16)
+    assert cost_b == st.worst_case(prefix, st.session_window(b)).private_blocks == -(-(prefix + 48) // 16)
+    assert cost_b < cost_a
+    for i, sid in enumerate((a, b)):
+        eng.push_audio(sid, audio(i, 7))
+    longest = {a: 0, b: 0}
+    for _ in range(7):                                   # a reaches prefix + 80 at the 7th unit
+        eng.tick()
+        for sid in (a, b):
+            longest[sid] = max(longest[sid], st.num_tokens(sid))
+    assert longest[b] <= prefix + 48 < longest[a] <= prefix + 80
+    assert st.sessions[b].num_compactions > st.sessions[a].num_compactions >= 1
+
+
+def test_client_window_limits_are_kept(tmp_path):
+    eng = engine(tmp_path, "cw_max", SERVER_WINDOW)
+    with pytest.raises(SessionConfigError, match="exceeds the server limit 80"):
+        eng.open_session({"voice": "default", "window": {"high_tokens": 81, "low_tokens": 20}})
+    off = engine(tmp_path, "cw_off", {"stage0": {**SERVER_WINDOW["stage0"], "client_window_override": False}})
+    with pytest.raises(SessionConfigError, match="does not let clients"):
+        off.open_session({"voice": "default", "window": {"high_tokens": 48, "low_tokens": 16}})
+    assert eng.stats().live_sessions == off.stats().live_sessions == 0
 
 
 @pytest.mark.parametrize("on", [True, False])

@@ -15,12 +15,12 @@ from duplexcache.kv.block_pool import BlockPool
 from duplexcache.kv.kv_cache_manager import KVCacheManager
 from duplexcache.kv.window import ContextLengthExceeded, WindowConfig
 from duplexcache.models.thinker import Thinker, ThinkerConfig
-from duplexcache.runtime.admission import thinker_worst_blocks
 from duplexcache.runtime.stage0 import (
     BlockBudgetTooSmall,
     SessionContextInput,
     Stage0Runner,
     WorstCaseBlocks,
+    session_worst_case,
     stage0_session_bytes,
 )
 
@@ -299,7 +299,7 @@ def test_stage0_session_bytes_matches_manager(ctx_len, window, share):
 
 def test_minicpmo45_bytes_table_from_shapes_only():
     """The docs/stage0.md table: 144 KiB/token in bf16, 2.25 MiB per 16-token block."""
-    from duplexcache.bench.stage0_bytes import table_rows  # noqa: PLC0415
+    from duplexcache.bench.stage0_bytes import table_rows
 
     rows = table_rows(ThinkerConfig.minicpmo45(), [96, 400], 8000, torch.bfloat16)
     mib = 1024 * 1024
@@ -353,8 +353,14 @@ def test_worst_case_blocks_exact(mode, high, prefix, share, table, template, sha
     wc = r.worst_case(prefix)
     assert wc == WorstCaseBlocks(table_blocks=table, template_blocks=template, shared_blocks=shared)
     assert r.worst_case_blocks(prefix) == table + template == wc.private_blocks + wc.shared_blocks
-    # The engine's admission arithmetic agrees with the runner's.
-    assert thinker_worst_blocks(prefix, r.longest_tokens(prefix), BS, share) == (wc.private_blocks, wc.shared_blocks)
+    # The engine's admission calls the same pure function, with the same inputs it sees.
+    assert session_worst_case(prefix, r.window, 128, BS, share) == wc
+    # Independent closed form (stage0_session_bytes, itself checked against a real manager):
+    # a session holding its longest table has exactly the worst case's private/shared split.
+    per_block = r.cache.bytes_per_block
+    ref = stage0_session_bytes(thinker.config, prefix, r.longest_tokens(prefix) - prefix, share,
+                               dtype_bytes=4, block_size=BS)
+    assert (wc.private_blocks * per_block, wc.shared_blocks * per_block) == (ref.private, ref.shared)
     with pytest.raises(ValueError, match="prefix_len"):
         r.worst_case(0)
 
@@ -369,3 +375,55 @@ def test_window_off_fits_alone_needs_only_the_context():
     assert r.can_open(ctx)  # 3 context blocks + template = 4
     with pytest.raises(BlockBudgetTooSmall, match=r"needs up to 5 blocks .*context 49 \+ window high 0"):
         r.can_open(make_context(thinker, 49, seed=2))  # ceil(49/16) = 4 blocks + template > 4
+
+
+# ---------------------------------------------------------------- hidden states for the Talker
+
+
+def test_hidden_rows_are_exactly_what_lm_head_consumed():
+    """``StepResult.hidden[sid]`` is the final-norm row whose logits the call returns: captured
+    independently with a pre-hook on lm_head, and lm_head of the returned rows gives the
+    returned logits bit for bit; each row also matches a dense forward's last hidden state."""
+    thinker = make_thinker()
+    r = make_runner(thinker)
+    ctxs = {"a": make_context(thinker, 40, seed=1), "b": make_context(thinker, 21, seed=2),
+            "c": make_context(thinker, 40, seed=1)}
+    r.open_sessions(ctxs)
+    consumed: list[torch.Tensor] = []
+    hook = thinker.lm_head.register_forward_pre_hook(lambda m, a: consumed.append(a[0].clone()))
+    try:
+        inputs = unit_inputs(thinker, ["a", "b", "c"], 11, 0)
+        inputs["b"] = inputs["b"][:4]  # ragged: 11, 4, 11 new tokens
+        res_append = r.append(inputs, unit_start=True)
+        res_decode = r.decode({sid: int(res_append[sid].argmax()) for sid in ("c", "a")})
+    finally:
+        hook.remove()
+    assert len(consumed) == 2
+    for res, rows in ((res_append, consumed[0]), (res_decode, consumed[1])):
+        sids = list(res.logits)
+        assert list(res.hidden) == sids
+        hidden = torch.stack([res.hidden[s] for s in sids])  # (B, H): only the last rows
+        assert hidden.shape == (len(sids), thinker.config.hidden_size)
+        assert torch.equal(hidden, rows)
+        assert torch.equal(thinker.compute_logits(hidden), torch.stack([res.logits[s] for s in sids]))
+    assert list(res_decode.hidden) == ["c", "a"]
+    # Independent reference: dense forward over context + unit, hidden state entering lm_head.
+    dense: list[torch.Tensor] = []
+    hook = thinker.lm_head.register_forward_pre_hook(lambda m, a: dense.append(a[0][0, -1].clone()))
+    try:
+        dense_last_logits(thinker, torch.cat([ctxs["b"].inputs_embeds, inputs["b"]]))
+    finally:
+        hook.remove()
+    torch.testing.assert_close(res_append.hidden["b"], dense[0], rtol=1e-5, atol=1e-5)
+
+
+def test_ended_session_has_no_hidden_row():
+    thinker = make_thinker()
+    r = make_runner(thinker, window=WindowConfig("basic", high_tokens=48, low_tokens=32))
+    ctx = make_context(thinker, 40, seed=1)
+    r.open_sessions({"a": ctx, "b": ctx})
+    inputs = unit_inputs(thinker, ["a", "b"], 12, 0)
+    inputs["b"] = torch.randn(60, thinker.config.hidden_size)  # more than the whole window
+    res = r.append(inputs, unit_start=True)
+    assert set(res.errors) == {"b"} and set(res.hidden) == set(res.logits) == {"a"}
+    assert r.open_sessions({"c": ctx}).hidden == {}  # opening computes no logits, no rows

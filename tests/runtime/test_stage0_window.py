@@ -17,7 +17,11 @@ from duplexcache.kv.block_pool import BlockPool
 from duplexcache.kv.kv_cache_manager import KVCacheManager
 from duplexcache.kv.window import WindowConfig
 from duplexcache.models.thinker import Thinker, ThinkerConfig
-from duplexcache.runtime.stage0 import SessionContextInput, Stage0Runner
+from duplexcache.runtime.stage0 import (
+    BlockBudgetTooSmall,
+    SessionContextInput,
+    Stage0Runner,
+)
 
 logger = logging.getLogger(__name__)
 BS = 16
@@ -322,3 +326,84 @@ def test_worst_case_blocks_is_reached_exactly_and_never_passed():
                 peak = max(peak, r.pool_stats().used)  # one session: used == blocks it holds
             assert r.sessions["a"].num_compactions >= 2
             assert peak == want, (mode, share, peak, want)
+
+
+# ---------------------------------------------------------------- per-session windows
+
+SMALL = WindowConfig("basic", high_tokens=48, low_tokens=24)
+
+
+def _trajectory(r: Stage0Runner, thinker: Thinker, sids: list[str], units: int) -> dict[str, list[int]]:
+    """Session lengths after each unit (each session gets the unit of its own index)."""
+    out: dict[str, list[int]] = {s: [] for s in sids}
+    for step in range(units):
+        res = r.append({s: unit(thinker, i, step) for i, s in enumerate(sids)}, unit_start=True)
+        assert not res.errors, res.errors
+        for s in sids:
+            out[s].append(r.num_tokens(s))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["basic", "rebuild"])
+def test_two_sessions_compact_at_their_own_marks_in_one_batch(mode):
+    """Session "a" keeps the runner's 96/64 window, "b" opens with 48/24; both run in the same
+    ragged appends. Each follows exactly the lengths of a runner of its own window alone."""
+    thinker = make_thinker(1)
+    small = WindowConfig(mode, high_tokens=SMALL.high_tokens, low_tokens=SMALL.low_tokens)
+    mixed = make_runner(thinker, mode)
+    mixed.open_sessions({"a": context(thinker), "b": context(thinker)}, {"b": small})
+    assert mixed.session_window("a") == mixed.window and mixed.session_window("b") == small
+    got = _trajectory(mixed, thinker, ["a", "b"], 12)
+    solo_a, solo_b = make_runner(thinker, mode), make_runner(thinker, mode, high=48, low=24)
+    solo_a.open_sessions({"a": context(thinker)})
+    solo_b.open_sessions({"x": context(thinker)})
+    want_a = _trajectory(solo_a, thinker, ["a"], 12)["a"]
+    # "b" is the second session of the mixed batch: its units are unit(thinker, 1, step).
+    want_b = [0] * 12
+    for step in range(12):
+        assert not solo_b.append({"x": unit(thinker, 1, step)}, unit_start=True).errors
+        want_b[step] = solo_b.num_tokens("x")
+    assert got["a"] == want_a and got["b"] == want_b
+    assert want_a != want_b  # the marks matter: not one window for both
+    assert max(got["b"]) <= CTX + 48 < max(got["a"]) <= CTX + HIGH
+    assert mixed.sessions["b"].num_compactions > mixed.sessions["a"].num_compactions >= 1
+    mixed.manager.check_invariants()
+
+
+def test_lower_window_has_a_smaller_worst_case_and_reaches_it_exactly():
+    thinker = make_thinker(1)
+    r = make_runner(thinker, "basic")
+    big, small = r.worst_case(CTX), r.worst_case(CTX, SMALL)
+    assert (big.table_blocks, small.table_blocks) == (9, 6)  # ceil(136/16), ceil(88/16)
+    assert big.shared_blocks == small.shared_blocks == 3 and small.private_blocks < big.private_blocks
+    r.open_session("b", context(thinker), window=SMALL)
+    peak = 0
+    for step in range(12):
+        assert not r.append({"b": unit(thinker, 0, step)}, unit_start=True).errors
+        peak = max(peak, r.pool_stats().used)
+    assert peak == r.worst_case_blocks(CTX, SMALL) == 7
+
+
+def test_window_fits_alone_uses_the_sessions_marks():
+    """A pool too small for the default window still takes a session that brings a smaller one."""
+    thinker = make_thinker(1)
+    r = make_runner(thinker, "basic", num_blocks=8)  # 7 usable: default needs 10, SMALL needs 7
+    with pytest.raises(BlockBudgetTooSmall, match="needs up to 10 blocks"):
+        r.can_open(context(thinker))
+    assert r.can_open(context(thinker), SMALL)
+    r.open_session("b", context(thinker), window=SMALL)
+    assert not r.append({"b": unit(thinker, 0, 0)}, unit_start=True).errors
+
+
+def test_per_session_window_caller_mistakes():
+    thinker = make_thinker(1)
+    r = make_runner(thinker, "basic")
+    with pytest.raises(ValueError, match="window mode 'rebuild' differs"):
+        r.open_session("a", context(thinker), window=WindowConfig("rebuild", 48, 24))
+    with pytest.raises(ValueError, match="not being opened"):
+        r.open_sessions({"a": context(thinker)}, {"zz": SMALL})
+    with pytest.raises(ValueError, match="must be a WindowConfig"):
+        r.open_session("a", context(thinker), window=(48, 24))
+    assert not r.sessions and r.pool_stats().used == 0  # nothing was allocated
+    with pytest.raises(ValueError, match="unknown session"):
+        r.session_window("a")

@@ -1,0 +1,67 @@
+"""The floor: private bytes one session cannot avoid at steady state, from shapes alone.
+
+A session must hold, however well everything else is shared:
+
+* its own window tokens: the Thinker K/V of the ``high_tokens`` tokens after the anchor
+  (the most the window keeps before compacting), ``high * kv_bytes_per_token``;
+* its own delta frames: the Code2Wav estimator attention of the ``P`` newest frames
+  (``P * att_frame_bytes``; the 100-frame prompt tail can be shared, these cannot);
+* its own encoder cache: the streaming audio encoder's K/V, allocated whole per session.
+
+The talker's per-turn KV, conformer caches and vocoder caches are private too but are not in
+the floor the spec defines; they show up as the gap between measured and floor. No tensor is
+allocated: the numbers come from config objects, so this works for the minicpmo45 shapes on
+any machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class SessionFloor:
+    """Bytes per component of one session's unavoidable private state."""
+
+    thinker_window: int
+    code2wav_delta: int
+    audio_encoder_cache: int
+
+    @property
+    def total(self) -> int:
+        return self.thinker_window + self.code2wav_delta + self.audio_encoder_cache
+
+    def to_json(self) -> dict[str, int]:
+        return {**asdict(self), "total": self.total}
+
+
+def dtype_bytes(dtype: torch.dtype | str) -> int:
+    """Element size of a torch dtype or its name (``"bfloat16"``)."""
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown dtype name {dtype!r}")
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def session_floor(thinker_config, window_tokens: int, code2wav_shape, prompt_frames: int,
+                  encoder_config, dtype: torch.dtype | str) -> SessionFloor:
+    """The floor of one session (see the module docstring).
+
+    ``thinker_config``: has ``kv_bytes_per_token(dtype)`` (``ThinkerConfig``);
+    ``code2wav_shape``: has ``att_frame_bytes(dtype_bytes)`` (``Code2WavShape``);
+    ``encoder_config``: has ``kv_bytes_per_session(dtype)`` (``AudioEncoderConfig``).
+    """
+    if window_tokens <= 0 or prompt_frames <= 0:
+        raise ValueError(f"window_tokens ({window_tokens}) and prompt_frames ({prompt_frames}) must be > 0")
+    torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    elem = dtype_bytes(torch_dtype)
+    return SessionFloor(
+        thinker_window=window_tokens * thinker_config.kv_bytes_per_token(torch_dtype),
+        code2wav_delta=prompt_frames * code2wav_shape.att_frame_bytes(elem),
+        audio_encoder_cache=encoder_config.kv_bytes_per_session(torch_dtype),
+    )

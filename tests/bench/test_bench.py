@@ -1,0 +1,286 @@
+"""duplexcache bench: fits, ceiling, floor, config matrix, and reduced end-to-end runs.
+
+Reduced runs: tiny models, a 64/48-token window, Code2Wav max_num_seqs 4 and sessions 1, 2, so
+all six configurations run on CPU in seconds; through the engine (the default target, via the
+CLI) and through the components wired directly (P = 24, tail 8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from duplexcache.bench import cli as bench_cli
+from duplexcache.bench.components import BenchModels, ComponentTarget
+from duplexcache.bench.floor import session_floor
+from duplexcache.bench.matrix import (
+    SWITCHES,
+    config_matrix,
+    default_graph_grid,
+    with_switches,
+)
+from duplexcache.bench.memory import (
+    MIB,
+    Tier,
+    ceiling_from_fit,
+    fit_slope,
+    held_bytes,
+    measured_ceiling,
+)
+from duplexcache.bench.report import (
+    RunMeta,
+    build_report,
+    format_table,
+    validate_report,
+    write_report,
+)
+from duplexcache.bench.runner import compare_outputs, run_sweep
+from duplexcache.cfm.config import Code2WavShape
+from duplexcache.config import DeployConfig
+from duplexcache.models.audio_encoder import AudioEncoderConfig
+from duplexcache.models.thinker import ThinkerConfig
+
+# ----------------------------------------------------------------------------- pure arithmetic
+
+
+def test_fit_slope_exact_line_and_spread():
+    ns = [1, 2, 4, 8]
+    held = [10 * MIB + 3 * MIB * n for n in ns]
+    fit = fit_slope(ns, held)
+    assert fit.slope_mib == pytest.approx(3.0) and fit.intercept_mib == pytest.approx(10.0)
+    assert fit.step_min_mib == pytest.approx(3.0) == fit.step_max_mib
+    assert fit.repeats == 3 and fit.max_residual_mib == pytest.approx(0.0, abs=1e-9)
+
+
+def test_fit_slope_spread_shows_uneven_steps():
+    # steps of 2, 4 MiB/session per added session -> lsq between them
+    fit = fit_slope([1, 2, 3], [0, 2 * MIB, 6 * MIB])
+    assert (fit.step_min_mib, fit.step_max_mib) == (pytest.approx(2.0), pytest.approx(4.0))
+    assert fit.slope_mib == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("ns,held", [([1], [5]), ([2, 2], [1, 2]), ([1, 2], [1])])
+def test_fit_slope_rejects_bad_input(ns, held):
+    with pytest.raises(ValueError):
+        fit_slope(ns, held)
+
+
+def test_ceiling_from_fit_and_measured():
+    fit = fit_slope([1, 2], [12 * MIB, 14 * MIB])          # 10 MiB + 2 MiB/session
+    assert ceiling_from_fit(fit, 30 * MIB) == 10           # 10 + 10*2 = 30 fits, 11 does not
+    assert ceiling_from_fit(fit, 5 * MIB) == 0
+    flat = fit_slope([1, 2], [MIB, MIB])
+    with pytest.raises(ValueError, match="not positive"):
+        ceiling_from_fit(flat, 30 * MIB)
+    assert measured_ceiling([1, 2, 4], [10, 20, 40], 25) == 2
+    assert measured_ceiling([1, 2, 4], [10, 20, 40], 45, tick_max_s=[0.5, 0.9, 1.2], realtime_s=1.0) == 2
+
+
+def test_held_bytes_excludes_free_capacity():
+    pools = {"a": Tier(shared=5, private=7, free=1000), "b": Tier(shared=0, private=3)}
+    assert held_bytes(pools) == 15
+    with pytest.raises(ValueError):
+        Tier(shared=-1, private=0)
+
+
+def test_floor_matches_hand_arithmetic_for_minicpmo45_shapes():
+    # Qwen3-8B KV: 2 * 36 * 8 * 128 * 2 bytes = 144 KiB per token (SPEC section 1).
+    # Estimator: 10 steps * 16 layers * 2 cfg * 8 heads * 128 * 4 bytes = 1.25 MiB per frame (SPEC section 3).
+    f = session_floor(ThinkerConfig.minicpmo45(), 8000, Code2WavShape.minicpmo45(), 300,
+                      AudioEncoderConfig.minicpmo45(), "bfloat16")
+    assert f.thinker_window == 8000 * 144 * 1024
+    assert f.code2wav_delta == 300 * 10 * 16 * 2 * 8 * 128 * 2  # bf16
+    assert f.audio_encoder_cache == 2 * 24 * 1500 * 1024 * 2
+    assert f.total == f.thinker_window + f.code2wav_delta + f.audio_encoder_cache
+    f32 = session_floor(ThinkerConfig.minicpmo45(), 8000, Code2WavShape.minicpmo45(), 300,
+                        AudioEncoderConfig.minicpmo45(), torch.float32)
+    assert f32.code2wav_delta == 300 * int(1.25 * MIB)
+
+
+# ----------------------------------------------------------------------------- config matrix
+
+
+def test_config_matrix_turns_on_exactly_one_switch_each():
+    cfgs = config_matrix(DeployConfig.default("tiny", environ={}))
+    assert [c.name for c in cfgs] == ["all_off", *SWITCHES, "all_on"]
+    for c in cfgs:
+        on = {name for name, (sec, key) in SWITCHES.items() if getattr(getattr(c.deploy, sec), key)}
+        assert on == set(c.switches_on)
+        # one grid in every configuration: only the arena switch changes the arena rows
+        assert c.deploy.code2wav.graph_grid == (1, 2, 4, 8)
+    rows = {c.name: c.deploy.code2wav.arena_rows for c in cfgs}
+    assert rows["all_off"] == 16 and rows["cfm_arena_rows_from_graph_grid"] == 8 == rows["all_on"]
+
+
+def test_config_matrix_errors():
+    with pytest.raises(ValueError, match="unknown switch"):
+        with_switches(DeployConfig.default("tiny", environ={}), ("no_such_switch",))
+    with pytest.raises(ValueError, match="no graph tier"):
+        default_graph_grid(1)
+    assert default_graph_grid(32) == (1, 2, 4, 8, 16)
+
+
+@pytest.mark.parametrize("text", ["1", "2,1", "1,1,2", "0,2", "a,b"])
+def test_parse_sessions_rejects(text):
+    with pytest.raises(ValueError):
+        bench_cli.parse_sessions(text)
+
+
+# ----------------------------------------------------------------------------- reduced sweep
+
+P, TAIL = 24, 8
+
+
+@pytest.fixture(scope="module")
+def models():
+    return BenchModels.build("tiny", "cpu", torch.float32, seed=0, prompt_frames=P, cache_tail=TAIL)
+
+
+def _small_base() -> DeployConfig:
+    data = DeployConfig.default("tiny", environ={}).to_dict()
+    data["stage0"]["window"].update(high_tokens=64, low_tokens=48)
+    data["code2wav"]["max_num_seqs"] = 4
+    return DeployConfig.from_dict(data, environ={})
+
+
+@pytest.fixture(scope="module")
+def sweep(models):
+    configs = config_matrix(_small_base())
+    results = run_sweep(configs, [1, 2], lambda cfg, n: ComponentTarget(models, cfg.deploy, n),
+                        units=models.units_to_steady() + 1, device=torch.device("cpu"), ff_chunk=32)
+    w = configs[0].deploy.stage0.window
+    floor = session_floor(models.thinker.config, w.high_tokens, Code2WavShape.from_flow(models.flow), P,
+                          models.encoder.cfg, torch.float32)
+    meta = RunMeta(preset="tiny", device="cpu", target="components", memory_source="component accounting",
+                   memory_budget=512 * MIB, activation_reserve=64 * MIB, weight_bytes=models.weight_bytes(),
+                   floor=floor, workload={"sessions": [1, 2]}, realtime=True)
+    return results, build_report(results, meta)
+
+
+def test_report_schema_equality_and_savings(sweep, tmp_path):
+    _, report = sweep
+    validate_report(report)
+    path = write_report(report, tmp_path)
+    loaded = json.loads(path.read_text())
+    assert [c["name"] for c in loaded["configs"]] == ["all_off", *SWITCHES, "all_on"]
+    for c in loaded["configs"]:
+        assert c["equal_to_all_off"] is True, c["mismatches"]
+        assert c["equality"] == "PASS"
+        assert set(c["bytes_per_tier"]["steady"]) >= {"thinker_kv", "cfm_prompt", "audio_encoder"}
+    by = {c["name"]: c for c in loaded["configs"]}
+    assert by["all_on"]["steady_slope_mib"] < by["all_off"]["steady_slope_mib"]
+    assert by["all_on"]["setup_slope_mib"] < by["all_off"]["setup_slope_mib"]
+    # each sharing switch alone saves per-session bytes; the arena switch saves fixed bytes
+    assert by["shared_anchor_blocks"]["setup_slope_mib"] < by["all_off"]["setup_slope_mib"]
+    assert by["cfm_prompt_att_sharing"]["setup_slope_mib"] < by["all_off"]["setup_slope_mib"]
+    arena = lambda name: by[name]["bytes_per_tier"]["steady"]["cfm_arena"]["shared"]
+    assert arena("cfm_arena_rows_from_graph_grid") < arena("all_off")
+    assert loaded["repeat_count"] == 1 and {"preset", "device", "hardware", "date"} <= set(loaded)
+    assert "all_off" in format_table(loaded)
+
+
+def test_steady_state_is_reached(sweep, models):
+    _, report = sweep
+    all_off = {c["name"]: c for c in report["configs"]}["all_off"]
+    # at steady state every session's Thinker table covers prefix + high tokens: the KV slope
+    # is at least the floor's window part; measured >= floor overall
+    kv = [p["steady"]["thinker_kv"] for p in all_off["points"]]
+    per_session = (kv[1]["private"] + kv[1]["shared"]) - (kv[0]["private"] + kv[0]["shared"])
+    assert per_session >= report["floor"]["thinker_window"]
+    for c in report["configs"]:
+        assert c["measured_over_floor"] >= 1.0, c["name"]
+
+
+def test_equality_check_can_fail(sweep):
+    from duplexcache.bench.components import SessionOutput
+
+    a = {"s0": SessionOutput([1, 2], [torch.zeros(4)])}
+    b = {"s0": SessionOutput([1, 2], [torch.tensor([0.0, 0.0, 0.0, 1e-9])])}
+    assert compare_outputs("x", 1, a, b) == ["x n=1 s0: audio differs"]
+    c = {"s0": SessionOutput([1, 3], [torch.zeros(4)])}
+    assert compare_outputs("x", 1, c, a) == ["x n=1 s0: text differs"]
+
+
+def test_cli_runs_reduced_components(tmp_path, monkeypatch, models):
+    """The command with --target components: writes report.json, memory.png, prints the table."""
+    monkeypatch.setattr(BenchModels, "build", classmethod(lambda cls, *a, **k: models))
+    config = tmp_path / "deploy.yaml"
+    config.write_text(_small_base().to_yaml())
+    parser = argparse.ArgumentParser()
+    bench_cli.add_arguments(parser)
+    args = parser.parse_args(["--preset", "tiny", "--target", "components", "--config", str(config),
+                              "--sessions", "1,2", "--window-high", "64", "--window-low", "48",
+                              "--out", str(tmp_path)])
+    assert bench_cli.run(args) == 0
+    assert (tmp_path / "memory.png").stat().st_size > 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    validate_report(report)
+    assert report["target"] == "components" and report["workload"]["window"]["high_tokens"] == 64
+
+
+def test_cli_rejects_bad_budget_before_running():
+    parser = argparse.ArgumentParser()
+    bench_cli.add_arguments(parser)
+    with pytest.raises(ValueError, match="byte"):
+        bench_cli.run(parser.parse_args(["--memory-budget", "80 parsecs"]))
+
+
+# ----------------------------------------------------------------------------- through the engine
+
+
+@pytest.fixture(scope="module")
+def engine_models():
+    from duplexcache.runtime.bundle import build_models
+
+    return build_models(_small_base())
+
+
+def test_cli_runs_reduced_engine(tmp_path, monkeypatch, engine_models):
+    """The default command path (the engine): the three outputs, schema, PASS, savings."""
+    from duplexcache.runtime import bundle
+
+    monkeypatch.setattr(bundle, "build_models", lambda deploy, seed=0: engine_models)
+    config = tmp_path / "deploy.yaml"
+    config.write_text(_small_base().to_yaml())
+    parser = argparse.ArgumentParser()
+    bench_cli.add_arguments(parser)
+    args = parser.parse_args(["--preset", "tiny", "--config", str(config), "--sessions", "1,2",
+                              "--memory-budget", "1GiB", "--realtime", "--out", str(tmp_path)])
+    assert bench_cli.run(args) == 0
+    assert (tmp_path / "memory.png").stat().st_size > 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    validate_report(report)
+    assert report["target"] == "engine" and report["all_equal"] is True
+    assert report["budget_includes_weights"] is True
+    assert report["available_bytes"] == 2**30 - report["weight_bytes"] - report["activation_reserve_bytes"]
+    by = {c["name"]: c for c in report["configs"]}
+    assert list(by) == ["all_off", *SWITCHES, "all_on"]
+    for c in report["configs"]:
+        assert c["equal_to_all_off"] is True and c["equality"] == "PASS", c["mismatches"]
+        assert c["ceiling_realtime_sessions"] is not None
+        assert c["measured_over_floor"] >= 1.0, c["name"]
+        # the Talker at a full turn and the Code2Wav state are in the engine's pools
+        steady = c["bytes_per_tier"]["steady"]
+        assert steady["talker_kv"]["private"] > 0 and steady["code2wav"]["private"] > 0
+    assert by["all_on"]["steady_slope_mib"] < by["all_off"]["steady_slope_mib"]
+    assert by["all_on"]["setup_slope_mib"] < by["all_off"]["setup_slope_mib"]
+    assert by["shared_anchor_blocks"]["setup_slope_mib"] < by["all_off"]["setup_slope_mib"]
+    assert by["cfm_prompt_att_sharing"]["setup_slope_mib"] < by["all_off"]["setup_slope_mib"]
+    arena = lambda name: by[name]["bytes_per_tier"]["steady"]["cfm_arena"]["shared"]
+    assert arena("cfm_arena_rows_from_graph_grid") < arena("all_off")
+
+
+def test_engine_target_refuses_to_call_an_early_state_steady(engine_models):
+    from duplexcache.bench.engine_target import EngineTarget
+
+    cfg = config_matrix(_small_base())[0]
+    target = EngineTarget(engine_models, cfg.deploy, 1)
+    try:
+        target.open_sessions(1)   # 2 ticks: the Code2Wav cache holds P + 50 frames, not P + 100
+        with pytest.raises(RuntimeError, match="steady"):
+            target.fast_forward_window(32)
+    finally:
+        target.close()

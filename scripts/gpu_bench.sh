@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
-# Runs every GPU measurement of docs/benchmarks.md on one CUDA machine, each step on its own
+# Runs the GPU measurements of docs/benchmarks.md on one CUDA machine, one step per mode given
 # (a failing step is logged and the next one still runs). Usage:
-#   OUT=/path/to/results bash scripts/gpu_bench.sh [smoke|full]
-# smoke: every benchmark on the tiny preset (catches device bugs in seconds);
-# full:  the minicpmo45 figures (random weights; about 10 minutes on an H200).
+#   OUT=/path/to/results bash scripts/gpu_bench.sh MODE [MODE ...]
+# smoke: every benchmark on the tiny preset (catches device bugs in seconds); bench, setup,
+# ticks, stage0, stage2: the minicpmo45 figures (random weights), each a few minutes on an H200.
 # Needs torch with CUDA, triton, numpy, pyyaml, safetensors, pydantic, tqdm, matplotlib.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-mode=${1:-full}
 out=${OUT:?set OUT to a results folder}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -24,13 +23,23 @@ step() {  # step NAME SECONDS CMD...
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)'
 
-if [ "$mode" = smoke ]; then
-  step smoke_bench 120 python3 -m duplexcache.cli bench --preset tiny --device cuda --sessions 1,2 --out "$out/smoke_bench"
-  step smoke_ticks 120 python3 -m duplexcache.bench.engine_ticks --preset tiny --device cuda --sessions 1,2 --ticks 2 --out "$out/smoke_ticks"
-  step smoke_setup 120 python3 -m duplexcache.bench.session_setup --preset tiny --device cuda --sessions 3 --repeats 1 --out "$out/smoke_setup"
-  step gpu_tests 240 python3 -m pytest -q -x tests/cfm/test_graphs.py tests/kv/test_paged_attention.py -p no:cacheprovider
-else
-  step session_setup 200 python3 -m duplexcache.bench.session_setup --preset minicpmo45 --device cuda --sessions 8 --repeats 3 --out "$out/session_setup"
-  step bench 330 python3 -m duplexcache.cli bench --preset minicpmo45 --device cuda --sessions 1,2,4,8 --memory-budget 80GiB --out "$out/bench"
-  step engine_ticks 330 python3 -m duplexcache.bench.engine_ticks --preset minicpmo45 --device cuda --sessions 1,8,16,32 --max-seconds 300 --out "$out/engine_ticks"
-fi
+for mode in "${@:-smoke}"; do
+case "$mode" in
+  smoke)
+    step smoke_bench 120 python3 -m duplexcache.cli bench --preset tiny --device cuda --sessions 1,2 --out "$out/smoke_bench"
+    step smoke_ticks 120 python3 -m duplexcache.bench.engine_ticks --preset tiny --device cuda --sessions 1,2 --ticks 2 --out "$out/smoke_ticks"
+    step smoke_setup 120 python3 -m duplexcache.bench.session_setup --preset tiny --device cuda --sessions 3 --repeats 1 --out "$out/smoke_setup"
+    step gpu_tests 240 python3 -m pytest -q -x tests/cfm/test_graphs.py tests/kv/test_paged_attention.py -p no:cacheprovider ;;
+  bench)  # issue 6: memory per session A/B per switch, 80 GiB budget as on an 80 GB card
+    step bench 330 python3 -m duplexcache.cli bench --preset minicpmo45 --device cuda --sessions 1,2,4 --memory-budget 80GiB --out "$out/bench" ;;
+  setup)  # issue 4: setup time / private bytes of later sessions, context cache x shared anchors
+    step session_setup 120 python3 -m duplexcache.bench.session_setup --preset minicpmo45 --device cuda --sessions 4 --repeats 2 --out "$out/session_setup" ;;
+  ticks)  # issue 5: per-stage tick latency and the largest real-time session count
+    step engine_ticks 260 python3 -m duplexcache.bench.engine_ticks --preset minicpmo45 --device cuda --sessions 1,8,16,32 --ticks 4 --max-seconds 200 --out "$out/engine_ticks" ;;
+  stage0)
+    step gpu_stage0 120 python3 -m duplexcache.bench.gpu_stage0 --out "$out/gpu_stage0" ;;
+  stage2)
+    step gpu_stage2 300 python3 -m duplexcache.bench.gpu_stage2 --out "$out/gpu_stage2" --batches 1,8,32 ;;
+  *) echo "unknown mode $mode (smoke|bench|setup|ticks|stage0|stage2)"; exit 2 ;;
+esac
+done

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 # verify target -> module exposing ``add_arguments(parser)`` and ``run(args) -> int``.
@@ -54,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # cuBLAS picks deterministic reductions only with a fixed workspace, read at its first use.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(

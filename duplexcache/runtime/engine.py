@@ -163,6 +163,19 @@ def _select_attention_backend(device: torch.device) -> None:
         logger.warning("paged decode uses the gather+SDPA reference path on %s: %s", device, exc)
 
 
+def _pin_cuda_numerics(device: torch.device) -> None:
+    """Sharing must be bit-exact, so the same work must give the same bits in every engine:
+    cuDNN may otherwise pick a different convolution algorithm (and TF32) depending on free
+    workspace, which changed Code2Wav's output between two engines of one process on an H200.
+    Stage 2 runs float32 as the reference does, so TF32 convolutions are off too."""
+    if device.type != "cuda":
+        return
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+
 class DuplexEngine:
     """Implements :class:`duplexcache.runtime.engine_api.EngineAPI` over real models."""
 
@@ -171,6 +184,7 @@ class DuplexEngine:
         self.models = models
         self.voices = models.voices
         _select_attention_backend(models.device)
+        _pin_cuda_numerics(models.device)
         self.control = ControlTokens.from_tokenizer(models.tokenizer)
         self.policy = make_policy(deploy.engine.speak_policy, self.control,
                                   text_token_ids(models.tokenizer, models.thinker.config.vocab_size))

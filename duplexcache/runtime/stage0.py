@@ -348,10 +348,19 @@ class Stage0Runner:
 
     def open_sessions(self, contexts: Mapping[str, SessionContextInput],
                       windows: Mapping[str, WindowConfig] | None = None) -> StepResult:
-        """Open several sessions with ONE batched forward over the context tokens that missed
-        the shared cache. ``windows[sid]`` is that session's window (missing: the runner's).
-        Returns errors for sessions that could not open (others proceed). Logits are not
-        returned: a full cache hit computes nothing."""
+        """Open several sessions, prefilling only the context tokens that missed the shared cache.
+        ``windows[sid]`` is that session's window (missing: the runner's). Returns errors for
+        sessions that could not open (others proceed). Logits are not returned: a full cache
+        hit computes nothing.
+
+        Each session's missed tokens run in a forward of their own, not one batched forward:
+        GPU GEMMs pick kernels by row count, so a context prefilled inside a 2-session batch
+        differs in the last bits from the same context prefilled alone, and with sharing on
+        the context is prefilled once (alone) while with sharing off every session prefills
+        it. Prefilling each session alone makes the unshared K/V bit-identical to the shared
+        copy (seen on an H200: batched opens made shared vs unshared audio differ). A context
+        recomputed only partly (its first blocks evicted, or a tail whose template was evicted)
+        is computed with fewer rows and may still differ in the last bits."""
         windows = dict(windows or {})
         unknown = sorted(set(windows) - set(contexts))
         if unknown:
@@ -375,7 +384,9 @@ class Stage0Runner:
         copy_blocks(self.cache, [p for a in allocs.values() for p in a.cow_pairs])
         work = [_Work(sid, a.compute_start, contexts[sid].inputs_embeds[a.compute_start:a.compute_end],
                       wants_logits=False) for sid, a in allocs.items()]
-        self._forward(work)
+        for w in work:
+            if w.embeds.shape[0] > 0:
+                self._forward([w])
         # Templates first: a deferred copy reads a template that a template copy just filled.
         copy_blocks(self.cache, [p for a in allocs.values() for p in a.template_pairs])
         copy_blocks(self.cache, [p for a in allocs.values() for p in a.deferred_cow_pairs])

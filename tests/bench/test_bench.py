@@ -92,7 +92,7 @@ def test_floor_matches_hand_arithmetic_for_minicpmo45_shapes():
     f = session_floor(ThinkerConfig.minicpmo45(), 8000, Code2WavShape.minicpmo45(), 300,
                       AudioEncoderConfig.minicpmo45(), "bfloat16")
     assert f.thinker_window == 8000 * 144 * 1024
-    assert f.code2wav_delta == 300 * 10 * 16 * 2 * 8 * 128 * 2  # bf16
+    assert f.code2wav_delta == 300 * 10 * 16 * 2 * 8 * 128 * 4  # Code2Wav stays float32 beside a bf16 Thinker
     assert f.audio_encoder_cache == 2 * 24 * 1500 * 1024 * 2
     assert f.total == f.thinker_window + f.code2wav_delta + f.audio_encoder_cache
     f32 = session_floor(ThinkerConfig.minicpmo45(), 8000, Code2WavShape.minicpmo45(), 300,

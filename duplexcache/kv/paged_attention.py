@@ -19,7 +19,7 @@ so new tokens see the cached prefix of their own sequence plus the new tokens be
 
 On CPU (and for prefill) attention gathers each sequence's blocks and runs SDPA: simple and
 exact, but it moves the KV twice. A GPU kernel that reads blocks in place can be selected for
-decode batches with ``set_attention_backend("triton")``.
+decode batches per cache with ``cache.set_decode_backend("triton")``.
 """
 
 from __future__ import annotations
@@ -35,13 +35,7 @@ logger = logging.getLogger(__name__)
 
 NULL_BLOCK_ID = 0
 
-_BACKENDS = ("reference", "triton")
-_backend = "reference"
-# Resolved kernel for the "triton" backend; loaded when the backend is selected, so a
-# missing kernel module is an error at selection time, not a silent fallback later.
-_decode_kernel: Callable | None = None
-# How many attention calls took each path; lets tests and benchmarks prove a path is used.
-path_counts: dict[str, int] = {"reference": 0, "decode_kernel": 0}
+DECODE_BACKENDS = ("reference", "triton")
 
 
 class PagedKVCache:
@@ -81,6 +75,33 @@ class PagedKVCache:
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # Attention path for decode batches; the kernel is resolved when selected, so a missing
+        # kernel module is an error at selection time, not a silent fallback later.
+        self.decode_backend = "reference"
+        self._decode_kernel: Callable | None = None
+        # How many attention calls took each path: lets tests and benchmarks prove a path is used.
+        self.path_counts: dict[str, int] = {"reference": 0, "decode_kernel": 0}
+
+
+    def set_decode_backend(self, name: str) -> None:
+        """Select the decode attention path of this cache: ``reference`` (gather + SDPA) or
+        ``triton`` (the in-place kernel of ``kv/triton_kernels.py``).
+
+        ``triton`` needs CUDA and Triton; it is refused here when either is missing, rather than
+        silently running the reference path. It applies to decode batches (one new token per
+        sequence) on CUDA tensors; prefill and CPU tensors use the reference path.
+        """
+        if name not in DECODE_BACKENDS:
+            raise ValueError(f"unknown attention backend {name!r}; choose one of {DECODE_BACKENDS}")
+        if name == "reference":
+            self.decode_backend, self._decode_kernel = name, None
+            return
+        from duplexcache.kv import triton_kernels  # noqa: PLC0415 - optional GPU dependency
+
+        if not triton_kernels.triton_available("cuda"):
+            raise ValueError("attention backend 'triton' needs Triton and CUDA, and one of them is missing here")
+        self.decode_backend, self._decode_kernel = name, triton_kernels.paged_decode_attention
+        logger.info("paged attention: decode batches on CUDA use the triton kernel")
 
     @property
     def device(self) -> torch.device:
@@ -265,10 +286,10 @@ def paged_attention(
         raise ValueError(
             f"paged_attention: {q.shape[1]} query heads is not a multiple of {cache.num_kv_heads} kv heads"
         )
-    if _decode_kernel is not None and q.is_cuda and batch.is_decode:
-        path_counts["decode_kernel"] += 1
-        return _decode_kernel(q, cache.k[layer], cache.v[layer], batch.block_tables, batch.seq_lens, scale)
-    path_counts["reference"] += 1
+    if cache._decode_kernel is not None and q.is_cuda and batch.is_decode:
+        cache.path_counts["decode_kernel"] += 1
+        return cache._decode_kernel(q, cache.k[layer], cache.v[layer], batch.block_tables, batch.seq_lens, scale)
+    cache.path_counts["reference"] += 1
     return _reference_paged_attention(q, cache, layer, batch, scale)
 
 
@@ -323,28 +344,3 @@ def copy_blocks(cache: PagedKVCache, pairs: list[tuple[int, int]]) -> None:
     dst = torch.tensor(dsts, dtype=torch.long, device=cache.device)
     cache.k[:, dst] = cache.k[:, src]
     cache.v[:, dst] = cache.v[:, src]
-
-
-def set_attention_backend(name: str) -> None:
-    """Select the attention path: ``reference`` (gather + SDPA) or ``triton`` (in-place decode kernel).
-
-    ``triton`` needs CUDA and ``duplexcache.kv.triton_kernels``; it is refused here when either is
-    missing, rather than silently running the reference path. It applies to decode batches (one
-    new token per sequence) on CUDA tensors; prefill and CPU tensors use the reference path.
-    """
-    global _backend, _decode_kernel
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of {_BACKENDS}")
-    if name == "reference":
-        _backend, _decode_kernel = name, None
-        return
-    from duplexcache.kv import triton_kernels  # noqa: PLC0415 - optional GPU dependency
-
-    if not triton_kernels.triton_available("cuda"):
-        raise ValueError("attention backend 'triton' needs Triton and CUDA, and one of them is missing here")
-    _backend, _decode_kernel = name, triton_kernels.paged_decode_attention
-    logger.info("paged attention: decode batches on CUDA use the triton kernel")
-
-
-def get_attention_backend() -> str:
-    return _backend

@@ -56,7 +56,7 @@ from duplexcache.context import (
 )
 from duplexcache.kv.block_pool import BlockPool
 from duplexcache.kv.kv_cache_manager import KVCacheManager
-from duplexcache.kv.paged_attention import PagedKVCache, set_attention_backend
+from duplexcache.kv.paged_attention import PagedKVCache
 from duplexcache.kv.window import WindowConfig
 from duplexcache.models.audio_encoder import StreamingAudioEncoderState
 from duplexcache.models.talker import TalkerUnitRequest, generate_unit
@@ -152,15 +152,15 @@ class _Final:
     response_done: bool  # False when only the Talker's turn was cut (position limit)
 
 
-def _select_attention_backend(device: torch.device) -> None:
+def _select_attention_backend(cache: PagedKVCache) -> None:
     """On CUDA, decode batches read KV blocks in place with the Triton kernel (SPEC §5: the
     gather-then-SDPA path moves the KV twice, 3.4x slower on an H200); elsewhere the reference."""
-    if device.type != "cuda":
+    if cache.device.type != "cuda":
         return
     try:
-        set_attention_backend("triton")
+        cache.set_decode_backend("triton")
     except (ImportError, ValueError) as exc:
-        logger.warning("paged decode uses the gather+SDPA reference path on %s: %s", device, exc)
+        logger.warning("paged decode uses the gather+SDPA reference path on %s: %s", cache.device, exc)
 
 
 def _pin_cuda_numerics(device: torch.device) -> None:
@@ -183,7 +183,6 @@ class DuplexEngine:
         self.deploy = deploy
         self.models = models
         self.voices = models.voices
-        _select_attention_backend(models.device)
         _pin_cuda_numerics(models.device)
         self.control = ControlTokens.from_tokenizer(models.tokenizer)
         self.policy = make_policy(deploy.engine.speak_policy, self.control,
@@ -266,6 +265,8 @@ class DuplexEngine:
         self.talker_cache = PagedKVCache(tc.num_hidden_layers, self.plan.talker_blocks, bs, tc.num_key_value_heads,
                                          tc.head_dim, dt, dev)
         self.talker_pool = BlockPool(self.plan.talker_blocks)
+        for cache in (self.thinker_cache, self.talker_cache):
+            _select_attention_backend(cache)
 
     def _default_config(self, voice: str) -> SessionRuntimeConfig:
         return build_runtime_config(self.deploy, {"voice": voice})

@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from duplexcache.kv import paged_attention as pa
 from duplexcache.kv.paged_attention import (
     PagedBatch,
     PagedKVCache,
@@ -26,7 +25,7 @@ def _naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, computed
 
     q: (T, HQ, D) new tokens at logical indices computed..computed+T-1; k, v: (S, HKV, D).
     """
-    t, s = q.shape[0], k.shape[0]
+    t = q.shape[0]
     out = torch.zeros_like(q)
     group = HQ // HKV
     for h in range(HQ):
@@ -180,21 +179,22 @@ def test_bytes_per_block_and_budget():
         PagedKVCache(1, 1, 4, HKV, D)
 
 
-def test_attention_backend_selection(monkeypatch):
+def test_attention_backend_selection():
+    cache = PagedKVCache(1, 3, 4, HKV, D)
     with pytest.raises(ValueError, match="unknown attention backend"):
-        pa.set_attention_backend("flash")
+        cache.set_decode_backend("flash")
     if not torch.cuda.is_available():
         # Selecting the GPU kernel where it cannot run is refused, not a silent no-op.
         with pytest.raises(ValueError, match="needs Triton and CUDA"):
-            pa.set_attention_backend("triton")
-    assert pa.get_attention_backend() == "reference"
+            cache.set_decode_backend("triton")
+    assert cache.decode_backend == "reference"
 
     # With a decode kernel installed, CPU tensors still take the reference path.
     calls = []
-    monkeypatch.setattr(pa, "_decode_kernel", lambda *a: calls.append(a))
-    cache = PagedKVCache(1, 3, 4, HKV, D)
+    cache._decode_kernel = lambda *a: calls.append(a)
+    other = PagedKVCache(1, 3, 4, HKV, D)  # the choice is per cache, not global
+    assert other._decode_kernel is None
     batch = PagedBatch.build([[1], [2]], [1, 2], [1, 1], None, 4)
     assert batch.is_decode
-    before = dict(pa.path_counts)
     paged_attention(torch.randn(2, HQ, D), cache, 0, batch, 1.0)
-    assert calls == [] and pa.path_counts["reference"] == before["reference"] + 1
+    assert calls == [] and cache.path_counts == {"reference": 1, "decode_kernel": 0}

@@ -25,6 +25,7 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -58,7 +59,8 @@ REF_AUDIO_SECONDS = 2.0
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Build modules with ``dtype`` parameters (set and restore torch's default dtype)."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -104,7 +106,7 @@ class BenchModels:
         tcfg = ThinkerConfig.minicpmo45() if big else ThinkerConfig.tiny()
         ecfg = AudioEncoderConfig.minicpmo45() if big else AudioEncoderConfig.tiny(out_dim=tcfg.hidden_size)
         torch.manual_seed(seed)
-        with torch.device(device), _default_dtype(dtype):
+        with torch.device(device), default_dtype(dtype):
             thinker = Thinker(tcfg).eval()
             encoder = AudioEncoder(ecfg).eval()
         flow = build_flow(FlowConfig.minicpmo45() if big else FlowConfig.tiny())

@@ -32,7 +32,6 @@ Only torch, numpy and the package's pydantic config are needed.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as _dt
 import json
 import logging
@@ -40,7 +39,6 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from duplexcache.bench.components import default_dtype
 from duplexcache.config import DeployConfig
 from duplexcache.context.builder import (
     EmbeddingResult,
@@ -133,16 +132,6 @@ BASELINE = COMBINATIONS[0]
 # ----------------------------------------------------------------------------- models
 
 
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
 def preset_model_configs(preset: str) -> tuple[ThinkerConfig, AudioEncoderConfig]:
     """Thinker and audio-encoder configs whose widths line up (encoder out_dim = Thinker hidden)."""
     if preset == "minicpmo45":
@@ -163,7 +152,7 @@ def build_models(preset: str, device: str | torch.device, dtype: torch.dtype,
     (``meta`` gives shapes only). No CPU copy of the big preset is ever made."""
     tcfg, ecfg = preset_model_configs(preset)
     torch.manual_seed(seed)
-    with torch.device(device), _default_dtype(dtype):
+    with torch.device(device), default_dtype(dtype):
         thinker = Thinker(tcfg).eval()
         encoder = AudioEncoder(ecfg).eval()
     # LogMel pins its small float32 buffers to CPU at construction; move them along.

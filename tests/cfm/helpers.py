@@ -89,3 +89,26 @@ def reference_stream(flow, hift, voice, chunks, pad_token: int, tail: int = TAIL
 
 def new_stage(flow, hift, graph_backend=None, **kw) -> BatchedCode2Wav:
     return BatchedCode2Wav(flow, hift, make_config(flow, **kw), graph_backend=graph_backend)
+
+
+def run_plan(stage, voices, plan, num_ticks, device="cpu"):
+    """Drive ``stage`` tick by tick. plan: sid -> (voice, start tick, chunks); every session
+    starts at its tick and sends one chunk per tick, the last marked final. Returns
+    sid -> (mels, pcms), the mels on the CPU."""
+    for name, (tok, mel, spk) in voices.items():
+        stage.register_voice(name, tok, mel, spk)
+    got = {sid: ([], []) for sid in plan}
+    for tick in range(num_ticks):
+        chunks, last = {}, {}
+        for sid, (voice, start, toks) in plan.items():
+            if tick == start:
+                stage.add_session(sid, voice, seed=len(sid))
+            k = tick - start
+            if 0 <= k < len(toks):
+                chunks[sid], last[sid] = toks[k].to(device), k == len(toks) - 1
+        out = stage.step(chunks, last)
+        assert not out.errors, out.errors
+        for sid in chunks:
+            got[sid][0].append(stage.sessions[sid].last_mel.cpu().clone())
+            got[sid][1].append(out[sid])
+    return got

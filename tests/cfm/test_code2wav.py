@@ -1,34 +1,26 @@
 """Batched Code2Wav against the single-session reference path, sharing on/off, tiers, bad input."""
 import pytest
 import torch
+from helpers import (
+    TAIL,
+    new_stage,
+    reference_stream,
+    run_plan,
+    tiny_models,
+    token_stream,
+    voice_inputs,
+)
 
 from duplexcache.cfm.code2wav import code2wav_session_bytes
 from duplexcache.cfm.config import Code2WavConfig
 from duplexcache.cfm.prompt_cache import SharedPromptAttCache
-from helpers import TAIL, new_stage, reference_stream, tiny_models, token_stream, voice_inputs
 
 VOICES = {"a": voice_inputs(11, 10), "b": voice_inputs(12, 12)}    # P = 20 and 24 frames
 
 
 def _run(stage, plan, num_ticks):
-    """plan: sid -> (voice, start tick, chunks). Returns sid -> (mels, pcms)."""
-    for name, v in VOICES.items():
-        stage.register_voice(name, *v)
-    got = {sid: ([], []) for sid in plan}
-    for tick in range(num_ticks):
-        chunks, last = {}, {}
-        for sid, (voice, start, toks) in plan.items():
-            if tick == start:
-                stage.add_session(sid, voice, seed=len(sid))
-            k = tick - start
-            if 0 <= k < len(toks):
-                chunks[sid], last[sid] = toks[k], k == len(toks) - 1
-        out = stage.step(chunks, last)
-        assert not out.errors, out.errors
-        for sid in chunks:
-            got[sid][0].append(stage.sessions[sid].last_mel.clone())
-            got[sid][1].append(out[sid])
-    return got
+    """sid -> (mels, pcms)."""
+    return run_plan(stage, VOICES, plan, num_ticks)
 
 
 def _rel(a, b):

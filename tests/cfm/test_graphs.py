@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from helpers import new_stage, tiny_models, token_stream, voice_inputs
+from helpers import new_stage, run_plan, tiny_models, token_stream, voice_inputs
 
 from duplexcache.cfm.arena import ArenaGraphError, CudaGraphBackend
 
@@ -37,22 +37,8 @@ class FakeGraphBackend:
 
 
 def _run(stage, plan, ticks, device="cpu"):
-    for name, (tok, mel, spk) in VOICES.items():
-        stage.register_voice(name, tok, mel, spk)
-    mels = {sid: [] for sid in plan}
-    for tick in range(ticks):
-        chunks, last = {}, {}
-        for sid, (voice, start, toks) in plan.items():
-            if tick == start:
-                stage.add_session(sid, voice, seed=len(sid))
-            k = tick - start
-            if 0 <= k < len(toks):
-                chunks[sid], last[sid] = toks[k].to(device), k == len(toks) - 1
-        out = stage.step(chunks, last)
-        assert not out.errors, out.errors
-        for sid in chunks:
-            mels[sid].append(stage.sessions[sid].last_mel.cpu())
-    return mels
+    """sid -> mels (on the CPU)."""
+    return {sid: mels for sid, (mels, _) in run_plan(stage, VOICES, plan, ticks, device).items()}
 
 
 def test_cpu_default_is_eager():

@@ -94,6 +94,9 @@ from duplexcache.runtime.voices import Voice
 
 logger = logging.getLogger(__name__)
 
+# Audio a session may have buffered ahead of the ticks that consume it (1 s per tick).
+MAX_BUFFERED_SECONDS = 10
+MAX_BUFFERED_SAMPLES = MAX_BUFFERED_SECONDS * INPUT_SAMPLE_RATE
 STAGES = ("encoder", "thinker", "talker", "code2wav", "tick")
 LOOKAHEAD = 3
 LATENCY_HISTORY = 4096
@@ -359,6 +362,12 @@ class DuplexEngine:
             if sess is None:
                 what = "queued" if sid in self._queue else "unknown"
                 raise ValueError(f"cannot push audio to {what} session {sid!r}")
+            if sess.buffered + pcm.size > MAX_BUFFERED_SAMPLES:
+                # A client sending faster than real time would otherwise grow the buffer
+                # without bound; the chunk is refused and the session goes on.
+                raise ValueError(
+                    f"audio buffer of session {sid!r} is full: {sess.buffered / INPUT_SAMPLE_RATE:.2f} s "
+                    f"buffered, at most {MAX_BUFFERED_SECONDS} s; send audio in real time")
             sess.audio.append(pcm.copy())
             sess.buffered += pcm.size
 

@@ -175,3 +175,18 @@ def test_talker_is_conditioned_on_the_rows_lm_head_consumed(tmp_path, monkeypatc
         for j in range(len(rows)):                # calls[0] is the append that chose <|speak|>
             assert sum(torch.equal(rows[j], r) for r in calls[1 + j]) == 1, j
     assert not torch.equal(reqs[0].thinker_hidden, reqs[1].thinker_hidden)
+
+
+def test_audio_faster_than_real_time_is_refused_without_losing_the_session(tmp_path):
+    from duplexcache.runtime.engine import MAX_BUFFERED_SAMPLES
+
+    eng = engine(tmp_path, "flood")
+    sid = eng.open_session({"voice": "default"})
+    second = np.zeros(16000, dtype=np.float32)
+    for _ in range(MAX_BUFFERED_SAMPLES // second.size):
+        eng.push_audio(sid, second)
+    with pytest.raises(ValueError, match="buffer of session .* is full"):
+        eng.push_audio(sid, second[:1])
+    eng.tick()  # consumes a unit, which makes room again
+    eng.push_audio(sid, second)
+    eng.shutdown()

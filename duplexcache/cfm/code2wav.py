@@ -1,16 +1,19 @@
 """Batched Stage 2: speech tokens of many sessions -> 24 kHz PCM, one estimator solve per group.
 
 Per tick: each session's chunk (25 tokens + 3 lookahead; a final chunk may be shorter and keeps
-its lookahead) goes through the conformer (per session: its rel-pos attention depends on the
-session's own cache length), then all sessions with the same frame count solve the 10 Euler
-steps together in the `EulerArena` (each row with its own cache length and noise offset), then
-the Token2wav trim rule, then the vocoder per session (mel cache, source cache, Hamming
-cross-fade; `models.vocoder.hift_stream_step`).
+its lookahead) goes through the conformer, batched over the sessions whose conformer caches and
+chunks have equal lengths (its rel-pos attention has no per-row mask, so rows batch only at equal
+shapes), then all sessions with the same frame count solve the 10 Euler steps together in the
+`EulerArena` (each row with its own cache length and noise offset), then the Token2wav trim
+rule, then the vocoder, batched over the sessions whose vocoder caches and mel chunks have equal
+lengths (`models.vocoder.hift_stream_steps`: mel cache, source cache, Hamming cross-fade; each
+session's NSF noise from its own generator). `batch_stats` counts the batched calls.
 
 CUDA graphs: on a CUDA device every estimator solve (setup passes included) goes through the
 arena's graph path: the first solve of a (tier, width, cache bucket) key captures it, later ones
 replay it (`graph_stats` counts captures, replays and eager runs). On CPU the same solve runs
-eagerly. The conformer and the vocoder still run eagerly, one session at a time.
+eagerly. The conformer and the vocoder run eagerly, one call per shape group (at steady state
+one group each).
 
 Ownership: the session object owns its caches; the arena only borrows rows during a solve; the
 registry owns shared prompt states. Prompt tensors are never written: after a chunk each cache
@@ -28,17 +31,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from duplexcache.cfm.arena import ArenaStats, EulerArena, GraphBackend
+from duplexcache.cfm.batching import BatchStats, group_by
 from duplexcache.cfm.config import Code2WavConfig
 from duplexcache.cfm.graph_grid import arena_rows, replay_groups
 from duplexcache.cfm.prompt_cache import AttCache, PlainAttCache, SharedPromptAttCache
 from duplexcache.cfm.prompt_registry import PromptRegistry, PromptState, VoicePrompt
-from duplexcache.models.vocoder import HiftStreamState, hift_stream_step
+from duplexcache.models.vocoder import HiftStreamState, hift_stream_steps
 
 logger = logging.getLogger(__name__)
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """`t` if it is its storage's only content, else a private copy: a session must never keep a
+    view of a batched tensor alive (that would hold the whole batch and break `session_bytes`)."""
+    return t if t.untyped_storage().nbytes() == _nbytes(t) else t.clone()
 
 
 @dataclass(frozen=True)
@@ -114,11 +124,17 @@ class BatchedCode2Wav:
         self.registry = PromptRegistry(config.prompt_att_sharing)
         self.sessions: dict[str, _Session] = {}
         self._pending: dict[str, _Pending] = {}
+        self._batch_stats = BatchStats()
 
     @property
     def graph_stats(self) -> ArenaStats:
         """Counters of the estimator solves: graph captures, replays, eager runs."""
         return self.arena.stats
+
+    @property
+    def batch_stats(self) -> BatchStats:
+        """Counters of the batched conformer and vocoder calls (and the latest step's groups)."""
+        return self._batch_stats
 
     # ---- voices and sessions -----------------------------------------------------------
     def register_voice(self, name: str, tokens: torch.Tensor, mel: torch.Tensor, spk: torch.Tensor) -> None:
@@ -164,15 +180,25 @@ class BatchedCode2Wav:
             except ValueError as err:
                 out.errors[sid] = err
         self._setup_pending()
-        work = [self._encode(sid, tok, bool(last.get(sid, False))) for sid, tok in tokens.items()]
+        lasts = {sid: bool(last.get(sid, False)) for sid in tokens}
+        conformer_groups = group_by(tokens, lambda sid: self._conformer_key(sid, tokens[sid], lasts[sid]))
+        encoded: dict[str, _Work] = {}
+        for members in conformer_groups:
+            encoded.update(self._encode_group(members, tokens, lasts))
+        work = [encoded[sid] for sid in tokens]
         by_width: dict[int, list[_Work]] = {}
         for w in work:
             by_width.setdefault(w.mu.shape[1], []).append(w)
         for width, group in by_width.items():
             for g in replay_groups(len(group), self.config.graph_grid, self.arena.rows):
                 self._solve(group[g.start:g.start + g.rows], width, g.tier)
-        for w in work:
-            out[w.sid] = self._vocode(self.sessions[w.sid], w.last)
+        vocoder_groups = group_by(tokens, self._vocoder_key)
+        pcm: dict[str, torch.Tensor] = {}
+        for members in vocoder_groups:
+            pcm.update(self._vocode_group(members, lasts))
+        for sid in tokens:
+            out[sid] = pcm[sid]
+        self._batch_stats.record_step(conformer_groups, vocoder_groups)
         return out
 
     def _validate(self, sid: str, chunk: Sequence[int] | torch.Tensor, last: bool) -> torch.Tensor:
@@ -230,7 +256,8 @@ class BatchedCode2Wav:
         pad = torch.full((cfg.pre_lookahead_len,), cfg.prompt_pad_token, dtype=torch.long, device=self.device)
         tokens = torch.cat([vp.tokens.long(), pad])[None]
         h, spk, ccnn, catt = self._conformer(tokens, vp.spk[None], False, None, None)
-        work = _Work(sid, False, h, spk, vp.mel.transpose(0, 1), noise_offset=0)
+        self._batch_stats.setup_conformer_calls += 1
+        work = _Work(sid, False, h[0], spk[0], vp.mel.transpose(0, 1), noise_offset=0)
         return sid, work, ccnn, catt
 
     def _solve_setup(self, items: list[tuple[str, _Work, torch.Tensor, torch.Tensor]]) -> dict[str, PromptState]:
@@ -269,27 +296,52 @@ class BatchedCode2Wav:
     # ---- per-chunk pieces ----------------------------------------------------------------
     def _conformer(self, tokens: torch.Tensor, spk: torch.Tensor, last: bool,
                    cnn: torch.Tensor | None, att: torch.Tensor | None):
-        """tokens (1, n) -> mu (80, frames), projected spk (80,), new conformer caches."""
+        """tokens (b, n), prompt x-vectors (b, 192) -> mu (b, 80, frames), projected spk (b, 80),
+        new conformer caches cnn (b, C, 6) and att (layers, b, heads, T, 2*d_k)."""
         flow = self.flow
         spk = flow.spk_embed_affine_layer(F.normalize(spk, dim=1))
         h, cnn, att = flow.encoder.forward_chunk(flow.input_embedding(tokens), last, cnn, att)
-        h = flow.encoder_proj(h)                      # (1, frames, 80)
-        return h[0].transpose(0, 1), spk[0], cnn, att
+        h = flow.encoder_proj(h)                      # (b, frames, 80)
+        return h.transpose(1, 2), spk, cnn, att
 
-    def _encode(self, sid: str, tokens: torch.Tensor, last: bool) -> _Work:
+    def _conformer_key(self, sid: str, tokens: torch.Tensor, last: bool) -> tuple[int, int, bool]:
+        """Rows batch in one conformer call only with equal cache length, chunk length and `last`
+        (the last chunk pads the lookahead for every row of the call)."""
+        return self.sessions[sid].conformer_att.shape[3], tokens.numel(), last
+
+    def _vocoder_key(self, sid: str) -> tuple[int, int, int, int]:
+        """Rows batch in one vocoder call only with equal mel/source/speech cache lengths (first
+        chunk or not) and equal new mel frames; `last` only changes how the output is cut."""
         sess = self.sessions[sid]
-        prompt_spk = self.registry.voice(sess.voice).spk[None]
-        mu, spk, sess.conformer_cnn, catt = self._conformer(
-            tokens[None], prompt_spk, last, sess.conformer_cnn, sess.conformer_att)
-        p, tail = sess.prompt_frames, self.config.cache_tail_frames
-        if catt.shape[3] > p + tail:   # Token2wav.stream's conformer bound (same cut as the estimator)
-            catt = torch.cat([catt[:, :, :, :p], catt[:, :, :, -tail:]], dim=3)
-        sess.conformer_att = catt
+        v = sess.vocoder
+        return v.mel.shape[2], v.source.shape[2], v.speech.shape[1], sess.last_mel.shape[1]
+
+    def _encode_group(self, members: list[str], tokens: dict[str, torch.Tensor],
+                      lasts: dict[str, bool]) -> dict[str, _Work]:
+        """One conformer call over sessions with equal `_conformer_key`; each session then gets
+        private copies of its new caches (trimmed to first P + last tail, Token2wav.stream's
+        conformer bound, the same cut as the estimator's)."""
+        sessions = [self.sessions[sid] for sid in members]
+        last = lasts[members[0]]
+        spk = torch.stack([self.registry.voice(s.voice).spk for s in sessions])       # (b, 192)
+        mu, spk, cnn, catt = self._conformer(
+            torch.stack([tokens[sid] for sid in members]), spk, last,
+            torch.cat([s.conformer_cnn for s in sessions]),                          # (b, C, 6)
+            torch.cat([s.conformer_att for s in sessions], dim=1))                  # (L, b, h, T, 2dk)
+        tail = self.config.cache_tail_frames
         noise_frames = self.flow.decoder.rand_noise.shape[2]
-        offset = len(sess.att)
-        if offset + mu.shape[1] > noise_frames:
-            raise AssertionError(f"session {sid!r}: noise buffer of {noise_frames} frames exhausted")
-        return _Work(sid, last, mu, spk, None, offset)
+        out = {}
+        for i, (sid, sess) in enumerate(zip(members, sessions)):
+            att, p = catt[:, i:i + 1], sess.prompt_frames
+            if att.shape[3] > p + tail:
+                att = torch.cat([att[:, :, :, :p], att[:, :, :, -tail:]], dim=3)
+            sess.conformer_att = _own(att)
+            sess.conformer_cnn = _own(cnn[i:i + 1])
+            offset = len(sess.att)
+            if offset + mu.shape[2] > noise_frames:
+                raise AssertionError(f"session {sid!r}: noise buffer of {noise_frames} frames exhausted")
+            out[sid] = _Work(sid, last, mu[i], spk[i], None, offset)
+        return out
 
     def _solve(self, group: list[_Work], width: int, tier: int) -> None:
         sessions = [self.sessions[w.sid] for w in group]
@@ -310,11 +362,20 @@ class BatchedCode2Wav:
             self.arena.pad_row(r, width)
         self.arena.run(tier, width, max_len)
 
-    def _vocode(self, sess: _Session, last: bool) -> torch.Tensor:
-        sess.chunks += 1
-        sess.finished = last
-        pcm = hift_stream_step(self.hift, sess.vocoder, sess.last_mel[None], last, sess.generator)
-        return pcm[0].float()
+    def _vocode_group(self, members: list[str], lasts: dict[str, bool]) -> dict[str, torch.Tensor]:
+        """One vocoder forward over sessions with equal `_vocoder_key`; each row's NSF noise comes
+        from its session's own generator, so the PCM is what the session would get alone."""
+        sessions = [self.sessions[sid] for sid in members]
+        flags = [lasts[sid] for sid in members]
+        mel = torch.stack([s.last_mel for s in sessions])                            # (b, 80, W)
+        pcms = hift_stream_steps(self.hift, [s.vocoder for s in sessions], mel, flags,
+                                 [s.generator for s in sessions])
+        out = {}
+        for sid, sess, last, pcm in zip(members, sessions, flags, pcms):
+            sess.chunks += 1
+            sess.finished = last
+            out[sid] = pcm[0].float()
+        return out
 
     # ---- accounting --------------------------------------------------------------------
     def session_bytes(self, sid: str) -> SessionBytes:
@@ -352,12 +413,13 @@ def code2wav_session_bytes(config: Code2WavConfig, prompt_frames: int, sharing: 
     if prompt_frames < tail:
         raise ValueError(f"prompt_frames {prompt_frames} < cache tail {tail}")
     att_f, conf_f = s.att_frame_bytes(dtype_bytes), s.conformer_frame_bytes(dtype_bytes)
+    spk = s.mel_bins * dtype_bytes   # the projected x-vector (the voice's, shared when sharing)
     small = s.estimator_cnn_bytes(dtype_bytes) + s.conformer_size * (2 + 2 * config.up_rate) * dtype_bytes
     if stage == "setup":
-        total = prompt_frames * (att_f + conf_f) + small
+        total = prompt_frames * (att_f + conf_f) + small + spk
         return SessionBytes(0, total) if sharing else SessionBytes(total, 0)
     vocoder = (s.mel_bins * config.mel_cache_len + 2 * config.source_cache_len) * dtype_bytes
     conformer = (prompt_frames + tail) * conf_f
     if sharing:
-        return SessionBytes(prompt_frames * att_f + conformer + small + vocoder, tail * att_f)
-    return SessionBytes((prompt_frames + tail) * att_f + conformer + small + vocoder, 0)
+        return SessionBytes(prompt_frames * att_f + conformer + small + vocoder, tail * att_f + spk)
+    return SessionBytes((prompt_frames + tail) * att_f + conformer + small + vocoder + spk, 0)

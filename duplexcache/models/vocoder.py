@@ -9,16 +9,21 @@ stripping a ``generator.`` prefix) loads with ``strict=True``. Weight norm uses
 Randomness: the NSF source draws from the RNG (initial harmonic phases, additive noise) in the
 reference's order -- ``rand(b, harmonics+1)``, ``randn(b, L, harmonics+1)``, ``randn(b, L, 1)``
 (the last one unused, drawn anyway) -- so seeding the same RNG gives the same waveform.
+``generator`` may also be a list with one ``torch.Generator`` per batch row (``RowGenerators``):
+then each row draws its own numbers from its own generator, in the order a batch of one would,
+so a batched forward gives every session the noise it would get alone.
 
 ``HiftStreamState`` + ``hift_stream_step`` reproduce the vocoder half of
 ``Token2wav.stream``: an 8-frame mel cache, a 3840-sample source and speech cache, a Hamming
 cross-fade over 3840 samples, silence in front of the first chunk and the held-back tail
-released by the last chunk.
+released by the last chunk. ``hift_stream_steps`` does the same for several streams whose
+caches have equal lengths, in one generator forward.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,6 +37,39 @@ logger = logging.getLogger(__name__)
 
 MEL_CACHE_FRAMES = 8  # Token2wav.mel_cache_len (160 ms)
 SAMPLES_PER_FRAME = 480  # 24 kHz / 50 Hz
+
+# One generator for the whole batch (or None: the global RNG), or one generator per batch row.
+RowGenerators = torch.Generator | Sequence[torch.Generator | None] | None
+
+
+def _per_row(generator: RowGenerators) -> bool:
+    return isinstance(generator, (list, tuple))
+
+
+def check_row_generators(generators: Sequence[torch.Generator | None], rows: int) -> None:
+    """Per-row generators must be one per row and distinct: a generator shared by two rows (or
+    two rows on the global RNG) would interleave their draws, unlike one session at a time."""
+    if len(generators) != rows:
+        raise ValueError(f"{len(generators)} generators for {rows} batch rows")
+    if rows > 1 and (any(g is None for g in generators) or len({id(g) for g in generators}) != rows):
+        raise ValueError("per-row generators must be distinct torch.Generator objects")
+
+
+def _normal_like(like: torch.Tensor, generator: RowGenerators) -> torch.Tensor:
+    """``empty_like(like).normal_()``; per row, each draw has the strides a batch of one has, so
+    the same values land on the same elements as in a one-session run."""
+    if not _per_row(generator):
+        return torch.empty_like(like).normal_(generator=generator)
+    check_row_generators(generator, like.shape[0])
+    return torch.cat([torch.empty_like(like[i:i + 1]).normal_(generator=g) for i, g in enumerate(generator)])
+
+
+def _rand_rows(rows: int, cols: int, device: torch.device, generator: RowGenerators) -> torch.Tensor:
+    """``torch.rand(rows, cols)``, or one ``rand(1, cols)`` per row from that row's generator."""
+    if not _per_row(generator):
+        return torch.rand(rows, cols, device=device, generator=generator)
+    check_row_generators(generator, rows)
+    return torch.cat([torch.rand(1, cols, device=device, generator=g) for g in generator])
 
 
 @dataclass(frozen=True)
@@ -145,11 +183,11 @@ class SineGen2(nn.Module):
         self.voiced_threshold = voiced_threshold
         self.upsample_scale = upsample_scale
 
-    def _f02sine(self, f0_values: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    def _f02sine(self, f0_values: torch.Tensor, generator: RowGenerators) -> torch.Tensor:
         """f0_values (b, L, harmonics+1) in Hz -> sines (b, L, harmonics+1)."""
         rad_values = (f0_values / self.sampling_rate) % 1
         # random initial phase per harmonic, none for the fundamental
-        rand_ini = torch.rand(f0_values.shape[0], f0_values.shape[2], device=f0_values.device, generator=generator)
+        rand_ini = _rand_rows(f0_values.shape[0], f0_values.shape[2], f0_values.device, generator)
         rand_ini[:, 0] = 0
         rad_values[:, 0, :] = rad_values[:, 0, :] + rand_ini
         rad_values = F.interpolate(rad_values.transpose(1, 2), scale_factor=1 / self.upsample_scale,
@@ -159,7 +197,7 @@ class SineGen2(nn.Module):
                               mode="linear").transpose(1, 2)
         return torch.sin(phase)
 
-    def forward(self, f0: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    def forward(self, f0: torch.Tensor, generator: RowGenerators = None) -> torch.Tensor:
         """f0 (b, L, 1) -> voiced sines + noise (b, L, harmonics+1)."""
         harmonics = torch.FloatTensor([[range(1, self.harmonic_num + 2)]]).to(f0.device)
         sine_waves = self._f02sine(torch.multiply(f0, harmonics), generator) * self.sine_amp
@@ -167,7 +205,7 @@ class SineGen2(nn.Module):
         noise_amp = uv * self.noise_std + (1 - uv) * self.sine_amp / 3
         # like randn_like: same strides as sine_waves (transposed), so the same values land
         # on the same elements as in the reference
-        noise = noise_amp * torch.empty_like(sine_waves).normal_(generator=generator)
+        noise = noise_amp * _normal_like(sine_waves, generator)
         return sine_waves * uv + noise
 
 
@@ -183,13 +221,13 @@ class SourceModuleHnNSF2(nn.Module):
         self.l_linear = nn.Linear(harmonic_num + 1, 1)
         self.l_tanh = nn.Tanh()
 
-    def forward(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, generator: RowGenerators = None) -> torch.Tensor:
         """x: f0 (b, L, 1) -> source (b, L, 1)."""
         with torch.no_grad():
             sine_wavs = self.l_sin_gen(x, generator)
         sine_merge = self.l_tanh(self.l_linear(sine_wavs))
         # the reference draws (and discards) a noise branch; draw it to keep the RNG in step
-        torch.empty_like(sine_merge).normal_(generator=generator)
+        _normal_like(sine_merge, generator)
         return sine_merge
 
 
@@ -299,10 +337,11 @@ class HiFTGenerator(nn.Module):
 
     @torch.inference_mode()
     def forward(self, speech_feat: torch.Tensor, cache_source: torch.Tensor | None = None,
-                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                generator: RowGenerators = None) -> tuple[torch.Tensor, torch.Tensor]:
         """speech_feat (b, 80, t) -> speech (b, 480*t), source (b, 1, 480*t).
 
         cache_source (b, 1, n) overwrites the first n source samples (continuity across chunks).
+        `generator`: one for the batch, or a list with one per row (see the module docstring).
         """
         if speech_feat.dim() != 3 or speech_feat.shape[1] != self.cfg.in_channels:
             raise ValueError(f"speech_feat must be (b, {self.cfg.in_channels}, t), got {tuple(speech_feat.shape)}")
@@ -354,25 +393,64 @@ def hift_stream_step(hift: HiFTGenerator, state: HiftStreamState, chunk_mel: tor
 
     Every chunk but the last holds back its final 3840 samples (cross-faded into the next
     chunk); the first chunk is shifted right by 3840 samples of silence so chunk lengths stay
-    480 * t. Updates `state` in place.
+    480 * t. Updates `state` in place. `generator` None draws from the global RNG.
     """
     if chunk_mel.dim() != 3 or chunk_mel.shape[0] != 1:
         raise ValueError(f"chunk_mel must be (1, mels, t), got {tuple(chunk_mel.shape)}")
-    mel = torch.cat([state.mel, chunk_mel], dim=2)
-    speech, source = hift(mel, state.source, generator)
-    is_first_chunk = state.speech.shape[-1] == 0
+    return hift_stream_steps(hift, [state], chunk_mel, [last_chunk], [generator])[0]
+
+
+def _stack_states(states: Sequence[HiftStreamState]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The streams' caches as batches; every stream must hold caches of the same lengths."""
+    lengths = {(s.mel.shape[2], s.source.shape[2], s.speech.shape[1]) for s in states}
+    if len(lengths) != 1:
+        raise ValueError(f"streams batched together must have equal cache lengths "
+                         f"(mel, source, speech), got {sorted(lengths)}")
+    if len(states) == 1:
+        return states[0].mel, states[0].source, states[0].speech
+    return (torch.cat([s.mel for s in states]), torch.cat([s.source for s in states]),
+            torch.cat([s.speech for s in states]))
+
+
+def hift_stream_steps(hift: HiFTGenerator, states: Sequence[HiftStreamState], chunk_mel: torch.Tensor,
+                      last_chunk: Sequence[bool], generators: Sequence[torch.Generator | None]) -> list[torch.Tensor]:
+    """`hift_stream_step` for b streams at once: one generator forward over (b, 80, cache + t).
+
+    The streams' caches must have equal lengths (all first chunks, or all past it: the mel, source
+    and speech caches are then full). Each row's NSF noise comes from its own generator in
+    `generators` (distinct), drawn as a one-stream run would, so row i's PCM is what
+    `hift_stream_step(hift, states[i], chunk_mel[i:i+1], last_chunk[i], generators[i])` returns
+    up to the GEMMs' batch-size rounding. Each state gets new private tensors (clones, never views
+    of the batch), so a stream's cache bytes are its own. Returns one (1, n) PCM per row.
+    """
+    b = len(states)
+    if chunk_mel.dim() != 3 or chunk_mel.shape[0] != b or b == 0:
+        raise ValueError(f"chunk_mel must be ({b}, mels, t) for {b} streams, got {tuple(chunk_mel.shape)}")
+    if len(last_chunk) != b:
+        raise ValueError(f"{len(last_chunk)} last_chunk flags for {b} streams")
+    check_row_generators(generators, b)
+    mel_cache, source_cache, speech_cache = _stack_states(states)
+    mel = torch.cat([mel_cache, chunk_mel], dim=2)
+    # a batch of one passes its generator itself: exactly the single-stream call
+    speech, source = hift(mel, source_cache, generators[0] if b == 1 else list(generators))
+    is_first_chunk = speech_cache.shape[-1] == 0
     if not is_first_chunk:
-        speech = fade_in_out(speech, state.speech, state.window)
-    state.mel = mel[..., -state.mel_cache_len:].clone().detach()
-    state.source = source[:, :, -state.source_cache_len:].clone().detach()
-    state.speech = speech[:, -state.source_cache_len:].clone().detach()
-    if not last_chunk:
-        if is_first_chunk:
-            silence = torch.zeros(1, state.source_cache_len, device=speech.device)
-            speech = torch.cat([silence, speech[:, : -state.source_cache_len]], dim=1)
-        else:
-            speech = speech[:, : -state.source_cache_len]
-    return speech
+        speech = fade_in_out(speech, speech_cache, states[0].window)
+    out = []
+    for i, state in enumerate(states):
+        hold = state.source_cache_len
+        state.mel = mel[i:i + 1, :, -state.mel_cache_len:].clone()
+        state.source = source[i:i + 1, :, -hold:].clone()
+        state.speech = speech[i:i + 1, -hold:].clone()
+        pcm = speech[i:i + 1]
+        if not last_chunk[i]:
+            if is_first_chunk:
+                silence = torch.zeros(1, hold, device=speech.device, dtype=speech.dtype)
+                pcm = torch.cat([silence, pcm[:, :-hold]], dim=1)
+            else:
+                pcm = pcm[:, :-hold]
+        out.append(pcm)
+    return out
 
 
 def build_vocoder(cfg: VocoderConfig, device: torch.device | str | None = None) -> HiFTGenerator:

@@ -172,8 +172,9 @@ def test_session_bytes_shapes():
     steady_on = code2wav_session_bytes(cfg, 300, True, "steady")
     steady_off = code2wav_session_bytes(cfg, 300, False, "steady")
     assert setup_on.private == 0 and setup_on.shared == setup_off.private
-    assert steady_on.shared == 100 * frame
-    assert steady_off.private - steady_on.private == 100 * frame
+    spk = 80 * 4                                    # the projected x-vector: the voice's when sharing
+    assert steady_on.shared == 100 * frame + spk
+    assert steady_off.private - steady_on.private == 100 * frame + spk
     with pytest.raises(ValueError, match="stage"):
         code2wav_session_bytes(cfg, 300, True, "warm")
 

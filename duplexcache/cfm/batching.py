@@ -1,0 +1,50 @@
+"""Grouping of sessions into batched conformer / vocoder calls, and the counters that show it.
+
+The conformer and the HiFT vocoder have no per-row cache lengths (no masks): rows batch only when
+their caches and chunks have equal shapes. Sessions are therefore grouped by a shape key and each
+group runs as one call. At steady state (same voice prompt length, full chunks) every session has
+the same key, so a step is one conformer call and one vocoder call whatever the batch size.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def group_by(items: Iterable[T], key: Callable[[T], Hashable]) -> list[list[T]]:
+    """Items with equal keys, in order of each key's first item; items keep their order inside
+    a group (so a batch's row order follows the caller's session order)."""
+    groups: dict[Hashable, list[T]] = {}
+    for item in items:
+        groups.setdefault(key(item), []).append(item)
+    return list(groups.values())
+
+
+@dataclass
+class BatchStats:
+    """How the per-step conformer and vocoder work was batched. Only `BatchedCode2Wav` writes it.
+
+    Counters are cumulative; `last_*_groups` list the session ids of each batched call of the
+    latest `step` (one tuple per call, rows in order).
+    """
+
+    steps: int = 0
+    setup_conformer_calls: int = 0   # prompt passes (one session each, see `_solve_setup`)
+    conformer_calls: int = 0         # batched chunk calls
+    conformer_rows: int = 0
+    vocoder_calls: int = 0
+    vocoder_rows: int = 0
+    last_conformer_groups: tuple[tuple[str, ...], ...] = field(default=())
+    last_vocoder_groups: tuple[tuple[str, ...], ...] = field(default=())
+
+    def record_step(self, conformer: list[list[str]], vocoder: list[list[str]]) -> None:
+        self.steps += 1
+        self.conformer_calls += len(conformer)
+        self.conformer_rows += sum(map(len, conformer))
+        self.vocoder_calls += len(vocoder)
+        self.vocoder_rows += sum(map(len, vocoder))
+        self.last_conformer_groups = tuple(tuple(g) for g in conformer)
+        self.last_vocoder_groups = tuple(tuple(g) for g in vocoder)

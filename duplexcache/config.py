@@ -233,10 +233,13 @@ class Code2WavConfig(_Strict):
 
 class SpeakPolicy(_Strict):
     """When sessions speak. ``model``: the Thinker decides; ``every_k_units``: forced every k
-    units (deterministic load for benchmarks, since random weights decide arbitrarily)."""
+    units (deterministic load for benchmarks, since random weights decide arbitrarily): in each
+    block of ``k`` units the last ``min(turn_units, k)`` speak as one turn. ``k == turn_units``
+    speaks every unit; a ``k`` larger than the run keeps one turn open for the whole run."""
 
     mode: Literal["model", "every_k_units"] = "every_k_units"
     k: int = Field(2, gt=0)
+    turn_units: int = Field(2, gt=0)
 
 
 class EngineConfig(_Strict):

@@ -135,11 +135,11 @@ def _engine_setup(deploy: DeployConfig, configs, args) -> _Setup:
     floor = session_floor(models.thinker.config, deploy.stage0.window.high_tokens,
                           Code2WavShape.from_flow(models.flow), p, models.audio_encoder.cfg, deploy.model.dtype)
     notes = {
-        "speak_policy": f"ScriptedPolicy(k={ALWAYS_SPEAK_K}, turn_units={ALWAYS_SPEAK_K}) installed on the "
-                        "engine: every unit speaks, one turn spans the run",
-        "fast_forward": "Thinker window filled to prefix + high_tokens via engine.stage0.append (real token "
-                        "embeddings of seeded random ids); Talker tables grown to a full turn "
-                        "(max_position_embeddings tokens) via the engine's _grow_talker, not computed; "
+        "speak_policy": f"engine.speak_policy every_k_units k={ALWAYS_SPEAK_K} turn_units={ALWAYS_SPEAK_K} in "
+                        "the deploy config: every unit speaks, one turn spans the run",
+        "fast_forward": "DuplexEngine.fast_forward per session: Thinker window filled to prefix + high_tokens "
+                        "through the serving append path (embeddings of seeded random text ids); Talker "
+                        "blocks held for a full turn (max_position_embeddings tokens), not computed; "
                         "Code2Wav reaches P private frames by real units; encoder cache allocated whole",
         "setup_sample": "after the tick that produced each session's first audio chunk (tick 2: speech "
                         "lags text by one unit)",

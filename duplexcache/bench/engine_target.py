@@ -4,19 +4,18 @@ Each configuration is a ``DuplexEngine(deploy, models)`` built from that configu
 config, so every switch travels the same wiring as ``duplexcache serve``; the weights
 (``ModelBundle``) are built once per bench run and shared, as memory does not depend on them.
 
-The workload, and what the bench does to the engine beyond the public EngineAPI (each is
-stated in report.json under ``workload``):
+The workload, and how the bench brings the engine to its steady state (each is stated in
+report.json under ``workload``); it uses only the engine's public API:
 
-* Speaking: the engine's scripted policy speaks in 2-unit turns, which never lets a Code2Wav
-  stream reach its steady size. The bench installs ``ScriptedPolicy(k=K, turn_units=K)`` with
-  a large K, so every unit speaks and one turn spans the whole run.
-* Fast-forward to steady state: the Thinker window is filled to ``prefix + high_tokens``
-  through ``engine.stage0.append`` (real token embeddings of seeded random ids), and every
-  session's Talker table is grown to a full turn (``max_position_embeddings`` tokens) through
-  the engine's own ``_grow_talker`` (blocks held, not computed). Code2Wav reaches P private
-  frames by real units.
-* Memory: ``engine.stats().pools`` (refreshed with ``_refresh_pools`` after a fast-forward),
-  plus the Euler arena and the context cache, which the engine's pools do not list.
+* Speaking: the default scripted policy speaks in 2-unit turns, which never lets a Code2Wav
+  stream reach its steady size. The bench's deploy config sets ``engine.speak_policy`` to
+  ``every_k_units`` with ``k = turn_units = ALWAYS_SPEAK_K``, so every unit speaks and one turn
+  spans the whole run (the same setting a deploy YAML can make).
+* Fast-forward to steady state: ``DuplexEngine.fast_forward`` fills each session's Thinker
+  window to its high mark through the serving append path (embeddings of seeded random text
+  ids) and holds Talker blocks for a full turn (``max_position_embeddings`` tokens, held, not
+  computed). Code2Wav reaches P private frames by real units.
+* Memory: ``engine.stats().pools``, which lists the Euler arena and the context cache too.
 """
 
 from __future__ import annotations
@@ -30,19 +29,24 @@ import torch
 from duplexcache.bench.components import (
     FRAMES_PER_UNIT,
     SessionOutput,
-    _high_mark,
     check_code2wav_steady,
 )
 from duplexcache.bench.memory import Tier
 from duplexcache.config import DeployConfig
 from duplexcache.runtime.engine import DuplexEngine
 from duplexcache.runtime.engine_api import AudioDelta, SessionError, TextDelta
-from duplexcache.runtime.policy import ScriptedPolicy, text_token_ids
 
 logger = logging.getLogger(__name__)
 
 INSTRUCTIONS = "You are a helpful voice assistant. Answer briefly."
 ALWAYS_SPEAK_K = 1_000_000   # one turn for the whole run: every unit speaks
+
+
+def always_speak(deploy: DeployConfig) -> DeployConfig:
+    """``deploy`` with the speak policy the bench runs: every unit speaks, one turn per run."""
+    data = deploy.to_dict()
+    data["engine"]["speak_policy"] = {"mode": "every_k_units", "k": ALWAYS_SPEAK_K, "turn_units": ALWAYS_SPEAK_K}
+    return DeployConfig.from_dict(data, environ={})
 
 
 class EngineTarget:
@@ -52,10 +56,7 @@ class EngineTarget:
 
     def __init__(self, models, deploy: DeployConfig, max_sessions: int) -> None:
         self.models = models
-        self.engine = DuplexEngine(deploy, models)
-        e = self.engine
-        e.policy = ScriptedPolicy(e.control, text_token_ids(models.tokenizer, models.thinker.config.vocab_size),
-                                  k=ALWAYS_SPEAK_K, turn_units=ALWAYS_SPEAK_K)
+        self.engine = DuplexEngine(always_speak(deploy), models)
         self.voice = "default"
         self.outputs: dict[str, SessionOutput] = {}
         self.tick_s: list[float] = []
@@ -103,40 +104,21 @@ class EngineTarget:
                 self.outputs[ev.sid].text.extend(ev.text.encode("utf-8"))
 
     def fast_forward_window(self, chunk_tokens: int = 512) -> int:
-        """Thinker windows to their high mark, Talker tables to a full turn (module docstring)."""
+        """Thinker windows to their high mark, Talker tables to a full turn (module docstring);
+        returns the most Thinker tokens one session took."""
         e = self.engine
-        st, mgr = e.stage0, e.stage0.manager
-        todo = {sid: s.prefix_len + _high_mark(st, sid) - mgr.num_tokens(sid) for sid, s in st.sessions.items()} \
-            if e.window.enabled else {}
-        most, step = max(todo.values(), default=0), 0
-        while any(v > 0 for v in todo.values()):
-            inputs = {}
-            for i, (sid, left) in enumerate(todo.items()):
-                if left > 0:
-                    n = min(left, chunk_tokens)
-                    g = torch.Generator().manual_seed(7_000_003 * step + i)
-                    inputs[sid] = e._embed_tokens(torch.randint(0, 151_000, (n,), generator=g))
-                    todo[sid] -= n
-            res = st.append(inputs, unit_start=False)
-            if res.errors:
-                sid, err = next(iter(res.errors.items()))
-                raise RuntimeError(f"bench: fast-forward ended session {sid}: {err}")
-            step += 1
-        full_turn = self.models.talker.config.max_position_embeddings
-        for sess in list(e._sessions.values()):
-            e._grow_talker(sess, full_turn)
+        most = 0
+        for sid in e.session_ids():
+            window = e.session_info(sid).window
+            high = window.high_tokens if window.enabled else None
+            done = e.fast_forward(sid, thinker_tokens=high, talker_full_turn=True, chunk_tokens=chunk_tokens)
+            most = max(most, done.thinker_tokens_appended)
         check_code2wav_steady(e.code2wav)
-        return max(0, most)
+        return most
 
     # ---------------------------------------------------------------- accounting
     def pools(self) -> dict[str, Tier]:
-        e = self.engine
-        e._refresh_pools()
-        out = {name: Tier(t.shared, t.private, t.free) for name, t in e.stats().pools.items()}
-        out["cfm_arena"] = Tier(e.code2wav.arena.nbytes(), 0)
-        cache = e.builder.cache
-        out["context_cache"] = Tier(cache.nbytes() if cache is not None else 0, 0)
-        return out
+        return {name: Tier(t.shared, t.private, t.free) for name, t in self.engine.stats().pools.items()}
 
     def close(self) -> None:
         self.engine.shutdown()

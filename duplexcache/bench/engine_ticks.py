@@ -2,7 +2,7 @@
 
     python -m duplexcache.bench.engine_ticks [--preset tiny|minicpmo45] [--device cpu|cuda]
         [--sessions 1,8,16,32] [--ticks 6] [--warmup-ticks 2] [--memory-budget 80GiB]
-        [--all-switches on|off] [--max-seconds 420] [--out DIR]
+        [--all-switches on|off] [--steady-window] [--max-seconds 420] [--out DIR]
 
 The models are built once (random weights; minicpmo45 on CUDA in bf16). For each session count
 ``n`` a fresh :class:`DuplexEngine` is built over the same :class:`ModelBundle`, ``n`` sessions are
@@ -11,6 +11,12 @@ opened (voices ``default``/``alt`` alternating, the same instructions), each is 
 16 kHz), ``--warmup-ticks`` ticks run unrecorded (they open the sessions, compile kernels and
 capture Code2Wav graphs), then ``--ticks`` ticks are recorded. Then every session is closed, the
 engine shut down and its memory freed before the next ``n``.
+
+``--steady-window``: after the warm-up, ``DuplexEngine.fast_forward`` fills every session's
+Thinker window to the middle of its marks, ``(low + high) // 2`` tokens after the anchor (seeded
+random text ids, through the serving append path), so the recorded ticks attend over a window of
+the length a long call averages instead of a few units. The middle, not the high mark: a fill
+to the high mark would make every session compact in the first recorded tick.
 
 What is recorded per tick:
 * the engine's own per-stage latency (``stats().stage_latency_s``: encoder, thinker, talker,
@@ -98,6 +104,7 @@ class TickBenchConfig:
     max_seconds: float = 420.0
     speak_k: int = 2
     seed: int = 0
+    steady_window: bool = False   # fill each Thinker window to (low + high) // 2 after the warm-up
 
     def __post_init__(self) -> None:
         if self.preset not in ("tiny", "minicpmo45"):
@@ -256,6 +263,20 @@ def _record_tick(eng: DuplexEngine, res: RunResult, device: torch.device) -> Non
     res.session_errors += sum(isinstance(e, SessionError) for e in events)
 
 
+def _fill_windows(eng: DuplexEngine, sids: list[str]) -> None:
+    """Each live session's Thinker window to the middle of its marks (``--steady-window``)."""
+    for sid in sids:
+        if sid not in eng.session_ids():
+            continue   # the engine ended it; counted as a session error already
+        info = eng.session_info(sid)
+        if not info.window.enabled:
+            continue
+        have = info.thinker_tokens - info.thinker_anchor_tokens
+        target = max(have, (info.window.low_tokens + info.window.high_tokens) // 2)
+        eng.fast_forward(sid, thinker_tokens=target)
+    logger.info("filled %d Thinker windows to the middle of their marks", len(sids))
+
+
 def _drive(eng: DuplexEngine, n: int, cfg: TickBenchConfig, res: RunResult, deadline: _Deadline,
            sids: list[str]) -> None:
     """Open (into ``sids``), feed, warm up and record; the caller closes the sessions."""
@@ -276,6 +297,8 @@ def _drive(eng: DuplexEngine, n: int, cfg: TickBenchConfig, res: RunResult, dead
         events = eng.tick()
         res.session_errors += sum(isinstance(e, SessionError) for e in events)
         logger.info("n=%d warm-up tick %d/%d: %.2f s", n, k + 1, cfg.warmup_ticks, time.perf_counter() - t0)
+    if cfg.steady_window:
+        _fill_windows(eng, sids)
     late_before = eng.late_ticks
     for k in range(cfg.ticks):
         if deadline.passed():
@@ -432,7 +455,7 @@ def _results(cfg: TickBenchConfig, deploy: DeployConfig, models: ModelBundle, ro
                    "memory_budget": format_bytes(deploy.engine.memory_budget),
                    "activation_reserve": format_bytes(deploy.engine.activation_reserve),
                    "all_switches": cfg.all_switches, "speak_policy": f"every_k_units k={cfg.speak_k}",
-                   "max_seconds": cfg.max_seconds, "seed": cfg.seed},
+                   "max_seconds": cfg.max_seconds, "seed": cfg.seed, "steady_window": cfg.steady_window},
         "model_build_s": round(build_s, 3),
         "weight_bytes": models.weight_bytes(),
         "memory_allocated_after_build": weights_alloc,
@@ -456,7 +479,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"hardware: {results['hardware']}  ",
         f"preset {c['preset']} on {c['device']} ({c['dtype']}), random weights, scripted policy "
         f"{c['speak_policy']}; sharing switches {'on' if c['all_switches'] else 'off'}; "
-        f"budget {c['memory_budget']} (reserve {c['activation_reserve']})  ",
+        f"budget {c['memory_budget']} (reserve {c['activation_reserve']}); Thinker windows "
+        f"{'filled to (low + high) / 2 before the recorded ticks' if c.get('steady_window') else 'as the units left them'}  ",
         f"{c['warmup_ticks']} warm-up + {c['ticks']} recorded ticks per session count; models built once in "
         f"{results['model_build_s']:.1f} s; whole run {results['elapsed_s']:.1f} s "
         f"(budget {c['max_seconds']:.0f} s)", "",
@@ -515,6 +539,8 @@ def parse_args(argv: list[str] | None) -> tuple[TickBenchConfig, Path]:
     p.add_argument("--all-switches", choices=("on", "off"), default="on",
                    help="shared_anchor_blocks, duplex_context_caching, cfm_prompt_att_sharing")
     p.add_argument("--speak-k", type=int, default=2, help="scripted policy: speak in the last min(2,k) of k units")
+    p.add_argument("--steady-window", action="store_true",
+                   help="before the recorded ticks, fill each Thinker window to (low + high) / 2 tokens")
     p.add_argument("--max-seconds", type=float, default=420.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("out/engine_ticks"))
@@ -522,7 +548,7 @@ def parse_args(argv: list[str] | None) -> tuple[TickBenchConfig, Path]:
     device = a.device or ("cuda" if a.preset == "minicpmo45" else "cpu")
     try:
         cfg = TickBenchConfig(a.preset, device, a.sessions, a.ticks, a.warmup_ticks, a.memory_budget,
-                              a.all_switches == "on", a.max_seconds, a.speak_k, a.seed)
+                              a.all_switches == "on", a.max_seconds, a.speak_k, a.seed, a.steady_window)
     except ValueError as exc:
         p.error(str(exc))
     return cfg, a.out

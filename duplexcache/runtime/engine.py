@@ -134,6 +134,35 @@ class _Session:
     talker_len: int = 0
 
 
+@dataclass(frozen=True)
+class SessionInfo:
+    """A read-only snapshot of one live session (``DuplexEngine.session_info``).
+
+    Thinker counts are 0 until the tick that opens the session in Stage 0 (``opened``).
+    ``window`` holds the marks this session compacts with (the client's, when allowed).
+    """
+
+    sid: str
+    voice: str
+    opened: bool
+    units: int                     # units this session has run
+    turns: int                     # audio turns started
+    code2wav_stream: str | None    # the current turn's Code2Wav stream id, None between turns
+    window: WindowConfig
+    thinker_anchor_tokens: int     # the shared/anchored context (never released by the window)
+    thinker_tokens: int            # anchor + window tokens now in the Thinker KV
+    talker_tokens: int             # Talker KV tokens computed in the current turn
+    talker_blocks: int             # Talker blocks held (a fast-forward may hold more than computed)
+
+
+@dataclass(frozen=True)
+class FastForwardResult:
+    """What ``DuplexEngine.fast_forward`` added to one session."""
+
+    thinker_tokens_appended: int
+    talker_blocks_added: int
+
+
 @dataclass
 class _Unit:
     """One session's unit inside a tick."""
@@ -188,8 +217,8 @@ class DuplexEngine:
         self.voices = models.voices
         _pin_cuda_numerics(models.device)
         self.control = ControlTokens.from_tokenizer(models.tokenizer)
-        self.policy = make_policy(deploy.engine.speak_policy, self.control,
-                                  text_token_ids(models.tokenizer, models.thinker.config.vocab_size))
+        self._text_ids = text_token_ids(models.tokenizer, models.thinker.config.vocab_size)
+        self.policy = make_policy(deploy.engine.speak_policy, self.control, self._text_ids)
         self.block_size = deploy.stage0.block_size
         w = deploy.stage0.window
         self.window = WindowConfig(mode=w.mode, high_tokens=w.high_tokens, low_tokens=w.low_tokens)
@@ -205,6 +234,8 @@ class DuplexEngine:
         self.ledger = AdmissionLedger(self.plan)
         self._build_pools()
         self._lock = threading.Lock()
+        # Held by tick() and fast_forward(): both run models over the tick thread's state.
+        self._tick_lock = threading.Lock()
         self._sessions: dict[str, _Session] = {}
         self._queue: OrderedDict[str, _Session] = OrderedDict()
         self._closing: list[_Session] = []
@@ -381,9 +412,118 @@ class DuplexEngine:
             self.ledger.release(sid)
             self._closing.append(sess)   # its memory is freed at the start of the next tick
 
+    # ------------------------------------------------------------------ read-only views
+
+    def session_ids(self) -> list[str]:
+        """Live (admitted, not queued) sessions, in admission order."""
+        with self._lock:
+            return list(self._sessions)
+
+    def session_info(self, sid: str) -> SessionInfo:
+        """A snapshot of live session ``sid`` (consistent between ticks); ValueError if unknown."""
+        s = self._live_session(sid)
+        opened = s.opened and sid in self.stage0.sessions
+        return SessionInfo(
+            sid=sid, voice=s.voice.name, opened=opened, units=s.unit_index, turns=s.turn_index,
+            code2wav_stream=s.c2w_sid, window=self._session_window(s.config),
+            thinker_anchor_tokens=self.stage0.sessions[sid].prefix_len if opened else 0,
+            thinker_tokens=self.stage0.num_tokens(sid) if opened else 0,
+            talker_tokens=s.talker_len, talker_blocks=len(s.talker_blocks))
+
+    def _live_session(self, sid: str) -> _Session:
+        with self._lock:
+            sess = self._sessions.get(sid)
+            if sess is None:
+                what = "queued" if sid in self._queue else "unknown"
+                raise ValueError(f"{what} session {sid!r} (live sessions: {', '.join(self._sessions) or 'none'})")
+            return sess
+
+    # ------------------------------------------------------------------ fast-forward (benchmarks)
+
+    def fast_forward(self, sid: str, *, thinker_tokens: int | None = None, talker_full_turn: bool = False,
+                     chunk_tokens: int = 512, seed: int = 0) -> FastForwardResult:
+        """For benchmarks: brings per-session state to its steady size without running the audio path.
+
+        ``thinker_tokens``: fill the session's Thinker window (the tokens after its anchor) up
+        to this many tokens with embeddings of seeded random text ids, through the serving
+        append path (``Stage0Runner.append``, ``chunk_tokens`` per forward), so blocks, window
+        bookkeeping and pool accounting are exactly those of serving. The limit is the session's
+        high mark (window off: the model's positions less the anchor); the fill stops at or
+        below it, so the fill itself never compacts and the next unit compacts as in serving.
+        The fill tokens are not unit starts. None leaves the Thinker as it is.
+
+        ``talker_full_turn``: hold Talker blocks for a full turn (``max_position_embeddings``
+        tokens, what admission reserved); they are held, not computed, and the turn's next
+        units compute into them. Pool stats are refreshed afterwards.
+
+        Call between ticks (it waits for a running tick). The session must be open in Stage 0
+        (one tick after ``open_session``). ValueError on an unknown, queued or unopened session,
+        on a length past the limit or below what the window holds already.
+        """
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        with self._tick_lock:
+            if self._closed:
+                raise RuntimeError("engine is shut down")
+            sess = self._live_session(sid)
+            if not (sess.opened and sid in self.stage0.sessions):
+                raise ValueError(f"session {sid!r} is not open in Stage 0 yet: run a tick after open_session")
+            todo = self._thinker_fill_count(sid, thinker_tokens) if thinker_tokens is not None else 0
+            appended = self._fill_thinker(sess, todo, chunk_tokens, seed)
+            added = 0
+            if talker_full_turn:
+                before = len(sess.talker_blocks)
+                self._grow_talker(sess, self.models.talker.config.max_position_embeddings)
+                added = len(sess.talker_blocks) - before
+            self._refresh_pools()
+        return FastForwardResult(appended, added)
+
+    def _thinker_fill_count(self, sid: str, thinker_tokens: int) -> int:
+        """Tokens to append so the window holds ``thinker_tokens``; ValueError when out of range::
+
+            [ anchor (prefix) | window now ........ | fill ......... ]
+                              |<-- have ----------->|<-- returned -->|
+                              |<-- thinker_tokens (<= high) -------->|
+        """
+        prefix = self.stage0.sessions[sid].prefix_len
+        have = self.stage0.num_tokens(sid) - prefix
+        window = self.stage0.session_window(sid)
+        if window.enabled:
+            limit, what = window.high_tokens, f"the window's high mark ({window.high_tokens} tokens after the anchor)"
+        else:
+            limit = self.stage0.max_positions - prefix
+            what = f"the model's {self.stage0.max_positions} positions less the {prefix}-token anchor"
+        if thinker_tokens > limit:
+            raise ValueError(f"session {sid!r}: thinker_tokens {thinker_tokens} is past {what}")
+        if thinker_tokens < have:
+            raise ValueError(f"session {sid!r}: thinker_tokens {thinker_tokens} is below the {have} window tokens "
+                             "it holds already; fast_forward only grows")
+        return thinker_tokens - have
+
+    def _fill_thinker(self, sess: _Session, todo: int, chunk_tokens: int, seed: int) -> int:
+        if todo == 0:
+            return 0
+        # Ids depend on (sid, seed, length so far) only, not on chunk_tokens: the same fill in
+        # every configuration of a bench run, and chunking changes nothing but the forwards.
+        start = self.stage0.num_tokens(sess.sid)
+        g = torch.Generator().manual_seed(zlib.crc32(f"{sess.sid}/{seed}/{start}".encode()))
+        ids = self._text_ids[torch.randint(len(self._text_ids), (todo,), generator=g)]
+        for chunk in torch.split(ids, chunk_tokens):
+            result = self.stage0.append({sess.sid: self._embed_tokens(chunk)}, unit_start=False)
+            if sess.sid in result.errors:
+                # Cannot happen at or below the high mark with the blocks admission reserved.
+                err = result.errors[sess.sid]
+                self._end(sess, err)
+                raise RuntimeError(f"fast-forward ended session {sess.sid}: {err}") from err
+        return todo
+
     # ------------------------------------------------------------------ the tick
 
     def tick(self) -> list[EngineEvent]:
+        with self._tick_lock:
+            return self._tick()
+
+    def _tick(self) -> list[EngineEvent]:
         if self._closed:
             raise RuntimeError("engine is shut down")
         start = time.perf_counter()
@@ -706,8 +846,13 @@ class DuplexEngine:
             enc = sum(s.encoder_state.nbytes for s in self._sessions.values() if s.encoder_state is not None)
         # The dynamic region holds both Code2Wav and encoder caches: its free bytes are shown once.
         c2w = TierBytes(shared=c2w.shared, private=c2w.private, free=max(0, c2w.free - enc))
+        # The Euler arena (fixed at start) and the context cache's embeddings are shared by
+        # every session; listing them here puts them on /metrics next to the pools.
+        cache = self.builder.cache
         pools = {"thinker_kv": thinker, "talker_kv": talker, "code2wav": c2w,
-                 "audio_encoder": TierBytes(shared=0, private=enc, free=0)}
+                 "audio_encoder": TierBytes(shared=0, private=enc, free=0),
+                 "cfm_arena": TierBytes(shared=self.code2wav.arena.nbytes(), private=0, free=0),
+                 "context_cache": TierBytes(shared=cache.nbytes() if cache is not None else 0, private=0, free=0)}
         with self._lock:
             self._pools = pools
 

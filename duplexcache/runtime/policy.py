@@ -152,5 +152,5 @@ def make_policy(settings: SpeakPolicy, control: ControlTokens, text_ids: torch.T
     if settings.mode == "model":
         return ModelPolicy(control, text_ids)
     if settings.mode == "every_k_units":
-        return ScriptedPolicy(control, text_ids, k=settings.k)
+        return ScriptedPolicy(control, text_ids, k=settings.k, turn_units=settings.turn_units)
     raise ValueError(f"unknown speak_policy mode {settings.mode!r}")

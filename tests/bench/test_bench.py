@@ -284,3 +284,32 @@ def test_engine_target_refuses_to_call_an_early_state_steady(engine_models):
             target.fast_forward_window(32)
     finally:
         target.close()
+
+
+def test_engine_target_gets_always_speak_from_the_deploy_config(engine_models):
+    from duplexcache.bench.engine_target import ALWAYS_SPEAK_K, EngineTarget
+
+    target = EngineTarget(engine_models, config_matrix(_small_base())[0].deploy, 1)
+    try:
+        sp = target.engine.deploy.engine.speak_policy
+        assert (sp.mode, sp.k, sp.turn_units) == ("every_k_units", ALWAYS_SPEAK_K, ALWAYS_SPEAK_K)
+        assert all(target.engine.policy.speaks(u) for u in range(50))   # no policy swapped in
+    finally:
+        target.close()
+
+
+def test_bench_uses_no_private_attribute_of_another_object():
+    """The bench measures what serving runs only if it drives the engine through its public
+    API: no ``obj._name`` access in duplexcache/bench (``self._name`` is the object's own)."""
+    import ast
+    from pathlib import Path
+
+    import duplexcache.bench as bench_pkg
+
+    found = []
+    for path in sorted(Path(bench_pkg.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                    found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    assert found == []

@@ -217,3 +217,31 @@ def test_session_audio_lengths_and_seeding():
     assert np.array_equal(a, et.session_audio(0, 3, 16_560, 16_000))
     assert not np.array_equal(a, et.session_audio(1, 3, 16_560, 16_000))
     assert np.abs(a).max() <= 0.3 + 1e-6 and np.abs(a).max() > 0.1
+
+
+class FillTrackingEngine(TrackedEngine):
+    """Records each fast-forward and the Thinker length right after it."""
+
+    def __init__(self, deploy, models) -> None:
+        super().__init__(deploy, models)
+        self.fills: list[tuple[str, int, int]] = []
+
+    def fast_forward(self, sid, **kw):
+        res = super().fast_forward(sid, **kw)
+        info = self.session_info(sid)
+        self.fills.append((sid, kw["thinker_tokens"], info.thinker_tokens - info.thinker_anchor_tokens))
+        return res
+
+
+def test_steady_window_fills_to_the_middle_of_the_marks(models, tmp_path, restore_logging):
+    TrackedEngine.built = []
+    cfg = et.TickBenchConfig("tiny", "cpu", (1,), 1, 1, steady_window=True)
+    results = et.run_benchmark(cfg, tmp_path, models=models, engine_factory=FillTrackingEngine)
+    (eng,) = TrackedEngine.built
+    w = eng.deploy.stage0.window
+    mid = (w.low_tokens + w.high_tokens) // 2
+    assert eng.fills == [(eng.opened[0], mid, mid)]
+    run = results["runs"][0]
+    assert run["status"] == "ok" and results["config"]["steady_window"] is True
+    assert "filled to (low + high) / 2" in (tmp_path / "results.md").read_text()
+    assert et.parse_args(["--steady-window"])[0].steady_window is True

@@ -119,8 +119,9 @@ def test_talker_turn_at_its_position_limit_starts_a_new_audio_turn(tmp_path):
     torch.manual_seed(0)
     # a unit costs 4 condition rows (3 text + end) + 26 codes = 30 Talker tokens: 2 fit in 64, 3 do not
     talker = Talker(dataclasses.replace(base.talker.config, max_position_embeddings=64)).eval()
-    eng = engine(tmp_path, "tturn", models=dataclasses.replace(base, talker=talker))
-    eng.policy = ScriptedPolicy(CONTROL, TEXT, k=100, turn_units=100)   # one endless Thinker turn
+    # one endless Thinker turn: every unit speaks
+    eng = engine(tmp_path, "tturn", {"engine": {"speak_policy": {"k": 100, "turn_units": 100}}},
+                 models=dataclasses.replace(base, talker=talker))
     sid = eng.open_session({"voice": "default"})
     eng.push_audio(sid, audio(0, 3))
     got = [collect(eng.tick()).get(sid, {"audio": [], "done": 0}) for _ in range(3)]
@@ -128,5 +129,5 @@ def test_talker_turn_at_its_position_limit_starts_a_new_audio_turn(tmp_path):
     # unit 2 does not fit the Talker turn: unit 1's codes are flushed as a final chunk, no
     # response.done (the Thinker is still speaking), and unit 2 opens a new audio turn
     assert [len(a) // 2 for a in got[2]["audio"]] == [27840] and got[2]["done"] == 0
-    s = eng._sessions[sid]
-    assert s.turn_index == 2 and s.talker_len == 30 and s.held is not None
+    s = eng.session_info(sid)
+    assert s.turns == 2 and s.talker_tokens == 30 and s.code2wav_stream == f"{sid}#2"

@@ -12,7 +12,7 @@ from engine_helpers import audio, engine
 from duplexcache.cfm.prompt_cache import PlainAttCache, SharedPromptAttCache
 from duplexcache.config import ConfigError, SessionConfigError
 from duplexcache.kv.window import WindowConfig
-from duplexcache.runtime.policy import ModelPolicy, ScriptedPolicy, text_token_ids
+from duplexcache.runtime.policy import ModelPolicy, ScriptedPolicy
 
 
 def _open_two(eng, voice="default"):
@@ -109,16 +109,16 @@ def test_client_window_limits_are_kept(tmp_path):
 
 @pytest.mark.parametrize("on", [True, False])
 def test_cfm_prompt_att_sharing_reaches_code2wav(tmp_path, on):
-    eng = engine(tmp_path, "cfm", {"code2wav": {"cfm_prompt_att_sharing": on}})
+    # every unit speaks in one long turn, so both Code2Wav streams are alive to inspect
+    eng = engine(tmp_path, "cfm", {"code2wav": {"cfm_prompt_att_sharing": on},
+                                   "engine": {"speak_policy": {"k": 100, "turn_units": 100}}})
     assert eng.code2wav.registry.sharing is on
-    # keep both turns open across ticks so their Code2Wav streams are alive to inspect
-    eng.policy = ScriptedPolicy(eng.control, text_token_ids(eng.models.tokenizer, 151748), k=100, turn_units=100)
     a, b = (eng.open_session({"voice": "default"}) for _ in range(2))
     for i, sid in enumerate((a, b)):
         eng.push_audio(sid, audio(i, 2))
     eng.tick()
     eng.tick()
-    sa, sb = (eng.code2wav.sessions[eng._sessions[s].c2w_sid] for s in (a, b))
+    sa, sb = (eng.code2wav.sessions[eng.session_info(s).code2wav_stream] for s in (a, b))
     if on:
         assert isinstance(sa.att, SharedPromptAttCache) and sa.prompt is sb.prompt
         assert sa.att.prompt.untyped_storage().data_ptr() == sb.att.prompt.untyped_storage().data_ptr()
@@ -150,6 +150,11 @@ def test_speak_policy_block_size_and_budget_reach_the_engine(tmp_path):
     assert isinstance(small.policy, ModelPolicy)
     assert isinstance(big.policy, ScriptedPolicy) and big.policy.k == 3
     assert [big.policy.speaks(u) for u in range(6)] == [False, True, True, False, True, True]
+    # turn_units reaches the schedule: 1 of every 3 units speaks; k == turn_units speaks always
+    one = engine(tmp_path, "c", {"engine": {"speak_policy": {"k": 3, "turn_units": 1}}})
+    assert [one.policy.speaks(u) for u in range(6)] == [False, False, True, False, False, True]
+    always = engine(tmp_path, "d", {"engine": {"speak_policy": {"k": 1000, "turn_units": 1000}}})
+    assert all(always.policy.speaks(u) for u in range(999)) and always.policy.turn_units == 1000
     assert small.thinker_cache.block_size == small.talker_cache.block_size == 32
     assert small.plan.budget_bytes == (256 << 20) - (64 << 20)
     assert small.plan.planned_sessions < big.plan.planned_sessions

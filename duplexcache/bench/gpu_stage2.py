@@ -17,7 +17,7 @@ On the minicpmo45 flow + HiFT shapes (random weights, float32, as the reference 
       chunk (Token2wav.stream's loop over the reference modules, with its trim rule), the
       figure SPEC section 5 anchors at 180 ms on an H200.
 A chunk's time is wall clock around `BatchedCode2Wav.step` with the device synchronized before
-and after: it includes the per-session conformer and vocoder and every host-side cost.
+and after: it includes the batched conformer and vocoder calls and every host-side cost.
 Writes results.json and results.md to --out. Needs only torch and numpy (+ the reference for (e)).
 """
 from __future__ import annotations
@@ -154,6 +154,9 @@ def run_mode(flow, hift, sharing: bool, args, device, prompt, mels: dict) -> dic
     out = {"sharing": sharing, "arena_rows": stage.arena.rows, "arena_bytes": stage.arena.nbytes(),
            "arena_alloc_delta": arena_alloc, "graph_keys": [list(k) for k in stage.arena.graph_keys],
            "captures": s.captures, "replays": s.replays, "eager_runs": s.eager_runs, "batches": rows,
+           # Conformer / vocoder calls per step (one per shape group; 1 each at steady state).
+           "batch_stats": {k: getattr(stage.batch_stats, k) for k in ("steps", "conformer_calls", "conformer_rows",
+                                                                      "vocoder_calls", "vocoder_rows")},
            "max_realtime_batch": max([r["batch"] for r in rows if r["realtime"]], default=0)}
     del stage
     gc.collect()

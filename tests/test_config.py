@@ -236,3 +236,16 @@ def test_window_override_can_be_disabled_by_server():
     with pytest.raises(SessionConfigError, match="does not let clients"):
         build_runtime_config(deploy, {"window": {"high_tokens": 100, "low_tokens": 50}})
     assert build_runtime_config(deploy, {}).window_high_tokens == 8000
+
+
+def test_example_serving_config_turns_every_sharing_switch_on():
+    """examples/minicpmo45-shared.yaml is what the README tells users to serve with."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "minicpmo45-shared.yaml"
+    d = DeployConfig.from_yaml(path, environ={})
+    assert d.model.preset == "minicpmo45"
+    assert d.stage0.shared_anchor_blocks and d.context_cache.duplex_context_caching
+    assert d.code2wav.cfm_prompt_att_sharing and d.code2wav.cfm_arena_rows_from_graph_grid
+    assert d.code2wav.graph_grid == (1, 4, 8, 16) and d.code2wav.arena_rows == 16
+    assert d.stage0.window.mode == "basic"

@@ -31,7 +31,7 @@ case "$mode" in
     step smoke_setup 120 python3 -m duplexcache.bench.session_setup --preset tiny --device cuda --sessions 3 --repeats 1 --out "$out/smoke_setup"
     step gpu_tests 240 python3 -m pytest -q -x tests/cfm/test_graphs.py tests/kv/test_paged_attention.py -p no:cacheprovider ;;
   bench)  # issue 6: memory per session A/B per switch, 80 GiB budget as on an 80 GB card
-    step bench 330 python3 -m duplexcache.cli bench --preset minicpmo45 --device cuda --sessions 1,2,4 --memory-budget 80GiB --out "$out/bench" ;;
+    step bench 480 python3 -m duplexcache.cli bench --preset minicpmo45 --device cuda --sessions 1,2,4 --memory-budget 80GiB --out "$out/bench" ;;
   setup)  # issue 4: setup time / private bytes of later sessions, context cache x shared anchors
     step session_setup 120 python3 -m duplexcache.bench.session_setup --preset minicpmo45 --device cuda --sessions 4 --repeats 2 --out "$out/session_setup" ;;
   ticks)  # issue 5: per-stage tick latency and the largest real-time session count

@@ -46,6 +46,17 @@ from duplexcache.models.thinker import ThinkerConfig
 # ----------------------------------------------------------------------------- pure arithmetic
 
 
+
+def assert_savings(by: dict) -> None:
+    """all_on beats all_off per session; each sharing switch alone saves per-session bytes at
+    setup; the arena switch saves fixed bytes (the arena), not per-session ones."""
+    assert by["all_on"]["steady_slope_mib"] < by["all_off"]["steady_slope_mib"]
+    assert by["all_on"]["setup_slope_mib"] < by["all_off"]["setup_slope_mib"]
+    assert by["shared_anchor_blocks"]["setup_slope_mib"] < by["all_off"]["setup_slope_mib"]
+    assert by["cfm_prompt_att_sharing"]["setup_slope_mib"] < by["all_off"]["setup_slope_mib"]
+    arena = lambda name: by[name]["bytes_per_tier"]["steady"]["cfm_arena"]["shared"]  # noqa: E731
+    assert arena("cfm_arena_rows_from_graph_grid") < arena("all_off")
+
 def test_fit_slope_exact_line_and_spread():
     ns = [1, 2, 4, 8]
     held = [10 * MIB + 3 * MIB * n for n in ns]
@@ -171,13 +182,7 @@ def test_report_schema_equality_and_savings(sweep, tmp_path):
         assert c["equality"] == "PASS"
         assert set(c["bytes_per_tier"]["steady"]) >= {"thinker_kv", "cfm_prompt", "audio_encoder"}
     by = {c["name"]: c for c in loaded["configs"]}
-    assert by["all_on"]["steady_slope_mib"] < by["all_off"]["steady_slope_mib"]
-    assert by["all_on"]["setup_slope_mib"] < by["all_off"]["setup_slope_mib"]
-    # each sharing switch alone saves per-session bytes; the arena switch saves fixed bytes
-    assert by["shared_anchor_blocks"]["setup_slope_mib"] < by["all_off"]["setup_slope_mib"]
-    assert by["cfm_prompt_att_sharing"]["setup_slope_mib"] < by["all_off"]["setup_slope_mib"]
-    arena = lambda name: by[name]["bytes_per_tier"]["steady"]["cfm_arena"]["shared"]
-    assert arena("cfm_arena_rows_from_graph_grid") < arena("all_off")
+    assert_savings(by)
     assert loaded["repeat_count"] == 1 and {"preset", "device", "hardware", "date"} <= set(loaded)
     assert "all_off" in format_table(loaded)
 
@@ -265,12 +270,7 @@ def test_cli_runs_reduced_engine(tmp_path, monkeypatch, engine_models):
         # the Talker at a full turn and the Code2Wav state are in the engine's pools
         steady = c["bytes_per_tier"]["steady"]
         assert steady["talker_kv"]["private"] > 0 and steady["code2wav"]["private"] > 0
-    assert by["all_on"]["steady_slope_mib"] < by["all_off"]["steady_slope_mib"]
-    assert by["all_on"]["setup_slope_mib"] < by["all_off"]["setup_slope_mib"]
-    assert by["shared_anchor_blocks"]["setup_slope_mib"] < by["all_off"]["setup_slope_mib"]
-    assert by["cfm_prompt_att_sharing"]["setup_slope_mib"] < by["all_off"]["setup_slope_mib"]
-    arena = lambda name: by[name]["bytes_per_tier"]["steady"]["cfm_arena"]["shared"]
-    assert arena("cfm_arena_rows_from_graph_grid") < arena("all_off")
+    assert_savings(by)
 
 
 def test_engine_target_refuses_to_call_an_early_state_steady(engine_models):

@@ -210,7 +210,11 @@ class Thinker(nn.Module):
     # inputs
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings, (N,) -> (N, H) (any leading shape works)."""
+        """Token embeddings, (N,) -> (N, H) (any leading shape works).
+
+        Ids may live on any device: the range check runs where they are and they move to the
+        embedding's device afterwards, so host-side ids (the engine's decoded tokens) cost no
+        device sync for the check."""
         if token_ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"Thinker.embed: token ids must be int32/int64, got {token_ids.dtype}")
         if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= self.config.vocab_size):
@@ -218,7 +222,7 @@ class Thinker(nn.Module):
                 f"Thinker.embed: token ids must be in [0, {self.config.vocab_size}), "
                 f"got range [{int(token_ids.min())}, {int(token_ids.max())}]"
             )
-        return self.model.embed_tokens(token_ids)
+        return self.model.embed_tokens(token_ids.to(self.model.embed_tokens.weight.device))
 
     def build_inputs_embeds(
         self, token_ids: torch.Tensor, spans: list[tuple[int, torch.Tensor]] | None = None

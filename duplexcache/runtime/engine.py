@@ -199,7 +199,8 @@ def _pin_cuda_numerics(device: torch.device) -> None:
     """Sharing must be bit-exact, so the same work must give the same bits in every engine:
     cuDNN may otherwise pick a different convolution algorithm (and TF32) depending on free
     workspace, which changed Code2Wav's output between two engines of one process on an H200.
-    Stage 2 runs float32 as the reference does, so TF32 convolutions are off too."""
+    Stage 2 runs float32 as the reference does, so TF32 convolutions are off too. These are
+    process-wide torch settings: every engine in the process (and anything else) shares them."""
     if device.type != "cuda":
         return
     torch.backends.cudnn.benchmark = False
@@ -309,7 +310,7 @@ class DuplexEngine:
 
     def _embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            return self.models.thinker.embed(ids.to(self.models.device))
+            return self.models.thinker.embed(ids)  # checked on the host, then moved
 
     def _encode_reference_audio(self, audio: torch.Tensor, state: Any) -> EmbeddingResult:
         """Whole-clip encode (touches no per-session streaming state); counted for metrics/tests."""

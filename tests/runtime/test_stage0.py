@@ -248,7 +248,9 @@ def test_context_longer_than_position_limit_fails_only_that_session():
     assert not r.append(unit_inputs(thinker, ["ok"], 12, 0), unit_start=True).errors
 
 
-def test_too_many_incoming_tokens_end_only_that_session():
+def flood_one_of_two():
+    """Open "a" and "b" on one 40-token context (window 48/32), then append a normal unit to
+    "a" and more than the whole window to "b". Returns (thinker, runner, ctx, result)."""
     thinker = make_thinker()
     r = make_runner(thinker, window=WindowConfig("basic", high_tokens=48, low_tokens=32))
     ctx = make_context(thinker, 40, seed=1)
@@ -256,6 +258,11 @@ def test_too_many_incoming_tokens_end_only_that_session():
     inputs = unit_inputs(thinker, ["a", "b"], 12, 0)
     inputs["b"] = torch.randn(60, thinker.config.hidden_size)  # more than the whole window
     res = r.append(inputs, unit_start=True)
+    return thinker, r, ctx, res
+
+
+def test_too_many_incoming_tokens_end_only_that_session():
+    thinker, r, _, res = flood_one_of_two()
     assert set(res.logits) == {"a"} and isinstance(res.errors["b"], ContextLengthExceeded)
     assert "b" not in r.manager
     r.manager.check_invariants()
@@ -440,12 +447,6 @@ def test_hidden_rows_are_exactly_what_lm_head_consumed():
 
 
 def test_ended_session_has_no_hidden_row():
-    thinker = make_thinker()
-    r = make_runner(thinker, window=WindowConfig("basic", high_tokens=48, low_tokens=32))
-    ctx = make_context(thinker, 40, seed=1)
-    r.open_sessions({"a": ctx, "b": ctx})
-    inputs = unit_inputs(thinker, ["a", "b"], 12, 0)
-    inputs["b"] = torch.randn(60, thinker.config.hidden_size)  # more than the whole window
-    res = r.append(inputs, unit_start=True)
+    _, r, ctx, res = flood_one_of_two()
     assert set(res.errors) == {"b"} and set(res.hidden) == set(res.logits) == {"a"}
     assert r.open_sessions({"c": ctx}).hidden == {}  # opening computes no logits, no rows

@@ -250,6 +250,9 @@ class EngineConfig(_Strict):
     activation_reserve: ByteSize = parse_bytes("64MiB")
     tick_seconds: float = Field(1.0, gt=0)
     speak_policy: SpeakPolicy = Field(default_factory=SpeakPolicy)
+    # CUDA devices: the Thinker's and the Talker's one-token decode steps replay CUDA graphs
+    # (kv/decode_graphs.py); ignored on CPU. Off: every step is launched eagerly (A/B reference).
+    decode_cuda_graphs: bool = True
 
     @model_validator(mode="after")
     def _reserve_fits(self) -> "EngineConfig":

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
 
+from duplexcache.kv.decode_graphs import PagedDecodeGraphs
 from duplexcache.kv.paged_attention import PagedBatch, PagedKVCache
 from duplexcache.kv.rope import rope_cos_sin
 from duplexcache.models.layers import (
@@ -160,8 +161,11 @@ class Talker(nn.Module):
         cfg = self.config
         check_paged_step("Talker", inputs_embeds, batch, cache, hidden_size=cfg.hidden_size,
                          num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
-        if batch.num_tokens and int(batch.positions.max()) >= self.config.max_position_embeddings:
-            raise ValueError(f"Talker turn too long: position {int(batch.positions.max())} >= "
+        # Host lists, not batch.positions: reading the device tensor would sync every step (and
+        # could not be captured in a CUDA graph). Talker positions are the logical indices.
+        longest = max(batch.seq_lens_list, default=0)
+        if longest > self.config.max_position_embeddings:
+            raise ValueError(f"Talker turn too long: position {longest - 1} >= "
                              f"max_position_embeddings {self.config.max_position_embeddings}")
         cos, sin = rope_cos_sin(batch.positions, self.config.head_dim, self.config.rope_theta)  # (N, D)
         x = inputs_embeds
@@ -253,8 +257,13 @@ def _sample(logits: torch.Tensor, end_id: int, sampling: TalkerSampling) -> torc
 
 @torch.no_grad()
 def generate_unit(talker: Talker, cache: PagedKVCache, requests: list[TalkerUnitRequest],
-                  sampling: TalkerSampling | None = None) -> list[TalkerUnitResult]:
-    """Generate one speaking unit (25 codes + end) for every request, batched over sessions."""
+                  sampling: TalkerSampling | None = None,
+                  graphs: PagedDecodeGraphs | None = None) -> list[TalkerUnitResult]:
+    """Generate one speaking unit (25 codes + end) for every request, batched over sessions.
+
+    ``graphs``: when the batch fits them, the 24 one-token steps and the closing step (as two
+    one-token steps) replay these CUDA graphs (``kv/decode_graphs.py``); the condition step
+    (several tokens per request) runs eagerly."""
     if not requests:
         return []
     sampling = sampling or TalkerSampling()
@@ -271,13 +280,21 @@ def generate_unit(talker: Talker, cache: PagedKVCache, requests: list[TalkerUnit
             raise ValueError(f"generate_unit: request {i} would reach {need} Talker tokens, over "
                              f"max_position_embeddings {cfg.max_position_embeddings}; end the turn")
 
+    one_token_graphs = graphs if graphs is not None and graphs.can_run(len(requests), max(map(len, tables))) else None
+    if graphs is not None and one_token_graphs is None:
+        graphs.note_fallback()
+
     def step(embeds: torch.Tensor, num_new: list[int]) -> torch.Tensor:
-        batch = PagedBatch.build(tables, computed, num_new, None, bs, dev)
-        hidden = talker.forward_paged(embeds, batch, cache)
+        if one_token_graphs is not None and all(n == 1 for n in num_new):
+            hidden = one_token_graphs.run(embeds, tables, computed)   # (B, hidden), one row per request
+            last = None
+        else:
+            batch = PagedBatch.build(tables, computed, num_new, None, bs, dev)
+            hidden = talker.forward_paged(embeds, batch, cache)
+            last = torch.tensor(batch.last_token_indices, device=hidden.device)
         for b, n in enumerate(num_new):
             computed[b] += n
-        last = torch.tensor(batch.last_token_indices, device=hidden.device)
-        return talker.code_logits(hidden[last])  # (B, codes)
+        return talker.code_logits(hidden if last is None else hidden[last])  # (B, codes)
 
     logits = step(torch.cat(conds), [c.shape[0] for c in conds])
     codes = [_sample(logits, cfg.end_token_id, sampling)]
@@ -287,7 +304,11 @@ def generate_unit(talker: Talker, cache: PagedKVCache, requests: list[TalkerUnit
         codes.append(_sample(logits, cfg.end_token_id, sampling))
     end = torch.full_like(codes[-1], cfg.end_token_id)
     # Closing step: t25 and the end code enter the cache; their outputs are not needed.
-    closing = torch.stack([codes[-1], end], dim=1).reshape(-1).to(dev)  # (B * 2,) per-sequence order
-    step(talker.emb_code[0](closing), [2] * len(requests))
+    if one_token_graphs is not None:   # two graphed one-token steps beat one eager ragged step
+        step(talker.emb_code[0](codes[-1].to(dev)), ones)
+        step(talker.emb_code[0](end.to(dev)), ones)
+    else:
+        closing = torch.stack([codes[-1], end], dim=1).reshape(-1).to(dev)  # (B * 2,) per-sequence order
+        step(talker.emb_code[0](closing), [2] * len(requests))
     all_codes = torch.stack(codes + [end], dim=1).cpu()  # (B, 26)
     return [TalkerUnitResult(codes=all_codes[b], num_computed=computed[b]) for b in range(len(requests))]

@@ -55,6 +55,7 @@ from duplexcache.context import (
     build_session_context,
 )
 from duplexcache.kv.block_pool import BlockPool
+from duplexcache.kv.decode_graphs import PagedDecodeGraphs
 from duplexcache.kv.kv_cache_manager import KVCacheManager
 from duplexcache.kv.paged_attention import PagedKVCache
 from duplexcache.kv.window import WindowConfig
@@ -302,6 +303,39 @@ class DuplexEngine:
         self.talker_pool = BlockPool(self.plan.talker_blocks)
         for cache in (self.thinker_cache, self.talker_cache):
             _select_attention_backend(cache)
+        self.thinker_graphs, self.talker_graphs = self._decode_graphs()
+        self.stage0.use_decode_graphs(self.thinker_graphs)
+
+    def _decode_graphs(self) -> tuple[PagedDecodeGraphs | None, PagedDecodeGraphs | None]:
+        """CUDA graphs for the one-token steps of the Thinker and the Talker (``engine.decode_cuda_graphs``).
+
+        Batch buckets up to the most sessions the budget admits; block-table widths up to the
+        longest table a session can hold (the Thinker's model positions, the Talker's turn)."""
+        if not self.deploy.engine.decode_cuda_graphs or not self._can_capture_decode():
+            return None, None
+        return self._make_decode_graphs(capture=self.models.device.type == "cuda")
+
+    def _can_capture_decode(self) -> bool:
+        if self.models.device.type != "cuda":
+            logger.info("engine.decode_cuda_graphs applies to CUDA devices; decode on %s runs eagerly",
+                        self.models.device)
+            return False
+        if self.thinker_cache._decode_kernel is None or self.talker_cache._decode_kernel is None:
+            logger.warning("engine.decode_cuda_graphs needs the Triton decode kernel; decode runs eagerly")
+            return False
+        return True
+
+    def _make_decode_graphs(self, capture: bool) -> tuple[PagedDecodeGraphs, PagedDecodeGraphs]:
+        m, bs = self.models, self.block_size
+        max_batch = max(1, self.plan.planned_sessions)
+        thinker = PagedDecodeGraphs("thinker", m.thinker.forward_paged, self.thinker_cache,
+                                    m.thinker.config.hidden_size, m.dtype, max_batch=max_batch,
+                                    max_blocks_per_seq=-(-self.stage0.max_positions // bs), capture=capture)
+        tc = m.talker.config
+        talker = PagedDecodeGraphs("talker", m.talker.forward_paged, self.talker_cache, tc.hidden_size, m.dtype,
+                                   max_batch=max_batch, max_blocks_per_seq=-(-tc.max_position_embeddings // bs),
+                                   capture=capture)
+        return thinker, talker
 
     def _default_config(self, voice: str) -> SessionRuntimeConfig:
         return build_runtime_config(self.deploy, {"voice": voice})
@@ -715,7 +749,8 @@ class DuplexEngine:
         reqs = [TalkerUnitRequest(self._talker_table(u.session), u.session.talker_len,
                                   torch.tensor(u.tokens, dtype=torch.long), torch.stack(u.hidden))
                 for u in speakers]
-        for u, res in zip(speakers, generate_unit(self.models.talker, self.talker_cache, reqs)):
+        for u, res in zip(speakers, generate_unit(self.models.talker, self.talker_cache, reqs,
+                                                  graphs=self.talker_graphs)):
             u.session.talker_len = res.num_computed
             u.codes = res.codes[: cfg.tokens_per_unit]
         return finals
@@ -818,6 +853,11 @@ class DuplexEngine:
         for sess in sessions:
             self._free(sess)
         self._closed = True
+        for graphs in (self.thinker_graphs, self.talker_graphs):
+            if graphs is not None:
+                graphs.close()
+        self.stage0.use_decode_graphs(None)
+        self.thinker_graphs = self.talker_graphs = None
         self.thinker_cache = self.talker_cache = None  # type: ignore[assignment]
         logger.info("engine shut down")
 
@@ -865,4 +905,7 @@ class DuplexEngine:
                 context_cache_hits=cache.hits if cache is not None else 0,
                 context_cache_misses=cache.misses if cache is not None else 0,
                 cfm_fallbacks=self.code2wav.registry.fallbacks, ticks=self._ticks,
-                stage_latency_s=dict(self._last_latency))
+                stage_latency_s=dict(self._last_latency),
+                decode_graph_steps={name: g.stats.replays for name, g in
+                                    (("thinker", self.thinker_graphs), ("talker", self.talker_graphs))
+                                    if g is not None})

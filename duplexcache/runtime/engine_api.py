@@ -131,6 +131,8 @@ class EngineStats:
     cfm_fallbacks: int = 0
     ticks: int = 0
     stage_latency_s: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+    # Decode steps run through CUDA graphs, per model ("thinker", "talker"); empty when off.
+    decode_graph_steps: Mapping[str, int] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------------------------

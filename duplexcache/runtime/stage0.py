@@ -64,6 +64,7 @@ from duplexcache.kv.kv_cache_manager import (
     PoolStats,
     SessionBytes,
 )
+from duplexcache.kv.decode_graphs import PagedDecodeGraphs
 from duplexcache.kv.paged_attention import PagedBatch, PagedKVCache, copy_blocks
 from duplexcache.kv.rope import rerotate_keys_
 from duplexcache.kv.window import ContextLengthExceeded, WindowConfig, plan_compaction
@@ -269,6 +270,14 @@ class Stage0Runner:
         self.block_size = block_size
         self.max_positions = int(thinker.config.max_position_embeddings)
         self.sessions: dict[str, _Session] = {}
+        # One-token steps replay CUDA graphs when the engine installs them (use_decode_graphs).
+        self.decode_graphs: PagedDecodeGraphs | None = None
+
+    def use_decode_graphs(self, graphs: PagedDecodeGraphs | None) -> None:
+        """Run decode steps (one new token per session) through ``graphs``; None: eager."""
+        if graphs is not None and graphs.cache is not self.cache:
+            raise ValueError("decode graphs were built over another KV cache")
+        self.decode_graphs = graphs
 
     # ------------------------------------------------------------------ admission
 
@@ -551,24 +560,37 @@ class Stage0Runner:
         least one token: its last token's final-norm hidden state (H,) and the logits (V,)
         ``lm_head`` makes of exactly that row. Returns ``(logits, hidden)``, keyed by sid."""
         tables = [self.manager.block_table(w.sid) for w in work]
-        batch = PagedBatch.build(tables, [w.num_computed for w in work], [w.embeds.shape[0] for w in work],
-                                 None, self.block_size, self.cache.device)
+        computed = [w.num_computed for w in work]
+        num_new = [w.embeds.shape[0] for w in work]
         weight = self.thinker.lm_head.weight
-        if batch.num_tokens == 0:
+        if sum(num_new) == 0:
             return {}, {}
         embeds = torch.cat([w.embeds for w in work], dim=0).to(device=weight.device, dtype=weight.dtype)
+        graphs = self.decode_graphs
         with torch.inference_mode():
-            hidden = self.thinker.forward_paged(embeds, batch, self.cache)  # (N, H) after the final norm
+            if graphs is not None and all(n == 1 for n in num_new):
+                if graphs.can_run(len(work), max(len(t) for t in tables)):
+                    hidden = graphs.run(embeds, tables, computed)
+                    last: list[int | None] = list(range(len(work)))
+                else:
+                    graphs.note_fallback()
+                    hidden, last = self._forward_eager(embeds, tables, computed, num_new)
+            else:
+                hidden, last = self._forward_eager(embeds, tables, computed, num_new)
             wanted = [i for i, w in enumerate(work) if w.wants_logits and w.embeds.shape[0] > 0]
             if not wanted:
                 return {}, {}
-            last = batch.last_token_indices
             rows = torch.tensor([last[i] for i in wanted], dtype=torch.long, device=hidden.device)
             last_hidden = hidden[rows]  # (B, H): a copy, so the (N, H) activations can be freed
             logits = self.thinker.compute_logits(last_hidden)  # (B, V)
         sids = [work[i].sid for i in wanted]
         return ({sid: logits[j] for j, sid in enumerate(sids)},
                 {sid: last_hidden[j] for j, sid in enumerate(sids)})
+
+    def _forward_eager(self, embeds: torch.Tensor, tables: list[list[int]], computed: list[int],
+                       num_new: list[int]) -> tuple[torch.Tensor, list[int | None]]:
+        batch = PagedBatch.build(tables, computed, num_new, None, self.block_size, self.cache.device)
+        return self.thinker.forward_paged(embeds, batch, self.cache), batch.last_token_indices
 
     # ------------------------------------------------------------------ accounting
 

@@ -153,9 +153,9 @@ def test_talker_is_conditioned_on_the_rows_lm_head_consumed(tmp_path, monkeypatc
     reqs = []
     real = engine_mod.generate_unit
 
-    def recording(model, cache, requests):
+    def recording(model, cache, requests, **kw):
         reqs.extend(requests)
-        return real(model, cache, requests)
+        return real(model, cache, requests, **kw)
 
     monkeypatch.setattr(engine_mod, "generate_unit", recording)
     sids = [eng.open_session({"voice": v}) for v in ("default", "alt")]

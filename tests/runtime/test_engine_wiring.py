@@ -12,6 +12,7 @@ from engine_helpers import audio, engine
 from duplexcache.cfm.prompt_cache import PlainAttCache, SharedPromptAttCache
 from duplexcache.config import ConfigError, SessionConfigError
 from duplexcache.kv.window import WindowConfig
+from duplexcache.runtime.engine_api import TextDelta
 from duplexcache.runtime.policy import ModelPolicy, ScriptedPolicy
 
 
@@ -159,3 +160,33 @@ def test_speak_policy_block_size_and_budget_reach_the_engine(tmp_path):
     assert small.plan.budget_bytes == (256 << 20) - (64 << 20)
     assert small.plan.planned_sessions < big.plan.planned_sessions
     assert big.thinker_cache.num_blocks == big.plan.thinker_blocks > small.thinker_cache.num_blocks
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_decode_cuda_graphs_reach_the_thinker_and_the_talker(tmp_path, monkeypatch, on):
+    """``engine.decode_cuda_graphs`` builds one runner per model and the decode steps of both go
+    through them. This CPU cannot capture, so the test lets the engine treat it as capable: the
+    runners then run their padded static-buffer steps eagerly (``capture=False``)."""
+    from duplexcache.runtime.engine import DuplexEngine
+
+    sections = {"engine": {"decode_cuda_graphs": on, "speak_policy": {"k": 100, "turn_units": 100}}}
+    plain = engine(tmp_path, "graphs_cpu", sections)   # on CPU as configured: eager, and says so
+    assert plain.thinker_graphs is None and plain.talker_graphs is None and plain.stats().decode_graph_steps == {}
+    monkeypatch.setattr(DuplexEngine, "_can_capture_decode", lambda self: True)
+    eng = engine(tmp_path, "graphs", sections)
+    if not on:
+        assert eng.thinker_graphs is None and eng.stage0.decode_graphs is None
+        return
+    assert eng.stage0.decode_graphs is eng.thinker_graphs and not eng.thinker_graphs.capture
+    assert eng.thinker_graphs.max_batch >= eng.plan.planned_sessions
+    sids = [eng.open_session({"voice": v}) for v in ("default", "alt")]
+    for i, sid in enumerate(sids):
+        eng.push_audio(sid, audio(i, 2))
+    texts = 0
+    for _ in range(2):
+        texts += sum(isinstance(e, TextDelta) for e in eng.tick())
+    steps = eng.stats().decode_graph_steps
+    assert texts == 4 and steps["thinker"] >= 2 * 4      # decision + 3 text tokens per unit, both units
+    assert steps["talker"] == 2 * (eng.models.talker.config.tokens_per_unit + 1)
+    eng.shutdown()
+    assert eng.thinker_graphs is None and eng.stage0.decode_graphs is None

@@ -1,0 +1,220 @@
+"""CUDA graphs of a decoder's one-token paged step (the Thinker's and the Talker's decode).
+
+Why: at minicpmo45 shapes a decode step launches ~900 small kernels (36 layers of norms, RoPE,
+projections, the KV write and the paged attention kernel). Launched one by one from Python an
+H200 tick spent 760 ms of CPU for 97 ms of GPU work at one session (profiled 2026-12-02), so the
+engine was launch-bound long before it was GPU-bound. A captured graph replays all of them with
+one launch, the way vLLM and SGLang run decode.
+
+A graph has fixed shapes and fixed addresses, so every input lives in a static buffer that each
+step overwrites, and the graph is keyed by
+
+* ``batch``: the number of sequences, rounded up to a bucket (1, 2, 4, 8, then multiples of 8 up
+  to ``max_batch``). Rows past the real ones are padding: position 0, one token, written to and
+  read from slot 0 of the null block, which no live sequence reads. Every operation in the step
+  is row-wise except attention, and attention only reads a row's own blocks, so padding rows
+  never change a real row.
+* ``width``: the block-table width, a power of two of blocks (>= 16) that covers the longest
+  table. The attention kernel sizes its sequence splits from the width, so one width per graph
+  keeps the split plan (and the summation order) fixed.
+
+Graphs are captured lazily, the first time a (batch, width) is needed, into one memory pool.
+
+Numerics: a padded step multiplies ``bucket`` rows where the eager step multiplies ``B``, and
+cuBLAS may pick another kernel for another row count, so a graphed step can differ from the
+eager step in the last bits. Every session of a step sees the same bucket, so two engines that
+run the same sessions in the same ticks (sharing on vs off) still agree bit for bit.
+
+``capture=False`` runs the same padded static-buffer step eagerly; that is how the CPU tests
+exercise the buffer filling, padding and bucketing without a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from duplexcache.kv.paged_attention import NULL_BLOCK_ID, PagedBatch, PagedKVCache
+
+logger = logging.getLogger(__name__)
+
+PagedForward = Callable[[torch.Tensor, PagedBatch, PagedKVCache], torch.Tensor]
+
+MIN_WIDTH_BLOCKS = 16
+# Packed host row per sequence: position, slot, seq_len, then the block table.
+_POS, _SLOT, _SEQ_LEN, _TABLE = 0, 1, 2, 3
+
+
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then multiples of 8, up to the first bucket that holds ``max_batch``."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    buckets = [1]
+    while buckets[-1] < max_batch:
+        last = buckets[-1]
+        buckets.append(last * 2 if last < 8 else last + 8)
+    return tuple(buckets)
+
+
+def width_classes(max_blocks_per_seq: int) -> tuple[int, ...]:
+    """Powers of two from ``MIN_WIDTH_BLOCKS`` up to the first that covers ``max_blocks_per_seq``."""
+    if max_blocks_per_seq < 1:
+        raise ValueError(f"max_blocks_per_seq must be >= 1, got {max_blocks_per_seq}")
+    widths = [MIN_WIDTH_BLOCKS]
+    while widths[-1] < max_blocks_per_seq:
+        widths.append(widths[-1] * 2)
+    return tuple(widths)
+
+
+@dataclass
+class DecodeGraphStats:
+    """Counters of one runner (cumulative)."""
+
+    replays: int = 0          # steps run through the static buffers (graph replays, or eager when capture=False)
+    captures: int = 0         # graphs captured
+    eager_fallbacks: int = 0  # steps the runner declined (too many sequences or too long a table)
+    # Growth of the allocator's reserved bytes during captures: the graphs' activations, which
+    # live in the activation reserve. Approximate: the first engine of a process pays for
+    # segments that later engines reuse (92 MiB vs 0-2 MiB at minicpmo45 shapes), so it is not
+    # listed with the engine's pools (they hold session state, counted exactly).
+    pool_bytes: int = 0
+
+
+class PagedDecodeGraphs:
+    """One decoder's one-token paged step over static buffers, replayed from CUDA graphs.
+
+    ``forward(embeds, batch, cache) -> hidden`` is the model's paged forward (``forward_paged``);
+    it must not synchronise with the host. ``run`` takes the real rows and returns their hidden
+    states (a fresh tensor). The runner owns its buffers and graphs; ``close`` drops them.
+    """
+
+    def __init__(self, name: str, forward: PagedForward, cache: PagedKVCache, hidden_size: int,
+                 dtype: torch.dtype, *, max_batch: int, max_blocks_per_seq: int, capture: bool = True) -> None:
+        if capture and cache.device.type != "cuda":
+            raise ValueError(f"{name}: CUDA graphs need a CUDA cache, got {cache.device}")
+        if capture and cache._decode_kernel is None:
+            # The reference attention loops over sequences on the host with their lengths: it
+            # cannot be captured with lengths that change every step.
+            raise ValueError(f"{name}: CUDA graphs need the cache's in-place decode kernel "
+                             "(set_decode_backend('triton'))")
+        self.name = name
+        self.forward = forward
+        self.cache = cache
+        self.capture = capture
+        self.buckets = batch_buckets(max_batch)
+        self.widths = width_classes(max_blocks_per_seq)
+        self.max_batch, self.max_width = self.buckets[-1], self.widths[-1]
+        dev = cache.device
+        self._embeds = torch.zeros(self.max_batch, hidden_size, dtype=dtype, device=dev)
+        self._packed = torch.zeros(self.max_batch, _TABLE + self.max_width, dtype=torch.int64, device=dev)
+        self._query_start = torch.arange(self.max_batch + 1, dtype=torch.int64, device=dev)
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self.stats = DecodeGraphStats()
+
+    # ------------------------------------------------------------------ public
+
+    def can_run(self, num_seqs: int, max_table_blocks: int) -> bool:
+        return 0 < num_seqs <= self.max_batch and max_table_blocks <= self.max_width
+
+    def run(self, embeds: torch.Tensor, block_tables: list[list[int]], num_computed: list[int]) -> torch.Tensor:
+        """Append one token per sequence: ``embeds`` (B, H), the token of sequence ``b`` at
+        logical index ``num_computed[b]`` of ``block_tables[b]`` (which must cover it).
+        Returns the final hidden states (B, H)."""
+        num_seqs = len(block_tables)
+        if embeds.shape[0] != num_seqs or len(num_computed) != num_seqs:
+            raise ValueError(f"{self.name}: {embeds.shape[0]} rows, {num_seqs} tables, {len(num_computed)} lengths")
+        longest = max((len(t) for t in block_tables), default=0)
+        if not self.can_run(num_seqs, longest):
+            raise ValueError(f"{self.name}: {num_seqs} sequences / {longest} blocks is outside the captured range "
+                             f"({self.max_batch} / {self.max_width}); check can_run first")
+        batch = next(b for b in self.buckets if b >= num_seqs)
+        width = next(w for w in self.widths if w >= longest)
+        if self.capture:
+            # Capture first: it overwrites the static buffers with a harmless step.
+            graph, out = self._graphs.get((batch, width)) or self._capture(batch, width)
+            self._fill(embeds, block_tables, num_computed, batch, width)
+            graph.replay()
+        else:
+            self._fill(embeds, block_tables, num_computed, batch, width)
+            out = self._step(batch, width, num_computed)
+        self.stats.replays += 1
+        return out[:num_seqs].clone()
+
+    def note_fallback(self) -> None:
+        self.stats.eager_fallbacks += 1
+
+    def close(self) -> None:
+        self._graphs.clear()
+        self._pool = None
+
+    # ------------------------------------------------------------------ internals
+
+    def _fill(self, embeds: torch.Tensor, tables: list[list[int]], num_computed: list[int],
+              batch: int, width: int) -> None:
+        bs = self.cache.block_size
+        host = np.zeros((batch, _TABLE + width), dtype=np.int64)
+        host[:, _SEQ_LEN] = 1   # padding rows: one token at position 0 in slot 0 of the null block
+        for b, (table, computed) in enumerate(zip(tables, num_computed)):
+            if computed < 0 or computed >= len(table) * bs:
+                raise ValueError(f"{self.name}: sequence {b} writes index {computed} past its "
+                                 f"{len(table)}-block table")
+            block = table[computed // bs]
+            if block == NULL_BLOCK_ID:
+                raise ValueError(f"{self.name}: sequence {b} would write into the null block")
+            host[b, _POS] = computed
+            host[b, _SLOT] = block * bs + computed % bs
+            host[b, _SEQ_LEN] = computed + 1
+            host[b, _TABLE:_TABLE + len(table)] = table
+        # Pinned + non_blocking: the caching host allocator keeps the staging buffer until the
+        # copy ran, so the next step cannot overwrite it early.
+        staged = torch.from_numpy(host)
+        if self.capture:
+            staged = staged.pin_memory()
+        self._packed[:batch, :_TABLE + width].copy_(staged, non_blocking=True)
+        self._embeds[: embeds.shape[0]].copy_(embeds)
+
+    def _step(self, batch: int, width: int, num_computed: list[int] | None = None) -> torch.Tensor:
+        """The captured computation: everything it reads lives in the static buffers."""
+        p = self._packed[:batch]
+        computed = list(num_computed or []) + [0] * (batch - len(num_computed or []))
+        step = PagedBatch(
+            query_start_loc=self._query_start[: batch + 1],
+            seq_lens=p[:, _SEQ_LEN].to(torch.int32),
+            block_tables=p[:, _TABLE:_TABLE + width].to(torch.int32),
+            slot_mapping=p[:, _SLOT].contiguous(),
+            positions=p[:, _POS].contiguous(),
+            block_size=self.cache.block_size,
+            # Host lists for the reference (CPU) path; the in-place kernel reads seq_lens only.
+            num_computed_list=computed,
+            num_new_list=[1] * batch,
+        )
+        return self.forward(self._embeds[:batch], step, self.cache)
+
+    def _capture(self, batch: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        dev = self.cache.device
+        # The buffers must describe a harmless step while warming up and capturing: every row
+        # a padding row (slot 0 of the null block).
+        self._packed[:batch].zero_()
+        self._packed[:batch, _SEQ_LEN] = 1
+        torch.cuda.synchronize(dev)
+        reserved = torch.cuda.memory_reserved(dev)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):   # compiles kernels and creates cuBLAS state outside the capture
+            self._step(batch, width)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self._step(batch, width)
+        torch.cuda.synchronize(dev)
+        self.stats.captures += 1
+        self.stats.pool_bytes += max(0, torch.cuda.memory_reserved(dev) - reserved)
+        self._graphs[(batch, width)] = (graph, out)
+        logger.info("%s: captured decode graph batch=%d width=%d blocks (%d graphs)", self.name, batch,
+                    width, len(self._graphs))
+        return graph, out

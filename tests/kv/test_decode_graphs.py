@@ -1,0 +1,202 @@
+"""PagedDecodeGraphs: bucketing, padding and the static-buffer step, against the eager paged step.
+
+On CPU the runner runs its padded static-buffer step eagerly (``capture=False``): the same
+buffer filling, padding rows and bucket/width choice the CUDA graphs replay. The reference is
+the model's own eager ``forward_paged`` on an unpadded batch, with the same random weights and
+its own KV pool. The CUDA test (skipped without a GPU) checks that a replayed graph gives the
+bits of the same padded step run eagerly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from duplexcache.kv.decode_graphs import MIN_WIDTH_BLOCKS, PagedDecodeGraphs, batch_buckets, width_classes
+from duplexcache.kv.paged_attention import PagedBatch, PagedKVCache
+from duplexcache.models.talker import Talker, TalkerConfig, TalkerUnitRequest, generate_unit
+from duplexcache.models.thinker import Thinker, ThinkerConfig
+
+BS = 16
+
+
+def test_buckets_and_widths():
+    assert batch_buckets(1) == (1,)
+    assert batch_buckets(3) == (1, 2, 4)
+    assert batch_buckets(8) == (1, 2, 4, 8)
+    assert batch_buckets(9) == (1, 2, 4, 8, 16)
+    assert batch_buckets(33) == (1, 2, 4, 8, 16, 24, 32, 40)
+    assert width_classes(1) == (MIN_WIDTH_BLOCKS,)
+    assert width_classes(17) == (16, 32)
+    assert width_classes(2560)[-1] == 4096
+    for bad in (0, -1):
+        with pytest.raises(ValueError):
+            batch_buckets(bad)
+        with pytest.raises(ValueError):
+            width_classes(bad)
+
+
+def make_thinker(seed: int = 0) -> Thinker:
+    torch.manual_seed(seed)
+    return Thinker(dataclasses.replace(ThinkerConfig.tiny(), vocab_size=512)).eval()
+
+
+def prefill(model, cache: PagedKVCache, tables: list[list[int]], lengths: list[int], seed: int) -> None:
+    """Write ``lengths[b]`` random tokens of each sequence into ``cache`` (one eager ragged step)."""
+    g = torch.Generator().manual_seed(seed)
+    embeds = torch.randn(sum(lengths), model.config.hidden_size, generator=g)
+    batch = PagedBatch.build(tables, [0] * len(tables), lengths, None, BS)
+    with torch.inference_mode():
+        model.forward_paged(embeds, batch, cache)
+
+
+def two_caches(model, num_blocks: int = 40) -> tuple[PagedKVCache, PagedKVCache]:
+    c = model.config
+    heads = c.num_key_value_heads
+    return tuple(PagedKVCache(c.num_hidden_layers, num_blocks, BS, heads, c.head_dim) for _ in range(2))
+
+
+def test_padded_step_matches_eager_decode_over_several_steps():
+    """3 sequences of different lengths (bucket 4: one padding row), 5 decode steps: the
+    hidden states and every K/V the steps wrote match the eager unpadded step."""
+    model = make_thinker()
+    eager_cache, graph_cache = two_caches(model)
+    tables = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
+    lengths = [33, 17, 255]   # the last one crosses into its 17th block: width class 32
+    for cache in (eager_cache, graph_cache):
+        prefill(model, cache, tables, lengths, seed=1)
+    runner = PagedDecodeGraphs("thinker", model.forward_paged, graph_cache, model.config.hidden_size,
+                               torch.float32, max_batch=5, max_blocks_per_seq=40, capture=False)
+    assert runner.buckets == (1, 2, 4, 8) and runner.widths == (16, 32, 64)
+    pool_before = graph_cache.k[:, 1:].clone()
+    computed = list(lengths)
+    g = torch.Generator().manual_seed(2)
+    for step in range(5):
+        embeds = torch.randn(3, model.config.hidden_size, generator=g)
+        batch = PagedBatch.build(tables, computed, [1, 1, 1], None, BS)
+        with torch.inference_mode():
+            want = model.forward_paged(embeds, batch, eager_cache)
+            got = runner.run(embeds, tables, computed)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        computed = [c + 1 for c in computed]
+    assert runner.stats.replays == 5 and runner.stats.captures == 0
+    # Padding rows only ever touch the null block: every other block equals the eager pool.
+    torch.testing.assert_close(graph_cache.k[:, 1:], eager_cache.k[:, 1:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(graph_cache.v[:, 1:], eager_cache.v[:, 1:], rtol=1e-5, atol=1e-5)
+    assert not torch.equal(graph_cache.k[:, 1:], pool_before)   # the steps did write
+
+
+def test_run_refuses_what_it_cannot_hold():
+    model = make_thinker()
+    cache, _ = two_caches(model)
+    runner = PagedDecodeGraphs("thinker", model.forward_paged, cache, model.config.hidden_size, torch.float32,
+                               max_batch=2, max_blocks_per_seq=16, capture=False)
+    h = model.config.hidden_size
+    assert runner.can_run(2, 16) and not runner.can_run(3, 1) and not runner.can_run(1, 17) and not runner.can_run(0, 1)
+    with pytest.raises(ValueError, match="outside the captured range"):
+        runner.run(torch.zeros(3, h), [[1], [2], [3]], [0, 0, 0])
+    with pytest.raises(ValueError, match="past its"):
+        runner.run(torch.zeros(1, h), [[1]], [16])           # index 16 needs a second block
+    with pytest.raises(ValueError, match="null block"):
+        runner.run(torch.zeros(1, h), [[0]], [0])
+    with pytest.raises(ValueError, match="rows"):
+        runner.run(torch.zeros(2, h), [[1]], [0])
+    with pytest.raises(ValueError, match="CUDA"):
+        PagedDecodeGraphs("x", model.forward_paged, cache, h, torch.float32, max_batch=1, max_blocks_per_seq=1)
+
+
+def test_stage0_decode_goes_through_the_runner_and_falls_back_when_too_many():
+    from duplexcache.kv.block_pool import BlockPool
+    from duplexcache.kv.kv_cache_manager import KVCacheManager
+    from duplexcache.kv.window import WindowConfig
+    from duplexcache.runtime.stage0 import SessionContextInput, Stage0Runner
+
+    def runner_pair():
+        model = make_thinker(seed=3)
+        out = []
+        for _ in range(2):
+            cache = model.make_kv_cache(64, BS)
+            out.append(Stage0Runner(model, KVCacheManager(BlockPool(64), BS, cache.bytes_per_block), cache,
+                                    WindowConfig(mode="off"), share_context=False, block_size=BS))
+        return model, out
+
+    model, (eager, graphed) = runner_pair()
+    graphs = PagedDecodeGraphs("thinker", model.forward_paged, graphed.cache, model.config.hidden_size,
+                               torch.float32, max_batch=2, max_blocks_per_seq=8, capture=False)
+    graphed.use_decode_graphs(graphs)
+    with pytest.raises(ValueError, match="another KV cache"):
+        eager.use_decode_graphs(graphs)
+    ids = torch.randint(10, 500, (20,), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ctx = SessionContextInput(model.embed(ids).clone(), ids, b"k")
+    for r in (eager, graphed):
+        for sid in ("a", "b", "c"):
+            r.open_session(sid, ctx)
+    for step, sids in enumerate((["a", "b"], ["a", "b", "c"], ["c"])):   # the 3-session step falls back
+        toks = {sid: 11 + step for sid in sids}
+        want, got = eager.decode(toks), graphed.decode(toks)
+        for sid in sids:
+            torch.testing.assert_close(got.logits[sid], want.logits[sid], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got.hidden[sid], want.hidden[sid], rtol=1e-5, atol=1e-5)
+    assert graphs.stats.replays == 2 and graphs.stats.eager_fallbacks == 1
+
+
+def test_generate_unit_with_graphs_gives_the_same_codes():
+    torch.manual_seed(5)
+    cfg = TalkerConfig.tiny()
+    talker = Talker(cfg).eval()
+    caches = [PagedKVCache(cfg.num_hidden_layers, 20, BS, cfg.num_key_value_heads, cfg.head_dim) for _ in range(2)]
+    graphs = PagedDecodeGraphs("talker", talker.forward_paged, caches[1], cfg.hidden_size, torch.float32,
+                               max_batch=4, max_blocks_per_seq=8, capture=False)
+    tables = [[1, 4, 6, 8], [2, 3, 5, 7], [9, 10, 11, 12]]
+    g = torch.Generator().manual_seed(6)
+    reqs = [TalkerUnitRequest(t, 0, torch.randint(0, cfg.num_text_tokens, (n,), generator=g),
+                              torch.randn(n, cfg.llm_dim, generator=g)) for t, n in zip(tables, (3, 5, 4))]
+    want = generate_unit(talker, caches[0], reqs)
+    got = generate_unit(talker, caches[1], reqs, graphs=graphs)
+    for w, r in zip(want, got):
+        assert torch.equal(w.codes, r.codes) and w.num_computed == r.num_computed
+    assert graphs.stats.replays == cfg.tokens_per_unit + 1   # 24 one-token steps + the closing step as two
+    # Too many requests for the runner: the whole unit runs eagerly and says so.
+    small = PagedDecodeGraphs("talker", talker.forward_paged, caches[1], cfg.hidden_size, torch.float32,
+                              max_batch=2, max_blocks_per_seq=8, capture=False)
+    again = [dataclasses.replace(r, num_computed=w.num_computed) for r, w in zip(reqs, want)]
+    generate_unit(talker, caches[1], again, graphs=small)
+    assert small.stats.replays == 0 and small.stats.eager_fallbacks == 1
+
+
+def test_talker_position_limit_is_checked_without_the_device():
+    cfg = dataclasses.replace(TalkerConfig.tiny(), max_position_embeddings=20)
+    talker = Talker(cfg).eval()
+    cache = PagedKVCache(cfg.num_hidden_layers, 4, BS, cfg.num_key_value_heads, cfg.head_dim)
+    batch = PagedBatch.build([[1, 2]], [20], [1], None, BS)
+    with pytest.raises(ValueError, match="position 20 >= max_position_embeddings 20"):
+        talker.forward_paged(torch.zeros(1, cfg.hidden_size), batch, cache)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_replay_equals_the_same_padded_step_eagerly():
+    pytest.importorskip("triton")
+    model = make_thinker().cuda()
+    c = model.config
+    caches = [PagedKVCache(c.num_hidden_layers, 40, BS, c.num_key_value_heads, c.head_dim, device="cuda")
+              for _ in range(2)]
+    tables, lengths = [[1, 2, 3], [4, 5]], [40, 20]
+    runners = []
+    for capture, cache in zip((True, False), caches):
+        cache.set_decode_backend("triton")
+        prefill(model, cache, tables, lengths, seed=1)
+        runners.append(PagedDecodeGraphs("thinker", model.forward_paged, cache, c.hidden_size, torch.float32,
+                                         max_batch=4, max_blocks_per_seq=8, capture=capture))
+    computed = list(lengths)
+    for step in range(3):
+        embeds = torch.randn(2, c.hidden_size, generator=torch.Generator().manual_seed(step)).cuda()
+        with torch.inference_mode():
+            outs = [r.run(embeds, tables, computed) for r in runners]
+        assert torch.equal(outs[0], outs[1]), step
+        computed = [n + 1 for n in computed]
+    assert runners[0].stats.captures == 1 and runners[0].stats.replays == 3
+    assert torch.equal(caches[0].k[:, 1:], caches[1].k[:, 1:])

@@ -3,7 +3,7 @@
 # (a failing step is logged and the next one still runs). Usage:
 #   OUT=/path/to/results bash scripts/gpu_bench.sh MODE [MODE ...]
 # smoke: every benchmark on the tiny preset (catches device bugs in seconds); bench, setup,
-# ticks, stage0, stage2: the minicpmo45 figures (random weights), each a few minutes on an H200.
+# ticks, ticks_continuous, ticks_steady, ticks_eager, stage0, stage2: the minicpmo45 figures (random weights), each a few minutes on an H200.
 # Needs torch with CUDA, triton, numpy, pyyaml, safetensors, pydantic, tqdm, matplotlib.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,17 +29,25 @@ case "$mode" in
     step smoke_bench 120 python3 -m duplexcache.cli bench --preset tiny --device cuda --sessions 1,2 --out "$out/smoke_bench"
     step smoke_ticks 120 python3 -m duplexcache.bench.engine_ticks --preset tiny --device cuda --sessions 1,2 --ticks 2 --out "$out/smoke_ticks"
     step smoke_setup 120 python3 -m duplexcache.bench.session_setup --preset tiny --device cuda --sessions 3 --repeats 1 --out "$out/smoke_setup"
-    step gpu_tests 240 python3 -m pytest -q -x tests/cfm/test_graphs.py tests/kv/test_paged_attention.py -p no:cacheprovider ;;
+    step gpu_tests 240 python3 -m pytest -q -x tests/cfm/test_graphs.py tests/kv/test_paged_attention.py tests/kv/test_decode_graphs.py -p no:cacheprovider ;;
   bench)  # issue 6: memory per session A/B per switch, 80 GiB budget as on an 80 GB card
-    step bench 480 python3 -m duplexcache.cli bench --preset minicpmo45 --device cuda --sessions 1,2,4 --memory-budget 80GiB --out "$out/bench" ;;
+    step bench 480 python3 -m duplexcache.cli bench --preset minicpmo45 --device cuda --sessions 1,2,4,8 --memory-budget 80GiB --out "$out/bench" ;;
   setup)  # issue 4: setup time / private bytes of later sessions, context cache x shared anchors
     step session_setup 120 python3 -m duplexcache.bench.session_setup --preset minicpmo45 --device cuda --sessions 4 --repeats 2 --out "$out/session_setup" ;;
-  ticks)  # issue 5: per-stage tick latency and the largest real-time session count
-    step engine_ticks 260 python3 -m duplexcache.bench.engine_ticks --preset minicpmo45 --device cuda --sessions 1,8,16,32 --ticks 4 --max-seconds 200 --out "$out/engine_ticks" ;;
+  ticks)  # issue 5: per-stage tick latency and the largest real-time session count (100 GiB: 32 sessions fit)
+    step engine_ticks 260 python3 -m duplexcache.bench.engine_ticks --preset minicpmo45 --device cuda --sessions 1,8,16,32 --ticks 4 --max-seconds 200 --memory-budget 100GiB --out "$out/engine_ticks" ;;
+  ticks_continuous)  # every session speaks every unit in one endless turn: one Code2Wav chunk per tick, no turn-end bursts;
+    # 8 warm-up ticks: Code2Wav's cache reaches its steady P + 100 frames after 1 + ceil(300 / 50) = 7 units (before
+    # that, every tick grows it to a new width and captures a graph for it)
+    step engine_ticks_continuous 250 python3 -m duplexcache.bench.engine_ticks --preset minicpmo45 --device cuda --sessions 1,8,16,32 --ticks 4 --warmup-ticks 8 --max-seconds 210 --memory-budget 100GiB --speak-k 1000 --turn-units 1000 --out "$out/engine_ticks_continuous" ;;
+  ticks_steady)  # as ticks_continuous, with every Thinker window filled to (low + high) / 2 = 7000 tokens first
+    step engine_ticks_steady 220 python3 -m duplexcache.bench.engine_ticks --preset minicpmo45 --device cuda --sessions 1,8,16,32 --ticks 4 --warmup-ticks 8 --max-seconds 180 --memory-budget 100GiB --speak-k 1000 --turn-units 1000 --steady-window --out "$out/engine_ticks_steady" ;;
+  ticks_eager)  # A/B of engine.decode_cuda_graphs: the ticks sweep with eager decode steps
+    step engine_ticks_eager 140 python3 -m duplexcache.bench.engine_ticks --preset minicpmo45 --device cuda --sessions 1,8 --ticks 4 --max-seconds 100 --memory-budget 100GiB --decode-cuda-graphs off --out "$out/engine_ticks_eager" ;;
   stage0)
     step gpu_stage0 120 python3 -m duplexcache.bench.gpu_stage0 --out "$out/gpu_stage0" ;;
   stage2)
     step gpu_stage2 300 python3 -m duplexcache.bench.gpu_stage2 --out "$out/gpu_stage2" --batches 1,8,32 ;;
-  *) echo "unknown mode $mode (smoke|bench|setup|ticks|stage0|stage2)"; exit 2 ;;
+  *) echo "unknown mode $mode (smoke|bench|setup|ticks|ticks_continuous|ticks_steady|ticks_eager|stage0|stage2)"; exit 2 ;;
 esac
 done

@@ -2,7 +2,8 @@
 
     python -m duplexcache.bench.engine_ticks [--preset tiny|minicpmo45] [--device cpu|cuda]
         [--sessions 1,8,16,32] [--ticks 6] [--warmup-ticks 2] [--memory-budget 80GiB]
-        [--all-switches on|off] [--steady-window] [--max-seconds 420] [--out DIR]
+        [--all-switches on|off] [--steady-window] [--decode-cuda-graphs on|off] [--max-seconds 420]
+        [--out DIR]
 
 The models are built once (random weights; minicpmo45 on CUDA in bf16). For each session count
 ``n`` a fresh :class:`DuplexEngine` is built over the same :class:`ModelBundle`, ``n`` sessions are
@@ -16,7 +17,8 @@ engine shut down and its memory freed before the next ``n``.
 Thinker window to the middle of its marks, ``(low + high) // 2`` tokens after the anchor (seeded
 random text ids, through the serving append path), so the recorded ticks attend over a window of
 the length a long call averages instead of a few units. The middle, not the high mark: a fill
-to the high mark would make every session compact in the first recorded tick.
+to the high mark would make every session compact in the first recorded tick. One unrecorded
+tick follows the fill (it captures the decode graphs of the wider block tables).
 
 What is recorded per tick:
 * the engine's own per-stage latency (``stats().stage_latency_s``: encoder, thinker, talker,
@@ -25,7 +27,9 @@ What is recorded per tick:
   stage before it; the stage totals are still right wherever a stage ends in a host read.
 * ``wall``: wall clock around ``tick()`` with ``torch.cuda.synchronize()`` before and after. This
   is the figure the 1 s real-time test uses.
-* the number of sessions that got text in the tick (the scripted policy with ``k <= 2`` makes
+* ``decode_graph_steps``: decode steps of the Thinker and the Talker that replayed a CUDA graph
+  over the recorded ticks (``--decode-cuda-graphs on``; 0 or absent when eager).
+* the number of sessions that got text in the tick (a scripted policy with ``turn_units >= k`` makes
   every unit speak, so this must equal ``n``: a tick that silently skipped sessions is caught).
 
 A stage with no work in a tick records 0 in the engine (e.g. Code2Wav on the first unit of a
@@ -105,6 +109,8 @@ class TickBenchConfig:
     speak_k: int = 2
     seed: int = 0
     steady_window: bool = False   # fill each Thinker window to (low + high) // 2 after the warm-up
+    decode_cuda_graphs: bool = True   # engine.decode_cuda_graphs (CUDA only)
+    turn_units: int = 2   # scripted policy: the last min(turn_units, k) units of every k speak, as one turn
 
     def __post_init__(self) -> None:
         if self.preset not in ("tiny", "minicpmo45"):
@@ -122,13 +128,17 @@ class TickBenchConfig:
             raise ValueError(f"need ticks >= 1 and warmup_ticks >= 0, got {self.ticks}, {self.warmup_ticks}")
         if self.max_seconds <= 0:
             raise ValueError(f"max_seconds must be positive, got {self.max_seconds}")
-        if self.speak_k < 1:
-            raise ValueError(f"speak_k must be >= 1, got {self.speak_k}")
+        if self.speak_k < 1 or self.turn_units < 1:
+            raise ValueError(f"speak_k and turn_units must be >= 1, got {self.speak_k}, {self.turn_units}")
         if self.memory_budget is not None:
             parse_bytes(self.memory_budget)   # raises ValueError naming the bad size
         if self.warmup_ticks < 2:
             logger.warning("warmup_ticks=%d: the first Code2Wav step (graph capture on CUDA) "
                            "falls in a recorded tick", self.warmup_ticks)
+
+    @property
+    def every_unit_speaks(self) -> bool:
+        return self.turn_units >= self.speak_k
 
     def budget(self) -> str | None:
         return self.memory_budget or DEFAULT_BUDGET.get(self.preset)
@@ -149,7 +159,8 @@ def make_deploy(cfg: TickBenchConfig) -> DeployConfig:
     for section, keys in SWITCHES.items():
         for key in keys:
             raw[section][key] = cfg.all_switches
-    raw["engine"]["speak_policy"] = {"mode": "every_k_units", "k": cfg.speak_k}
+    raw["engine"]["speak_policy"] = {"mode": "every_k_units", "k": cfg.speak_k, "turn_units": cfg.turn_units}
+    raw["engine"]["decode_cuda_graphs"] = cfg.decode_cuda_graphs
     return DeployConfig.from_dict(raw, environ={})
 
 
@@ -199,6 +210,7 @@ class RunResult:
     audio_chunks: list[int] = field(default_factory=list)
     session_errors: int = 0
     late_ticks: int = 0
+    decode_graph_steps: dict[str, int] = field(default_factory=dict)   # over the recorded ticks
     max_memory_allocated: int | None = None
     memory_allocated_after: int | None = None   # after the engine was freed: should be the weights
     seconds: float = 0.0
@@ -217,6 +229,7 @@ class RunResult:
                 "all_ticks_under_1s": self.all_under_1s, "per_tick_s": self.per_tick,
                 "text_sessions_per_tick": self.text_sessions, "audio_chunks_per_tick": self.audio_chunks,
                 "session_errors": self.session_errors, "late_ticks": self.late_ticks,
+                "decode_graph_steps": self.decode_graph_steps,
                 "max_memory_allocated": self.max_memory_allocated,
                 "memory_allocated_after": self.memory_allocated_after, "seconds": round(self.seconds, 3)}
 
@@ -285,7 +298,7 @@ def _drive(eng: DuplexEngine, n: int, cfg: TickBenchConfig, res: RunResult, dead
     if res.status == "refused":
         return
     enc = eng.models.audio_encoder.cfg
-    units = cfg.warmup_ticks + cfg.ticks
+    units = cfg.warmup_ticks + cfg.ticks + (1 if cfg.steady_window else 0)
     for i, sid in enumerate(sids):
         eng.push_audio(sid, session_audio(i, units, enc.first_chunk_samples, enc.chunk_samples, cfg.seed))
     for k in range(cfg.warmup_ticks):
@@ -299,7 +312,12 @@ def _drive(eng: DuplexEngine, n: int, cfg: TickBenchConfig, res: RunResult, dead
         logger.info("n=%d warm-up tick %d/%d: %.2f s", n, k + 1, cfg.warmup_ticks, time.perf_counter() - t0)
     if cfg.steady_window:
         _fill_windows(eng, sids)
+        # One more unrecorded tick: the longer block tables need decode graphs of a wider class,
+        # captured on first use; the recorded ticks should show the steady cost, not the capture.
+        events = eng.tick()
+        res.session_errors += sum(isinstance(e, SessionError) for e in events)
     late_before = eng.late_ticks
+    graphs_before = dict(eng.stats().decode_graph_steps)
     for k in range(cfg.ticks):
         if deadline.passed():
             res.status = "stopped"
@@ -309,11 +327,12 @@ def _drive(eng: DuplexEngine, n: int, cfg: TickBenchConfig, res: RunResult, dead
         logger.info("n=%d tick %d/%d: %.1f ms (wall %.1f ms)", n, k + 1, cfg.ticks,
                     1e3 * res.per_tick["tick"][-1], 1e3 * res.per_tick["wall"][-1])
     res.late_ticks = eng.late_ticks - late_before
+    res.decode_graph_steps = {k: v - graphs_before.get(k, 0) for k, v in eng.stats().decode_graph_steps.items()}
     if res.session_errors and res.status == "ok":
         res.status, res.note = "error", f"{res.session_errors} session errors during the run"
     short = [k for k, t in enumerate(res.text_sessions) if t != len(sids)]
-    if cfg.speak_k <= 2 and short and res.status == "ok":
-        # k <= 2 makes every unit speak: a tick without text from every session skipped some,
+    if cfg.every_unit_speaks and short and res.status == "ok":
+        # Every unit speaks: a tick without text from every session skipped some,
         # and its latency would flatter the engine.
         res.status = "error"
         res.note = f"recorded ticks {short} ran fewer than {len(sids)} sessions ({res.text_sessions})"
@@ -454,8 +473,9 @@ def _results(cfg: TickBenchConfig, deploy: DeployConfig, models: ModelBundle, ro
                    "sessions": list(cfg.sessions), "ticks": cfg.ticks, "warmup_ticks": cfg.warmup_ticks,
                    "memory_budget": format_bytes(deploy.engine.memory_budget),
                    "activation_reserve": format_bytes(deploy.engine.activation_reserve),
-                   "all_switches": cfg.all_switches, "speak_policy": f"every_k_units k={cfg.speak_k}",
-                   "max_seconds": cfg.max_seconds, "seed": cfg.seed, "steady_window": cfg.steady_window},
+                   "all_switches": cfg.all_switches, "speak_policy": f"every_k_units k={cfg.speak_k} turn_units={min(cfg.turn_units, cfg.speak_k)}",
+                   "max_seconds": cfg.max_seconds, "seed": cfg.seed, "steady_window": cfg.steady_window,
+                   "decode_cuda_graphs": cfg.decode_cuda_graphs},
         "model_build_s": round(build_s, 3),
         "weight_bytes": models.weight_bytes(),
         "memory_allocated_after_build": weights_alloc,
@@ -480,7 +500,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"preset {c['preset']} on {c['device']} ({c['dtype']}), random weights, scripted policy "
         f"{c['speak_policy']}; sharing switches {'on' if c['all_switches'] else 'off'}; "
         f"budget {c['memory_budget']} (reserve {c['activation_reserve']}); Thinker windows "
-        f"{'filled to (low + high) / 2 before the recorded ticks' if c.get('steady_window') else 'as the units left them'}  ",
+        f"{'filled to (low + high) / 2 before the recorded ticks' if c.get('steady_window') else 'as the units left them'}; "
+        f"decode CUDA graphs {'on' if c.get('decode_cuda_graphs') else 'off'}  ",
         f"{c['warmup_ticks']} warm-up + {c['ticks']} recorded ticks per session count; models built once in "
         f"{results['model_build_s']:.1f} s; whole run {results['elapsed_s']:.1f} s "
         f"(budget {c['max_seconds']:.0f} s)", "",
@@ -488,15 +509,18 @@ def markdown(results: dict[str, Any]) -> str:
         "timers, no device sync inside a tick). `wall`: synchronised wall clock around `tick()`, the "
         "figure the 1 s test uses.", "",
         "| sessions | status | " + " | ".join(f"{s} ms" for s in (*STAGES, "wall"))
-        + " | all ticks < 1 s | text/tick | peak alloc GiB |",
-        "|---" * (len(STAGES) + 6) + "|",
+        + " | all ticks < 1 s | text/tick | graphed decode steps (Thinker/Talker) | peak alloc GiB |",
+        "|---" * (len(STAGES) + 7) + "|",
     ]
     for r in results["runs"]:
         cells = [_stage_cell(r["stages_s"][s]) for s in (*STAGES, "wall")]
         under = {True: "yes", False: "no", None: "-"}[r["all_ticks_under_1s"]]
         text = f"{min(r['text_sessions_per_tick'])}" if r["text_sessions_per_tick"] else "-"
         mem = "-" if r["max_memory_allocated"] is None else f"{r['max_memory_allocated'] / 2**30:.2f}"
-        lines.append(f"| {r['sessions']} | {r['status']} | " + " | ".join(cells) + f" | {under} | {text} | {mem} |")
+        steps = r.get("decode_graph_steps") or {}
+        graphed = f"{steps['thinker']}/{steps['talker']}" if steps else "-"
+        lines.append(f"| {r['sessions']} | {r['status']} | " + " | ".join(cells)
+                     + f" | {under} | {text} | {graphed} | {mem} |")
     best = results["largest_sessions_all_ticks_under_1s"]
     lines += ["", f"**Largest session count tried with every tick < 1 s: {best if best is not None else 'none'}**"]
     notes = [f"- n={r['sessions']}: {r['status']}: {r['note']}" for r in results["runs"] if r["note"]]
@@ -538,9 +562,14 @@ def parse_args(argv: list[str] | None) -> tuple[TickBenchConfig, Path]:
                    help="engine.memory_budget (default: 80GiB for minicpmo45, the preset's for tiny)")
     p.add_argument("--all-switches", choices=("on", "off"), default="on",
                    help="shared_anchor_blocks, duplex_context_caching, cfm_prompt_att_sharing")
-    p.add_argument("--speak-k", type=int, default=2, help="scripted policy: speak in the last min(2,k) of k units")
+    p.add_argument("--speak-k", type=int, default=2,
+                   help="scripted policy: speak in the last min(turn_units, k) of every k units")
+    p.add_argument("--turn-units", type=int, default=2,
+                   help="scripted policy: units per turn (k=2 with 2: two-unit turns; k=turn=1000: one turn)")
     p.add_argument("--steady-window", action="store_true",
                    help="before the recorded ticks, fill each Thinker window to (low + high) / 2 tokens")
+    p.add_argument("--decode-cuda-graphs", choices=("on", "off"), default="on",
+                   help="engine.decode_cuda_graphs: replay the Thinker/Talker decode steps from CUDA graphs")
     p.add_argument("--max-seconds", type=float, default=420.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("out/engine_ticks"))
@@ -548,7 +577,8 @@ def parse_args(argv: list[str] | None) -> tuple[TickBenchConfig, Path]:
     device = a.device or ("cuda" if a.preset == "minicpmo45" else "cpu")
     try:
         cfg = TickBenchConfig(a.preset, device, a.sessions, a.ticks, a.warmup_ticks, a.memory_budget,
-                              a.all_switches == "on", a.max_seconds, a.speak_k, a.seed, a.steady_window)
+                              a.all_switches == "on", a.max_seconds, a.speak_k, a.seed, a.steady_window,
+                              a.decode_cuda_graphs == "on", a.turn_units)
     except ValueError as exc:
         p.error(str(exc))
     return cfg, a.out

@@ -17,15 +17,20 @@ sequence are concatenated, ``query_start_loc`` marks where each sequence's token
 layer first writes the K/V of all new tokens (``write_kv``), then attends (``paged_attention``),
 so new tokens see the cached prefix of their own sequence plus the new tokens before them.
 
-On CPU (and for prefill) attention gathers each sequence's blocks and runs SDPA: simple and
-exact, but it moves the KV twice. A GPU kernel that reads blocks in place can be selected for
-decode batches per cache with ``cache.set_decode_backend("triton")``.
+On CPU (and for long prefills) attention gathers each sequence's blocks and runs SDPA: simple
+and exact, but it moves the KV twice and launches a dozen kernels per sequence per layer. A GPU
+kernel that reads blocks in place can be selected per cache with
+``cache.set_decode_backend("triton")``. It serves decode batches, and also ragged steps whose
+sequences add at most ``RAGGED_KERNEL_MAX_NEW`` tokens each (a unit's append, the Talker's
+condition rows): each new token becomes one query row with its own sequence's block table and
+``seq_len = its logical index + 1``. Its K/V are already written, so that length is exactly the
+causal mask. One launch per layer replaces one gather + SDPA per sequence per layer.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -36,6 +41,11 @@ logger = logging.getLogger(__name__)
 NULL_BLOCK_ID = 0
 
 DECODE_BACKENDS = ("reference", "triton")
+
+# Ragged steps up to this many new tokens per sequence use the in-place kernel (one query row per
+# token, each reading its sequence's prefix). Longer ones (a context prefill, a window fill) read
+# the prefix once per token, so the gather + SDPA path is cheaper there.
+RAGGED_KERNEL_MAX_NEW = 32
 
 
 class PagedKVCache:
@@ -80,7 +90,7 @@ class PagedKVCache:
         self.decode_backend = "reference"
         self._decode_kernel: Callable | None = None
         # How many attention calls took each path: lets tests and benchmarks prove a path is used.
-        self.path_counts: dict[str, int] = {"reference": 0, "decode_kernel": 0}
+        self.path_counts: dict[str, int] = {"reference": 0, "decode_kernel": 0, "ragged_kernel": 0}
 
 
     def set_decode_backend(self, name: str) -> None:
@@ -167,6 +177,19 @@ class PagedBatch:
     block_size: int
     num_computed_list: list[int]
     num_new_list: list[int]
+    # Per new token (N,): its sequence and its causal length (logical index + 1). Set by build();
+    # the ragged kernel path needs them.
+    token_seq_ids: torch.Tensor | None = None
+    token_seq_lens: torch.Tensor | None = None
+    _token_tables: torch.Tensor | None = field(default=None, repr=False, init=False)
+
+    def token_block_tables(self) -> torch.Tensor:
+        """(N, max_blocks) int32: each new token's sequence's block table (computed once)."""
+        if self.token_seq_ids is None:
+            raise ValueError("this PagedBatch was not built with per-token metadata")
+        if self._token_tables is None:
+            self._token_tables = self.block_tables.index_select(0, self.token_seq_ids)
+        return self._token_tables
 
     @property
     def num_seqs(self) -> int:
@@ -246,6 +269,8 @@ class PagedBatch:
             block_size=block_size,
             num_computed_list=list(num_computed),
             num_new_list=list(num_new),
+            token_seq_ids=seq.to(device),
+            token_seq_lens=(index + 1).to(device=device, dtype=torch.int32),
         )
 
 
@@ -286,9 +311,14 @@ def paged_attention(
         raise ValueError(
             f"paged_attention: {q.shape[1]} query heads is not a multiple of {cache.num_kv_heads} kv heads"
         )
-    if cache._decode_kernel is not None and q.is_cuda and batch.is_decode:
-        cache.path_counts["decode_kernel"] += 1
-        return cache._decode_kernel(q, cache.k[layer], cache.v[layer], batch.block_tables, batch.seq_lens, scale)
+    if cache._decode_kernel is not None and q.is_cuda:
+        if batch.is_decode:
+            cache.path_counts["decode_kernel"] += 1
+            return cache._decode_kernel(q, cache.k[layer], cache.v[layer], batch.block_tables, batch.seq_lens, scale)
+        if batch.token_seq_ids is not None and max(batch.num_new_list) <= RAGGED_KERNEL_MAX_NEW:
+            cache.path_counts["ragged_kernel"] += 1
+            return cache._decode_kernel(q, cache.k[layer], cache.v[layer], batch.token_block_tables(),
+                                        batch.token_seq_lens, scale)
     cache.path_counts["reference"] += 1
     return _reference_paged_attention(q, cache, layer, batch, scale)
 

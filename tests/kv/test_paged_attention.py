@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from duplexcache.kv.paged_attention import (
+    RAGGED_KERNEL_MAX_NEW,
     PagedBatch,
     PagedKVCache,
     bytes_per_block,
@@ -15,6 +16,7 @@ from duplexcache.kv.paged_attention import (
     num_blocks_for_budget,
     paged_attention,
     write_kv,
+    _reference_paged_attention,
 )
 
 HQ, HKV, D = 4, 2, 8
@@ -197,4 +199,56 @@ def test_attention_backend_selection():
     batch = PagedBatch.build([[1], [2]], [1, 2], [1, 1], None, 4)
     assert batch.is_decode
     paged_attention(torch.randn(2, HQ, D), cache, 0, batch, 1.0)
-    assert calls == [] and cache.path_counts == {"reference": 1, "decode_kernel": 0}
+    assert calls == [] and cache.path_counts == {"reference": 1, "decode_kernel": 0, "ragged_kernel": 0}
+
+
+def _decode_rows_reference(q, cache, layer, tables, seq_lens, scale):
+    """One query row per entry, attending to the first seq_lens[i] tokens of tables[i] (float64)."""
+    k_layer, v_layer = cache.k[layer], cache.v[layer]
+    group = q.shape[1] // cache.num_kv_heads
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for i, n in enumerate(seq_lens.tolist()):
+        idx = torch.arange(n)
+        blocks = tables[i][idx // cache.block_size].long()
+        kb = k_layer[blocks, idx % cache.block_size].double().repeat_interleave(group, dim=1)  # (n, Hq, D)
+        vb = v_layer[blocks, idx % cache.block_size].double().repeat_interleave(group, dim=1)
+        att = torch.softmax(torch.einsum("hd,nhd->hn", q[i].double(), kb) * scale, dim=-1)
+        out[i] = torch.einsum("hn,nhd->hd", att, vb)
+    return out
+
+
+def test_ragged_step_as_decode_rows_is_causal_attention():
+    """The ragged kernel path's inputs: token i of sequence b becomes a decode row over b's table
+    with length index + 1; decode attention over those rows equals the causal reference."""
+    g = torch.Generator().manual_seed(7)
+    cache = PagedKVCache(1, 12, 4, HKV, D)
+    cache.k.normal_(generator=g)
+    cache.v.normal_(generator=g)
+    batch = PagedBatch.build([[3, 5, 7], [2], [9, 4, 10, 11]], [5, 0, 9], [3, 2, 4], None, 4)
+    assert batch.token_seq_ids.tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 2]
+    assert batch.token_seq_lens.tolist() == [6, 7, 8, 1, 2, 10, 11, 12, 13]
+    rows = batch.token_block_tables()
+    assert rows.shape == (9, 4) and rows[3].tolist() == [2, 0, 0, 0] and rows is batch.token_block_tables()
+    q = torch.randn(9, HQ, D, generator=g)
+    want = paged_attention(q, cache, 0, batch, 0.3)          # gather + SDPA per sequence (CPU)
+    got = _decode_rows_reference(q, cache, 0, rows, batch.token_seq_lens, 0.3)
+    torch.testing.assert_close(got.float(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_ragged_steps_take_the_kernel_and_match_the_reference():
+    pytest.importorskip("triton")
+    g = torch.Generator().manual_seed(8)
+    cache = PagedKVCache(1, 40, 16, 2, 64, device="cuda")
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    cache.set_decode_backend("triton")
+    short = PagedBatch.build([[3, 5, 7], [2], [9, 4, 10]], [20, 0, 30], [12, 5, 1], None, 16, "cuda")
+    long = PagedBatch.build([[11, 12, 13, 14, 15]], [0], [RAGGED_KERNEL_MAX_NEW + 1], None, 16, "cuda")
+    for batch, path in ((short, "ragged_kernel"), (long, "reference")):
+        q = torch.randn(batch.num_tokens, 8, 64, generator=g).cuda()
+        before = dict(cache.path_counts)
+        got = paged_attention(q, cache, 0, batch, 0.125)
+        assert cache.path_counts[path] == before[path] + 1
+        want = _reference_paged_attention(q, cache, 0, batch, 0.125)
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)

@@ -135,6 +135,23 @@ def test_paged_decode_matches_reference(seq_lens, hq, hkv, d, splits, block_n):
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
+def test_paged_decode_kernel_runs_a_ragged_step_as_rows():
+    """The ragged path of paged_attention: each new token a row with its sequence's table and
+    length index + 1. The kernel on those rows equals the gather + SDPA causal reference."""
+    from duplexcache.kv.paged_attention import PagedBatch, PagedKVCache, _reference_paged_attention
+
+    gen = torch.Generator().manual_seed(77)
+    cache = PagedKVCache(1, 12, PAGE, 2, 32)
+    cache.k.normal_(generator=gen)
+    cache.v.normal_(generator=gen)
+    batch = PagedBatch.build([[3, 5, 7], [2], [9, 4]], [20, 0, 30], [3, 2, 1], None, PAGE)
+    q = torch.randn(batch.num_tokens, 4, 32, generator=gen)
+    out = tk.paged_decode_attention(q, cache.k[0], cache.v[0], batch.token_block_tables(),
+                                    batch.token_seq_lens, 0.2, num_splits=2, block_n=16)
+    ref = _reference_paged_attention(q, cache, 0, batch, 0.2)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_paged_decode_reads_blocks_in_place_shared_blocks():
     """Two sequences share their first blocks (a shared context), then diverge; a garbage
     value in the null block and in unlisted blocks must not leak in."""

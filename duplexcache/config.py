@@ -180,6 +180,10 @@ class Stage0Config(_Strict):
     shared_anchor_blocks: bool = False
     # Whether a client's session.update may lower the window's high/low marks.
     client_window_override: bool = True
+    # CUDA: ragged steps of <= 32 new tokens per sequence (a unit's append, the Talker's condition
+    # rows) through the in-place paged kernel, one query row per token, instead of one gather +
+    # SDPA per sequence per layer. Default off until measured on a GPU (A/B with engine_ticks).
+    ragged_kernel: bool = False
 
 
 class ContextCacheConfig(_Strict):

@@ -28,7 +28,7 @@ NON_DEFAULT = {
     "model": {"preset": "minicpmo45", "checkpoint_dir": "/ckpt", "revision": "abc123",
               "dtype": "bfloat16", "device": "cuda:1"},
     "stage0": {"block_size": 32, "window": {"mode": "rebuild", "high_tokens": 4000, "low_tokens": 3000},
-               "shared_anchor_blocks": True, "client_window_override": False},
+               "shared_anchor_blocks": True, "client_window_override": False, "ragged_kernel": True},
     "context_cache": {"duplex_context_caching": True, "capacity": 7},
     "code2wav": {"cfm_prompt_att_sharing": True, "cfm_arena_rows_from_graph_grid": True,
                  "max_num_seqs": 24, "graph_grid": [1, 4, 8]},

@@ -2,7 +2,8 @@
 
     python -m duplexcache.bench.engine_ticks [--preset tiny|minicpmo45] [--device cpu|cuda]
         [--sessions 1,8,16,32] [--ticks 6] [--warmup-ticks 2] [--memory-budget 80GiB]
-        [--all-switches on|off] [--steady-window] [--decode-cuda-graphs on|off] [--max-seconds 420]
+        [--all-switches on|off] [--steady-window] [--decode-cuda-graphs on|off] [--ragged-kernel on|off]
+        [--max-seconds 420]
         [--out DIR]
 
 The models are built once (random weights; minicpmo45 on CUDA in bf16). For each session count
@@ -111,6 +112,7 @@ class TickBenchConfig:
     steady_window: bool = False   # fill each Thinker window to (low + high) // 2 after the warm-up
     decode_cuda_graphs: bool = True   # engine.decode_cuda_graphs (CUDA only)
     turn_units: int = 2   # scripted policy: the last min(turn_units, k) units of every k speak, as one turn
+    ragged_kernel: bool = False   # stage0.ragged_kernel (CUDA only)
 
     def __post_init__(self) -> None:
         if self.preset not in ("tiny", "minicpmo45"):
@@ -161,6 +163,7 @@ def make_deploy(cfg: TickBenchConfig) -> DeployConfig:
             raw[section][key] = cfg.all_switches
     raw["engine"]["speak_policy"] = {"mode": "every_k_units", "k": cfg.speak_k, "turn_units": cfg.turn_units}
     raw["engine"]["decode_cuda_graphs"] = cfg.decode_cuda_graphs
+    raw["stage0"]["ragged_kernel"] = cfg.ragged_kernel
     return DeployConfig.from_dict(raw, environ={})
 
 
@@ -475,7 +478,7 @@ def _results(cfg: TickBenchConfig, deploy: DeployConfig, models: ModelBundle, ro
                    "activation_reserve": format_bytes(deploy.engine.activation_reserve),
                    "all_switches": cfg.all_switches, "speak_policy": f"every_k_units k={cfg.speak_k} turn_units={min(cfg.turn_units, cfg.speak_k)}",
                    "max_seconds": cfg.max_seconds, "seed": cfg.seed, "steady_window": cfg.steady_window,
-                   "decode_cuda_graphs": cfg.decode_cuda_graphs},
+                   "decode_cuda_graphs": cfg.decode_cuda_graphs, "ragged_kernel": cfg.ragged_kernel},
         "model_build_s": round(build_s, 3),
         "weight_bytes": models.weight_bytes(),
         "memory_allocated_after_build": weights_alloc,
@@ -501,7 +504,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"{c['speak_policy']}; sharing switches {'on' if c['all_switches'] else 'off'}; "
         f"budget {c['memory_budget']} (reserve {c['activation_reserve']}); Thinker windows "
         f"{'filled to (low + high) / 2 before the recorded ticks' if c.get('steady_window') else 'as the units left them'}; "
-        f"decode CUDA graphs {'on' if c.get('decode_cuda_graphs') else 'off'}  ",
+        f"decode CUDA graphs {'on' if c.get('decode_cuda_graphs') else 'off'}; "
+        f"ragged kernel {'on' if c.get('ragged_kernel') else 'off'}  ",
         f"{c['warmup_ticks']} warm-up + {c['ticks']} recorded ticks per session count; models built once in "
         f"{results['model_build_s']:.1f} s; whole run {results['elapsed_s']:.1f} s "
         f"(budget {c['max_seconds']:.0f} s)", "",
@@ -570,6 +574,8 @@ def parse_args(argv: list[str] | None) -> tuple[TickBenchConfig, Path]:
                    help="before the recorded ticks, fill each Thinker window to (low + high) / 2 tokens")
     p.add_argument("--decode-cuda-graphs", choices=("on", "off"), default="on",
                    help="engine.decode_cuda_graphs: replay the Thinker/Talker decode steps from CUDA graphs")
+    p.add_argument("--ragged-kernel", choices=("on", "off"), default="off",
+                   help="stage0.ragged_kernel: short ragged steps through the in-place paged kernel")
     p.add_argument("--max-seconds", type=float, default=420.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("out/engine_ticks"))
@@ -578,7 +584,7 @@ def parse_args(argv: list[str] | None) -> tuple[TickBenchConfig, Path]:
     try:
         cfg = TickBenchConfig(a.preset, device, a.sessions, a.ticks, a.warmup_ticks, a.memory_budget,
                               a.all_switches == "on", a.max_seconds, a.speak_k, a.seed, a.steady_window,
-                              a.decode_cuda_graphs == "on", a.turn_units)
+                              a.decode_cuda_graphs == "on", a.turn_units, a.ragged_kernel == "on")
     except ValueError as exc:
         p.error(str(exc))
     return cfg, a.out

@@ -20,7 +20,8 @@ so new tokens see the cached prefix of their own sequence plus the new tokens be
 On CPU (and for long prefills) attention gathers each sequence's blocks and runs SDPA: simple
 and exact, but it moves the KV twice and launches a dozen kernels per sequence per layer. A GPU
 kernel that reads blocks in place can be selected per cache with
-``cache.set_decode_backend("triton")``. It serves decode batches, and also ragged steps whose
+``cache.set_decode_backend("triton")``. It serves decode batches, and (with
+``cache.ragged_steps_in_kernel``, deploy key ``stage0.ragged_kernel``) also ragged steps whose
 sequences add at most ``RAGGED_KERNEL_MAX_NEW`` tokens each (a unit's append, the Talker's
 condition rows): each new token becomes one query row with its own sequence's block table and
 ``seq_len = its logical index + 1``. Its K/V are already written, so that length is exactly the
@@ -89,6 +90,8 @@ class PagedKVCache:
         # kernel module is an error at selection time, not a silent fallback later.
         self.decode_backend = "reference"
         self._decode_kernel: Callable | None = None
+        # Short ragged steps through the decode kernel too (stage0.ragged_kernel); needs the kernel.
+        self.ragged_steps_in_kernel = False
         # How many attention calls took each path: lets tests and benchmarks prove a path is used.
         self.path_counts: dict[str, int] = {"reference": 0, "decode_kernel": 0, "ragged_kernel": 0}
 
@@ -315,7 +318,8 @@ def paged_attention(
         if batch.is_decode:
             cache.path_counts["decode_kernel"] += 1
             return cache._decode_kernel(q, cache.k[layer], cache.v[layer], batch.block_tables, batch.seq_lens, scale)
-        if batch.token_seq_ids is not None and max(batch.num_new_list) <= RAGGED_KERNEL_MAX_NEW:
+        if (cache.ragged_steps_in_kernel and batch.token_seq_ids is not None
+                and max(batch.num_new_list) <= RAGGED_KERNEL_MAX_NEW):
             cache.path_counts["ragged_kernel"] += 1
             return cache._decode_kernel(q, cache.k[layer], cache.v[layer], batch.token_block_tables(),
                                         batch.token_seq_lens, scale)

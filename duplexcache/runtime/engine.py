@@ -303,6 +303,7 @@ class DuplexEngine:
         self.talker_pool = BlockPool(self.plan.talker_blocks)
         for cache in (self.thinker_cache, self.talker_cache):
             _select_attention_backend(cache)
+            cache.ragged_steps_in_kernel = self.deploy.stage0.ragged_kernel
         self.thinker_graphs, self.talker_graphs = self._decode_graphs()
         self.stage0.use_decode_graphs(self.thinker_graphs)
 

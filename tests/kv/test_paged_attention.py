@@ -243,6 +243,10 @@ def test_cuda_ragged_steps_take_the_kernel_and_match_the_reference():
     cache.k.copy_(torch.randn(cache.k.shape, generator=g))
     cache.v.copy_(torch.randn(cache.v.shape, generator=g))
     cache.set_decode_backend("triton")
+    off = PagedBatch.build([[3]], [2], [2], None, 16, "cuda")
+    paged_attention(torch.randn(2, 8, 64, generator=g).cuda(), cache, 0, off, 0.125)
+    assert cache.path_counts["reference"] == 1 and cache.path_counts["ragged_kernel"] == 0   # switch off
+    cache.ragged_steps_in_kernel = True
     short = PagedBatch.build([[3, 5, 7], [2], [9, 4, 10]], [20, 0, 30], [12, 5, 1], None, 16, "cuda")
     long = PagedBatch.build([[11, 12, 13, 14, 15]], [0], [RAGGED_KERNEL_MAX_NEW + 1], None, 16, "cuda")
     for batch, path in ((short, "ragged_kernel"), (long, "reference")):

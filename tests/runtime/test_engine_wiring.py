@@ -190,3 +190,11 @@ def test_decode_cuda_graphs_reach_the_thinker_and_the_talker(tmp_path, monkeypat
     assert steps["talker"] == 2 * (eng.models.talker.config.tokens_per_unit + 1)
     eng.shutdown()
     assert eng.thinker_graphs is None and eng.stage0.decode_graphs is None
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_ragged_kernel_reaches_both_kv_caches(tmp_path, on):
+    """``stage0.ragged_kernel`` sets the dispatch flag of the Thinker's and the Talker's caches
+    (the kernel path itself runs on CUDA only: tests/kv/test_paged_attention.py checks it there)."""
+    eng = engine(tmp_path, "ragged", {"stage0": {"ragged_kernel": on}})
+    assert eng.thinker_cache.ragged_steps_in_kernel is on and eng.talker_cache.ragged_steps_in_kernel is on

@@ -46,8 +46,8 @@ def make_thinker(seed: int = 0) -> Thinker:
 def prefill(model, cache: PagedKVCache, tables: list[list[int]], lengths: list[int], seed: int) -> None:
     """Write ``lengths[b]`` random tokens of each sequence into ``cache`` (one eager ragged step)."""
     g = torch.Generator().manual_seed(seed)
-    embeds = torch.randn(sum(lengths), model.config.hidden_size, generator=g)
-    batch = PagedBatch.build(tables, [0] * len(tables), lengths, None, BS)
+    embeds = torch.randn(sum(lengths), model.config.hidden_size, generator=g).to(cache.device)
+    batch = PagedBatch.build(tables, [0] * len(tables), lengths, None, BS, cache.device)
     with torch.inference_mode():
         model.forward_paged(embeds, batch, cache)
 

@@ -96,7 +96,7 @@ class PagedDecodeGraphs:
                  dtype: torch.dtype, *, max_batch: int, max_blocks_per_seq: int, capture: bool = True) -> None:
         if capture and cache.device.type != "cuda":
             raise ValueError(f"{name}: CUDA graphs need a CUDA cache, got {cache.device}")
-        if capture and cache._decode_kernel is None:
+        if capture and cache.decode_backend != "triton":
             # The reference attention loops over sequences on the host with their lengths: it
             # cannot be captured with lengths that change every step.
             raise ValueError(f"{name}: CUDA graphs need the cache's in-place decode kernel "
@@ -121,6 +121,13 @@ class PagedDecodeGraphs:
     def can_run(self, num_seqs: int, max_table_blocks: int) -> bool:
         return 0 < num_seqs <= self.max_batch and max_table_blocks <= self.max_width
 
+    def accepts(self, block_tables: list[list[int]]) -> bool:
+        """``can_run`` for these sequences; a refusal is counted as an eager fallback."""
+        ok = self.can_run(len(block_tables), max((len(t) for t in block_tables), default=0))
+        if not ok:
+            self.stats.eager_fallbacks += 1
+        return ok
+
     def run(self, embeds: torch.Tensor, block_tables: list[list[int]], num_computed: list[int]) -> torch.Tensor:
         """Append one token per sequence: ``embeds`` (B, H), the token of sequence ``b`` at
         logical index ``num_computed[b]`` of ``block_tables[b]`` (which must cover it).
@@ -144,9 +151,6 @@ class PagedDecodeGraphs:
             out = self._step(batch, width, num_computed)
         self.stats.replays += 1
         return out[:num_seqs].clone()
-
-    def note_fallback(self) -> None:
-        self.stats.eager_fallbacks += 1
 
     def close(self) -> None:
         self._graphs.clear()

@@ -180,19 +180,23 @@ class PagedBatch:
     block_size: int
     num_computed_list: list[int]
     num_new_list: list[int]
-    # Per new token (N,): its sequence and its causal length (logical index + 1). Set by build();
-    # the ragged kernel path needs them.
+    # Per new token (N,), on the host: its sequence and its causal length (logical index + 1).
+    # Set by build(); only the ragged kernel path reads them (token_rows moves them once).
     token_seq_ids: torch.Tensor | None = None
     token_seq_lens: torch.Tensor | None = None
-    _token_tables: torch.Tensor | None = field(default=None, repr=False, init=False)
+    _token_rows: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, init=False)
 
-    def token_block_tables(self) -> torch.Tensor:
-        """(N, max_blocks) int32: each new token's sequence's block table (computed once)."""
-        if self.token_seq_ids is None:
+    def token_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step as one decode row per new token, on the batch's device: ``(block_tables
+        (N, max_blocks) int32, seq_lens (N,) int32)``. Computed on first use, then kept for the
+        other layers."""
+        if self.token_seq_ids is None or self.token_seq_lens is None:
             raise ValueError("this PagedBatch was not built with per-token metadata")
-        if self._token_tables is None:
-            self._token_tables = self.block_tables.index_select(0, self.token_seq_ids)
-        return self._token_tables
+        if self._token_rows is None:
+            dev = self.block_tables.device
+            ids = self.token_seq_ids.to(dev)
+            self._token_rows = (self.block_tables.index_select(0, ids), self.token_seq_lens.to(dev))
+        return self._token_rows
 
     @property
     def num_seqs(self) -> int:
@@ -272,8 +276,8 @@ class PagedBatch:
             block_size=block_size,
             num_computed_list=list(num_computed),
             num_new_list=list(num_new),
-            token_seq_ids=seq.to(device),
-            token_seq_lens=(index + 1).to(device=device, dtype=torch.int32),
+            token_seq_ids=seq,
+            token_seq_lens=(index + 1).to(torch.int32),
         )
 
 
@@ -314,17 +318,27 @@ def paged_attention(
         raise ValueError(
             f"paged_attention: {q.shape[1]} query heads is not a multiple of {cache.num_kv_heads} kv heads"
         )
-    if cache._decode_kernel is not None and q.is_cuda:
-        if batch.is_decode:
-            cache.path_counts["decode_kernel"] += 1
-            return cache._decode_kernel(q, cache.k[layer], cache.v[layer], batch.block_tables, batch.seq_lens, scale)
-        if (cache.ragged_steps_in_kernel and batch.token_seq_ids is not None
-                and max(batch.num_new_list) <= RAGGED_KERNEL_MAX_NEW):
-            cache.path_counts["ragged_kernel"] += 1
-            return cache._decode_kernel(q, cache.k[layer], cache.v[layer], batch.token_block_tables(),
-                                        batch.token_seq_lens, scale)
-    cache.path_counts["reference"] += 1
+    path = attention_path(cache, batch, q.is_cuda)
+    cache.path_counts[path] += 1
+    if path == "decode_kernel":
+        return cache._decode_kernel(q, cache.k[layer], cache.v[layer], batch.block_tables, batch.seq_lens, scale)
+    if path == "ragged_kernel":
+        tables, seq_lens = batch.token_rows()
+        return cache._decode_kernel(q, cache.k[layer], cache.v[layer], tables, seq_lens, scale)
     return _reference_paged_attention(q, cache, layer, batch, scale)
+
+
+def attention_path(cache: PagedKVCache, batch: PagedBatch, on_cuda: bool) -> str:
+    """Which path ``paged_attention`` takes: ``decode_kernel``, ``ragged_kernel`` or ``reference``.
+    The kernel runs on CUDA only; ragged steps take it only with ``cache.ragged_steps_in_kernel``."""
+    if cache._decode_kernel is None or not on_cuda:
+        return "reference"
+    if batch.is_decode:
+        return "decode_kernel"
+    if (cache.ragged_steps_in_kernel and batch.token_seq_ids is not None
+            and max(batch.num_new_list) <= RAGGED_KERNEL_MAX_NEW):
+        return "ragged_kernel"
+    return "reference"
 
 
 def _reference_paged_attention(

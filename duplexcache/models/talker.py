@@ -280,9 +280,7 @@ def generate_unit(talker: Talker, cache: PagedKVCache, requests: list[TalkerUnit
             raise ValueError(f"generate_unit: request {i} would reach {need} Talker tokens, over "
                              f"max_position_embeddings {cfg.max_position_embeddings}; end the turn")
 
-    one_token_graphs = graphs if graphs is not None and graphs.can_run(len(requests), max(map(len, tables))) else None
-    if graphs is not None and one_token_graphs is None:
-        graphs.note_fallback()
+    one_token_graphs = graphs if graphs is not None and graphs.accepts(tables) else None
 
     def step(embeds: torch.Tensor, num_new: list[int]) -> torch.Tensor:
         if one_token_graphs is not None and all(n == 1 for n in num_new):

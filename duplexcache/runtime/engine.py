@@ -321,7 +321,7 @@ class DuplexEngine:
             logger.info("engine.decode_cuda_graphs applies to CUDA devices; decode on %s runs eagerly",
                         self.models.device)
             return False
-        if self.thinker_cache._decode_kernel is None or self.talker_cache._decode_kernel is None:
+        if any(c.decode_backend != "triton" for c in (self.thinker_cache, self.talker_cache)):
             logger.warning("engine.decode_cuda_graphs needs the Triton decode kernel; decode runs eagerly")
             return False
         return True

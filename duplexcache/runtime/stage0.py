@@ -568,13 +568,9 @@ class Stage0Runner:
         embeds = torch.cat([w.embeds for w in work], dim=0).to(device=weight.device, dtype=weight.dtype)
         graphs = self.decode_graphs
         with torch.inference_mode():
-            if graphs is not None and all(n == 1 for n in num_new):
-                if graphs.can_run(len(work), max(len(t) for t in tables)):
-                    hidden = graphs.run(embeds, tables, computed)
-                    last: list[int | None] = list(range(len(work)))
-                else:
-                    graphs.note_fallback()
-                    hidden, last = self._forward_eager(embeds, tables, computed, num_new)
+            if graphs is not None and all(n == 1 for n in num_new) and graphs.accepts(tables):
+                hidden = graphs.run(embeds, tables, computed)
+                last: list[int | None] = list(range(len(work)))
             else:
                 hidden, last = self._forward_eager(embeds, tables, computed, num_new)
             wanted = [i for i, w in enumerate(work) if w.wants_logits and w.embeds.shape[0] > 0]

@@ -96,6 +96,9 @@ def test_run_refuses_what_it_cannot_hold():
                                max_batch=2, max_blocks_per_seq=16, capture=False)
     h = model.config.hidden_size
     assert runner.can_run(2, 16) and not runner.can_run(3, 1) and not runner.can_run(1, 17) and not runner.can_run(0, 1)
+    assert runner.accepts([[1], [2]]) and runner.stats.eager_fallbacks == 0
+    assert not runner.accepts([[1], [2], [3]]) and not runner.accepts([list(range(1, 18))])
+    assert runner.stats.eager_fallbacks == 2
     with pytest.raises(ValueError, match="outside the captured range"):
         runner.run(torch.zeros(3, h), [[1], [2], [3]], [0, 0, 0])
     with pytest.raises(ValueError, match="past its"):

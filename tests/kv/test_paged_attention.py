@@ -11,6 +11,7 @@ from duplexcache.kv.paged_attention import (
     RAGGED_KERNEL_MAX_NEW,
     PagedBatch,
     PagedKVCache,
+    attention_path,
     bytes_per_block,
     copy_blocks,
     num_blocks_for_budget,
@@ -202,6 +203,25 @@ def test_attention_backend_selection():
     assert calls == [] and cache.path_counts == {"reference": 1, "decode_kernel": 0, "ragged_kernel": 0}
 
 
+def test_attention_path_routes_ragged_steps_only_when_switched_on():
+    """The routing paged_attention uses: a ragged step of <= RAGGED_KERNEL_MAX_NEW tokens per
+    sequence takes the kernel only with ragged_steps_in_kernel (stage0.ragged_kernel), only on
+    CUDA, only with a kernel installed; longer steps and the CPU keep the reference."""
+    cache = PagedKVCache(1, 8, 16, HKV, D)
+    decode = PagedBatch.build([[1], [2]], [3, 4], [1, 1], None, 16)
+    short = PagedBatch.build([[1, 2], [3, 7]], [3, 0], [12, RAGGED_KERNEL_MAX_NEW], None, 16)
+    long = PagedBatch.build([[4, 5, 6]], [0], [RAGGED_KERNEL_MAX_NEW + 1], None, 16)
+    assert attention_path(cache, short, on_cuda=True) == "reference"          # no kernel installed
+    cache._decode_kernel = lambda *a: None
+    assert attention_path(cache, decode, on_cuda=True) == "decode_kernel"
+    assert attention_path(cache, short, on_cuda=True) == "reference"          # switch off
+    cache.ragged_steps_in_kernel = True
+    assert attention_path(cache, short, on_cuda=True) == "ragged_kernel"
+    assert attention_path(cache, long, on_cuda=True) == "reference"
+    assert attention_path(cache, short, on_cuda=False) == "reference"
+    assert attention_path(cache, decode, on_cuda=False) == "reference"
+
+
 def _decode_rows_reference(q, cache, layer, tables, seq_lens, scale):
     """One query row per entry, attending to the first seq_lens[i] tokens of tables[i] (float64)."""
     k_layer, v_layer = cache.k[layer], cache.v[layer]
@@ -227,11 +247,12 @@ def test_ragged_step_as_decode_rows_is_causal_attention():
     batch = PagedBatch.build([[3, 5, 7], [2], [9, 4, 10, 11]], [5, 0, 9], [3, 2, 4], None, 4)
     assert batch.token_seq_ids.tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 2]
     assert batch.token_seq_lens.tolist() == [6, 7, 8, 1, 2, 10, 11, 12, 13]
-    rows = batch.token_block_tables()
-    assert rows.shape == (9, 4) and rows[3].tolist() == [2, 0, 0, 0] and rows is batch.token_block_tables()
+    rows, lens = batch.token_rows()
+    assert rows.shape == (9, 4) and rows[3].tolist() == [2, 0, 0, 0] and batch.token_rows()[0] is rows
+    assert torch.equal(lens, batch.token_seq_lens)
     q = torch.randn(9, HQ, D, generator=g)
     want = paged_attention(q, cache, 0, batch, 0.3)          # gather + SDPA per sequence (CPU)
-    got = _decode_rows_reference(q, cache, 0, rows, batch.token_seq_lens, 0.3)
+    got = _decode_rows_reference(q, cache, 0, rows, lens, 0.3)
     torch.testing.assert_close(got.float(), want, rtol=1e-5, atol=1e-5)
 
 

@@ -146,8 +146,8 @@ def test_paged_decode_kernel_runs_a_ragged_step_as_rows():
     cache.v.normal_(generator=gen)
     batch = PagedBatch.build([[3, 5, 7], [2], [9, 4]], [20, 0, 30], [3, 2, 1], None, PAGE)
     q = torch.randn(batch.num_tokens, 4, 32, generator=gen)
-    out = tk.paged_decode_attention(q, cache.k[0], cache.v[0], batch.token_block_tables(),
-                                    batch.token_seq_lens, 0.2, num_splits=2, block_n=16)
+    tables, seq_lens = batch.token_rows()
+    out = tk.paged_decode_attention(q, cache.k[0], cache.v[0], tables, seq_lens, 0.2, num_splits=2, block_n=16)
     ref = _reference_paged_attention(q, cache, 0, batch, 0.2)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 

@@ -15,8 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-_PREV_INTERPRET = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"  # must precede the decoration of any Triton function
+# The interpreter must be on before any Triton function is decorated, and it is process-wide:
+# setting it here at import would turn every kernel of the collecting process into interpreted
+# code, so CUDA tests collected after this module (test_paged_attention, test_decode_graphs)
+# would run their kernels in the interpreter on a GPU machine. So this module never touches the
+# environment: in an ordinary run one test reruns this file in a fresh process with
+# TRITON_INTERPRET=1, where the tests below run directly.
 triton = pytest.importorskip("triton", reason="triton is not installed: kernels cannot be "
                              "interpreted on CPU")
 
@@ -31,28 +35,18 @@ if _TRITON_VER < (3, 8) and _NUMPY_VER >= (2, 4):
                 f"which numpy {np.__version__} refuses, in every loop with a runtime bound; "
                 "use triton>=3.8 (fixed there) to run these tests", allow_module_level=True)
 
-# Triton's own library functions (tl.cdiv, tl.sum, ...) are decorated when triton is first
-# imported. If another test module imported it earlier without the interpreter, kernels
-# cannot be interpreted in this process: then one test reruns this file in a fresh one.
-_INTERP_OK = isinstance(triton.language.standard.sum,
-                        triton.runtime.interpreter.InterpretedFunction) and isinstance(
-    tk._rerotate_kernel, triton.runtime.interpreter.InterpretedFunction)
-
-# Leave the environment as other test modules expect it; set it again only while this
-# module's tests run (the interpreter reads it at call time too).
-if _PREV_INTERPRET is None:
-    del os.environ["TRITON_INTERPRET"]
-else:
-    os.environ["TRITON_INTERPRET"] = _PREV_INTERPRET
+from triton.runtime.interpreter import InterpretedFunction as _INTERPRETED_FN  # noqa: E402
+_INTERP_OK = (os.environ.get("TRITON_INTERPRET", "0") == "1"
+              and isinstance(triton.language.standard.sum, _INTERPRETED_FN)
+              and isinstance(tk._rerotate_kernel, _INTERPRETED_FN))
 
 _RUNNER = "test_kernels_in_fresh_interpreter_process"
 
 
 @pytest.fixture(autouse=True)
-def _interpret_env(request, monkeypatch):
+def _interpret_env(request):
     if not _INTERP_OK and request.node.name != _RUNNER:
-        pytest.skip(f"triton was imported without the interpreter; {_RUNNER} runs this test")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+        pytest.skip(f"kernels are not interpreted in this process; {_RUNNER} runs this test")
 
 
 def test_kernels_in_fresh_interpreter_process():
@@ -66,7 +60,7 @@ def test_kernels_in_fresh_interpreter_process():
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     # The rerun must really interpret the kernels: all but the runner and the bf16 test pass.
     assert " passed" in proc.stdout and "failed" not in proc.stdout, proc.stdout[-2000:]
-    assert "imported without the interpreter" not in proc.stdout, proc.stdout[-2000:]
+    assert "not interpreted in this process" not in proc.stdout, proc.stdout[-2000:]
 
 
 PAGE = 16

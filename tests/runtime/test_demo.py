@@ -54,45 +54,52 @@ def test_demo_writes_wavs_and_prints_the_table(tmp_path, capsys, direct):
     assert [_frames(p) for p in wavs] == [REPLY_FRAMES] * 3
 
 
-def _patch_engine_tick(monkeypatch, wrap):
-    """Build the real engine, then replace its tick with ``wrap(real_tick)``."""
+def _patch_engine(monkeypatch, method: str, wrap) -> list:
+    """Build the real engine, then replace its ``method`` with ``wrap(real_method)``; returns
+    the list the built engines go to."""
     real_build = demo.build_engine
+    built = []
 
     def build(deploy):
         engine = real_build(deploy)
-        engine.tick = wrap(engine.tick)
+        setattr(engine, method, wrap(getattr(engine, method)))
+        built.append(engine)
         return engine
 
     monkeypatch.setattr(demo, "build_engine", build)
+    return built
 
 
 def test_demo_waits_for_the_reply_however_slow_the_ticks(tmp_path, capsys, monkeypatch, caplog):
-    """The tick that finishes the reply holds it back for longer than any idle timer the old
-    client had (5 s): the demo must still wait for response.done and get the whole reply."""
+    """The stage run that finishes the reply sleeps longer than any idle timer the old client had
+    (5 s): the demo must still wait for response.done and get the whole reply. The late tick is
+    logged once (by the engine), not also by the server."""
     stall_s = 6.0
     stalled = []
 
-    def wrap(real_tick):
-        def tick():
-            events = real_tick()
+    def wrap(real_run_units):
+        def run_units(units, lat):
+            events = real_run_units(units, lat)
             if not stalled and any(isinstance(e, ResponseDone) for e in events):
                 stalled.append(True)
                 time.sleep(stall_s)
             return events
-        return tick
+        return run_units
 
-    _patch_engine_tick(monkeypatch, wrap)
-    caplog.set_level(logging.INFO, logger="duplexcache.runtime.demo")
+    built = _patch_engine(monkeypatch, "_run_units", wrap)
+    caplog.set_level(logging.INFO)
     assert demo.run(_args(tmp_path, sessions=1)) == 0
-    assert stalled, "the slowed tick never ran"
+    assert stalled, "the slowed stage never ran"
     assert _frames(tmp_path / "out" / "session0_default.wav") == REPLY_FRAMES
     assert "session 0 has its replies (1, 2.16 s of audio)" in caplog.text
+    late_lines = [r for r in caplog.records if r.levelno >= logging.WARNING and "late" in r.getMessage()]
+    assert built[0].late_ticks >= 1 and len(late_lines) == built[0].late_ticks, late_lines
 
 
 def test_demo_fails_when_no_reply_comes(tmp_path, capsys, monkeypatch):
     """A stalled engine (its ticks return nothing): the demo exits 1 at its deadline, says why,
     and writes no empty WAV files."""
-    _patch_engine_tick(monkeypatch, lambda real_tick: lambda: [])
+    _patch_engine(monkeypatch, "tick", lambda real_tick: lambda: [])
     assert demo.run(_args(tmp_path, sessions=2, timeout=2)) == 1
     err = capsys.readouterr().err
     assert "FAILED: no complete replies within --timeout 2 s: 0 of 2 replies, 0.00 s of audio" in err
@@ -101,7 +108,7 @@ def test_demo_fails_when_no_reply_comes(tmp_path, capsys, monkeypatch):
 
 
 def test_demo_direct_fails_when_no_reply_comes(tmp_path, capsys, monkeypatch):
-    _patch_engine_tick(monkeypatch, lambda real_tick: lambda: [])
+    _patch_engine(monkeypatch, "tick", lambda real_tick: lambda: [])
     assert demo.run(_args(tmp_path, sessions=1, direct=True)) == 1
     assert "finished 0 of 1 replies" in capsys.readouterr().err
 

@@ -53,8 +53,8 @@ HEARTBEAT_S = 15.0          # a progress line at least this often while waiting
 # Ticks past the last unit sent that a client waits when the model decides when to speak: one to
 # open the session and one for a reply's last Code2Wav chunk.
 EXTRA_TICKS = 2
-DIRECT_SLACK_TICKS = 10
-RANDOM_WEIGHTS_NOTE = "random weights: text and audio are noise (no checkpoint loaded: model.checkpoint_dir)"     # direct mode: ticks past the units sent before missing replies fail it
+DIRECT_SLACK_TICKS = 10     # direct mode: ticks past the units sent before missing replies fail it
+RANDOM_WEIGHTS_NOTE = "random weights: text and audio are noise (no checkpoint loaded: model.checkpoint_dir)"
 
 
 class DemoFailed(RuntimeError):
@@ -69,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="out/demo", help="directory for the reply WAV files (default out/demo)")
     parser.add_argument("--direct", action="store_true", help="drive the engine directly, without the server")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
-                        help=f"overall deadline in seconds; reaching it fails the demo (default {DEFAULT_TIMEOUT_S:.0f})")
+                        help=f"overall deadline in seconds; reaching it fails the demo "
+                             f"(default {DEFAULT_TIMEOUT_S:.0f})")
 
 
 def demo_deploy(config: str | None) -> DeployConfig:
@@ -308,7 +309,8 @@ def _run_built(args: argparse.Namespace, deploy: DeployConfig, engine: DuplexEng
             mode = "WebSocket server on loopback"
         except ImportError as exc:
             print(f"duplexcache demo: server not importable ({exc}); driving the engine directly")
-    wanted = f"{turns} replies each" if turns is not None else f"every unit to run ({args.seconds} ticks + {EXTRA_TICKS})"
+    wanted = (f"{turns} replies each" if turns is not None
+              else f"every unit to run ({args.seconds} ticks + {EXTRA_TICKS})")
     print(f"duplexcache demo: {describe_switches(deploy)}\n"
           f"duplexcache demo: {mode}: {args.sessions} clients send {args.seconds} s of audio and wait for "
           f"{wanted} (deadline {args.timeout:g} s)", flush=True)

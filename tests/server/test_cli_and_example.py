@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import logging
 import re
 import sys
 import time
@@ -76,6 +77,26 @@ def test_run_builds_the_engine_and_serves_it(monkeypatch):
     assert (config.host, config.port) == ("127.0.0.1", 0)
     assert config.ws_max_size == deploy.server.max_frame_bytes + WS_SIZE_HEADROOM
     assert REALTIME_PATH in {route.path for route in config.app.routes}
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_serve_logs_the_switches_that_are_on(tmp_path, monkeypatch, caplog, shared):
+    deploy = DeployConfig.default("tiny")
+    deploy.stage0.shared_anchor_blocks = shared
+    deploy.code2wav.cfm_prompt_att_sharing = shared
+    path = tmp_path / "deploy.yaml"
+    path.write_text(deploy.to_yaml())
+    monkeypatch.setattr(cli, "build_engine", FakeEngine)
+    monkeypatch.setattr(uvicorn.Server, "run", lambda server: None)
+    caplog.set_level(logging.INFO, logger=cli.__name__)
+    assert cli.run(_parse(["--config", str(path), "--port", "0"])) == 0
+    if shared:
+        assert "sharing switches on: stage0.shared_anchor_blocks, code2wav.cfm_prompt_att_sharing;" in caplog.text
+        assert "nothing is shared" not in caplog.text
+    else:
+        assert "sharing switches on: none (the unshared baseline)" in caplog.text
+        assert "nothing is shared between sessions" in caplog.text
+    assert "weights: random (no model.checkpoint_dir: text and audio are noise)" in caplog.text
 
 
 def _load_example():

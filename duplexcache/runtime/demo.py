@@ -123,11 +123,13 @@ def _ticks_after_sending(engine: DuplexEngine, seconds: int) -> Callable[[Client
 
 
 async def _run_server(engine: DuplexEngine, deploy: DeployConfig, results: list[ClientResult],
-                      audios: list[np.ndarray], turns: int | None, seconds: int, timeout: float) -> EngineStats:
+                      audios: list[np.ndarray], turns: int | None, seconds: int, timeout: float,
+                      served: list[bool]) -> EngineStats:
     from duplexcache.server.app import REALTIME_PATH, create_app
     from duplexcache.server.loopback import LoopbackServer
 
     srv = LoopbackServer(create_app(engine, deploy), max_frame_bytes=deploy.server.max_frame_bytes).start()
+    served.append(True)
     done = until_responses(turns) if turns is not None else _ticks_after_sending(engine, seconds)
     readies = [asyncio.Event() for _ in results]
     close = asyncio.Event()
@@ -283,13 +285,16 @@ def run(args: argparse.Namespace) -> int:
           f"({'checkpoint ' + deploy.model.checkpoint_dir if deploy.model.checkpoint_dir else 'random weights'})",
           flush=True)
     engine = build_engine(deploy)
+    served: list[bool] = []   # the loopback server started: its stop shuts the engine down
     try:
-        return _run_built(args, deploy, engine, start)
+        return _run_built(args, deploy, engine, start, served)
     finally:
-        engine.shutdown()   # idempotent: the server's stop may have shut it down already
+        if not served:
+            engine.shutdown()
 
 
-def _run_built(args: argparse.Namespace, deploy: DeployConfig, engine: DuplexEngine, start: float) -> int:
+def _run_built(args: argparse.Namespace, deploy: DeployConfig, engine: DuplexEngine, start: float,
+               served: list[bool]) -> int:
     names = engine.voices.names()
     if args.voices > len(names):
         print(f"duplexcache demo: only {len(names)} voices exist ({', '.join(names)})", file=sys.stderr)
@@ -318,7 +323,8 @@ def _run_built(args: argparse.Namespace, deploy: DeployConfig, engine: DuplexEng
         if mode == "direct":
             snapshot = _run_direct(engine, results, audios, args.seconds, turns, args.timeout)
         else:
-            snapshot = asyncio.run(_run_server(engine, deploy, results, audios, turns, args.seconds, args.timeout))
+            snapshot = asyncio.run(_run_server(engine, deploy, results, audios, turns, args.seconds, args.timeout,
+                                               served))
     except (DemoFailed, ServerError) as exc:
         print(f"duplexcache demo: FAILED: {exc}", file=sys.stderr)
         return 1

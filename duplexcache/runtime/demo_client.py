@@ -43,7 +43,8 @@ class ClientResult:
     sid: str = ""
     pcm: list[bytes] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
-    done: int = 0                                   # response.done events seen
+    done: int = 0                                   # response.done events seen (replies)
+    closing: bool = False                           # session.close sent: its response.done is no reply
     changed: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # set on each response.done
 
     @property
@@ -68,7 +69,7 @@ def take_event(res: ClientResult, event: dict[str, Any]) -> None:
         res.pcm.append(base64.b64decode(event["delta"]))
     elif kind in TEXT_EVENTS:
         res.text.append(event["delta"])
-    elif kind == "response.done":
+    elif kind == "response.done" and not res.closing:
         res.done += 1
         res.changed.set()
     elif kind in SESSION_EVENTS:
@@ -104,6 +105,7 @@ async def run_client(url: str, res: ClientResult, audio: np.ndarray, instruction
             await _unless_receiver_ends(receiver, done(res), res, "before the replies were done")
             ready.set()
             await close.wait()
+            res.closing = True
             await ws.send(json.dumps({"type": "session.close"}))
             await receiver  # the server answers and closes the socket
         finally:

@@ -43,7 +43,7 @@ def test_demo_writes_wavs_and_prints_the_table(tmp_path, capsys, direct):
     assert demo.run(args) == 0
     out = capsys.readouterr().out
     assert ("WebSocket server on loopback" in out) != direct
-    for needle in ("3 sessions", "ticks", "audio out", "p50 latency", "thinker_kv", "code2wav",
+    for needle in ("3 sessions", "ticks", "audio out", "responses 3;", "p50 latency", "thinker_kv", "code2wav",
                    "context cache hits 1",  # 3rd session reuses the 1st's context
                    demo.RANDOM_WEIGHTS_NOTE,
                    "sharing switches on: stage0.shared_anchor_blocks, context_cache.duplex_context_caching, "

@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 FIRST_UNIT, UNIT = 16_560, 16_000
 INSTRUCTIONS = "You are a demo."
 DEFAULT_TIMEOUT_S = 300.0   # overall deadline: generous, a loaded 2-core machine runs ticks 10 s late
+CLOSE_TIMEOUT_S = 60.0      # at least this long for the sessions to close once the replies are in
 HEARTBEAT_S = 15.0          # a progress line at least this often while waiting
 # Ticks past the last unit sent that a client waits when the model decides when to speak: one to
 # open the session and one for a reply's last Code2Wav chunk.
@@ -140,7 +141,11 @@ async def _run_server(engine: DuplexEngine, deploy: DeployConfig, results: list[
         await _wait_ready(engine, results, readies, tasks, turns, timeout)
         snapshot = engine.stats()   # every session is still live here
         close.set()
-        await asyncio.gather(*tasks)
+        try:  # closing waits for a running tick at most; bounded so a wedged server cannot hang the demo
+            await asyncio.wait_for(asyncio.gather(*tasks), max(CLOSE_TIMEOUT_S, timeout))
+        except asyncio.TimeoutError:
+            raise DemoFailed(f"the server did not close the sessions within {max(CLOSE_TIMEOUT_S, timeout):g} s; "
+                             f"{diagnose(engine)}") from None
         return snapshot
     finally:
         for task in tasks:

@@ -51,9 +51,10 @@ INSTRUCTIONS = "You are a demo."
 DEFAULT_TIMEOUT_S = 300.0   # overall deadline: generous, a loaded 2-core machine runs ticks 10 s late
 CLOSE_TIMEOUT_S = 60.0      # at least this long for the sessions to close once the replies are in
 HEARTBEAT_S = 15.0          # a progress line at least this often while waiting
-# Ticks past the last unit sent that a client waits when the model decides when to speak: one to
-# open the session and one for a reply's last Code2Wav chunk.
-EXTRA_TICKS = 2
+# Ticks past the units it sent that a client waits when the model decides when to speak (no reply
+# count is known): one to open the session, one for a reply's last Code2Wav chunk, and one for
+# audio still on its way through the server. Extra ticks with no audio buffered do nothing.
+EXTRA_TICKS = 3
 DIRECT_SLACK_TICKS = 10     # direct mode: ticks past the units sent before missing replies fail it
 RANDOM_WEIGHTS_NOTE = "random weights: text and audio are noise (no checkpoint loaded: model.checkpoint_dir)"
 
@@ -206,7 +207,7 @@ def _run_direct(engine: DuplexEngine, results: list[ClientResult], audios: list[
         engine.push_audio(res.sid, audio)
         by_sid[res.sid] = res
     deadline = time.monotonic() + timeout
-    limit = seconds + (DIRECT_SLACK_TICKS if turns is not None else EXTRA_TICKS - 1)
+    limit = seconds + (DIRECT_SLACK_TICKS if turns is not None else 1)   # + 1: the tick that opens them
     for tick in range(limit):
         if turns is not None and all(r.done >= turns for r in results):
             break

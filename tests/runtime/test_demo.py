@@ -132,3 +132,20 @@ def test_demo_rejects_bad_counts(tmp_path):
     assert demo.run(_args(tmp_path, sessions=0)) == 2
     assert demo.run(_args(tmp_path, seconds=1)) == 2   # the scripted policy ends a turn every 2 units
     assert demo.run(_args(tmp_path, timeout=0)) == 2
+
+
+def test_model_policy_waits_for_every_unit_and_matches_direct(tmp_path):
+    """speak_policy model: no reply count is known, so the clients wait until the engine has run
+    every unit sent (counted in ticks); the server run must hear what the direct run hears."""
+    deploy = demo.DeployConfig.default("tiny")
+    deploy.engine.speak_policy.mode = "model"
+    config = tmp_path / "model.yaml"
+    config.write_text(deploy.to_yaml())
+    pcm = {}
+    for direct in (False, True):
+        out = tmp_path / ("direct" if direct else "server")
+        args = _args(tmp_path, sessions=1, seconds=3, config=config, out=out, **({"direct": True} if direct else {}))
+        assert demo.run(args) == 0
+        with wave.open(str(out / "session0_default.wav")) as w:
+            pcm[direct] = w.readframes(w.getnframes())
+    assert pcm[False] and pcm[False] == pcm[True]

@@ -5,9 +5,12 @@
     python examples/stream_wav.py --out reply.wav          # no --in: a 3 s test tone
 
 Audio goes out in real-time-sized chunks (``--chunk-ms``, paced at real time unless
-``--fast``); the reply's ``response.output_audio.delta`` events are collected while sending.
-Once the input is sent and the server has been quiet for ``--idle-seconds``, the client sends
-``session.close`` and writes what it got. Needs only ``websockets`` and numpy.
+``--fast``); the reply's ``response.output_audio.delta`` events are collected while sending. The
+client then waits for ``--responses`` ``response.done`` events (a reply is done when the server
+says so, however late its ticks run), sends ``session.close`` and writes what it got.
+``--timeout`` is one overall deadline: reaching it, or getting no audio at all, exits 1 with the
+reason (the server's late-tick figures from its ``/metrics`` when it can read them).
+Needs only ``websockets`` and numpy.
 """
 
 from __future__ import annotations
@@ -18,8 +21,11 @@ import base64
 import json
 import sys
 import time
+import urllib.error
+import urllib.request
 import wave
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 from websockets.asyncio.client import connect
@@ -27,6 +33,35 @@ from websockets.exceptions import ConnectionClosed
 
 IN_RATE = 16_000
 OUT_RATE = 24_000
+
+# ---------------------------------------------------------------- the protocol, all of it
+# The server may send session.created on connect (OpenAI's order) or in answer to our first
+# session.update (older duplexcache), and may answer the update with session.updated: streaming
+# starts at the first of them (one socket's frames are handled in order, so the update is applied
+# before the audio either way). Spoken text comes as output_text or output_audio_transcript deltas.
+SESSION_EVENTS = ("session.created", "session.updated")
+AUDIO_DELTA = "response.output_audio.delta"
+TEXT_DELTAS = ("response.output_text.delta", "response.output_audio_transcript.delta")
+REPLY_DONE = "response.done"
+
+
+def session_update(instructions: str, voice: str | None) -> dict:
+    session: dict = {"instructions": instructions, "input_audio_format": "pcm16"}  # pcm16 at 16 kHz
+    if voice:
+        session["voice"] = voice
+    return {"type": "session.update", "session": session}
+
+
+def audio_append(pcm16: bytes) -> dict:
+    return {"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm16).decode("ascii")}
+
+
+SESSION_CLOSE = {"type": "session.close"}
+# ---------------------------------------------------------------- end of the protocol
+
+
+class NoReply(RuntimeError):
+    """The reply did not come within the deadline; the message says what is known about why."""
 
 
 @dataclass
@@ -36,7 +71,9 @@ class Reply:
     text: list[str] = field(default_factory=list)
     responses: int = 0
     errors: list[dict] = field(default_factory=list)
-    last_event: float = field(default_factory=time.monotonic)
+    session_ready: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    changed: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # any response.done or error
+    closing: bool = False  # session.close sent: its answering response.done is no reply
 
 
 def read_wav_16k(path: str) -> np.ndarray:
@@ -62,21 +99,28 @@ def write_wav_24k(path: str, pcm16: bytes) -> None:
         wav.writeframes(pcm16)
 
 
+def _take(reply: Reply, event: dict) -> None:
+    kind = event.get("type")
+    if kind == AUDIO_DELTA:
+        reply.audio += base64.b64decode(event["delta"])
+    elif kind in TEXT_DELTAS:
+        reply.text.append(event["delta"])
+    elif kind == REPLY_DONE and not reply.closing:
+        reply.responses += 1
+        reply.changed.set()
+    elif kind in SESSION_EVENTS:
+        reply.session = event.get("session", {}) or reply.session
+        reply.session_ready.set()
+    elif kind == "error":
+        reply.errors.append(event.get("error"))
+        reply.changed.set()
+        print(f"server error: {event.get('error')}", file=sys.stderr)
+
+
 async def _receive(ws, reply: Reply) -> None:
     try:
         async for frame in ws:
-            event = json.loads(frame)
-            reply.last_event = time.monotonic()
-            kind = event.get("type")
-            if kind == "response.output_audio.delta":
-                reply.audio += base64.b64decode(event["delta"])
-            elif kind == "response.output_text.delta":
-                reply.text.append(event["delta"])
-            elif kind == "response.done":
-                reply.responses += 1
-            elif kind == "error":
-                reply.errors.append(event["error"])
-                print(f"server error: {event['error']}", file=sys.stderr)
+            _take(reply, json.loads(frame))
     except ConnectionClosed:
         pass
 
@@ -84,36 +128,92 @@ async def _receive(ws, reply: Reply) -> None:
 async def _send_audio(ws, samples: np.ndarray, chunk: int, realtime: bool) -> None:
     start = time.monotonic()
     for i, offset in enumerate(range(0, len(samples), chunk)):
-        data = samples[offset:offset + chunk].astype("<i2").tobytes()
-        await ws.send(json.dumps({"type": "input_audio_buffer.append",
-                                  "audio": base64.b64encode(data).decode("ascii")}))
+        await ws.send(json.dumps(audio_append(samples[offset:offset + chunk].astype("<i2").tobytes())))
         if realtime:  # pace against the wall clock so sending drift does not accumulate
             await asyncio.sleep(max(0.0, start + (i + 1) * chunk / IN_RATE - time.monotonic()))
 
 
-async def stream(url: str, samples: np.ndarray, *, instructions: str = "", voice: str | None = None,
-                 chunk_ms: int = 100, realtime: bool = True, idle_seconds: float = 2.0,
-                 timeout: float = 60.0) -> Reply:
-    """Run one session: send ``samples`` (int16, 16 kHz), collect the reply."""
-    session: dict = {"instructions": instructions, "input_audio_format": "pcm16"}
-    if voice:
-        session["voice"] = voice
-    reply = Reply()
+async def _until(reply: Reply, receiver: asyncio.Task, condition) -> bool:
+    """Wait (by events) until ``condition()``; False if the server closed the socket first."""
+    while not condition():
+        if receiver.done():
+            return False
+        reply.changed.clear()
+        waiter = asyncio.create_task(reply.changed.wait())
+        await asyncio.wait({waiter, receiver}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+    return True
+
+
+async def _session(url: str, samples: np.ndarray, reply: Reply, *, instructions: str, voice: str | None,
+                   chunk_ms: int, realtime: bool, responses: int) -> None:
     async with connect(url, max_size=None) as ws:
-        await ws.send(json.dumps({"type": "session.update", "session": session}))
-        first = json.loads(await asyncio.wait_for(ws.recv(), timeout))
-        if first.get("type") != "session.created":
-            raise RuntimeError(f"session was not created: {first}")
-        reply.session = first["session"]
         receiver = asyncio.create_task(_receive(ws, reply))
-        await _send_audio(ws, samples, max(1, IN_RATE * chunk_ms // 1000), realtime)
-        deadline = time.monotonic() + timeout
-        reply.last_event = max(reply.last_event, time.monotonic())
-        while time.monotonic() - reply.last_event < idle_seconds and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        await ws.send(json.dumps({"type": "session.close"}))
-        await asyncio.wait_for(receiver, timeout)  # ends when the server closes the socket
+        try:
+            await ws.send(json.dumps(session_update(instructions, voice)))
+            ready = asyncio.create_task(reply.session_ready.wait())
+            await asyncio.wait({ready, receiver}, return_when=asyncio.FIRST_COMPLETED)
+            ready.cancel()
+            if not reply.session_ready.is_set():
+                raise RuntimeError(f"the server closed the connection before creating the session "
+                                   f"(errors: {reply.errors})")
+            await _send_audio(ws, samples, max(1, IN_RATE * chunk_ms // 1000), realtime)
+            if await _until(reply, receiver, lambda: reply.responses >= responses or reply.errors):
+                reply.closing = True
+                await ws.send(json.dumps(SESSION_CLOSE))
+            await receiver  # ends when the server closes the socket
+        finally:
+            receiver.cancel()
+
+
+async def stream(url: str, samples: np.ndarray, *, instructions: str = "", voice: str | None = None,
+                 chunk_ms: int = 100, realtime: bool = True, responses: int = 1,
+                 timeout: float = 300.0) -> Reply:
+    """Run one session: send ``samples`` (int16, 16 kHz), collect ``responses`` replies.
+
+    Raises NoReply (with the server's late-tick figures) when ``timeout`` seconds pass first."""
+    reply = Reply()
+    try:
+        await asyncio.wait_for(_session(url, samples, reply, instructions=instructions, voice=voice,
+                                        chunk_ms=chunk_ms, realtime=realtime, responses=responses), timeout)
+    except asyncio.TimeoutError:
+        raise NoReply(f"{reply.responses} of {responses} replies and {len(reply.audio) / 2 / OUT_RATE:.2f} s "
+                      f"of audio within --timeout {timeout:g} s; {await asyncio.to_thread(server_load, url)}") from None
     return reply
+
+
+def metrics_url(ws_url: str) -> str:
+    """The server's /metrics next to its WebSocket endpoint (ws -> http, wss -> https)."""
+    parts = urlsplit(ws_url)
+    scheme = {"ws": "http", "wss": "https"}.get(parts.scheme, parts.scheme)
+    return urlunsplit((scheme, parts.netloc, "/metrics", "", ""))
+
+
+def server_load(ws_url: str) -> str:
+    """What the server's /metrics says about its ticks: how long they take and how many ran late."""
+    url = metrics_url(ws_url)
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode("utf-8", "replace")
+    except (OSError, urllib.error.URLError) as exc:
+        return f"could not read the server's {url} ({exc})"
+    values = {}
+    for line in text.splitlines():  # Prometheus text format: "name{labels} value"
+        name, _, value = line.rpartition(" ")
+        if name and not line.startswith("#"):
+            try:
+                values[name] = float(value)
+            except ValueError:
+                continue
+    count = values.get("duplexcache_tick_duration_seconds_count")
+    if not count:
+        return "the server has run no tick (is its engine stalled?)"
+    late = int(values.get("duplexcache_late_ticks_total", 0))
+    mean = values.get("duplexcache_tick_duration_seconds_sum", 0.0) / count
+    if late:
+        return (f"the server is overloaded: {late} of {int(count)} ticks ran late, {mean:.1f} s per tick on "
+                f"average; try fewer sessions or a longer --timeout")
+    return f"the server ran {int(count)} ticks ({mean:.2f} s each on average) without finishing the reply"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,16 +225,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--voice", default=None)
     parser.add_argument("--tone-seconds", type=float, default=3.0)
     parser.add_argument("--chunk-ms", type=int, default=100)
-    parser.add_argument("--idle-seconds", type=float, default=2.0, help="quiet time that ends the reply")
+    parser.add_argument("--responses", type=int, default=1, help="replies (response.done events) to wait for")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="overall deadline in seconds; reaching it is a failure (default 300)")
     parser.add_argument("--fast", action="store_true", help="send as fast as possible, not in real time")
     args = parser.parse_args(argv)
+    if args.responses < 1 or not args.timeout > 0:
+        parser.error("--responses must be >= 1 and --timeout > 0")
     samples = read_wav_16k(args.inp) if args.inp else make_tone(args.tone_seconds)
-    reply = asyncio.run(stream(args.url, samples, instructions=args.instructions, voice=args.voice,
-                               chunk_ms=args.chunk_ms, realtime=not args.fast, idle_seconds=args.idle_seconds))
+    try:
+        reply = asyncio.run(stream(args.url, samples, instructions=args.instructions, voice=args.voice,
+                                   chunk_ms=args.chunk_ms, realtime=not args.fast, responses=args.responses,
+                                   timeout=args.timeout))
+    except NoReply as exc:
+        print(f"FAILED: no complete reply: {exc}", file=sys.stderr)
+        return 1
     write_wav_24k(args.out, bytes(reply.audio))
     print(f"session {reply.session.get('id')}: sent {len(samples) / IN_RATE:.2f} s, got "
           f"{len(reply.audio) / 2 / OUT_RATE:.2f} s of audio in {reply.responses} response(s), "
           f"{len(reply.errors)} error(s) -> {args.out}")
+    if not reply.audio:
+        print("FAILED: no audio came back", file=sys.stderr)
+        return 1
     return 1 if reply.errors else 0
 
 

@@ -171,8 +171,9 @@ class RealtimeServer:
             now = loop.time()
             if now > deadline + LATE_SLACK * period:
                 self.metrics.late_ticks.inc()
-                logger.warning("tick ran late: ended %.3f s past its deadline (tick_seconds %.3f); "
-                               "the next tick starts now", now - deadline, period)
+                # debug only: the engine logs the warning for each late tick (one line, not two)
+                logger.debug("tick ran late: ended %.3f s past its deadline (tick_seconds %.3f); "
+                             "the next tick starts now", now - deadline, period)
                 deadline = now  # no catch-up burst
             else:
                 with contextlib.suppress(asyncio.TimeoutError):

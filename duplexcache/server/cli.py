@@ -11,6 +11,7 @@ import logging
 import sys
 
 from duplexcache.config import PRESETS, ConfigError, DeployConfig
+from duplexcache.runtime.switches import SHARING_SWITCHES, describe_switches, switch_value
 
 logger = logging.getLogger(__name__)
 
@@ -79,5 +80,11 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(engine, deploy)
     host, port = deploy.server.host, deploy.server.port
     logger.info("serving preset %s on ws://%s:%d%s", deploy.model.preset, host, port, REALTIME_PATH)
+    logger.info("weights: %s",
+                deploy.model.checkpoint_dir or "random (no model.checkpoint_dir: text and audio are noise)")
+    logger.info("%s", describe_switches(deploy))
+    if not any(switch_value(deploy, name) for name in SHARING_SWITCHES):
+        logger.info("nothing is shared between sessions; turn the sharing switches on in a --config YAML "
+                    "(README, Configuration)")
     uvicorn.Server(uvicorn_config(app, host, port, deploy.server.max_frame_bytes, args.log_level)).run()
     return 0

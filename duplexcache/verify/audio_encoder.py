@@ -25,10 +25,13 @@ import torch.nn.functional as F
 from duplexcache.models.audio_encoder import AudioEncoder, AudioEncoderConfig
 from duplexcache.models.checkpoint import CheckpointError, checkpoint_keys, load_state_dict
 from duplexcache.verify.common import (
-    FLOAT32_TOLERANCE, add_source_arguments, exit_unusable, relative_error, report, run_on_source, source_error,
+    FLOAT32_TOLERANCE, add_source_arguments, exit_unusable, missing_reference, relative_error, report,
+    run_on_source, source_error,
 )
 
 TARGET = "audio-encoder"
+# reference module -> the pip requirement providing it (checked before anything runs)
+REFERENCE_PACKAGES = {"transformers": "transformers>=4.51"}
 PRESETS: dict[str, Callable[[], AudioEncoderConfig]] = {
     "tiny": AudioEncoderConfig.tiny, "minicpmo45": AudioEncoderConfig.minicpmo45}
 TOLERANCE = FLOAT32_TOLERANCE
@@ -43,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    missing = missing_reference(TARGET, REFERENCE_PACKAGES)
+    if missing is not None:
+        return missing
     problem = source_error(args)
     if problem is None and args.chunks < 1:
         problem = "--chunks must be >= 1"

@@ -7,6 +7,9 @@
 * The weight source: ``--checkpoint DIR`` or ``--preset NAME --random-weights`` (random weights
   saved to a temporary directory, then loaded exactly like a checkpoint), plus ``--seed``.
 * The result table: one line per compared path, then ``verify <target>: PASS|FAIL (...)``.
+* The reference check: ``missing_reference`` turns a reference package that is not installed
+  (``transformers``, ``minicpmo-utils``: test extras) into exit 2 with a one-line reason instead
+  of a traceback; each target lists what it imports in ``REFERENCE_PACKAGES``.
 
 Each target module keeps its own ``add_arguments(parser)`` / ``run(args) -> int`` and its own
 comparisons; this module holds no model code, so the CLI can import every target cheaply.
@@ -15,6 +18,8 @@ comparisons; this module holds no model code, so the CLI can import every target
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import sys
 import tempfile
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -28,6 +33,8 @@ __all__ = [
     "FLOAT32_TOLERANCE",
     "add_source_arguments",
     "exit_unusable",
+    "missing_reference",
+    "reference_import_failed",
     "relative_error",
     "report",
     "run_on_source",
@@ -97,6 +104,31 @@ def exit_unusable(target: str, message: str) -> int:
     """Say why the command cannot run (bad arguments, unloadable checkpoint); exit code 2."""
     print(f"verify {target}: {message}")
     return EXIT_UNUSABLE
+
+
+def missing_reference(target: str, packages: Mapping[str, str]) -> int | None:
+    """Exit 2 with a one-line reason when a reference module in ``packages`` (module -> the pip
+    requirement that provides it) is not installed; None when all are."""
+    for module, requirement in packages.items():
+        if not _installed(module):
+            return exit_unusable(target, f"the reference package {requirement} is not installed (no module "
+                                         f"{module!r}); install it with: pip install '{requirement}' "
+                                         f"(or pip install -e '.[test]')")
+    return None
+
+
+def _installed(module: str) -> bool:
+    if sys.modules.get(module) is not None:  # already imported (flow's reference is a hand-made package)
+        return True
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def reference_import_failed(target: str, exc: ImportError) -> int:
+    """Exit 2 when the reference is installed but one of its own imports fails."""
+    return exit_unusable(target, f"the reference cannot be imported: {type(exc).__name__}: {exc}")
 
 
 def verdict(target: str, passed: bool, tolerance_note: str) -> int:

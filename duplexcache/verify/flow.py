@@ -39,7 +39,14 @@ from duplexcache.models.flow import CausalMaskedDiffWithXvec, FlowConfig, build_
 from duplexcache.models.vocoder import (
     HiFTGenerator, HiftStreamState, VocoderConfig, build_vocoder, hift_state_dict_from_checkpoint, hift_stream_step,
 )
-from duplexcache.verify.common import FLOAT32_TOLERANCE, exit_unusable, relative_error, verdict
+from duplexcache.verify.common import (
+    FLOAT32_TOLERANCE,
+    exit_unusable,
+    missing_reference,
+    reference_import_failed,
+    relative_error,
+    verdict,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +55,8 @@ PRESETS: dict[str, Callable[[], tuple[FlowConfig, VocoderConfig]]] = {
     "minicpmo45": lambda: (FlowConfig.minicpmo45(), VocoderConfig.minicpmo45()),
 }
 TARGET = "flow"
+# reference module -> the pip requirement providing it (checked before anything runs)
+REFERENCE_PACKAGES = {"stepaudio2": "minicpmo-utils==1.0.5"}
 TOLERANCE = FLOAT32_TOLERANCE
 CHUNK_TOKENS = 25
 SILENCE_TOKEN = 4218  # Token2wav.set_stream_cache's right pad
@@ -303,6 +312,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    missing = missing_reference(TARGET, REFERENCE_PACKAGES)
+    if missing is not None:
+        return missing
     # Unlike the other targets, --preset also names the shape of a --checkpoint here.
     if (args.checkpoint is None) == (not args.random_weights):
         return exit_unusable(TARGET, "give exactly one of --checkpoint DIR or --random-weights (with --preset)")
@@ -313,7 +325,10 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
     ours_flow, ours_hift = build_flow(flow_cfg, device), build_vocoder(voc_cfg, device)
-    ref_flow, ref_hift = build_reference_flow(flow_cfg, device), build_reference_hift(voc_cfg, device)
+    try:
+        ref_flow, ref_hift = build_reference_flow(flow_cfg, device), build_reference_hift(voc_cfg, device)
+    except ImportError as exc:  # installed, but one of the reference's own dependencies is not
+        return reference_import_failed(TARGET, exc)
     try:
         if args.checkpoint:
             flow_sd, hift_sd = load_checkpoint_dir(args.checkpoint)

@@ -25,10 +25,13 @@ from duplexcache.kv.paged_attention import PagedBatch, PagedKVCache
 from duplexcache.models.checkpoint import CheckpointError, checkpoint_keys, load_state_dict
 from duplexcache.models.talker import Talker, TalkerConfig
 from duplexcache.verify.common import (
-    FLOAT32_TOLERANCE, add_source_arguments, exit_unusable, relative_error, report, run_on_source, source_error,
+    FLOAT32_TOLERANCE, add_source_arguments, exit_unusable, missing_reference, relative_error, report,
+    run_on_source, source_error,
 )
 
 TARGET = "talker"
+# reference module -> the pip requirement providing it (checked before anything runs)
+REFERENCE_PACKAGES = {"transformers": "transformers>=4.51"}
 PRESETS: dict[str, Callable[[], TalkerConfig]] = {"tiny": TalkerConfig.tiny, "minicpmo45": TalkerConfig.minicpmo45}
 TOLERANCE = FLOAT32_TOLERANCE
 _LENGTHS = (5, 17, 33)
@@ -44,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    missing = missing_reference(TARGET, REFERENCE_PACKAGES)
+    if missing is not None:
+        return missing
     problem = source_error(args)
     if problem is None and (args.decode_steps < 0 or args.block_size < 1):
         problem = "--decode-steps must be >= 0 and --block-size >= 1"

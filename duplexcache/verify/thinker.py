@@ -26,12 +26,15 @@ from duplexcache.kv.paged_attention import PagedBatch
 from duplexcache.models.checkpoint import CheckpointError, checkpoint_keys, load_state_dict, read_hf_config
 from duplexcache.models.thinker import Thinker, ThinkerConfig, select_qwen3_config
 from duplexcache.verify.common import (
-    FLOAT32_TOLERANCE, add_source_arguments, exit_unusable, relative_error, report, run_on_source, source_error,
+    FLOAT32_TOLERANCE, add_source_arguments, exit_unusable, missing_reference, relative_error, report,
+    run_on_source, source_error,
 )
 
 logger = logging.getLogger(__name__)
 
 TARGET = "thinker"
+# reference module -> the pip requirement providing it (checked before anything runs)
+REFERENCE_PACKAGES = {"transformers": "transformers>=4.51"}
 PRESETS: dict[str, Callable[[], ThinkerConfig]] = {"tiny": ThinkerConfig.tiny, "minicpmo45": ThinkerConfig.minicpmo45}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Max relative error allowed per dtype. float32 is the fidelity rule of the spec; the half
@@ -57,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    missing = missing_reference(TARGET, REFERENCE_PACKAGES)
+    if missing is not None:
+        return missing
     problem = source_error(args)
     if problem is None and (args.sessions < 1 or args.decode_steps < 0 or args.block_size < 1):
         problem = "--sessions and --block-size must be >= 1, --decode-steps >= 0"

@@ -175,11 +175,11 @@ async def send(ws: Any, event: dict[str, Any]) -> None:
     await ws.send(json.dumps(event))
 
 
-async def recv(ws: Any, timeout: float = 10.0) -> dict[str, Any]:
+async def recv(ws: Any, timeout: float = 60.0) -> dict[str, Any]:
     return json.loads(await asyncio.wait_for(ws.recv(), timeout))
 
 
-async def recv_type(ws: Any, kind: str, timeout: float = 10.0) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+async def recv_type(ws: Any, kind: str, timeout: float = 60.0) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Receive until an event of ``kind``; returns it and the events skipped on the way."""
     skipped = []
     deadline = asyncio.get_running_loop().time() + timeout
@@ -190,7 +190,7 @@ async def recv_type(ws: Any, kind: str, timeout: float = 10.0) -> tuple[dict[str
         skipped.append(event)
 
 
-def wait_for(predicate, timeout: float = 10.0, what: str = "condition") -> None:
+def wait_for(predicate, timeout: float = 60.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import logging
+import re
 import sys
+import time
 import wave
 from pathlib import Path
 
@@ -76,6 +79,26 @@ def test_run_builds_the_engine_and_serves_it(monkeypatch):
     assert REALTIME_PATH in {route.path for route in config.app.routes}
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_serve_logs_the_switches_that_are_on(tmp_path, monkeypatch, caplog, shared):
+    deploy = DeployConfig.default("tiny")
+    deploy.stage0.shared_anchor_blocks = shared
+    deploy.code2wav.cfm_prompt_att_sharing = shared
+    path = tmp_path / "deploy.yaml"
+    path.write_text(deploy.to_yaml())
+    monkeypatch.setattr(cli, "build_engine", FakeEngine)
+    monkeypatch.setattr(uvicorn.Server, "run", lambda server: None)
+    caplog.set_level(logging.INFO, logger=cli.__name__)
+    assert cli.run(_parse(["--config", str(path), "--port", "0"])) == 0
+    if shared:
+        assert "sharing switches on: stage0.shared_anchor_blocks, code2wav.cfm_prompt_att_sharing;" in caplog.text
+        assert "nothing is shared" not in caplog.text
+    else:
+        assert "sharing switches on: none (the unshared baseline)" in caplog.text
+        assert "nothing is shared between sessions" in caplog.text
+    assert "weights: random (no model.checkpoint_dir: text and audio are noise)" in caplog.text
+
+
 def _load_example():
     spec = importlib.util.spec_from_file_location("stream_wav_example", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
@@ -96,15 +119,15 @@ def test_example_client_streams_a_wav_and_writes_the_reply(tmp_path):
     example = _load_example()
     deploy = DeployConfig.default("tiny")
     deploy.engine.tick_seconds = 0.05
-    engine = FakeEngine(deploy)
+    engine = FakeEngine(deploy, done_after_units=1)   # every unit is a whole reply
     inp = tmp_path / "in.wav"
     _write_wav(inp, np.random.default_rng(0).integers(-3000, 3000, 2 * 16000 + 500), 16000)
     with LoopbackServer(create_app(engine, deploy)) as srv:
         url = srv.ws_url(REALTIME_PATH)
         rc_tone = example.main(["--url", url, "--out", str(tmp_path / "tone.wav"), "--tone-seconds", "3",
-                                "--fast", "--idle-seconds", "0.3"])
+                                "--fast", "--responses", "3"])
         rc_wav = example.main(["--url", url, "--in", str(inp), "--out", str(tmp_path / "reply.wav"),
-                               "--chunk-ms", "40", "--fast", "--idle-seconds", "0.3"])
+                               "--chunk-ms", "40", "--fast", "--responses", "2"])
     assert rc_tone == rc_wav == 0
     for name, units in (("tone.wav", 3), ("reply.wav", 2)):  # one unit per whole second sent
         with wave.open(str(tmp_path / name), "rb") as wav:
@@ -116,6 +139,90 @@ def test_example_client_streams_a_wav_and_writes_the_reply(tmp_path):
     with wave.open(str(inp), "rb") as wav:
         ref = np.frombuffer(wav.readframes(wav.getnframes()), "<i2").astype(np.float32) / 32768.0
     assert np.array_equal(sent, ref)
+
+
+class _StalledEngine(FakeEngine):
+    """Ticks that never run a unit: the server is up, the reply never comes."""
+
+    def tick(self):
+        with self._lock:
+            self.ticks += 1
+        return []
+
+
+class _LateEngine(FakeEngine):
+    """Every tick overruns its period, so the server counts it late; units run normally."""
+
+    def __init__(self, deploy):
+        super().__init__(deploy, done_after_units=1, tick_delay=2 * deploy.engine.tick_seconds)
+
+
+class _GapEngine(FakeEngine):
+    """One tick (the first to run a unit) holds its output back ``gap`` seconds."""
+
+    def __init__(self, deploy, gap: float):
+        super().__init__(deploy, done_after_units=1)
+        self.gap = gap
+
+    def tick(self):
+        events = super().tick()
+        if events and self.gap:
+            time.sleep(self.gap)
+            self.gap = 0.0
+        return events
+
+
+def test_example_client_waits_for_the_reply_across_slow_ticks(tmp_path):
+    """A 2.5 s silence before the first reply (longer than the old client's 2 s idle timer), then
+    3 replies: the client waits for the events, not for a quiet spell."""
+    example = _load_example()
+    deploy = DeployConfig.default("tiny")
+    deploy.engine.tick_seconds = 0.05
+    with LoopbackServer(create_app(_GapEngine(deploy, gap=2.5), deploy)) as srv:
+        rc = example.main(["--url", srv.ws_url(REALTIME_PATH), "--out", str(tmp_path / "r.wav"),
+                           "--tone-seconds", "3", "--fast", "--responses", "3"])
+    assert rc == 0
+    with wave.open(str(tmp_path / "r.wav"), "rb") as wav:
+        assert wav.getnframes() == 3 * 24000
+
+
+@pytest.mark.parametrize("engine_cls, why", [
+    # a stalled engine's ticks are quick, but on a loaded machine the server may still see one late
+    (_StalledEngine, r"the server (ran \d+ ticks .* without finishing the reply|is overloaded:|has run no tick)"),
+    (_LateEngine, r"the server is overloaded: \d+ of \d+ ticks ran late"),  # every tick overruns: always late
+])
+def test_example_client_fails_when_no_reply_comes(tmp_path, capsys, engine_cls, why):
+    """No reply by the deadline: exit 1, no WAV, and the server's /metrics figures say why."""
+    example = _load_example()
+    deploy = DeployConfig.default("tiny")
+    deploy.engine.tick_seconds = 0.05
+    with LoopbackServer(create_app(engine_cls(deploy), deploy)) as srv:
+        # 4 replies wanted, 2 s of audio sent: at most 2 can come, so the deadline must pass
+        rc = example.main(["--url", srv.ws_url(REALTIME_PATH), "--out", str(tmp_path / "r.wav"),
+                           "--tone-seconds", "2", "--fast", "--responses", "4", "--timeout", "1.5"])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "FAILED: no complete reply:" in err and "within --timeout 1.5 s" in err and re.search(why, err), err
+    assert not (tmp_path / "r.wav").exists()
+
+
+def test_example_fails_when_the_reply_has_no_audio(tmp_path, capsys, monkeypatch):
+    example = _load_example()
+
+    async def silent(url, samples, **kw):
+        reply = example.Reply()
+        reply.responses = 1
+        return reply
+
+    monkeypatch.setattr(example, "stream", silent)
+    assert example.main(["--out", str(tmp_path / "r.wav")]) == 1
+    assert "FAILED: no audio came back" in capsys.readouterr().err
+
+
+def test_metrics_url_follows_the_websocket_url():
+    example = _load_example()
+    assert example.metrics_url("ws://127.0.0.1:8000/v1/realtime") == "http://127.0.0.1:8000/metrics"
+    assert example.metrics_url("wss://h.example:443/v1/realtime?x=1") == "https://h.example:443/metrics"
 
 
 def test_example_refuses_a_wav_it_cannot_stream(tmp_path):

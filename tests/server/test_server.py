@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import threading
 
 import httpx
 import numpy as np
@@ -223,8 +224,7 @@ def test_admission_refuses_then_admits_and_queue_gets_created(serve):
             reply = await _expect_error(c, {"type": "session.update", "session": {}}, "admission_refused")
             assert "memory budget full" in reply["error"]["message"]
             await send(d, {"type": "session.update", "session": {"voice": "queued"}, "queue_if_full": True})
-            await asyncio.sleep(5 * TICK)
-            assert engine.stats().queued_sessions == 1
+            wait_for(lambda: engine.stats().queued_sessions == 1, timeout=60, what="d queued")
             await _expect_error(d, {"type": "input_audio_buffer.append", "audio": pcm16_b64(np.zeros(8, np.int16))},
                                 "session_not_admitted")
             await send(a, {"type": "session.close"})
@@ -279,30 +279,30 @@ def test_health_and_metrics(serve):
 
 
 def test_slow_ticks_are_counted_never_overlap_and_leave_the_loop_free(serve):
-    slow = 0.5
+    slow = 0.5  # 10 periods: every tick is late, however fast the machine
     engine, srv = serve(tick_delay=slow)
-    wait_for(lambda: engine.ticks >= 1, what="a slow tick")
-    # ticks run back to back (each is late), so a tick is in flight nearly all the time; were it
-    # run on the event loop, a request would wait up to `slow` seconds
-    waits = asyncio.run(_timed_health(srv, 3))
-    assert max(waits) < slow / 2, waits
-    wait_for(lambda: engine.ticks >= 2, what="two slow ticks")
+    in_tick, release = threading.Event(), threading.Event()
+    real_tick = engine.tick
+
+    def held_tick():  # the next tick stays in flight until released
+        in_tick.set()
+        release.wait(60)
+        return real_tick()
+
+    engine.tick = held_tick
+    try:
+        wait_for(in_tick.is_set, timeout=60, what="a tick in flight")
+        # were the tick run on the event loop, /health could not answer until it is released
+        assert httpx.get(srv.http_url("/health"), timeout=60).status_code == 200
+        assert not release.is_set()
+    finally:
+        release.set()
+        engine.tick = real_tick
+    wait_for(lambda: engine.ticks >= 2, timeout=60, what="two slow ticks")
     samples = {s.name: s.value for fam in text_string_to_metric_families(httpx.get(srv.http_url("/metrics")).text)
                for s in fam.samples}
     assert samples["duplexcache_late_ticks_total"] >= 1
     assert engine.max_ticks_in_flight == 1
-
-
-async def _timed_health(srv: LoopbackServer, repeats: int) -> list[float]:
-    loop = asyncio.get_running_loop()
-    waits = []
-    async with httpx.AsyncClient() as client:
-        for _ in range(repeats):
-            start = loop.time()
-            assert (await client.get(srv.http_url("/health"))).status_code == 200
-            waits.append(loop.time() - start)
-            await asyncio.sleep(0.05)
-    return waits
 
 
 def test_fatal_engine_error_ends_session(serve):
@@ -330,7 +330,7 @@ def test_graceful_shutdown_closes_every_session(serve):
         async with _connect(srv) as a, _connect(srv) as b:
             await _create(a)
             await send(b, {"type": "session.update", "session": {}, "queue_if_full": True})
-            await asyncio.sleep(3 * TICK)
+            wait_for(lambda: engine.stats().queued_sessions == 1, timeout=60, what="b queued")
             await asyncio.to_thread(srv.stop)
             for ws in (a, b):
                 with pytest.raises(ConnectionClosed):

@@ -394,4 +394,6 @@ def create_app(engine: EngineAPI, config: DeployConfig) -> FastAPI:
     async def realtime(ws: WebSocket) -> None:
         await server.handle_socket(ws)
 
+    from duplexcache.server.page import mount_page  # the browser page at / and its files
+    mount_page(app)
     return app

@@ -32,7 +32,7 @@ const $ = (id) => document.getElementById(id);
 const ui = {
   status: $("status"), error: $("error"), apiKey: $("api-key"), voice: $("voice"),
   turnDetection: $("turn-detection"), instructions: $("instructions"), localBargeIn: $("local-barge-in"),
-  start: $("start"), stop: $("stop"), level: $("level"), latency: $("latency"), sent: $("sent"),
+  start: $("start"), stop: $("stop"), reply: $("reply"), level: $("level"), latency: $("latency"), sent: $("sent"),
   played: $("played"), transcript: $("transcript"),
 };
 
@@ -215,9 +215,12 @@ class Call {
   }
 
   sessionConfig() {
-    const turn = ui.turnDetection.value === "server_vad"
-      ? {type: "server_vad", threshold: 0.5, silence_duration_ms: this.silenceMs, prefix_padding_ms: 300}
-      : null;
+    const turns = {
+      duplex: {type: "duplex"},  // duplexcache's own: the model decides every unit
+      server_vad: {type: "server_vad", threshold: 0.5, silence_duration_ms: this.silenceMs, prefix_padding_ms: 300},
+      none: null,                // the client commits and asks (the Reply button)
+    };
+    const turn = turns[ui.turnDetection.value];
     return {
       type: "realtime",
       instructions: ui.instructions.value,
@@ -277,6 +280,13 @@ class Call {
   noteSpeechEnd(wallMs, source) {
     this.speechEndWallMs = wallMs;
     this.speechEndSource = source;
+  }
+
+  // The user's turn is over: commit the buffered audio and ask for a reply (turn detection off).
+  requestReply() {
+    this.noteSpeechEnd(performance.now(), "Reply button");
+    this.send({type: "input_audio_buffer.commit"});
+    this.send({type: "response.create"});
   }
 
   // -------------------------------------------------------------- barge-in
@@ -461,6 +471,7 @@ async function start() {
     if (conn === call) stop();
   };
   ui.stop.disabled = false;
+  ui.reply.disabled = false;
 }
 
 function stop() {
@@ -473,9 +484,11 @@ function stop() {
   setStatus("idle", "idle");
   ui.start.disabled = false;
   ui.stop.disabled = true;
+  ui.reply.disabled = true;
   showLevel(0);
 }
 
 ui.start.addEventListener("click", start);
 ui.stop.addEventListener("click", stop);
+ui.reply.addEventListener("click", () => { if (conn) conn.requestReply(); });
 loadVoices();

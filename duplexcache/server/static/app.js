@@ -262,7 +262,7 @@ class Call {
       v.quiet = 0;
       if (!v.on && v.loud >= VOICE_ON_CHUNKS) {
         v.on = true;
-        if (ui.localBargeIn.checked && this.player.playing) this.bargeIn("local level");
+        if (ui.localBargeIn.checked && this.player.playing) this.bargeIn("local level", true);
       }
     } else {
       v.quiet += 1;
@@ -291,12 +291,14 @@ class Call {
 
   // -------------------------------------------------------------- barge-in
 
-  bargeIn(reason) {
+  // Stop the reply now. `cancel`: ask the server to stop generating too (a server that saw the
+  // speech itself, server_vad's interrupt_response, cancels on its own).
+  bargeIn(reason, cancel) {
     if (!this.player.playing && !this.responseActive) return;
     const cut = this.player.stopAll();
     duplexStats.bargeIns += 1;
     console.info("barge-in (" + reason + "): cut item", cut.itemId, "after", cut.playedMs, "ms");
-    if (this.responseActive) this.send({type: "response.cancel"});
+    if (cancel && this.responseActive) this.send({type: "response.cancel"});
     if (cut.itemId) {
       this.cutItems.add(cut.itemId);
       this.send({type: "conversation.item.truncate", item_id: cut.itemId, content_index: 0,
@@ -323,7 +325,7 @@ class Call {
         break;
       case "input_audio_buffer.speech_started":
         transcript.addLine("user", "(speaking)");
-        this.bargeIn("server VAD");
+        this.bargeIn("server VAD", false);
         break;
       case "input_audio_buffer.speech_stopped": {
         const wall = this.wallAtStreamMs(event.audio_end_ms - this.silenceMs);
@@ -348,6 +350,8 @@ class Call {
         transcript.endReply(event.response && event.response.status);
         break;
       case "error":
+        // A cancel that crossed the reply's own end is harmless.
+        if (event.error && event.error.code === "response_cancel_not_active") break;
         showError("server: " + (event.error && (event.error.code || event.error.type)) + ": " +
                   (event.error && event.error.message));
         break;

@@ -86,7 +86,7 @@ class RealtimeServer:
         return sum(s.client == client for s in self._sessions) + self._pending_clients.get(client, 0)
 
     def sessions_of(self, client: str) -> int:
-        return sum(s.client == client and s.sid is not None for s in self._sessions)
+        return sum(s.client == client and (s.sid is not None or s.opening) for s in self._sessions)
 
     # ---------------------------------------------------------------- lifecycle
 

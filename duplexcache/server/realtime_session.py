@@ -70,6 +70,7 @@ class RealtimeSession:
         self.openai_client = handshake.openai_client
         self.queue_if_full = False
         self.sid: str | None = None       # engine session (set by RealtimeServer.register only)
+        self.opening = False              # engine.open_session in flight
         self.queued = False
         self.audio: InputAudio | None = None
         self.vad: Any = None
@@ -321,6 +322,7 @@ class RealtimeSession:
                                       f"(server.max_sessions_per_client = {server.config.server.max_sessions_per_client})",
                                       eid, error_type=proto.RATE_LIMIT)
         fmt = self.settings.input_format(self.openai_client)
+        self.opening = True  # counts against the per-client cap while the engine decides
         try:
             sid = await asyncio.to_thread(self.engine.open_session, self.settings.engine_session(),
                                           queue_if_full=self.queue_if_full)
@@ -338,6 +340,8 @@ class RealtimeSession:
             raise proto.ProtocolError("private_config_key", str(exc), eid) from None
         except ValueError as exc:
             raise proto.ProtocolError("invalid_session_config", str(exc), eid) from None
+        finally:
+            self.opening = False
         self.audio = InputAudio(fmt)
         server.register(self, sid)
         self.queued = await asyncio.to_thread(self.engine.is_queued, sid)

@@ -165,3 +165,33 @@ def test_the_page_talks_and_plays_the_reply(server, tmp_path):
     wait_for(lambda: expected - slack <= _received() <= expected, timeout=20,
              what=f"the engine to receive {expected} samples less at most {slack}")
     assert np.isfinite(np.concatenate(engine.received[sid])).all()
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium (apt-get install -y chromium, or scripts/install_browser.sh)")
+@pytest.mark.skipif(ESPEAK is None, reason="no espeak-ng for the fake microphone's speech (scripts/install_browser.sh)")
+def test_server_vad_turns_and_barge_in(server, tmp_path):
+    """server_vad end to end: the server's Silero VAD hears the fake microphone's sentence, the
+    reply plays, and the sentence's next loop interrupts it: playback stops and the page tells the
+    server how much it heard (conversation.item.truncate), which reaches the engine's cancel."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    engine, srv = server(_VoicedEngine, done_after_units=6)  # replies long enough to be interrupted
+    wav = tmp_path / "mic.wav"
+    _mic_wav(wav)
+    with sync_api.sync_playwright() as pw:
+        browser = _launch(pw, wav)
+        try:
+            page = browser.new_page()
+            page.goto(srv.http_url("/"))
+            page.select_option("#turn-detection", "server_vad")
+            page.uncheck("#local-barge-in")  # only the server's VAD decides here
+            page.click("#start")
+            stats = _wait_for_stats(page, "s.bargeIns >= 1 && (s.events['input_audio_buffer.speech_stopped'] || 0) >= 1"
+                                          " && s.replySamplesPlayed > 0", 120)
+            page.click("#stop")
+        finally:
+            browser.close()
+    assert stats["errors"] == [], stats
+    assert stats["events"]["input_audio_buffer.speech_started"] >= 2
+    (sid,) = engine.configs
+    assert engine.turn_modes[sid][-1] == "manual"  # server_vad asks for each reply itself
+    wait_for(lambda: any(s == sid for s, _ in engine.cancels), timeout=20, what="the engine's cancel")

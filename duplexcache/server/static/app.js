@@ -98,6 +98,7 @@ async function loadVoices() {
 
 const transcript = {
   line: null,      // the assistant line the current reply's text goes to
+  lastLine: null,  // the previous reply's line (its audio may still be playing)
   addLine(who, text) {
     const p = document.createElement("p");
     p.className = who;
@@ -116,8 +117,20 @@ const transcript = {
     ui.transcript.scrollTop = ui.transcript.scrollHeight;
   },
   endReply(status) {
-    if (this.line && status === "cancelled") this.line.textContent += " [interrupted]";
+    if (this.line && status === "cancelled") this.markInterrupted(this.line);
+    this.lastLine = this.line || this.lastLine;
     this.line = null;
+  },
+  // Playback was cut: the reply being heard is the current one or, when the server already
+  // finished sending it, the last one.
+  cutPlayback() {
+    const line = this.line || this.lastLine;
+    if (line) this.markInterrupted(line);
+    this.lastLine = this.line || this.lastLine;
+    this.line = null;
+  },
+  markInterrupted(line) {
+    if (!line.textContent.endsWith(" [interrupted]")) line.textContent += " [interrupted]";
   },
 };
 
@@ -304,7 +317,7 @@ class Call {
       this.send({type: "conversation.item.truncate", item_id: cut.itemId, content_index: 0,
                  audio_end_ms: cut.playedMs});
     }
-    transcript.endReply("cancelled");
+    transcript.cutPlayback();
   }
 
   // -------------------------------------------------------------- server events

@@ -40,9 +40,10 @@ class _VoicedEngine(FakeEngine):
 def server():
     servers = []
 
-    def _start(engine_cls=FakeEngine, **engine_kwargs):
+    def _start(engine_cls=FakeEngine, api_key: str | None = None, **engine_kwargs):
         deploy = DeployConfig.default("tiny")
         deploy.engine.tick_seconds = TICK
+        deploy.server.api_key = api_key
         engine = engine_cls(deploy, **engine_kwargs)
         srv = LoopbackServer(create_app(engine, deploy)).start()
         servers.append(srv)
@@ -195,3 +196,34 @@ def test_server_vad_turns_and_barge_in(server, tmp_path):
     (sid,) = engine.configs
     assert engine.turn_modes[sid][-1] == "manual"  # server_vad asks for each reply itself
     wait_for(lambda: any(s == sid for s, _ in engine.cancels), timeout=20, what="the engine's cancel")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium (apt-get install -y chromium, or scripts/install_browser.sh)")
+@pytest.mark.skipif(ESPEAK is None, reason="no espeak-ng for the fake microphone's speech (scripts/install_browser.sh)")
+def test_api_key_rides_in_the_subprotocol(server, tmp_path):
+    """A server with an API key: the page's key field gets in (subprotocol auth, the only way a
+    browser can present a key); a wrong key is refused and the page says so."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    engine, srv = server(api_key="s3cret-key")
+    wav = tmp_path / "mic.wav"
+    _mic_wav(wav)
+    with sync_api.sync_playwright() as pw:
+        browser = _launch(pw, wav)
+        try:
+            wrong = browser.new_page()
+            wrong.goto(srv.http_url("/"))
+            wrong.fill("#api-key", "not-the-key")
+            wrong.click("#start")
+            refused = _wait_for_stats(wrong, "s.errors.length > 0", 30)
+            right = browser.new_page()
+            right.goto(srv.http_url("/"))
+            right.fill("#api-key", "s3cret-key")
+            right.click("#start")
+            accepted = _wait_for_stats(right, "s.sessionReady && s.chunksSent > 0", 30)
+            right.click("#stop")
+        finally:
+            browser.close()
+    assert not refused["sessionReady"] and "session.created" not in refused["events"], refused
+    assert "check the API key" in refused["errors"][0], refused
+    assert accepted["errors"] == [] and accepted["events"]["session.created"] == 1, accepted
+    assert len(engine.configs) <= 1  # only the right key's session can have reached the engine

@@ -484,7 +484,13 @@ async function start() {
   ws.onclose = (ev) => {
     duplexStats.connected = false;
     duplexStats.sessionReady = false;
-    if (ev.code !== 1000 && ev.code !== 1005) showError("connection closed: " + ev.code + " " + ev.reason);
+    if (!call.updateSent) {  // no session.created on this connection
+      // Browsers hide a refused handshake's HTTP status (401/403/429): say what it usually means.
+      showError("connection refused before the session started (" + ev.code + "): check the API key; " +
+                "the server also refuses other origins and too many connections from one address");
+    } else if (ev.code !== 1000 && ev.code !== 1005) {
+      showError("connection closed: " + ev.code + " " + ev.reason);
+    }
     if (conn === call) stop();
   };
   ui.stop.disabled = false;

@@ -82,6 +82,10 @@ class RealtimeServer:
     def stopping(self) -> bool:
         return self._stopping.is_set()
 
+    def engine_sid(self, session_id: str) -> str | None:
+        """The engine's id of the session with wire id ``session_id`` (None until the engine session opens)."""
+        return next((s.sid for s in self._sessions if s.id == session_id), None)
+
     def connections_of(self, client: str) -> int:
         return sum(s.client == client for s in self._sessions) + self._pending_clients.get(client, 0)
 

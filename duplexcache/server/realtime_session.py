@@ -396,6 +396,11 @@ class RealtimeSession:
 
     def on_done(self, status: str, usage: ResponseUsage | None) -> None:
         self.response_requested = False
+        current = self.tracker.current
+        if status == "cancelled" and current is not None and not current.cancelling:
+            # the engine's own barge-in decision (duplex mode): drop what the client has not got yet
+            self.conn.drop_pending(current.id)
+        self.server.metrics.responses.labels(status=status).inc()
         self.emit(self.tracker.on_done(status, usage))
 
 

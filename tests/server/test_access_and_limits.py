@@ -138,6 +138,8 @@ def test_idle_session_is_closed_an_active_one_is_not(serve):
     (code, close_code), active_errors = asyncio.run(main())
     assert (code, close_code) == ("idle_timeout", 1008)
     assert "idle_timeout" not in active_errors
+    body = httpx.get(srv.http_url("/metrics")).text
+    assert 'duplexcache_limit_closes_total{reason="idle_timeout_s"} 1.0' in body
 
 
 def test_maximum_session_duration(serve):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 
@@ -100,7 +101,7 @@ def test_no_key_configured_means_open(serve):
 
 
 def test_cli_flags_and_env_set_the_key(monkeypatch):
-    parser = __import__("argparse").ArgumentParser()
+    parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
     deploy = cli.load_deploy_config(parser.parse_args(["--api-key", "k1", "--allowed-origins", "https://a, https://b"]))
     assert deploy.server.api_key == "k1" and deploy.server.allowed_origins == ["https://a", "https://b"]

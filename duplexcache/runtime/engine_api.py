@@ -7,8 +7,9 @@ library or torch.
 Threading contract (the server relies on it):
 
 * ``tick()`` runs in a worker thread, one call at a time (the server never overlaps two ticks).
-* ``open_session``, ``push_audio``, ``close_session``, ``is_queued`` and ``stats`` may be
-  called from another thread while a tick runs. They must be short (queue the input, take a
+* ``open_session``, ``push_audio``, ``close_session``, ``is_queued``, ``stats`` and the
+  turn-control calls (``set_turn_mode``, ``request_response``, ``cancel_response``,
+  ``add_user_text``) may be called from another thread while a tick runs. They must be short (queue the input, take a
   short lock) and must not wait for the running tick to finish.
 
 Session life cycle::

@@ -82,6 +82,10 @@ class RealtimeServer:
     def stopping(self) -> bool:
         return self._stopping.is_set()
 
+    def engine_sid(self, session_id: str) -> str | None:
+        """The engine's id of the session with wire id ``session_id`` (None until the engine session opens)."""
+        return next((s.sid for s in self._sessions if s.id == session_id), None)
+
     def connections_of(self, client: str) -> int:
         return sum(s.client == client for s in self._sessions) + self._pending_clients.get(client, 0)
 
@@ -204,10 +208,12 @@ class RealtimeServer:
         if cfg.max_session_s and now - session.connected_at > cfg.max_session_s:
             session.error("session_expired", f"the session hit the maximum duration of {cfg.max_session_s:g} s "
                           "(server.max_session_s)")
+            self.metrics.limit_closes.labels(reason="max_session_s").inc()
             await self._expire(session, "session expired")
         elif cfg.idle_timeout_s and now - session.last_input_at > cfg.idle_timeout_s:
             session.error("idle_timeout", f"no input audio for {cfg.idle_timeout_s:g} s (server.idle_timeout_s); "
                           "the session is closed")
+            self.metrics.limit_closes.labels(reason="idle_timeout_s").inc()
             await self._expire(session, "idle timeout")
         elif session.queued and now - session.last_queue_notice >= cfg.queue_notice_s:
             session.notify_queued(now)

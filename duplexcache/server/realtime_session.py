@@ -27,7 +27,7 @@ from duplexcache.config import PrivateConfigKeyError, SessionConfigError, build_
 from duplexcache.context.builder import ReferenceAudioError
 from duplexcache.runtime.engine_api import AdmissionError, ResponseUsage
 from duplexcache.server import protocol as proto
-from duplexcache.server.audio_io import ENGINE_RATE, AudioError, InputAudio
+from duplexcache.server.audio_io import AudioError, InputAudio
 from duplexcache.server.auth import Handshake
 from duplexcache.server.connection import Connection
 from duplexcache.server.session_config import SessionSettings, apply_update, to_wire
@@ -396,6 +396,11 @@ class RealtimeSession:
 
     def on_done(self, status: str, usage: ResponseUsage | None) -> None:
         self.response_requested = False
+        current = self.tracker.current
+        if status == "cancelled" and current is not None and not current.cancelling:
+            # the engine's own barge-in decision (duplex mode): drop what the client has not got yet
+            self.conn.drop_pending(current.id)
+        self.server.metrics.responses.labels(status=status).inc()
         self.emit(self.tracker.on_done(status, usage))
 
 
@@ -421,5 +426,3 @@ def _user_text(item: dict[str, Any], eid: str | None) -> str:
                                   eid, param="item.content")
     return text
 
-
-__all__ = ["RealtimeSession", "ENGINE_RATE"]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 
@@ -100,7 +101,7 @@ def test_no_key_configured_means_open(serve):
 
 
 def test_cli_flags_and_env_set_the_key(monkeypatch):
-    parser = __import__("argparse").ArgumentParser()
+    parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
     deploy = cli.load_deploy_config(parser.parse_args(["--api-key", "k1", "--allowed-origins", "https://a, https://b"]))
     assert deploy.server.api_key == "k1" and deploy.server.allowed_origins == ["https://a", "https://b"]
@@ -138,6 +139,8 @@ def test_idle_session_is_closed_an_active_one_is_not(serve):
     (code, close_code), active_errors = asyncio.run(main())
     assert (code, close_code) == ("idle_timeout", 1008)
     assert "idle_timeout" not in active_errors
+    body = httpx.get(srv.http_url("/metrics")).text
+    assert 'duplexcache_limit_closes_total{reason="idle_timeout_s"} 1.0' in body
 
 
 def test_maximum_session_duration(serve):

@@ -119,6 +119,8 @@ def test_server_vad_commits_answers_and_barge_in_cancels(serve):
     assert cancel_sid == sid and played_ms is not None and played_ms % 1000 == 0
     assert not [e for e in skipped if e["type"] == "response.output_audio.delta"
                 and e["response_id"] != created["response"]["id"]]
+    metrics = srv.app.state.server.metrics.registry
+    assert metrics.get_sample_value("duplexcache_responses_total", {"status": "cancelled"}) == 1
 
 
 def test_client_driven_turns_items_and_truncate(serve):

@@ -15,9 +15,6 @@ from scipy.signal import resample_poly
 from duplexcache.server.vad import SAMPLE_RATE, WINDOW, SileroVAD, VadEvent, model_path
 
 pytest.importorskip("onnxruntime")
-pytestmark = pytest.mark.skipif(shutil.which("espeak-ng") is None,
-                                reason="espeak-ng is not installed (apt-get install -y espeak-ng, or "
-                                       "scripts/install_browser.sh): the VAD tests need real speech")
 
 SILENCE_1S = np.zeros(SAMPLE_RATE, dtype=np.float32)
 
@@ -37,6 +34,9 @@ def _speak(text: str) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def phrase() -> np.ndarray:
+    if shutil.which("espeak-ng") is None:
+        pytest.skip("espeak-ng is not installed (apt-get install -y espeak-ng, or scripts/install_browser.sh): "
+                    "the speech tests need real speech")
     return _speak("Hello there. This is a short test of the voice activity detector.")
 
 

@@ -9,8 +9,8 @@ dict that names one raises :class:`PrivateConfigKeyError`, which the server turn
 ``error`` event.
 
 Environment overrides are applied in exactly one place (:func:`apply_env_overrides`), before
-validation, so validators see the final values. The only one the spec names is
-``DUPLEXCACHE_CFM_GRAPH_GRID``.
+validation, so validators see the final values: ``DUPLEXCACHE_CFM_GRAPH_GRID`` (the spec's) and
+``DUPLEXCACHE_API_KEY`` (``server.api_key``, so the key need not be written into a file).
 
 This module needs only pydantic, pyyaml and the standard library.
 """
@@ -33,6 +33,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 logger = logging.getLogger(__name__)
 
 GRAPH_GRID_ENV = "DUPLEXCACHE_CFM_GRAPH_GRID"
+API_KEY_ENV = "DUPLEXCACHE_API_KEY"
 PRESETS = ("tiny", "minicpmo45")
 
 
@@ -269,11 +270,21 @@ class EngineConfig(_Strict):
 
 
 class ServerConfig(_Strict):
-    """The realtime WebSocket server."""
+    """The realtime WebSocket server: where it listens, who may connect, and per-client limits."""
 
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # loopback unless the deployment says otherwise
     port: int = Field(8000, ge=0, le=65535)
     max_frame_bytes: ByteSize = parse_bytes("4MiB")
+    # Clients must present this key (Authorization: Bearer, or the openai-insecure-api-key.<key>
+    # WebSocket subprotocol); None = no authentication. Env DUPLEXCACHE_API_KEY overrides.
+    api_key: str | None = Field(None, min_length=1)
+    # Browser Origins accepted besides the server's own (same host:port); ["*"] accepts any.
+    allowed_origins: list[str] = Field(default_factory=list)
+    idle_timeout_s: float = Field(120.0, ge=0)        # no input audio for this long ends a session; 0 = off
+    max_session_s: float = Field(3600.0, ge=0)        # longest a connection may stay open; 0 = off
+    max_connections_per_client: int = Field(16, ge=1)  # open WebSockets per client address
+    max_sessions_per_client: int = Field(8, ge=1)      # engine sessions (admitted or queued) per client address
+    queue_notice_s: float = Field(2.0, gt=0)           # period of session.queued events while waiting
 
 
 # Preset-specific values that differ from the field defaults above (the YAML files say the same).
@@ -283,7 +294,6 @@ _PRESET_OVERRIDES: dict[str, dict[str, Any]] = {
         "model": {"preset": "minicpmo45", "dtype": "bfloat16", "device": "cuda"},
         "code2wav": {"max_num_seqs": 32},
         "engine": {"memory_budget": "120GiB", "activation_reserve": "8GiB"},
-        "server": {"host": "0.0.0.0"},
     },
 }
 
@@ -370,6 +380,15 @@ def apply_env_overrides(raw: Mapping[str, Any], environ: Mapping[str, str]) -> d
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         logger.info("%s=%s overrides code2wav.graph_grid", GRAPH_GRID_ENV, grid)
+    api_key = environ.get(API_KEY_ENV)
+    if api_key:
+        section = data.get("server")
+        if section is None:
+            section = data["server"] = {}
+        if not isinstance(section, dict):
+            raise ConfigError(f"server: expected a mapping, got {section!r}")
+        section["api_key"] = api_key
+        logger.info("%s overrides server.api_key", API_KEY_ENV)
     return data
 
 

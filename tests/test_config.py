@@ -34,7 +34,9 @@ NON_DEFAULT = {
                  "max_num_seqs": 24, "graph_grid": [1, 4, 8]},
     "engine": {"memory_budget": "80GiB", "activation_reserve": "3GiB", "tick_seconds": 0.5, "decode_cuda_graphs": False,
                "speak_policy": {"mode": "model", "k": 3, "turn_units": 1}},
-    "server": {"host": "0.0.0.0", "port": 9001, "max_frame_bytes": "1MiB"},
+    "server": {"host": "0.0.0.0", "port": 9001, "max_frame_bytes": "1MiB", "api_key": "sk-test",
+               "allowed_origins": ["https://app.example"], "idle_timeout_s": 30.0, "max_session_s": 600.0,
+               "max_connections_per_client": 3, "max_sessions_per_client": 2, "queue_notice_s": 0.5},
 }
 
 
@@ -58,6 +60,14 @@ def test_shipped_yaml_writes_out_every_switch_with_its_default(preset):
     assert default.stage0.shared_anchor_blocks is False
     assert default.code2wav.cfm_prompt_att_sharing is False
     assert default.code2wav.cfm_arena_rows_from_graph_grid is False
+
+
+def test_api_key_env_overrides_yaml_and_packaged_configs_bind_loopback():
+    cfg = DeployConfig.from_dict({"server": {"api_key": "from-yaml"}}, environ={"DUPLEXCACHE_API_KEY": "from-env"})
+    assert cfg.server.api_key == "from-env"
+    assert DeployConfig.from_dict({}, environ=NO_ENV).server.api_key is None
+    for preset in PRESETS:  # never 0.0.0.0 unless the deployment says so (--host)
+        assert DeployConfig.from_packaged_yaml(preset, environ=NO_ENV).server.host == "127.0.0.1"
 
 
 def test_every_switch_round_trips_through_yaml(tmp_path):

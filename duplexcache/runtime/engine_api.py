@@ -7,8 +7,9 @@ library or torch.
 Threading contract (the server relies on it):
 
 * ``tick()`` runs in a worker thread, one call at a time (the server never overlaps two ticks).
-* ``open_session``, ``push_audio``, ``close_session``, ``is_queued`` and ``stats`` may be
-  called from another thread while a tick runs. They must be short (queue the input, take a
+* ``open_session``, ``push_audio``, ``close_session``, ``is_queued``, ``stats`` and the
+  turn-control calls (``set_turn_mode``, ``request_response``, ``cancel_response``,
+  ``add_user_text``) may be called from another thread while a tick runs. They must be short (queue the input, take a
   short lock) and must not wait for the running tick to finish.
 
 Session life cycle::
@@ -65,10 +66,32 @@ class TextDelta:
 
 
 @dataclass(frozen=True, slots=True)
+class ResponseUsage:
+    """What one response produced: Thinker text tokens and seconds of 24 kHz audio."""
+
+    text_tokens: int = 0
+    audio_seconds: float = 0.0
+
+
+RESPONSE_STATUSES = ("completed", "cancelled")
+
+
+@dataclass(frozen=True, slots=True)
 class ResponseDone:
-    """The end of one response (a spoken turn)."""
+    """The end of one response (a spoken turn).
+
+    A response starts with the session's first TextDelta/AudioDelta after its previous
+    ResponseDone; ``status`` is "cancelled" when ``cancel_response`` (or the engine's own
+    barge-in decision) stopped it. ``usage`` may be None for an engine that does not count.
+    """
 
     sid: str
+    status: str = "completed"
+    usage: ResponseUsage | None = None
+
+    def __post_init__(self) -> None:
+        if self.status not in RESPONSE_STATUSES:
+            raise ValueError(f"ResponseDone for {self.sid!r}: status {self.status!r} not in {RESPONSE_STATUSES}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,3 +197,32 @@ class EngineAPI(Protocol):
     def shutdown(self) -> None:
         """Close every session and release the engine's memory."""
         ...
+
+    # -------- turn control (docs/protocol.md: how the server maps Realtime events onto these)
+    # Like the session calls above, these only record a request under the engine lock; the
+    # tick applies it at the session's next unit boundary.
+
+    def set_turn_mode(self, sid: str, mode: str) -> None:
+        """``"duplex"`` (default): the speak policy decides every unit; ``"manual"``: the session
+        starts a reply only after request_response()."""
+        ...
+
+    def request_response(self, sid: str) -> None:
+        """Force the session's next unit to speak; the reply then continues as the model decides."""
+        ...
+
+    def cancel_response(self, sid: str, played_ms: int | None = None) -> bool:
+        """Stop the current reply within one unit (ResponseDone status "cancelled"); the Thinker
+        keeps only the text of audio the client played (``played_ms``; None = all sent).
+        False when no reply is in progress."""
+        ...
+
+    def add_user_text(self, sid: str, text: str) -> None:
+        """Append a user text message to the Thinker's context before the session's next unit."""
+        ...
+
+
+# The turn-control members of EngineAPI; the server checks for them by name so that an engine
+# built before they existed still serves (turn_detection "duplex" only, no response.cancel).
+TURN_CONTROL_METHODS = ("set_turn_mode", "request_response", "cancel_response", "add_user_text")
+TURN_MODES = ("duplex", "manual")

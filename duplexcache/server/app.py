@@ -2,10 +2,13 @@
 
 Ownership:
 
-* :class:`RealtimeServer` owns the engine handle, the session-id -> connection map, the metrics
-  and the one tick task. It is the only code that calls the engine.
-* :class:`Connection` owns one WebSocket and its outbox; only its sender task writes to the
-  socket, so the tick loop never waits on a slow client.
+* :class:`RealtimeServer` owns the engine handle, the engine-session-id -> session map, the
+  metrics, the per-client limits, the tick task and the housekeeping task (idle timeout,
+  maximum duration, queue notices). It admits or refuses each handshake (server/auth.py).
+* :class:`~duplexcache.server.realtime_session.RealtimeSession` is one client's session: it turns
+  client events into engine calls and engine output into OpenAI events (docs/protocol.md).
+* :class:`~duplexcache.server.connection.Connection` owns one WebSocket and its outbox; only its
+  sender task writes to the socket, so the tick loop never waits on a slow client.
 
 The tick task calls ``engine.tick()`` in a worker thread (``asyncio.to_thread``) every
 ``engine.tick_seconds`` and awaits it before the next one, so two ticks never overlap; a tick
@@ -21,144 +24,95 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
-from typing import Any, AsyncIterator
+import time
+from typing import AsyncIterator
 
-from fastapi import FastAPI, WebSocket
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, Response
 
-from duplexcache.config import DeployConfig, PrivateConfigKeyError, SessionConfigError, SessionRuntimeConfig, \
-    build_runtime_config
-# Imported at start-up, not on first use: it loads torch, which would stall the event loop.
-from duplexcache.context.builder import ReferenceAudioError
+from duplexcache.config import DeployConfig
 from duplexcache.runtime.engine_api import (
-    INPUT_SAMPLE_RATE, OUTPUT_SAMPLE_RATE, AdmissionError, AudioDelta, EngineAPI, EngineEvent, ResponseDone,
-    SessionAdmitted, SessionError, TextDelta,
+    TURN_CONTROL_METHODS, AudioDelta, EngineAPI, EngineEvent, ResponseDone, SessionAdmitted, SessionError, TextDelta,
 )
 from duplexcache.server import protocol as proto
+from duplexcache.server.auth import Refusal, bearer_ok, check_handshake
+from duplexcache.server.connection import Connection
 from duplexcache.server.metrics import ServerMetrics
+from duplexcache.server.realtime_session import RealtimeSession
 
 logger = logging.getLogger(__name__)
 
 REALTIME_PATH = "/v1/realtime"
-# Events queued for one client before it is dropped as too slow (about a minute of output).
-MAX_PENDING_EVENTS = 1024
 # A tick is late when it ends more than this fraction of a period after its deadline.
 LATE_SLACK = 0.1
 # Engine-reported error codes that describe the client's input rather than a server fault.
 _CLIENT_ERROR_CODES = frozenset({"invalid_audio", "context_length_exceeded", "invalid_reference_audio"})
-
-
-@dataclass(frozen=True)
-class _Close:
-    code: int
-    reason: str
-
-
-class Connection:
-    """One WebSocket: its session (if any) and an outbox drained by its own sender task."""
-
-    def __init__(self, ws: WebSocket, max_pending: int = MAX_PENDING_EVENTS):
-        self.ws = ws
-        self.sid: str | None = None                       # set by RealtimeServer only
-        self.runtime: SessionRuntimeConfig | None = None  # effective settings of the session
-        self.created_sent = False                         # session.created went out (session is live)
-        self.closing = False                              # a close frame is queued; send nothing more
-        self._outbox: asyncio.Queue[dict[str, Any] | _Close] = asyncio.Queue()
-        self._max_pending = max_pending
-        self._sender: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._sender = asyncio.create_task(self._run_sender())
-
-    def send(self, event: dict[str, Any]) -> None:
-        if self.closing:
-            return
-        if self._outbox.qsize() >= self._max_pending:
-            logger.warning("client of session %s is too slow (%d events pending); closing", self.sid,
-                           self._outbox.qsize())
-            self._abort(proto.CLOSE_POLICY, "client too slow")
-            return
-        self._outbox.put_nowait(event)
-
-    def close(self, code: int, reason: str) -> None:
-        """Queue a close frame after everything already queued."""
-        if not self.closing:
-            self.closing = True
-            self._outbox.put_nowait(_Close(code, reason[:120]))  # close reasons are limited to 123 bytes
-
-    def _abort(self, code: int, reason: str) -> None:
-        """Drop the backlog and close now: the sender may be stuck in a send that never drains."""
-        self.closing = True
-        if self._sender is not None:
-            self._sender.cancel()
-        while not self._outbox.empty():
-            self._outbox.get_nowait()
-        self._sender = asyncio.create_task(self._close_now(code, reason))
-
-    async def _close_now(self, code: int, reason: str, timeout: float = 5.0) -> None:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.ws.close(code=code, reason=reason), timeout)
-
-    async def finish(self, timeout: float = 5.0) -> None:
-        """Let the sender flush (bounded by ``timeout``), then stop it."""
-        if self._sender is None:
-            return
-        self.close(proto.CLOSE_NORMAL, "")
-        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-            await asyncio.wait_for(self._sender, timeout)
-
-    async def _run_sender(self) -> None:
-        try:
-            while True:
-                item = await self._outbox.get()
-                if isinstance(item, _Close):
-                    await self.ws.close(code=item.code, reason=item.reason)
-                    return
-                await self.ws.send_text(proto.encode(item))
-        except Exception as exc:  # noqa: BLE001 - any send failure means the client is gone
-            logger.debug("sender of session %s stopped: %r", self.sid, exc)
-            self.closing = True
+# The core session calls every engine has (engine_api.EngineAPI less the turn-control members).
+_CORE_METHODS = ("open_session", "is_queued", "push_audio", "close_session", "tick", "stats", "shutdown")
+# Longest pause of the housekeeping loop (idle/duration limits, queue notices).
+HOUSEKEEPING_PERIOD_S = 0.5
 
 
 class RealtimeServer:
     def __init__(self, engine: EngineAPI, config: DeployConfig, metrics: ServerMetrics | None = None):
-        if not isinstance(engine, EngineAPI):
-            raise TypeError(f"engine {type(engine).__name__} does not implement EngineAPI")
+        missing = [name for name in _CORE_METHODS if not callable(getattr(engine, name, None))]
+        if missing:
+            raise TypeError(f"engine {type(engine).__name__} does not implement EngineAPI (missing {missing})")
         self.engine = engine
         self.config = config
         self.metrics = metrics or ServerMetrics()
-        self._by_sid: dict[str, Connection] = {}
-        self._connections: set[Connection] = set()
+        # An engine without the turn API still serves turn_detection "duplex" (its speak policy).
+        self.turn_control = all(callable(getattr(engine, name, None)) for name in TURN_CONTROL_METHODS)
+        if not self.turn_control:
+            logger.warning("engine %s has no turn control (%s): only turn_detection 'duplex' is served; "
+                           "response.create/cancel and conversation items are refused",
+                           type(engine).__name__, ", ".join(TURN_CONTROL_METHODS))
+        self._by_sid: dict[str, RealtimeSession] = {}
+        self._sessions: set[RealtimeSession] = set()
         self._stopping = asyncio.Event()
         self._tick_task: asyncio.Task[None] | None = None
+        self._housekeeping_task: asyncio.Task[None] | None = None
+        self._pending_clients: dict[str, int] = {}  # handshakes in progress per address
 
     @property
     def num_connections(self) -> int:
-        return len(self._connections)
+        return len(self._sessions)
 
     @property
     def stopping(self) -> bool:
         return self._stopping.is_set()
+
+    def engine_sid(self, session_id: str) -> str | None:
+        """The engine's id of the session with wire id ``session_id`` (None until the engine session opens)."""
+        return next((s.sid for s in self._sessions if s.id == session_id), None)
+
+    def connections_of(self, client: str) -> int:
+        return sum(s.client == client for s in self._sessions) + self._pending_clients.get(client, 0)
+
+    def sessions_of(self, client: str) -> int:
+        return sum(s.client == client and (s.sid is not None or s.opening) for s in self._sessions)
 
     # ---------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
         assert self._tick_task is None, "RealtimeServer.start called twice"
         self._tick_task = asyncio.create_task(self._tick_loop(), name="duplexcache-tick")
+        self._housekeeping_task = asyncio.create_task(self._housekeeping_loop(), name="duplexcache-housekeeping")
 
     async def stop(self) -> None:
         """Graceful shutdown: finish the running tick, close every session, shut the engine down."""
         self._stopping.set()
         if self._tick_task is not None:
             await self._tick_task  # never shut the engine down under a running tick
-        conns = list(self._connections)
-        for conn in conns:
-            await self._end_session(conn)
-            conn.close(proto.CLOSE_GOING_AWAY, "server shutting down")
-        await asyncio.gather(*(conn.finish() for conn in conns))
+        if self._housekeeping_task is not None:
+            await self._housekeeping_task
+        sessions = list(self._sessions)
+        for session in sessions:
+            await self.end_session(session)
+            session.conn.close(proto.CLOSE_GOING_AWAY, "server shutting down")
+        await asyncio.gather(*(session.conn.finish() for session in sessions))
         await asyncio.to_thread(self.engine.shutdown)
-        logger.info("server stopped: closed %d connection(s)", len(conns))
+        logger.info("server stopped: closed %d connection(s)", len(sessions))
 
     # ---------------------------------------------------------------- tick loop
 
@@ -190,74 +144,129 @@ class RealtimeServer:
             self.metrics.tick_errors.inc()
             events = []
         self.metrics.tick_duration.observe(loop.time() - start)
-        self._route(events)
+        await self._route(events)
         try:
             self.metrics.update(await asyncio.to_thread(self.engine.stats))
         except Exception:  # noqa: BLE001
             logger.exception("engine stats failed")
 
-    def _route(self, events: list[EngineEvent]) -> None:
+    async def _route(self, events: list[EngineEvent]) -> None:
         for event in events:
-            conn = self._by_sid.get(event.sid)
-            if conn is None:
+            session = self._by_sid.get(event.sid)
+            if session is None:
                 logger.debug("dropping %s for closed session %s", type(event).__name__, event.sid)
                 continue
             if isinstance(event, AudioDelta):
-                conn.send(proto.audio_delta(event.pcm16))
+                session.on_audio(event.pcm16)
             elif isinstance(event, TextDelta):
-                conn.send(proto.text_delta(event.text))
+                session.on_text(event.text)
             elif isinstance(event, ResponseDone):
-                conn.send(proto.response_done())
+                session.on_done(getattr(event, "status", "completed"), getattr(event, "usage", None))
             elif isinstance(event, SessionAdmitted):
-                self._announce_created(conn)
+                try:
+                    await session.on_admitted()
+                except Exception:  # noqa: BLE001 - one session's failure must not stop the routing
+                    logger.exception("admitting session %s failed", session.id)
             elif isinstance(event, SessionError):
-                self._route_session_error(conn, event)
+                self._route_session_error(session, event)
             else:
                 logger.error("unknown engine event %r", event)
 
-    def _route_session_error(self, conn: Connection, event: SessionError) -> None:
-        kind = proto.INVALID_REQUEST if event.code in _CLIENT_ERROR_CODES else proto.SERVER_ERROR
-        self._send_error(conn, event.code, event.message, error_type=kind)
+    def _route_session_error(self, session: RealtimeSession, event: SessionError) -> None:
+        if event.code in _CLIENT_ERROR_CODES:
+            session.error(event.code, event.message)
+        else:  # the engine's detail is for the log, not the client
+            logger.error("engine error for session %s (engine %s): %s: %s", session.id, event.sid, event.code,
+                         event.message)
+            session.error(event.code, "The server failed to process this session's audio.",
+                          error_type=proto.SERVER_ERROR)
         if event.fatal:
             # The engine already ended the session; forget it so nothing closes it twice.
             self._by_sid.pop(event.sid, None)
-            conn.sid = None
-            conn.close(proto.CLOSE_NORMAL, event.code)
+            session.sid = None
+            session.conn.close(proto.CLOSE_NORMAL, event.code)
 
-    def _announce_created(self, conn: Connection) -> None:
-        if conn.created_sent or conn.sid is None:
-            return  # admission can be seen twice (is_queued and SessionAdmitted race); announce once
-        assert conn.runtime is not None, "a session is registered together with its runtime config"
-        conn.created_sent = True
-        conn.send(proto.session_created(conn.sid, conn.runtime, OUTPUT_SAMPLE_RATE, INPUT_SAMPLE_RATE))
+    # ---------------------------------------------------------------- limits and notices
 
-    def _send_error(self, conn: Connection, code: str, message: str, *, error_type: str = proto.INVALID_REQUEST,
-                    event_id: str | None = None) -> None:
-        self.metrics.protocol_errors.labels(code=code).inc()
-        logger.info("error to client (session %s): %s: %s", conn.sid, code, message)
-        conn.send(proto.error_event(code, message, error_type=error_type, event_id=event_id))
+    async def _housekeeping_loop(self) -> None:
+        cfg = self.config.server
+        limits = [v for v in (cfg.idle_timeout_s, cfg.max_session_s, cfg.queue_notice_s) if v > 0]
+        period = min([HOUSEKEEPING_PERIOD_S] + [v / 4 for v in limits])
+        while not self._stopping.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), period)
+            now = time.monotonic()
+            for session in list(self._sessions):
+                try:
+                    await self._enforce_limits(session, now)
+                except Exception:  # noqa: BLE001
+                    logger.exception("housekeeping of session %s failed", session.id)
+
+    async def _enforce_limits(self, session: RealtimeSession, now: float) -> None:
+        cfg = self.config.server
+        if session.conn.closing:
+            return
+        if cfg.max_session_s and now - session.connected_at > cfg.max_session_s:
+            session.error("session_expired", f"the session hit the maximum duration of {cfg.max_session_s:g} s "
+                          "(server.max_session_s)")
+            self.metrics.limit_closes.labels(reason="max_session_s").inc()
+            await self._expire(session, "session expired")
+        elif cfg.idle_timeout_s and now - session.last_input_at > cfg.idle_timeout_s:
+            session.error("idle_timeout", f"no input audio for {cfg.idle_timeout_s:g} s (server.idle_timeout_s); "
+                          "the session is closed")
+            self.metrics.limit_closes.labels(reason="idle_timeout_s").inc()
+            await self._expire(session, "idle timeout")
+        elif session.queued and now - session.last_queue_notice >= cfg.queue_notice_s:
+            session.notify_queued(now)
+
+    async def _expire(self, session: RealtimeSession, reason: str) -> None:
+        await self.end_session(session)
+        session.conn.close(proto.CLOSE_POLICY, reason)
 
     # ---------------------------------------------------------------- sockets
 
     async def handle_socket(self, ws: WebSocket) -> None:
-        await ws.accept()
+        client = ws.client.host if ws.client is not None else "unknown"
         if self._stopping.is_set():
-            await ws.close(code=proto.CLOSE_GOING_AWAY, reason="server shutting down")
+            await _refuse(ws, Refusal(503, "server_shutting_down", "The server is shutting down.",
+                                      proto.SERVER_ERROR))
             return
+        verdict = check_handshake(self.config.server, ws.headers, ws.query_params)
+        if isinstance(verdict, Refusal):
+            logger.warning("refused a connection from %s: %s", client, verdict.code)
+            self.metrics.protocol_errors.labels(code=verdict.code).inc()
+            await _refuse(ws, verdict)
+            return
+        cap = self.config.server.max_connections_per_client
+        if self.connections_of(client) >= cap:
+            logger.warning("refused a connection from %s: %d open (server.max_connections_per_client)", client, cap)
+            self.metrics.protocol_errors.labels(code="rate_limit_exceeded").inc()
+            await _refuse(ws, Refusal(429, "rate_limit_exceeded", f"Too many connections from this client address "
+                                      f"(server.max_connections_per_client = {cap}).", proto.RATE_LIMIT))
+            return
+        self._pending_clients[client] = self._pending_clients.get(client, 0) + 1
+        try:
+            await ws.accept(subprotocol=verdict.subprotocol)
+        finally:
+            self._pending_clients[client] -= 1
+            if not self._pending_clients[client]:
+                del self._pending_clients[client]
         conn = Connection(ws)
         conn.start()
-        self._connections.add(conn)
-        self.metrics.connections.set(len(self._connections))
+        session = RealtimeSession(self, conn, verdict, client, ws.query_params.get("model"))
+        self._sessions.add(session)
+        self.metrics.connections.set(len(self._sessions))
+        session.announce()
         try:
-            await self._receive_loop(conn)
+            await self._receive_loop(session)
         finally:
-            await self._end_session(conn)  # a disconnect frees everything the session owned
-            self._connections.discard(conn)
-            self.metrics.connections.set(len(self._connections))
+            await self.end_session(session)  # a disconnect frees everything the session owned
+            self._sessions.discard(session)
+            self.metrics.connections.set(len(self._sessions))
             await conn.finish()
 
-    async def _receive_loop(self, conn: Connection) -> None:
-        limit = self.config.server.max_frame_bytes
+    async def _receive_loop(self, session: RealtimeSession) -> None:
+        conn, limit = session.conn, self.config.server.max_frame_bytes
         while not conn.closing:
             try:
                 message = await conn.ws.receive()
@@ -271,76 +280,26 @@ class RealtimeServer:
             else:  # base64 JSON is ASCII: skip the copy that encoding would make
                 size = len(text) if text.isascii() else len(text.encode("utf-8"))
             if size > limit:
-                logger.warning("closing session %s: frame of %d bytes > max_frame_bytes %d", conn.sid, size, limit)
+                logger.warning("closing session %s: frame of %d bytes > max_frame_bytes %d", session.id, size, limit)
                 self.metrics.protocol_errors.labels(code="frame_too_large").inc()
                 conn.close(proto.CLOSE_TOO_BIG, f"frame of {size} bytes exceeds max_frame_bytes {limit}")
                 return
             if text is None:
-                self._send_error(conn, "binary_frame", "binary frames are not supported; send JSON text frames")
+                session.error("binary_frame", "binary frames are not supported; send JSON text frames")
                 continue
             try:
-                await self._handle_event(conn, proto.parse_client_event(text))
+                await session.handle(proto.parse_client_event(text))
             except proto.ProtocolError as exc:
-                self._send_error(conn, exc.code, exc.message, event_id=exc.event_id)
+                session.error(exc.code, exc.message, event_id=exc.event_id, param=exc.param,
+                              error_type=exc.error_type)
 
-    async def _handle_event(self, conn: Connection, event: proto.ClientEvent) -> None:
-        if isinstance(event, proto.SessionUpdate):
-            await self._open_session(conn, event)
-        elif isinstance(event, proto.AudioAppend):
-            await self._append_audio(conn, event)
-        else:
-            if conn.sid is None:
-                raise proto.ProtocolError("session_not_found", "session.close without a session", event.event_id)
-            await self._end_session(conn)
-            conn.send(proto.response_done(reason="session_closed"))
-            conn.close(proto.CLOSE_NORMAL, "session closed")
+    def register(self, session: RealtimeSession, sid: str) -> None:
+        session.sid = sid
+        self._by_sid[sid] = session
+        logger.info("session %s opened engine session %s", session.id, sid)
 
-    async def _open_session(self, conn: Connection, event: proto.SessionUpdate) -> None:
-        eid = event.event_id
-        if conn.sid is not None:
-            raise proto.ProtocolError("session_already_exists",
-                                      f"this connection already has session {conn.sid}; open a new connection", eid)
-        if self._stopping.is_set():
-            raise proto.ProtocolError("server_shutting_down", "the server is shutting down", eid)
-        runtime = _check_session_config(self.config, event.session, eid)
-        try:
-            sid = await asyncio.to_thread(self.engine.open_session, event.session,
-                                          queue_if_full=event.queue_if_full)
-        except AdmissionError as exc:
-            raise proto.ProtocolError("admission_refused", exc.reason, eid) from None
-        except ReferenceAudioError as exc:
-            raise proto.ProtocolError("invalid_reference_audio", str(exc), eid) from None
-        except PrivateConfigKeyError as exc:  # the engine checks again; same codes as ours
-            raise proto.ProtocolError("private_config_key", str(exc), eid) from None
-        except ValueError as exc:  # SessionConfigError or another refusal of the settings
-            raise proto.ProtocolError("invalid_session_config", str(exc), eid) from None
-        conn.sid, conn.runtime = sid, runtime
-        self._by_sid[sid] = conn
-        if await asyncio.to_thread(self.engine.is_queued, sid):
-            logger.info("session %s queued for admission", sid)
-        else:
-            self._announce_created(conn)
-
-    async def _append_audio(self, conn: Connection, event: proto.AudioAppend) -> None:
-        eid = event.event_id
-        if conn.sid is None:
-            raise proto.ProtocolError("session_not_found",
-                                      "send session.update before input_audio_buffer.append", eid)
-        if not conn.created_sent:
-            raise proto.ProtocolError("session_not_admitted",
-                                      "the session is queued for admission; send audio after session.created", eid)
-        assert conn.runtime is not None
-        try:
-            pcm = proto.decode_audio(event.audio_b64, conn.runtime.input_audio_format)
-        except proto.ProtocolError as exc:
-            raise proto.ProtocolError(exc.code, exc.message, eid) from None
-        try:
-            await asyncio.to_thread(self.engine.push_audio, conn.sid, pcm)
-        except ValueError as exc:
-            raise proto.ProtocolError("invalid_audio", str(exc), eid) from None
-
-    async def _end_session(self, conn: Connection) -> None:
-        sid, conn.sid = conn.sid, None
+    async def end_session(self, session: RealtimeSession) -> None:
+        sid, session.sid = session.sid, None
         if sid is None:
             return
         self._by_sid.pop(sid, None)
@@ -349,17 +308,16 @@ class RealtimeServer:
             await asyncio.shield(asyncio.to_thread(self.engine.close_session, sid))
         except Exception:  # noqa: BLE001 - closing must go on for the other sessions
             logger.exception("engine.close_session(%s) failed", sid)
-        logger.info("session %s closed", sid)
+        logger.info("session %s (engine %s) closed", session.id, sid)
 
 
-def _check_session_config(config: DeployConfig, session: dict[str, Any], eid: str | None) -> SessionRuntimeConfig:
-    """The effective settings of a client session, or a ProtocolError naming what is wrong."""
+async def _refuse(ws: WebSocket, refusal: Refusal) -> None:
+    """Refuse a handshake with an HTTP error and OpenAI's JSON body (or a policy close)."""
+    body = proto.http_error_body(refusal.code, refusal.message, refusal.error_type)
     try:
-        return build_runtime_config(config, session)
-    except PrivateConfigKeyError as exc:
-        raise proto.ProtocolError("private_config_key", str(exc), eid) from None
-    except SessionConfigError as exc:
-        raise proto.ProtocolError("invalid_session_config", str(exc), eid) from None
+        await ws.send_denial_response(JSONResponse(body, status_code=refusal.status))
+    except RuntimeError:  # the ASGI server has no denial-response extension
+        await ws.close(code=proto.CLOSE_POLICY, reason=refusal.code)
 
 
 def create_app(engine: EngineAPI, config: DeployConfig) -> FastAPI:
@@ -386,7 +344,10 @@ def create_app(engine: EngineAPI, config: DeployConfig) -> FastAPI:
         return JSONResponse(body, status_code=503 if stopping else 200)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        if not bearer_ok(config.server, request.headers):  # pool sizes are for operators only
+            return JSONResponse(proto.http_error_body("invalid_api_key", "Missing or incorrect API key."),
+                                status_code=401)
         server.metrics.update(await asyncio.to_thread(engine.stats))
         body, content_type = server.metrics.render()
         return Response(content=body, media_type=content_type)
@@ -395,4 +356,6 @@ def create_app(engine: EngineAPI, config: DeployConfig) -> FastAPI:
     async def realtime(ws: WebSocket) -> None:
         await server.handle_socket(ws)
 
+    from duplexcache.server.page import mount_page  # the browser page at / and its files
+    mount_page(app)
     return app

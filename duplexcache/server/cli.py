@@ -25,6 +25,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (default: random weights)")
     parser.add_argument("--host", help="bind address (overrides server.host)")
     parser.add_argument("--port", type=int, help="port (overrides server.port; 0 picks a free one)")
+    parser.add_argument("--api-key", help="require this client key (overrides server.api_key and "
+                        "DUPLEXCACHE_API_KEY; prefer the environment variable, which ps cannot show)")
+    parser.add_argument("--allowed-origins", metavar="ORIGIN[,ORIGIN...]",
+                        help="browser Origins accepted besides the server's own (overrides server.allowed_origins; "
+                        "'*' = any)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                         help="uvicorn log level")
 
@@ -40,6 +45,10 @@ def load_deploy_config(args: argparse.Namespace) -> DeployConfig:
             deploy.server.host = args.host
         if args.port is not None:
             deploy.server.port = args.port
+        if getattr(args, "api_key", None) is not None:
+            deploy.server.api_key = args.api_key
+        if getattr(args, "allowed_origins", None) is not None:
+            deploy.server.allowed_origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()]
     except ValueError as exc:
         raise ConfigError(f"bad command-line override: {exc}") from None
     return deploy
@@ -86,5 +95,8 @@ def run(args: argparse.Namespace) -> int:
     if not any(switch_value(deploy, name) for name in SHARING_SWITCHES):
         logger.info("nothing is shared between sessions; turn the sharing switches on in a --config YAML "
                     "(README, Configuration)")
+    if deploy.server.api_key is None and host not in ("127.0.0.1", "::1", "localhost"):
+        logger.warning("listening on %s without an API key: anyone who can reach it may open sessions "
+                       "(set DUPLEXCACHE_API_KEY or --api-key)", host)
     uvicorn.Server(uvicorn_config(app, host, port, deploy.server.max_frame_bytes, args.log_level)).run()
     return 0

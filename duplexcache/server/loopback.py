@@ -38,6 +38,7 @@ def uvicorn_config(app: Any, host: str, port: int, max_frame_bytes: int, log_lev
 
 class LoopbackServer:
     def __init__(self, app: Any, max_frame_bytes: int = 4 * 2**20, start_timeout: float = 20.0):
+        self.app = app
         self._server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", 0, max_frame_bytes))
         self._thread = threading.Thread(target=self._server.run, name="duplexcache-loopback", daemon=True)
         self._start_timeout = start_timeout

@@ -46,6 +46,10 @@ class ServerMetrics:
         self.tick_errors = Counter(PREFIX + "tick_errors", "Ticks that raised an exception", registry=r)
         self.protocol_errors = Counter(PREFIX + "protocol_errors", "Error events sent to clients",
                                        ["code"], registry=r)
+        self.responses = Counter(PREFIX + "responses", "Replies ended, by status (completed, cancelled)",
+                                 ["status"], registry=r)
+        self.limit_closes = Counter(PREFIX + "limit_closes", "Sessions ended by a server limit "
+                                    "(idle_timeout_s, max_session_s)", ["reason"], registry=r)
         self.tick_duration = Histogram(PREFIX + "tick_duration_seconds", "Wall time of one engine tick",
                                        buckets=LATENCY_BUCKETS, registry=r)
         self.stage_latency = Histogram(PREFIX + "stage_latency_seconds", "Per-stage latency within a tick",

@@ -5,6 +5,12 @@ while there is room, then gives each live session with >= 1 s buffered one unit:
 of 24000 samples all equal to the unit number (so order and size are checkable), a TextDelta
 ``"unit <n>"``, and a ResponseDone after every ``done_after_units`` units. Instructions
 ``"overflow"`` make a session fail fatally with context_length_exceeded after its first unit.
+
+Turn control (engine_api's pinned turn API): in turn mode "duplex" every unit speaks as above; in
+"manual" a unit speaks only inside a reply that ``request_response`` started (a reply is
+``done_after_units`` units). ``cancel_response`` ends the reply at the next tick with
+ResponseDone(status="cancelled") and records ``(sid, played_ms)`` in ``cancels``;
+``add_user_text`` records into ``user_texts``. ``queue_position`` is 1-based.
 """
 
 from __future__ import annotations
@@ -22,8 +28,8 @@ import numpy as np
 
 from duplexcache.config import DeployConfig, build_runtime_config
 from duplexcache.runtime.engine_api import (
-    AdmissionError, AudioDelta, EngineEvent, EngineStats, ResponseDone, SessionAdmitted, SessionError, TextDelta,
-    TierBytes,
+    TURN_MODES, AdmissionError, AudioDelta, EngineEvent, EngineStats, ResponseDone, ResponseUsage, SessionAdmitted,
+    SessionError, TextDelta, TierBytes,
 )
 
 UNIT_IN = 16_000
@@ -37,6 +43,10 @@ class _FakeSession:
     buffered: int = 0
     units: int = 0
     received: list[np.ndarray] = field(default_factory=list)
+    turn_mode: str = "duplex"
+    reply_units: int = 0          # units spoken in the current reply (0 = no reply running)
+    requested: bool = False       # request_response() seen, reply not started yet
+    cancel_pending: bool = False
 
 
 class FakeEngine:
@@ -58,6 +68,12 @@ class FakeEngine:
         self.shutdown_called = False
         self.opened = 0
         self.open_calls = 0  # every call, refused ones included
+        self.turn_modes: dict[str, list[str]] = {}       # sid -> every mode set, in order
+        self.response_requests: dict[str, int] = {}
+        self.cancels: list[tuple[str, int | None]] = []
+        self.user_texts: dict[str, list[str]] = {}
+        self.admission_code: str | None = None           # refuse every open_session with this code
+        self.configs: dict[str, dict[str, Any]] = {}     # sid -> the client session it was opened with
 
     # ------------------------------------------------------------------ EngineAPI
     def open_session(self, client_session: Mapping[str, Any], *, queue_if_full: bool = False) -> str:
@@ -67,6 +83,10 @@ class FakeEngine:
         if client_session.get("voice") == "broken-ref":
             from duplexcache.context import ReferenceAudioError
             raise ReferenceAudioError("reference audio for voice 'broken-ref' is empty")
+        if self.admission_code is not None:
+            error = AdmissionError(f"refused by test ({self.admission_code}): 123456 private bytes in use")
+            error.code = self.admission_code
+            raise error
         with self._lock:
             sid = f"sess_{next(self._ids)}"
             session = _FakeSession(dict(client_session))
@@ -78,11 +98,50 @@ class FakeEngine:
                 raise AdmissionError(f"memory budget full: {len(self.live)} live sessions use all "
                                      f"{self.capacity * BYTES_PER_SESSION} private bytes")
             self.opened += 1
+            self.configs[sid] = dict(client_session)
             return sid
 
     def is_queued(self, sid: str) -> bool:
         with self._lock:
             return sid in self.queued
+
+    def queue_position(self, sid: str) -> int | None:
+        with self._lock:
+            order = list(self.queued)
+            return order.index(sid) + 1 if sid in self.queued else None
+
+    # ------------------------------------------------------------------ turn control
+    def _session(self, sid: str) -> _FakeSession:
+        session = self.live.get(sid) or self.queued.get(sid)
+        if session is None:
+            raise ValueError(f"unknown session {sid!r}")
+        return session
+
+    def set_turn_mode(self, sid: str, mode: str) -> None:
+        if mode not in TURN_MODES:
+            raise ValueError(f"unknown turn mode {mode!r}")
+        with self._lock:
+            self._session(sid).turn_mode = mode
+            self.turn_modes.setdefault(sid, []).append(mode)
+
+    def request_response(self, sid: str) -> None:
+        with self._lock:
+            self._session(sid).requested = True
+            self.response_requests[sid] = self.response_requests.get(sid, 0) + 1
+
+    def cancel_response(self, sid: str, played_ms: int | None = None) -> bool:
+        with self._lock:
+            session = self._session(sid)
+            if not (session.reply_units or session.requested) or session.cancel_pending:
+                return False
+            session.cancel_pending = True
+            self.cancels.append((sid, played_ms))
+            return True
+
+    def add_user_text(self, sid: str, text: str) -> None:
+        with self._lock:
+            self._session(sid)
+            self.user_texts.setdefault(sid, []).append(text)
 
     def push_audio(self, sid: str, pcm: np.ndarray) -> None:
         if not isinstance(pcm, np.ndarray) or pcm.dtype != np.float32 or pcm.ndim != 1:
@@ -146,19 +205,34 @@ class FakeEngine:
         self.received[sid] = session.received
 
     def _run_unit(self, sid: str, session: _FakeSession) -> list[EngineEvent]:
+        out: list[EngineEvent] = []
+        if session.cancel_pending:
+            out.append(ResponseDone(sid, status="cancelled", usage=self._usage(session.reply_units)))
+            session.cancel_pending = session.requested = False
+            session.reply_units = 0
         if session.buffered < UNIT_IN:
-            return []
+            return out
         session.buffered -= UNIT_IN
         session.units += 1
+        speaks = session.turn_mode == "duplex" or session.requested or session.reply_units > 0
+        if not speaks:
+            return out
+        session.requested = False
+        session.reply_units += 1
         pcm = np.full(UNIT_OUT, session.units, dtype="<i2").tobytes()
-        out: list[EngineEvent] = [AudioDelta(sid, pcm), TextDelta(sid, f"unit {session.units}")]
+        out += [AudioDelta(sid, pcm), TextDelta(sid, f"unit {session.units}")]
         if session.config.get("instructions") == "overflow":
             del self.live[sid]
             self.closed.append(sid)
             return out + [SessionError(sid, "context_length_exceeded", "window cannot fit", fatal=True)]
-        if session.units % self.done_after_units == 0:
-            out.append(ResponseDone(sid))
+        if session.reply_units == self.done_after_units:
+            out.append(ResponseDone(sid, usage=self._usage(session.reply_units)))
+            session.reply_units = 0
         return out
+
+    @staticmethod
+    def _usage(units: int) -> ResponseUsage:
+        return ResponseUsage(text_tokens=2 * units, audio_seconds=float(units))
 
 
 # ---------------------------------------------------------------------- client helpers
@@ -188,6 +262,13 @@ async def recv_type(ws: Any, kind: str, timeout: float = 60.0) -> tuple[dict[str
         if event["type"] == kind:
             return event, skipped
         skipped.append(event)
+
+
+def sid_of(engine: FakeEngine, instructions: str) -> str:
+    """The engine id of the session opened with ``instructions`` (the server assigns wire ids)."""
+    sids = [sid for sid, cfg in engine.configs.items() if cfg.get("instructions") == instructions]
+    assert len(sids) == 1, (instructions, engine.configs)
+    return sids[0]
 
 
 def wait_for(predicate, timeout: float = 60.0, what: str = "condition") -> None:

@@ -1,9 +1,11 @@
-"""Protocol parsing and audio decoding, without sockets; metrics bookkeeping."""
+"""Protocol parsing, session.update shapes and input audio (decode, resample), without sockets;
+metrics bookkeeping."""
 
 from __future__ import annotations
 
 import base64
 import json
+import re
 import subprocess
 import sys
 
@@ -11,60 +13,126 @@ import numpy as np
 import pytest
 
 from duplexcache.runtime.engine_api import EngineStats, TierBytes
+from duplexcache.server import audio_io
 from duplexcache.server import protocol as proto
+from duplexcache.server.audio_io import InputAudio, InputFormat
 from duplexcache.server.metrics import ServerMetrics
+from duplexcache.server.session_config import SessionSettings, TurnDetection, apply_update, to_wire
 
 
 def _b64(raw: bytes) -> str:
     return base64.b64encode(raw).decode()
 
 
+PCM16_16K = InputFormat("pcm16", 16000)
+F32 = InputFormat("f32", 16000)
+
+
 def test_pcm16_decodes_to_reference_floats():
     rng = np.random.default_rng(0)
     ints = rng.integers(-32768, 32767, size=1000, dtype=np.int16)
-    got = proto.decode_audio(_b64(ints.astype("<i2").tobytes()), "pcm16")
+    got = audio_io.decode(_b64(ints.astype("<i2").tobytes()), PCM16_16K)
     assert got.dtype == np.float32 and got.shape == (1000,)
     # independent reference: per-sample struct-style conversion
     ref = np.array([int(v) / 32768.0 for v in ints], dtype=np.float32)
     assert np.array_equal(got, ref)
 
 
-def test_f32_roundtrips_bit_exactly():
+def test_f32_roundtrips_bit_exactly_and_16k_passes_through_untouched():
     rng = np.random.default_rng(1)
     pcm = rng.uniform(-1, 1, size=777).astype(np.float32)
-    got = proto.decode_audio(_b64(pcm.astype("<f4").tobytes()), "f32")
-    assert np.array_equal(got, pcm)
+    assert np.array_equal(audio_io.decode(_b64(pcm.astype("<f4").tobytes()), F32), pcm)
+    stream = InputAudio(F32)
+    assert np.array_equal(stream.push(_b64(pcm.astype("<f4").tobytes())), pcm)
+    edge = np.array([-1.0, 1.0], dtype=np.float32)  # full scale is allowed, only beyond it is refused
+    assert np.array_equal(audio_io.decode(_b64(edge.tobytes()), F32), edge)
 
 
 @pytest.mark.parametrize("raw, fmt, needle", [
-    (b"\x01\x02\x03", "pcm16", "even byte count"),
-    (b"\x00" * 6, "f32", "multiple of 4"),
-    (b"", "pcm16", "empty"),
-    (b"", "f32", "empty"),
-    (np.array([0.0, np.nan], dtype="<f4").tobytes(), "f32", "NaN"),
-    (np.array([np.inf], dtype="<f4").tobytes(), "f32", "NaN or infinite"),
+    (b"\x01\x02\x03", PCM16_16K, "multiple of 2"),
+    (b"\x00" * 6, F32, "multiple of 4"),
+    (b"", PCM16_16K, "empty"),
+    (b"", F32, "empty"),
+    (np.array([0.0, np.nan], dtype="<f4").tobytes(), F32, "NaN"),
+    (np.array([np.inf], dtype="<f4").tobytes(), F32, "NaN or infinite"),
+    (np.array([0.0, 1.01], dtype="<f4").tobytes(), F32, "1.01"),
+    (np.array([-1.0000001], dtype="<f4").tobytes(), F32, "[-1, 1]"),
 ])
 def test_bad_audio_is_refused(raw, fmt, needle):
-    with pytest.raises(proto.ProtocolError) as info:
-        proto.decode_audio(_b64(raw), fmt)
-    assert info.value.code == "invalid_audio" and needle in info.value.message
+    with pytest.raises(audio_io.AudioError, match=re.escape(needle)):
+        audio_io.decode(_b64(raw), fmt)
 
 
 def test_bad_base64_is_refused():
-    with pytest.raises(proto.ProtocolError, match="base64"):
-        proto.decode_audio("not base64!!", "pcm16")
+    with pytest.raises(audio_io.AudioError, match="base64"):
+        audio_io.decode("not base64!!", PCM16_16K)
 
+
+def _g711_reference(codes: np.ndarray, law: str) -> np.ndarray:
+    """ITU-T G.711 expansion written from the standard's segment/quantisation rule (independent of audioop)."""
+    out = []
+    for code in codes.tolist():
+        if law == "u":
+            c = ~code & 0xFF
+            sign, exponent, mantissa = c & 0x80, (c >> 4) & 7, c & 0x0F
+            mag = (((mantissa << 3) + 0x84) << exponent) - 0x84
+        else:
+            c = code ^ 0x55
+            sign, exponent, mantissa = (c & 0x80) ^ 0x80, (c >> 4) & 7, c & 0x0F
+            mag = (mantissa << 4) + 8 if exponent == 0 else ((mantissa << 4) + 0x108) << (exponent - 1)
+        out.append(-mag if sign else mag)
+    return np.array(out, dtype=np.float32) / 32768.0
+
+
+@pytest.mark.parametrize("kind, law", [("pcmu", "u"), ("pcma", "a")])
+def test_g711_decodes_like_the_standard(kind, law):
+    codes = np.arange(256, dtype=np.uint8)
+    got = audio_io.decode(_b64(codes.tobytes()), InputFormat(kind, 8000))
+    np.testing.assert_array_equal(got, _g711_reference(codes, law))
+
+
+@pytest.mark.parametrize("rate", [24000, 8000])
+def test_streaming_resampler_is_chunking_invariant_and_tracks_a_tone(rate):
+    fmt = InputFormat("pcm16", rate) if rate == 24000 else InputFormat("pcmu", 8000)
+    t = np.arange(rate * 2) / rate
+    tone = 0.25 * np.sin(2 * np.pi * 300 * t)
+    if fmt.kind == "pcm16":
+        raw = (tone * 32767).astype("<i2").tobytes()
+    else:  # mu-law encode through audioop, the library the decoder uses too
+        import audioop
+        raw = audioop.lin2ulaw((tone * 32767).astype("<i2").tobytes(), 2)
+    width = 2 if fmt.kind == "pcm16" else 1
+    outs = []
+    for chunk_samples in (160, 1000, rate):  # 20 ms (8 kHz) ... 1 s chunks
+        stream = InputAudio(fmt)
+        step = chunk_samples * width
+        outs.append(np.concatenate([stream.push(_b64(raw[i:i + step])) for i in range(0, len(raw), step)]))
+        assert stream.ms_in == 2000
+    n = min(o.size for o in outs)
+    assert n > 31000
+    for other in outs[1:]:
+        assert np.array_equal(outs[0][:n], other[:n])  # no clicks or drift at chunk boundaries
+    # soxr compensates its filter delay: the output is the same tone sampled at 16 kHz
+    ref = 0.25 * np.sin(2 * np.pi * 300 * np.arange(n) / 16000)
+    tol = 2e-3 if fmt.kind == "pcm16" else 2e-2  # mu-law quantisation noise
+    np.testing.assert_allclose(outs[0][200:n - 200], ref[200:n - 200], atol=tol)
+
+
+@pytest.mark.parametrize("kind, rate", [("pcm16", 44100), ("pcmu", 16000), ("opus", 48000)])
+def test_unsupported_formats_are_named(kind, rate):
+    with pytest.raises(ValueError, match=kind):
+        InputFormat(kind, rate)
+
+
+# ---------------------------------------------------------------------------- events
 
 @pytest.mark.parametrize("text, code", [
     ("{not json", "invalid_json"),
     ("[1, 2]", "invalid_event"),
     ('{"event_id": "e1"}', "invalid_event"),
-    ('{"type": "response.create"}', "unknown_event_type"),
-    ('{"type": "input_audio_buffer.append"}', "invalid_audio"),
-    ('{"type": "session.update", "session": []}', "invalid_session_config"),
-    ('{"type": "session.update", "session": {}, "queue_if_full": "yes"}', "invalid_event"),
-    ('{"type": "session.update", "session": {"duplex_context_caching": true}}', "private_config_key"),
-    ('{"type": "session.update", "session": {"window": {"mode": "off"}}}', "private_config_key"),
+    ('{"type": "response.function_call_arguments.delta"}', "unknown_event_type"),
+    ('{"type": 7}', "invalid_event"),
+    ('{"type": "session.update", "event_id": 3}', "invalid_event"),
 ])
 def test_malformed_events(text, code):
     with pytest.raises(proto.ProtocolError) as info:
@@ -72,28 +140,115 @@ def test_malformed_events(text, code):
     assert info.value.code == code
 
 
-def test_private_key_error_names_nested_path_and_keeps_event_id():
-    text = json.dumps({"type": "session.update", "event_id": "c7", "session": {"window": {"mode": "rebuild"}}})
+def test_echoed_client_strings_are_bounded():
+    huge = "x" * 100_000
     with pytest.raises(proto.ProtocolError) as info:
-        proto.parse_client_event(text)
-    assert "'window.mode'" in info.value.message and info.value.event_id == "c7"
+        proto.parse_client_event(json.dumps({"type": huge, "event_id": huge}))
+    event = proto.error_event(info.value.code, info.value.message, event_id=info.value.event_id,
+                              param=info.value.param)
+    assert len(proto.encode(event)) < 1000
+    assert event["error"]["event_id"].startswith("x" * 64) and "(100000 chars)" in event["error"]["event_id"]
+    with pytest.raises(proto.ProtocolError) as info:
+        apply_update(SessionSettings(), {huge: 1}, "e", audio_started=False)
+    assert len(info.value.message) < 300 and len(info.value.param) < 120
 
 
 def test_valid_events_parse():
-    ev = proto.parse_client_event(json.dumps({"type": "session.update", "session": {"voice": "v"},
-                                              "queue_if_full": True, "event_id": "a"}))
-    assert ev == proto.SessionUpdate({"voice": "v"}, True, "a")
-    assert proto.parse_client_event('{"type": "session.close"}') == proto.SessionClose(None)
-    assert proto.parse_client_event('{"type": "input_audio_buffer.append", "audio": "AAA="}') == \
-        proto.AudioAppend("AAA=", None)
+    ev = proto.parse_client_event(json.dumps({"type": "input_audio_buffer.append", "audio": "AAA=",
+                                              "event_id": "a"}))
+    assert (ev.type, ev.event_id, proto.field(ev, "audio", str)) == ("input_audio_buffer.append", "a", "AAA=")
+    with pytest.raises(proto.ProtocolError) as info:
+        proto.field(proto.parse_client_event('{"type": "conversation.item.truncate", "audio_end_ms": true}'),
+                    "audio_end_ms", int)
+    assert info.value.code == "invalid_value"  # a bool is not an int here
 
 
 def test_server_events_have_type_and_unique_ids():
-    events = [proto.audio_delta(b"\x00\x01"), proto.text_delta("hi"), proto.response_done(),
+    events = [proto.event("session.updated"), proto.event("session.updated"),
               proto.error_event("c", "m", event_id="x")]
-    assert len({e["event_id"] for e in events}) == 4
-    assert events[0]["delta"] == "AAE=" and events[3]["error"] == {
-        "type": "invalid_request_error", "code": "c", "message": "m", "event_id": "x"}
+    assert len({e["event_id"] for e in events}) == 3
+    assert events[2]["error"] == {"type": "invalid_request_error", "code": "c", "message": "m", "param": None,
+                                  "event_id": "x"}
+
+
+# ---------------------------------------------------------------------------- session.update shapes
+
+def test_ga_beta_and_our_shapes_reach_the_same_settings():
+    ga = {"type": "realtime", "instructions": "hi", "output_modalities": ["audio"],
+          "audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000},
+                              "turn_detection": {"type": "server_vad", "threshold": 0.7, "silence_duration_ms": 300,
+                                                 "prefix_padding_ms": 100, "create_response": False}},
+                    "output": {"format": {"type": "audio/pcm", "rate": 24000}, "voice": "alt"}}}
+    beta = {"instructions": "hi", "voice": "alt", "input_audio_format": "pcm16", "input_sample_rate": 16000,
+            "output_audio_format": "pcm16", "modalities": ["audio", "text"], "temperature": 0.8,
+            "turn_detection": {"type": "server_vad", "threshold": 0.7, "silence_duration_ms": 300,
+                               "prefix_padding_ms": 100, "create_response": False}}
+    a, changed = apply_update(SessionSettings(), ga, None, audio_started=False)
+    b, _ = apply_update(SessionSettings(), beta, None, audio_started=False)
+    assert a == b
+    assert set(changed) == {"instructions", "voice", "input_rate", "turn_detection"}
+    assert a.turn == TurnDetection("server_vad", 0.7, 300, 100, create_response=False)
+    assert a.engine_session() == {"instructions": "hi", "voice": "alt"}
+
+
+@pytest.mark.parametrize("session, openai_client, want", [
+    ({}, True, ("pcm16", 24000)),                           # OpenAI's default for its clients
+    ({}, False, ("pcm16", 16000)),                          # our original clients
+    ({"input_audio_format": "pcm16"}, True, ("pcm16", 24000)),   # beta pcm16 is 24 kHz
+    ({"input_audio_format": "pcm16"}, False, ("pcm16", 16000)),  # ours is 16 kHz
+    ({"input_audio_format": "g711_ulaw"}, True, ("pcmu", 8000)),
+    ({"audio": {"input": {"format": {"type": "audio/pcma"}}}}, True, ("pcma", 8000)),
+    ({"audio": {"input": {"format": {"type": "audio/pcm"}}}}, False, ("pcm16", 24000)),  # GA: explicit
+    ({"input_audio_format": "f32"}, True, ("f32", 16000)),
+])
+def test_input_format_defaults(session, openai_client, want):
+    settings, _ = apply_update(SessionSettings(), session, None, audio_started=False)
+    fmt = settings.input_format(openai_client)
+    assert (fmt.kind, fmt.rate) == want
+
+
+@pytest.mark.parametrize("session, code, param", [
+    ({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 44100}}}}, "invalid_value",
+     "session.audio.input.format.rate"),
+    ({"audio": {"output": {"format": {"type": "audio/pcmu"}}}}, "invalid_value", "session.audio.output.format"),
+    ({"input_audio_format": "opus"}, "invalid_value", "session.input_audio_format"),
+    ({"turn_detection": {"type": "push_to_talk"}}, "invalid_value", "session.turn_detection.type"),
+    ({"turn_detection": {"type": "server_vad", "threshold": 2}}, "invalid_value", "session.turn_detection.threshold"),
+    ({"tools": [{"type": "function", "name": "f"}]}, "invalid_value", "session.tools"),
+    ({"output_modalities": ["text"]}, "invalid_value", "session.output_modalities"),
+    ({"voice": 3}, "invalid_value", "session.voice"),
+    ({"colour": "red"}, "unknown_parameter", "session.colour"),
+    ({"window": {"mode": "off"}}, "private_config_key", "session.window.mode"),
+])
+def test_bad_session_fields_are_named(session, code, param):
+    with pytest.raises(proto.ProtocolError) as info:
+        apply_update(SessionSettings(), session, "ev", audio_started=False)
+    assert (info.value.code, info.value.param, info.value.event_id) == (code, param, "ev")
+
+
+def test_fixed_fields_refused_once_audio_started_turn_detection_not():
+    settings, _ = apply_update(SessionSettings(), {"voice": "alt", "instructions": "x"}, None, audio_started=False)
+    for session, name in (({"voice": "default"}, "voice"), ({"instructions": "y"}, "instructions"),
+                          ({"audio": {"output": {"voice": "v2"}}}, "voice"),
+                          ({"input_audio_format": "g711_alaw"}, "input_audio_format"),
+                          ({"initial_user_text": "hello"}, "initial_user_text")):
+        with pytest.raises(proto.ProtocolError) as info:
+            apply_update(settings, session, None, audio_started=True)
+        assert info.value.code == "session_field_fixed" and info.value.param == f"session.{name}"
+    same, changed = apply_update(settings, {"voice": "alt", "turn_detection": None}, None, audio_started=True)
+    assert changed == ["turn_detection"] and same.turn.type == "none"
+    semantic, _ = apply_update(settings, {"turn_detection": {"type": "semantic_vad"}}, None, audio_started=True)
+    assert semantic.turn.type == "duplex"
+
+
+def test_wire_session_has_ga_and_beta_views():
+    settings, _ = apply_update(SessionSettings(), {"voice": "alt", "input_audio_format": "g711_ulaw"}, None,
+                               audio_started=False)
+    wire = to_wire("sess_1", settings, settings.input_format(True), "default", "m")
+    assert wire["audio"]["input"]["format"] == {"type": "audio/pcmu"}
+    assert wire["audio"]["output"] == {"format": {"type": "audio/pcm", "rate": 24000}, "voice": "alt"}
+    assert (wire["voice"], wire["input_audio_format"], wire["output_audio_format"]) == ("alt", "g711_ulaw", "pcm16")
+    assert wire["turn_detection"] == {"type": "duplex", "interrupt_response": True}
 
 
 def _stats(ticks: int, hits: int, latency: dict) -> EngineStats:

@@ -68,6 +68,7 @@ def tiny_deploy(sharing: bool) -> DeployConfig:
     deploy.context_cache.duplex_context_caching = sharing
     deploy.code2wav.cfm_prompt_att_sharing = sharing
     deploy.engine.tick_seconds = TICK_S
+    deploy.server.max_sessions_per_client = 16  # every test client comes from 127.0.0.1
     return deploy
 
 
@@ -132,7 +133,7 @@ class Heard:
             pcm = base64.b64decode(event["delta"])
             self.deltas.append(len(pcm))
             self.audio += pcm
-        elif kind == "response.output_text.delta":
+        elif kind == "response.output_audio_transcript.delta":
             self.texts += 1
         elif kind == "response.done":
             self.done += 1
@@ -145,11 +146,26 @@ def _connect(srv: LoopbackServer):
 
 
 async def _open(ws, voice: str) -> Heard:
-    await send(ws, {"type": "session.update",
-                    "session": {"voice": voice, "instructions": INSTRUCTIONS, "input_audio_format": "pcm16"}})
+    """session.created on connect, then our settings; ``sid`` is the wire id until :func:`_start`."""
     created = await recv(ws, TIMEOUT_S)
     assert created["type"] == "session.created", created
-    return Heard(sid=created["session"]["id"], session=created["session"])
+    await send(ws, {"type": "session.update",
+                    "session": {"voice": voice, "instructions": INSTRUCTIONS, "input_audio_format": "pcm16"}})
+    updated = await recv(ws, TIMEOUT_S)
+    assert updated["type"] == "session.updated", updated
+    return Heard(sid=created["session"]["id"], session=updated["session"])
+
+
+async def _start(srv: LoopbackServer, ws, heard: Heard, first_chunk: np.ndarray) -> None:
+    """The first append opens the engine session; wait for it and take the engine's id."""
+    wire_id = heard.sid
+    await send(ws, {"type": "input_audio_buffer.append", "audio": pcm16_b64(first_chunk)})
+    server = srv.app.state.server
+    deadline = time.monotonic() + TIMEOUT_S
+    while server.engine_sid(wire_id) is None:
+        assert time.monotonic() < deadline, "the engine session did not open"
+        await asyncio.sleep(0.005)
+    heard.sid = server.engine_sid(wire_id)
 
 
 async def _send_audio(ws, pcm: np.ndarray, pause: float = 0.0) -> None:
@@ -191,9 +207,11 @@ async def _good_client(srv: LoopbackServer, index: int, voice: str, *,
         if turn is not None:
             await turn[0].wait()
         heard = await _open(ws, voice)
+        pcm = client_pcm16(index)
+        await _start(srv, ws, heard, pcm[:CHUNK])
         if turn is not None:
             turn[1].set()
-        await _send_audio(ws, client_pcm16(index), pause)
+        await _send_audio(ws, pcm[CHUNK:], pause)
         await _until(ws, heard, lambda h: h.done >= TURNS, f"{TURNS} response.done")
         if ready is not None:
             ready.set()
@@ -341,7 +359,7 @@ async def _malformed_json(srv: LoopbackServer) -> dict[str, Any]:
 async def _unknown_event(srv: LoopbackServer) -> dict[str, Any]:
     async with _connect(srv) as ws:
         heard = await _open(ws, "alt")
-        await send(ws, {"type": "input_audio_buffer.commit"})
+        await send(ws, {"type": "conversation.item.delete", "item_id": "x"})
         error = await recv(ws, TIMEOUT_S)
         code = await _close_and_drain(ws, heard)
     return {"error": error, "code": code, "later_errors": heard.errors}
@@ -361,9 +379,10 @@ async def _private_key(srv: LoopbackServer) -> dict[str, Any]:
     async with _connect(srv) as ws:
         await send(ws, {"type": "session.update",
                         "session": {"voice": "default", "instructions": INSTRUCTIONS, "cfm_prompt_att_sharing": True}})
+        assert (await recv(ws, TIMEOUT_S))["type"] == "session.created"
         error = await recv(ws, TIMEOUT_S)
-        # no session was created: audio is refused too
-        await send(ws, {"type": "input_audio_buffer.append", "audio": pcm16_b64(client_pcm16(23)[:CHUNK])})
+        # nothing was changed or opened: the settings are still editable
+        await send(ws, {"type": "session.update", "session": {"voice": "default"}})
         second = await recv(ws, TIMEOUT_S)
     return {"error": error, "second": second, "code": ws.close_code}
 
@@ -409,10 +428,10 @@ def test_misbehaving_clients_next_to_a_good_one_leak_nothing(models):
         assert got["code"] == 1000 and got["later_errors"] == [], (name, got)
     assert malformed["error"]["error"]["code"] == "invalid_json"
     assert unknown["error"]["error"]["code"] == "unknown_event_type"
-    assert odd["error"]["error"]["code"] == "invalid_audio" and "even byte count" in odd["error"]["error"]["message"]
+    assert odd["error"]["error"]["code"] == "invalid_audio" and "multiple of 2" in odd["error"]["error"]["message"]
     assert private["error"]["type"] == "error" and private["error"]["error"]["code"] == "private_config_key"
     assert "cfm_prompt_att_sharing" in private["error"]["error"]["message"]
-    assert private["second"]["error"]["code"] == "session_not_found"
+    assert private["second"]["type"] == "session.updated"
 
     for name in PRIVATE_POOLS:
         assert warm["pools"][name].private == 0 and after["pools"][name].private == 0, name

@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_fakes import FakeEngine, f32_b64, pcm16_b64, recv, recv_type, send, wait_for
+from server_fakes import FakeEngine, f32_b64, pcm16_b64, recv, recv_type, send, sid_of, wait_for
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
@@ -32,6 +32,7 @@ def serve():
         deploy = DeployConfig.default("tiny")
         deploy.engine.tick_seconds = TICK
         deploy.server.max_frame_bytes = MAX_FRAME
+        deploy.server.max_sessions_per_client = 16  # every test client comes from 127.0.0.1
         engine = FakeEngine(deploy, capacity=capacity, **engine_kwargs)
         srv = LoopbackServer(create_app(engine, deploy), max_frame_bytes=MAX_FRAME).start()
         servers.append(srv)
@@ -47,10 +48,21 @@ def _connect(srv: LoopbackServer):
 
 
 async def _create(ws, queue_if_full: bool = False, **session) -> str:
-    await send(ws, {"type": "session.update", "session": session, "queue_if_full": queue_if_full})
-    event = await recv(ws)
-    assert event["type"] == "session.created", event
-    return event["session"]["id"]
+    """session.created arrives on connect; then our settings (session.updated). Returns the wire id."""
+    created = await recv(ws)
+    assert created["type"] == "session.created", created
+    if session or queue_if_full:
+        await send(ws, {"type": "session.update", "session": session, "queue_if_full": queue_if_full})
+        updated = await recv(ws)
+        assert updated["type"] == "session.updated", updated
+    return created["session"]["id"]
+
+
+async def _open(ws, **session) -> str:
+    """Create and start the engine session (the first append opens it) with 0.1 s of silence."""
+    wire_id = await _create(ws, **session)
+    await send(ws, {"type": "input_audio_buffer.append", "audio": pcm16_b64(np.zeros(1600, np.int16))})
+    return wire_id
 
 
 async def _stream_one(srv: LoopbackServer, index: int, seconds: int = 5):
@@ -65,7 +77,7 @@ async def _stream_one(srv: LoopbackServer, index: int, seconds: int = 5):
         expected = audio
         chunks = [f32_b64(audio[i:i + 4000]) for i in range(0, len(audio), 4000)]
     async with _connect(srv) as ws:
-        sid = await _create(ws, instructions=f"session {index}", input_audio_format=fmt)
+        wire_id = await _create(ws, instructions=f"session {index}", input_audio_format=fmt)
         for chunk in chunks:
             await send(ws, {"type": "input_audio_buffer.append", "audio": chunk})
         events = []
@@ -75,7 +87,7 @@ async def _stream_one(srv: LoopbackServer, index: int, seconds: int = 5):
         final, rest = await recv_type(ws, "response.done")
         with pytest.raises(ConnectionClosed):
             await recv(ws)
-        return sid, expected, events + rest, final, ws.close_code
+        return wire_id, expected, events + rest, final, ws.close_code
 
 
 def test_eight_sessions_stream_concurrently(serve):
@@ -85,14 +97,21 @@ def test_eight_sessions_stream_concurrently(serve):
         return await asyncio.gather(*(_stream_one(srv, i) for i in range(8)))
 
     results = asyncio.run(main())
-    assert len({sid for sid, *_ in results}) == 8
-    for sid, expected, events, final, close_code in results:
+    assert len({wire_id for wire_id, *_ in results}) == 8
+    for index, (wire_id, expected, events, final, close_code) in enumerate(results):
+        sid = sid_of(engine, f"session {index}")
         deltas = [base64.b64decode(e["delta"]) for e in events if e["type"] == "response.output_audio.delta"]
         for unit, delta in enumerate(deltas, start=1):  # 24000 pcm16 samples per unit, in order
             assert np.array_equal(np.frombuffer(delta, "<i2"), np.full(24000, unit, np.int16))
-        assert [e["delta"] for e in events if e["type"] == "response.output_text.delta"] == \
+        assert [e["delta"] for e in events if e["type"] == "response.output_audio_transcript.delta"] == \
             [f"unit {u}" for u in range(1, 6)]
-        assert sum(e["type"] == "response.done" for e in events) == 1  # after unit 3 (done_after_units)
+        done = [e for e in events if e["type"] == "response.done"]
+        assert len(done) == 1 and done[0]["response"]["status"] == "completed"  # after unit 3 (done_after_units)
+        assert done[0]["response"]["usage"]["output_audio_seconds"] == 3.0
+        # two responses (units 1-3, 4-5): ids assigned by the server, every delta names its response
+        created = [e["response"]["id"] for e in events if e["type"] == "response.created"]
+        assert len(created) == 2 and created[0] == done[0]["response"]["id"]
+        assert all(e["response_id"] in created for e in events if e["type"].endswith(".delta"))
         assert not [e for e in events if e["type"] == "error"]
         assert all(isinstance(e["event_id"], str) and e["event_id"] for e in events)
         assert final["response"]["status_details"] == {"reason": "session_closed"}
@@ -134,42 +153,58 @@ def test_malformed_input_gets_errors_while_another_session_streams(serve):
         append = {"type": "input_audio_buffer.append"}
         await bystander_in.wait()
         async with _connect(srv) as ws:
-            await _expect_error(ws, {**append, "audio": pcm16_b64(np.zeros(10, np.int16))}, "session_not_found")
+            await _create(ws)
             await _expect_error(ws, "{oops", "invalid_json")
-            await _expect_error(ws, {"type": "conversation.item.create", "event_id": "e1"}, "unknown_event_type", "e1")
+            await _expect_error(ws, {"type": "conversation.item.delete", "event_id": "e1"}, "unknown_event_type", "e1")
             await _expect_error(ws, b"\x00\x01", "binary_frame")
             reply = await _expect_error(ws, {"type": "session.update", "event_id": "e2",
                                              "session": {"memory_budget": "1TiB"}}, "private_config_key", "e2")
             assert "memory_budget" in reply["error"]["message"]
             assert engine.open_calls == 1  # only the bystander's: the server refused this one itself
-            await _expect_error(ws, {"type": "session.update", "session": {"colour": "red"}}, "invalid_session_config")
-            await _expect_error(ws, {"type": "session.update", "session": {"voice": "broken-ref"}},
-                                "invalid_reference_audio")
-            sid = await _create(ws, input_audio_format="pcm16")
-            await _expect_error(ws, {"type": "session.update", "session": {}}, "session_already_exists")
+            reply = await _expect_error(ws, {"type": "session.update", "session": {"colour": "red"}},
+                                        "unknown_parameter")
+            assert reply["error"]["param"] == "session.colour"
+            await _expect_error(ws, {"type": "session.update", "session": {"window": {"high_tokens": 10**9}}},
+                                "invalid_session_config")
+            await send(ws, {"type": "session.update", "session": {"voice": "broken-ref"}})
+            assert (await recv(ws))["type"] == "session.updated"
+            # the engine session opens at the first append, and refuses the voice then
+            await _expect_error(ws, {**append, "audio": pcm16_b64(np.zeros(10, np.int16))}, "invalid_reference_audio")
+            await send(ws, {"type": "session.update", "session": {"voice": "default", "instructions": "offender"}})
+            assert (await recv(ws))["type"] == "session.updated"  # not started yet: still changeable
             await _expect_error(ws, {**append, "audio": base64.b64encode(b"\x01\x02\x03").decode()}, "invalid_audio")
             await _expect_error(ws, {**append, "audio": ""}, "invalid_audio")
             await _expect_error(ws, {**append, "audio": "***"}, "invalid_audio")
-            await _expect_error(ws, {**append}, "invalid_audio")
+            await _expect_error(ws, {**append}, "missing_required_parameter")
+            reply = await _expect_error(ws, {"type": "session.update", "session": {"voice": "alt"}},
+                                        "session_field_fixed")
+            assert reply["error"]["param"] == "session.voice"
             # the session continues after all that
             await send(ws, {**append, "audio": pcm16_b64(np.ones(16000, np.int16))})
             delta, skipped = await recv_type(ws, "response.output_audio.delta")
             assert not [e for e in skipped if e["type"] == "error"]
         async with _connect(srv) as ws:
-            await _create(ws, input_audio_format="f32")
+            await _create(ws, input_audio_format="f32", instructions="f32 offender")
             await _expect_error(ws, {**append, "audio": base64.b64encode(b"\x00" * 6).decode()}, "invalid_audio")
             nan = np.array([0.1, np.nan], dtype=np.float32)
             reply = await _expect_error(ws, {**append, "audio": f32_b64(nan)}, "invalid_audio")
             assert "NaN" in reply["error"]["message"]
-        return sid
+            # finite but out of range: refused here, to this client only (it would break the tick)
+            loud = np.full(16000, 0.5, dtype=np.float32)
+            loud[100] = 1.01
+            reply = await _expect_error(ws, {**append, "audio": f32_b64(loud)}, "invalid_audio")
+            assert "1.01" in reply["error"]["message"]
+            f32_sid = sid_of(engine, "f32 offender")
+        return sid_of(engine, "offender"), f32_sid
 
     async def main():
         return await asyncio.gather(bystander(), offender())
 
-    ok, sid = asyncio.run(main())
+    ok, (sid, f32_sid) = asyncio.run(main())
     assert ok
     assert engine.opened == 3  # bystander + two offender sessions: no refused update was admitted
     assert sum(len(a) for a in engine.received[sid]) == 16000  # only the valid append reached the engine
+    assert engine.received[f32_sid] == []
     body = httpx.get(srv.http_url("/metrics")).text
     assert 'duplexcache_protocol_errors_total{code="invalid_audio"} 6.0' in body
 
@@ -180,21 +215,22 @@ def test_oversize_frame_closes_only_that_socket(serve, size):
 
     async def main():
         async with _connect(srv) as other, _connect(srv) as ws:
-            other_sid = await _create(other)
-            sid = await _create(ws)
+            await _create(other)
+            await _open(ws, instructions="oversize")
             await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": "A" * size}))
             with pytest.raises(ConnectionClosed):
                 await recv(ws)
             assert ws.close_code == 1009
             await send(other, {"type": "input_audio_buffer.append", "audio": pcm16_b64(np.zeros(16000, np.int16))})
             await recv_type(other, "response.output_audio.delta")
-            return sid, other_sid, ws.close_reason
+            return ws.close_reason
 
-    sid, other_sid, reason = asyncio.run(main())
+    reason = asyncio.run(main())
     if size < MAX_FRAME + 64 * 1024:
         assert "max_frame_bytes" in reason
+    sid = sid_of(engine, "oversize")
     wait_for(lambda: sid in engine.closed, what="oversize session closed")
-    assert engine.received[sid] == []
+    assert sum(a.size for a in engine.received[sid]) == 1600  # only the opening append
 
 
 def test_client_disconnect_mid_stream_closes_session(serve):
@@ -202,44 +238,53 @@ def test_client_disconnect_mid_stream_closes_session(serve):
 
     async def main():
         ws = await _connect(srv)
-        sid = await _create(ws)
+        await _create(ws, instructions="vanishing")
         await send(ws, {"type": "input_audio_buffer.append", "audio": pcm16_b64(np.zeros(40000, np.int16))})
         await recv_type(ws, "response.output_audio.delta")
         ws.transport.abort()  # no close handshake: the client just vanishes
-        return sid
 
-    sid = asyncio.run(main())
+    asyncio.run(main())
+    sid = sid_of(engine, "vanishing")
     wait_for(lambda: sid in engine.closed, what="engine sees close of the vanished session")
     assert engine.live == {}
     assert httpx.get(srv.http_url("/health")).json()["connections"] == 0
 
 
-def test_admission_refuses_then_admits_and_queue_gets_created(serve):
+def test_admission_refuses_then_admits_and_queue_gets_notices(serve):
     engine, srv = serve(capacity=2)
+    silence = {"type": "input_audio_buffer.append", "audio": pcm16_b64(np.zeros(1600, np.int16))}
 
     async def main():
         async with _connect(srv) as a, _connect(srv) as b, _connect(srv) as c, _connect(srv) as d:
-            await _create(a)
-            b_sid = await _create(b)
-            reply = await _expect_error(c, {"type": "session.update", "session": {}}, "admission_refused")
-            assert "memory budget full" in reply["error"]["message"]
-            await send(d, {"type": "session.update", "session": {"voice": "queued"}, "queue_if_full": True})
-            wait_for(lambda: engine.stats().queued_sessions == 1, timeout=60, what="d queued")
-            await _expect_error(d, {"type": "input_audio_buffer.append", "audio": pcm16_b64(np.zeros(8, np.int16))},
-                                "session_not_admitted")
+            await _open(a, instructions="a")
+            await _open(b, instructions="b")
+            await _create(c, instructions="c")
+            reply = await _expect_error(c, silence, "admission_refused")
+            assert reply["error"]["type"] == "server_error"
+            assert "bytes" not in reply["error"]["message"]  # pool sizes stay in the log
+            await _create(d, queue_if_full=True, instructions="d")
+            await send(d, silence)
+            queued = await recv(d)
+            assert queued["type"] == "session.queued" and queued["position"] == 1
+            queued = await recv(d)  # periodic notices (server.queue_notice_s)
+            assert queued["type"] == "session.queued"
+            assert engine.stats().queued_sessions == 1
+            await send(d, silence)  # discarded while queued, no error
             await send(a, {"type": "session.close"})
-            created = await recv(d)  # a tick admits the queued session into the freed room
-            assert created["type"] == "session.created" and created["session"]["voice"] == "queued"
-            await _expect_error(c, {"type": "session.update", "session": {}}, "admission_refused")  # still full
+            admitted, skipped = await recv_type(d, "session.admitted")  # a tick admits it into the freed room
+            assert {e["type"] for e in skipped} <= {"session.queued"}
+            await _expect_error(c, silence, "admission_refused")  # still full
             await send(b, {"type": "session.close"})
-            wait_for(lambda: b_sid in engine.closed, what="b closed")
-            c_sid = await _create(c)  # the refused socket stays usable and gets in once there is room
-            return c_sid, created["session"]["id"]
+            wait_for(lambda: sid_of(engine, "b") in engine.closed, what="b closed")
+            await send(c, silence)  # the refused socket stays usable and gets in once there is room
+            wait_for(lambda: engine.opened == 4, what="c admitted")
+            await send(d, silence)
+            wait_for(lambda: sum(x.size for x in engine.received[sid_of(engine, "d")]) == 1600, what="d's audio")
 
-    c_sid, d_sid = asyncio.run(main())
+    asyncio.run(main())
     assert engine.opened == 4
     wait_for(lambda: engine.live == {} and engine.queued == {}, what="everything closed")
-    assert set(engine.closed) == {"sess_1", "sess_2", c_sid, d_sid}
+    assert set(engine.closed) == {sid_of(engine, x) for x in "abcd"}
 
 
 def test_health_and_metrics(serve):
@@ -248,7 +293,7 @@ def test_health_and_metrics(serve):
     async def main():
         async with _connect(srv) as a, _connect(srv) as b:
             for ws in (a, b):
-                await _create(ws)
+                await _create(ws, instructions=str(id(ws)))
                 await send(ws, {"type": "input_audio_buffer.append", "audio": pcm16_b64(np.zeros(16000, np.int16))})
                 await recv_type(ws, "response.output_audio.delta")
             health = httpx.get(srv.http_url("/health"))
@@ -310,15 +355,17 @@ def test_fatal_engine_error_ends_session(serve):
 
     async def main():
         async with _connect(srv) as ws:
-            sid = await _create(ws, instructions="overflow")
+            await _create(ws, instructions="overflow")
             await send(ws, {"type": "input_audio_buffer.append", "audio": pcm16_b64(np.zeros(16000, np.int16))})
             error, skipped = await recv_type(ws, "error")
             with pytest.raises(ConnectionClosed):
                 await recv(ws)
-            return sid, error, skipped, ws.close_code
+            return error, skipped, ws.close_code
 
-    sid, error, skipped, code = asyncio.run(main())
-    assert [e["type"] for e in skipped] == ["response.output_audio.delta", "response.output_text.delta"]
+    error, skipped, code = asyncio.run(main())
+    sid = sid_of(engine, "overflow")
+    assert [e["type"] for e in skipped][-2:] == ["response.output_audio.delta",
+                                                 "response.output_audio_transcript.delta"]
     assert error["error"]["code"] == "context_length_exceeded" and code == 1000
     assert engine.closed == [sid]
 
@@ -328,9 +375,10 @@ def test_graceful_shutdown_closes_every_session(serve):
 
     async def main():
         async with _connect(srv) as a, _connect(srv) as b:
-            await _create(a)
-            await send(b, {"type": "session.update", "session": {}, "queue_if_full": True})
-            wait_for(lambda: engine.stats().queued_sessions == 1, timeout=60, what="b queued")
+            await _open(a)
+            await _create(b, queue_if_full=True)
+            await send(b, {"type": "input_audio_buffer.append", "audio": pcm16_b64(np.zeros(16, np.int16))})
+            await recv_type(b, "session.queued")
             await asyncio.to_thread(srv.stop)
             for ws in (a, b):
                 with pytest.raises(ConnectionClosed):
@@ -360,15 +408,15 @@ class _StuckSocket:
 
 
 def test_slow_client_is_dropped_not_buffered_forever():
-    from duplexcache.server.app import Connection
-    from duplexcache.server.protocol import text_delta
+    from duplexcache.server.connection import Connection
+    from duplexcache.server.protocol import event
 
     async def main():
         ws = _StuckSocket()
         conn = Connection(ws, max_pending=4)
         conn.start()
         for i in range(10):
-            conn.send(text_delta(str(i)))
+            conn.send(event("response.output_audio_transcript.delta", delta=str(i)))
             await asyncio.sleep(0)
         await conn.finish(timeout=1.0)
         return ws, conn

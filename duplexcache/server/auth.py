@@ -1,0 +1,90 @@
+"""Who may open a realtime WebSocket: API key, browser Origin, and per-address connection caps.
+
+A key is taken from ``Authorization: Bearer <key>`` (servers, SDKs) or from the
+``openai-insecure-api-key.<key>`` WebSocket subprotocol (browsers cannot set headers), as
+OpenAI's Realtime API does; the server then echoes the ``realtime`` subprotocol if offered.
+Refusals are HTTP responses with OpenAI's JSON error body (401 bad key, 403 origin, 429 too many
+connections), sent as a WebSocket denial response.
+"""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+from urllib.parse import urlsplit
+
+from duplexcache.config import ServerConfig
+from duplexcache.server.protocol import INVALID_REQUEST
+
+KEY_SUBPROTOCOL_PREFIX = "openai-insecure-api-key."
+REALTIME_SUBPROTOCOL = "realtime"
+BETA_SUBPROTOCOL = "openai-beta.realtime-v1"
+BETA_HEADER = "openai-beta"
+
+
+@dataclass(frozen=True)
+class Refusal:
+    status: int
+    code: str
+    message: str
+    error_type: str = INVALID_REQUEST
+
+
+@dataclass(frozen=True)
+class Handshake:
+    """What the handshake says about the client."""
+
+    subprotocol: str | None  # to echo back on accept
+    beta: bool               # speaks the beta dialect (OpenAI-Beta header or subprotocol)
+    openai_client: bool      # identified itself as an OpenAI client (24 kHz defaults)
+
+
+def offered_subprotocols(headers: Mapping[str, str]) -> list[str]:
+    raw = headers.get("sec-websocket-protocol", "")
+    return [p.strip() for p in raw.split(",") if p.strip()]
+
+
+def presented_key(headers: Mapping[str, str], subprotocols: Sequence[str]) -> str | None:
+    auth = headers.get("authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip()
+    for proto in subprotocols:
+        if proto.startswith(KEY_SUBPROTOCOL_PREFIX):
+            return proto[len(KEY_SUBPROTOCOL_PREFIX):]
+    return None
+
+
+def key_matches(expected: str, presented: str | None) -> bool:
+    if presented is None:
+        return False
+    return hmac.compare_digest(expected.encode("utf-8"), presented.encode("utf-8"))
+
+
+def origin_allowed(origin: str | None, host: str | None, allowed: Sequence[str]) -> bool:
+    """No Origin (not a browser), the server's own host:port, or a listed origin ("*" = any)."""
+    if origin is None or "*" in allowed:
+        return True
+    if origin.rstrip("/") in {a.rstrip("/") for a in allowed}:
+        return True
+    return host is not None and urlsplit(origin).netloc.lower() == host.lower()
+
+
+def check_handshake(config: ServerConfig, headers: Mapping[str, str], query: Mapping[str, str]) -> Handshake | Refusal:
+    subprotocols = offered_subprotocols(headers)
+    if config.api_key is not None and not key_matches(config.api_key, presented_key(headers, subprotocols)):
+        return Refusal(401, "invalid_api_key", "Missing or incorrect API key: send 'Authorization: Bearer <key>' "
+                       f"or the '{KEY_SUBPROTOCOL_PREFIX}<key>' WebSocket subprotocol.")
+    if not origin_allowed(headers.get("origin"), headers.get("host"), config.allowed_origins):
+        return Refusal(403, "origin_not_allowed", "This origin may not connect to this server "
+                       "(server.allowed_origins).")
+    beta = BETA_HEADER in headers or BETA_SUBPROTOCOL in subprotocols
+    # Echo one offered subprotocol (browsers fail a handshake that offered some and got none back),
+    # never the key-bearing one.
+    echo = next((p for p in (REALTIME_SUBPROTOCOL, BETA_SUBPROTOCOL) if p in subprotocols), None)
+    return Handshake(subprotocol=echo, beta=beta, openai_client=beta or "model" in query)
+
+
+def bearer_ok(config: ServerConfig, headers: Mapping[str, str]) -> bool:
+    """For plain HTTP routes (/metrics): the key in the Authorization header, or no key configured."""
+    return config.api_key is None or key_matches(config.api_key, presented_key(headers, []))

@@ -1,0 +1,428 @@
+"""One client's realtime session: client events in, engine calls and server events out.
+
+Life cycle (docs/protocol.md has the wire view):
+
+* on connect: ``session.created`` with the defaults; no engine session yet, so ``session.update``
+  may change everything.
+* the engine session is opened by the first ``input_audio_buffer.append``, ``response.create``
+  or ``conversation.item.create``, with the settings of that moment; from then on the settings
+  the session was opened with (voice, instructions, ...) are fixed, turn detection is not.
+* admission errors reach the client as ``error`` events (the engine's code, a generic message:
+  pool sizes stay in the log); a queued session gets ``session.queued`` events with its position
+  and its input audio is discarded until it is admitted (``session.admitted``).
+
+All engine calls go through worker threads (the engine is thread-safe per engine_api).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from duplexcache.config import PrivateConfigKeyError, SessionConfigError, build_runtime_config
+from duplexcache.context.builder import ReferenceAudioError
+from duplexcache.runtime.engine_api import AdmissionError, ResponseUsage
+from duplexcache.server import protocol as proto
+from duplexcache.server.audio_io import AudioError, InputAudio
+from duplexcache.server.auth import Handshake
+from duplexcache.server.connection import Connection
+from duplexcache.server.session_config import SessionSettings, apply_update, to_wire
+from duplexcache.server.turns import Outgoing, ResponseTracker, wire_name
+
+if TYPE_CHECKING:
+    from duplexcache.server.app import RealtimeServer
+
+logger = logging.getLogger(__name__)
+
+# What a client is told for each admission code; the engine's own reason (which may name pool
+# sizes) goes to the log only.
+_ADMISSION_MESSAGES = {
+    "capacity_memory": "The server has no memory for another session right now; try again later.",
+    "capacity_compute": "The server cannot run another session in real time right now; try again later.",
+    "admission_refused": "The server cannot admit another session right now; try again later.",
+}
+MAX_USER_TEXT_CHARS = 8192
+
+
+def _vad_factory(threshold: float, silence_duration_ms: int, prefix_padding_ms: int) -> Any:
+    from duplexcache.server.vad import SileroVAD  # lazy: onnxruntime loads only for server_vad sessions
+
+    return SileroVAD(threshold=threshold, silence_duration_ms=silence_duration_ms,
+                     prefix_padding_ms=prefix_padding_ms)
+
+
+class RealtimeSession:
+    def __init__(self, server: "RealtimeServer", conn: Connection, handshake: Handshake, client: str,
+                 model: str | None):
+        self.server = server
+        self.engine = server.engine
+        self.conn = conn
+        self.handshake = handshake
+        self.client = client              # the peer address the per-client caps count by
+        self.model = model
+        self.id = proto.new_id("sess")    # the wire id; the engine's id is self.sid
+        conn.label = self.id
+        self.settings = SessionSettings()
+        self.openai_client = handshake.openai_client
+        self.queue_if_full = False
+        self.sid: str | None = None       # engine session (set by RealtimeServer.register only)
+        self.opening = False              # engine.open_session in flight
+        self.queued = False
+        self.audio: InputAudio | None = None
+        self.vad: Any = None
+        self.tracker = ResponseTracker(handshake.beta)
+        self.connected_at = self.last_input_at = time.monotonic()
+        self.last_queue_notice = 0.0
+        self.buffer_ms = 0                # input since the last commit (ms at the client's rate)
+        self._committed_ms = 0            # client audio ms at the last commit/clear
+        self.item_id = proto.new_id("item")
+        self.pending_texts: list[str] = []     # conversation.item.create while queued
+        self.pending_response = False          # response.create while queued
+        self.response_requested = False        # asked the engine for a reply that has not started yet
+
+    # ---------------------------------------------------------------- sending
+    def send(self, event: dict[str, Any]) -> None:
+        self.conn.send(event)
+
+    def emit(self, items: list[Outgoing]) -> None:
+        for item in items:
+            self.conn.send(item.event, response_id=item.response_id, audio_bytes=item.audio_bytes)
+
+    def error(self, code: str, message: str, *, event_id: str | None = None, param: str | None = None,
+              error_type: str = proto.INVALID_REQUEST) -> None:
+        self.server.metrics.protocol_errors.labels(code=code).inc()
+        logger.info("error to client (session %s, engine %s): %s: %s", self.id, self.sid, code, message)
+        self.send(proto.error_event(code, message, error_type=error_type, event_id=event_id, param=param))
+
+    def _wire_session(self) -> dict[str, Any]:
+        fmt = self.settings.input_format(self.openai_client) if self.audio is None else self.audio.format
+        return to_wire(self.id, self.settings, fmt, "default", self.model)
+
+    def announce(self) -> None:
+        self.send(proto.event("session.created", session=self._wire_session()))
+
+    # ---------------------------------------------------------------- client events
+    async def handle(self, ev: proto.ClientEvent) -> None:
+        handler: Callable[[proto.ClientEvent], Any] = {
+            "session.update": self._session_update,
+            "input_audio_buffer.append": self._append,
+            "input_audio_buffer.commit": self._commit,
+            "input_audio_buffer.clear": self._clear,
+            "response.create": self._response_create,
+            "response.cancel": self._response_cancel,
+            "conversation.item.create": self._item_create,
+            "conversation.item.truncate": self._item_truncate,
+            "session.close": self._session_close,
+        }[ev.type]
+        await handler(ev)
+
+    async def _session_update(self, ev: proto.ClientEvent) -> None:
+        body = ev.data.get("session")
+        if isinstance(body, dict) and "type" in body:
+            self.openai_client = True  # a GA client (session.type is required in GA): 24 kHz defaults
+        queue_if_full = ev.data.get("queue_if_full", self.queue_if_full)
+        if not isinstance(queue_if_full, bool):
+            raise proto.ProtocolError("invalid_value", "queue_if_full must be true or false", ev.event_id,
+                                      param="queue_if_full")
+        settings, changed = apply_update(self.settings, ev.data.get("session", {}), ev.event_id,
+                                         audio_started=self.sid is not None)
+        if settings.turn.type != "duplex" and not self.server.turn_control:
+            raise proto.ProtocolError("unsupported_turn_detection", "this engine supports turn_detection "
+                                      "'duplex' only (it has no turn control)", ev.event_id,
+                                      param="session.turn_detection")
+        self._check_engine_settings(settings, ev.event_id)
+        self.settings, self.queue_if_full = settings, queue_if_full
+        if "turn_detection" in changed:
+            self.vad = None  # rebuilt with the new parameters on the next audio
+            if self.sid is not None and not self.queued:
+                await self._apply_turn_mode()
+        self.send(proto.event("session.updated", session=self._wire_session()))
+
+    def _check_engine_settings(self, settings: SessionSettings, eid: str | None) -> None:
+        """The engine's own validation of what it will be opened with (window limits, ...)."""
+        try:
+            build_runtime_config(self.server.config, settings.engine_session())
+        except PrivateConfigKeyError as exc:
+            raise proto.ProtocolError("private_config_key", str(exc), eid) from None
+        except SessionConfigError as exc:
+            raise proto.ProtocolError("invalid_session_config", str(exc), eid) from None
+
+    async def _append(self, ev: proto.ClientEvent) -> None:
+        audio_b64 = proto.field(ev, "audio", str)
+        if not await self._ensure_session(ev.event_id):
+            return
+        assert self.audio is not None
+        self.last_input_at = time.monotonic()
+        try:
+            pcm = self.audio.push(audio_b64)
+        except AudioError as exc:
+            raise proto.ProtocolError("invalid_audio", str(exc), ev.event_id) from None
+        self.buffer_ms = self.audio.ms_in - self._committed_ms
+        if self.queued:
+            return  # discarded while waiting for admission (session.queued says so)
+        if pcm.size:
+            try:
+                await asyncio.to_thread(self.engine.push_audio, self.sid, pcm)
+            except ValueError as exc:
+                raise proto.ProtocolError("invalid_audio", str(exc), ev.event_id) from None
+            if self.settings.turn.type == "server_vad":
+                await self._feed_vad(pcm)
+
+    async def _commit(self, ev: proto.ClientEvent) -> None:
+        if self.audio is None or self.buffer_ms <= 0:
+            raise proto.ProtocolError("input_audio_buffer_commit_empty",
+                                      "the input audio buffer is empty: append audio before committing", ev.event_id)
+        self._committed(self.audio.ms_in)
+
+    def _committed(self, at_ms: int) -> None:
+        previous, self.item_id = self.item_id, proto.new_id("item")
+        self._committed_ms, self.buffer_ms = at_ms, 0
+        self.send(proto.event("input_audio_buffer.committed", previous_item_id=self.tracker.last_item_id,
+                              item_id=previous))
+        self.tracker.last_item_id = previous
+
+    async def _clear(self, ev: proto.ClientEvent) -> None:
+        # Audio already pushed stays in the model's context (a duplex model hears continuously);
+        # clear drops what the resampler and the VAD hold.
+        if self.audio is not None:
+            self.audio.clear()
+            self._committed_ms = self.audio.ms_in
+        if self.vad is not None:
+            self.vad.reset()
+        self.buffer_ms = 0
+        self.send(proto.event("input_audio_buffer.cleared"))
+
+    async def _feed_vad(self, pcm: np.ndarray) -> None:
+        if self.vad is None:
+            turn = self.settings.turn
+            self.vad = await asyncio.to_thread(_vad_factory, turn.threshold, turn.silence_duration_ms,
+                                               turn.prefix_padding_ms)
+        for vad_event in await asyncio.to_thread(self.vad.feed, pcm):
+            if vad_event.kind == "speech_started":
+                self.send(proto.event("input_audio_buffer.speech_started", audio_start_ms=vad_event.audio_ms,
+                                      item_id=self.item_id))
+                if self.settings.turn.interrupt_response:
+                    await self._cancel(None, quiet=True)
+            elif vad_event.kind == "speech_stopped":
+                self.send(proto.event("input_audio_buffer.speech_stopped", audio_end_ms=vad_event.audio_ms,
+                                      item_id=self.item_id))
+                self._committed(self.audio.ms_in if self.audio is not None else 0)
+                if self.settings.turn.create_response and self.tracker.current is None:
+                    await self._request_response()
+
+    async def _request_response(self) -> None:
+        if self.queued:
+            self.pending_response = True
+            return
+        self.response_requested = True
+        await asyncio.to_thread(self.engine.request_response, self.sid)
+
+    async def _response_create(self, ev: proto.ClientEvent) -> None:
+        self._need_turn_control(ev)
+        if self.tracker.current is not None or self.response_requested:
+            raise proto.ProtocolError("conversation_already_has_active_response",
+                                      "a response is already in progress; cancel it first", ev.event_id)
+        if await self._ensure_session(ev.event_id):
+            await self._request_response()
+
+    async def _response_cancel(self, ev: proto.ClientEvent) -> None:
+        self._need_turn_control(ev)
+        if not await self._cancel(None):
+            raise proto.ProtocolError("response_cancel_not_active", "there is no response in progress to cancel",
+                                      ev.event_id)
+
+    async def _cancel(self, played_ms: int | None, *, quiet: bool = False) -> bool:
+        """Barge-in / response.cancel: stop the reply, drop its unsent audio. False if none runs."""
+        if self.sid is None or self.queued or not self.server.turn_control:
+            return False
+        if self.pending_response:
+            self.pending_response = False
+            return True
+        current = self.tracker.current
+        if current is not None and current.cancelling:
+            return True
+        if played_ms is None and current is not None:
+            played_ms = self.conn.played_ms(current.id)
+        cancelled = await asyncio.to_thread(self.engine.cancel_response, self.sid, played_ms)
+        if not cancelled:
+            return False
+        self.response_requested = False
+        if self.tracker.mark_cancelling() is not None:
+            dropped = self.conn.drop_pending(current.id)
+            logger.info("session %s: reply %s cancelled at %s ms played; %d unsent events dropped",
+                        self.id, current.id, played_ms, dropped)
+        elif not quiet:
+            logger.info("session %s: requested reply cancelled before it started", self.id)
+        return True
+
+    async def _item_create(self, ev: proto.ClientEvent) -> None:
+        self._need_turn_control(ev)
+        item = proto.field(ev, "item", dict)
+        text = _user_text(item, ev.event_id)
+        if not await self._ensure_session(ev.event_id):
+            return
+        if self.queued:
+            self.pending_texts.append(text)
+        else:
+            await asyncio.to_thread(self.engine.add_user_text, self.sid, text)
+        item_id = item.get("id") if isinstance(item.get("id"), str) else proto.new_id("item")
+        wire_item = {"id": proto.clip(item_id), "object": "realtime.item", "type": "message", "role": "user",
+                     "status": "completed", "content": [{"type": "input_text", "text": text}]}
+        self.send(proto.event(wire_name("conversation.item.added", self.handshake.beta),
+                              previous_item_id=self.tracker.last_item_id, item=wire_item))
+        if not self.handshake.beta:
+            self.send(proto.event("conversation.item.done", previous_item_id=self.tracker.last_item_id,
+                                  item=wire_item))
+        self.tracker.last_item_id = wire_item["id"]
+
+    async def _item_truncate(self, ev: proto.ClientEvent) -> None:
+        self._need_turn_control(ev)
+        item_id = proto.field(ev, "item_id", str)
+        audio_end_ms = proto.field(ev, "audio_end_ms", int)
+        content_index = proto.field(ev, "content_index", int, required=False, default=0)
+        if audio_end_ms < 0:
+            raise proto.ProtocolError("invalid_value", "audio_end_ms must be >= 0", ev.event_id, param="audio_end_ms")
+        current = self.tracker.current
+        if current is not None and current.item_id == item_id:
+            await self._cancel(audio_end_ms)
+        elif item_id in self.tracker.finished_items:
+            # The reply already ended; the engine keeps its text (it truncates only a running reply).
+            logger.info("session %s: truncate of finished item %s acknowledged only", self.id, item_id)
+        else:
+            raise proto.ProtocolError("item_not_found", f"no assistant item {proto.clip(item_id)!r} in this session",
+                                      ev.event_id, param="item_id")
+        self.send(proto.event("conversation.item.truncated", item_id=item_id, content_index=content_index,
+                              audio_end_ms=audio_end_ms))
+
+    async def _session_close(self, ev: proto.ClientEvent) -> None:
+        await self.server.end_session(self)
+        self.send(proto.event("response.done", response={"status": "completed",
+                                                         "status_details": {"reason": "session_closed"}}))
+        self.conn.close(proto.CLOSE_NORMAL, "session closed")
+
+    def _need_turn_control(self, ev: proto.ClientEvent) -> None:
+        if not self.server.turn_control:
+            raise proto.ProtocolError("not_supported", f"{ev.type} needs an engine with turn control", ev.event_id)
+
+    # ---------------------------------------------------------------- the engine session
+    async def _ensure_session(self, eid: str | None) -> bool:
+        """Open the engine session with the current settings; False (error sent) if refused."""
+        if self.sid is not None:
+            return True
+        server = self.server
+        if server.stopping:
+            raise proto.ProtocolError("server_shutting_down", "the server is shutting down", eid,
+                                      error_type=proto.SERVER_ERROR)
+        if server.sessions_of(self.client) >= server.config.server.max_sessions_per_client:
+            raise proto.ProtocolError("rate_limit_exceeded", "too many sessions from this client address "
+                                      f"(server.max_sessions_per_client = {server.config.server.max_sessions_per_client})",
+                                      eid, error_type=proto.RATE_LIMIT)
+        fmt = self.settings.input_format(self.openai_client)
+        self.opening = True  # counts against the per-client cap while the engine decides
+        try:
+            sid = await asyncio.to_thread(self.engine.open_session, self.settings.engine_session(),
+                                          queue_if_full=self.queue_if_full)
+        except AdmissionError as exc:
+            code = getattr(exc, "code", "admission_refused")
+            logger.warning("session %s refused by the engine: %s: %s", self.id, code, exc.reason)
+            server.metrics.protocol_errors.labels(code=code).inc()
+            message = _ADMISSION_MESSAGES.get(code, proto.clip(exc.reason, 300))
+            self.send(proto.error_event(code, message, event_id=eid, error_type=(
+                proto.SERVER_ERROR if code in _ADMISSION_MESSAGES else proto.INVALID_REQUEST)))
+            return False
+        except ReferenceAudioError as exc:
+            raise proto.ProtocolError("invalid_reference_audio", str(exc), eid, param="session.voice") from None
+        except PrivateConfigKeyError as exc:
+            raise proto.ProtocolError("private_config_key", str(exc), eid) from None
+        except ValueError as exc:
+            raise proto.ProtocolError("invalid_session_config", str(exc), eid) from None
+        finally:
+            self.opening = False
+        self.audio = InputAudio(fmt)
+        server.register(self, sid)
+        self.queued = await asyncio.to_thread(self.engine.is_queued, sid)
+        if self.queued:
+            logger.info("session %s (engine %s) queued for admission", self.id, sid)
+            self.notify_queued(time.monotonic())
+        else:
+            await self._on_live()
+        return True
+
+    async def _apply_turn_mode(self) -> None:
+        if self.server.turn_control:
+            mode = "duplex" if self.settings.turn.type == "duplex" else "manual"
+            await asyncio.to_thread(self.engine.set_turn_mode, self.sid, mode)
+
+    async def _on_live(self) -> None:
+        await self._apply_turn_mode()
+        for text in self.pending_texts:
+            await asyncio.to_thread(self.engine.add_user_text, self.sid, text)
+        self.pending_texts.clear()
+        if self.pending_response:
+            self.pending_response = False
+            await self._request_response()
+
+    def notify_queued(self, now: float) -> None:
+        position = None
+        queue_position = getattr(self.engine, "queue_position", None)
+        if queue_position is not None:
+            try:
+                position = queue_position(self.sid)
+            except Exception:  # noqa: BLE001 - a notice is best effort
+                logger.exception("engine.queue_position failed")
+        self.last_queue_notice = now
+        self.send(proto.event("session.queued", position=position,
+                              message="waiting for admission; input audio is discarded until session.admitted"))
+
+    async def on_admitted(self) -> None:
+        if not self.queued:
+            return  # admission can be seen twice (is_queued and SessionAdmitted race)
+        self.queued = False
+        await self._on_live()
+        self.send(proto.event("session.admitted", session=self._wire_session()))
+
+    # ---------------------------------------------------------------- engine output
+    def on_audio(self, pcm16: bytes) -> None:
+        self.response_requested = False
+        self.emit(self.tracker.on_audio(pcm16))
+
+    def on_text(self, text: str) -> None:
+        self.response_requested = False
+        self.emit(self.tracker.on_text(text))
+
+    def on_done(self, status: str, usage: ResponseUsage | None) -> None:
+        self.response_requested = False
+        current = self.tracker.current
+        if status == "cancelled" and current is not None and not current.cancelling:
+            # the engine's own barge-in decision (duplex mode): drop what the client has not got yet
+            self.conn.drop_pending(current.id)
+        self.server.metrics.responses.labels(status=status).inc()
+        self.emit(self.tracker.on_done(status, usage))
+
+
+def _user_text(item: dict[str, Any], eid: str | None) -> str:
+    """The text of a user message item (the only kind this server takes)."""
+    if item.get("type", "message") != "message" or item.get("role") != "user":
+        raise proto.ProtocolError("unsupported_item", "conversation.item.create takes user messages only "
+                                  "({type: message, role: user, content: [{type: input_text, text}]})", eid,
+                                  param="item")
+    content = item.get("content")
+    if not isinstance(content, list) or not content:
+        raise proto.ProtocolError("invalid_value", "item.content must be a non-empty list", eid, param="item.content")
+    parts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") not in ("input_text", "text") \
+                or not isinstance(part.get("text"), str):
+            raise proto.ProtocolError("unsupported_content", "only input_text content parts are supported", eid,
+                                      param="item.content")
+        parts.append(part["text"])
+    text = "".join(parts)
+    if not text or len(text) > MAX_USER_TEXT_CHARS:
+        raise proto.ProtocolError("invalid_value", f"a user message needs 1 to {MAX_USER_TEXT_CHARS} characters",
+                                  eid, param="item.content")
+    return text
+

@@ -1,0 +1,138 @@
+"""Engine output -> OpenAI response events, one response at a time per session.
+
+The engine marks only the end of a reply (ResponseDone); a reply starts with the session's first
+TextDelta/AudioDelta after the previous ResponseDone. :class:`ResponseTracker` assigns the
+response and item ids and emits, in OpenAI's order::
+
+    response.created, response.output_item.added, response.content_part.added,
+    (response.output_audio.delta | response.output_audio_transcript.delta)*,
+    response.output_audio.done, response.output_audio_transcript.done, response.content_part.done,
+    response.output_item.done, response.done {status, usage}
+
+Beta connections get the beta names of the renamed events (``response.audio.delta``, ...).
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass, field
+from typing import Any
+
+from duplexcache.runtime.engine_api import ResponseUsage
+from duplexcache.server.protocol import event, new_id
+
+OUTPUT_BYTES_PER_SECOND = 48_000  # 24 kHz pcm16 mono
+_BETA_NAMES = {
+    "response.output_audio.delta": "response.audio.delta",
+    "response.output_audio.done": "response.audio.done",
+    "response.output_audio_transcript.delta": "response.audio_transcript.delta",
+    "response.output_audio_transcript.done": "response.audio_transcript.done",
+    "response.output_text.delta": "response.text.delta",
+    "conversation.item.added": "conversation.item.created",
+}
+
+
+def wire_name(kind: str, beta: bool) -> str:
+    return _BETA_NAMES.get(kind, kind) if beta else kind
+
+
+@dataclass
+class Response:
+    id: str
+    item_id: str
+    audio_bytes: int = 0
+    text: list[str] = field(default_factory=list)
+    cancelling: bool = False  # cancel asked for; ignore engine output until its ResponseDone
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    event: dict[str, Any]
+    response_id: str | None = None
+    audio_bytes: int = 0
+
+
+class ResponseTracker:
+    def __init__(self, beta: bool):
+        self.beta = beta
+        self.current: Response | None = None
+        self.last_item_id: str | None = None
+        self.finished_items: set[str] = set()
+
+    def _ev(self, kind: str, **fields: Any) -> dict[str, Any]:
+        return event(wire_name(kind, self.beta), **fields)
+
+    def _item(self, r: Response, status: str) -> dict[str, Any]:
+        content = [] if status == "in_progress" else [{"type": "output_audio", "transcript": "".join(r.text)}]
+        return {"id": r.item_id, "object": "realtime.item", "type": "message", "role": "assistant",
+                "status": status, "content": content}
+
+    def _ids(self, r: Response) -> dict[str, Any]:
+        return {"response_id": r.id, "item_id": r.item_id, "output_index": 0, "content_index": 0}
+
+    def _start(self) -> tuple[Response, list[Outgoing]]:
+        if self.current is not None:
+            return self.current, []
+        r = self.current = Response(new_id("resp"), new_id("item"))
+        out = [
+            Outgoing(self._ev("response.created", response={
+                "id": r.id, "object": "realtime.response", "status": "in_progress", "status_details": None,
+                "output": [], "usage": None})),
+            Outgoing(self._ev("response.output_item.added", response_id=r.id, output_index=0,
+                              item=self._item(r, "in_progress"))),
+            Outgoing(self._ev("conversation.item.added", previous_item_id=self.last_item_id,
+                              item=self._item(r, "in_progress"))),
+            Outgoing(self._ev("response.content_part.added", **self._ids(r),
+                              part={"type": "output_audio", "transcript": ""})),
+        ]
+        self.last_item_id = r.item_id
+        return r, out
+
+    def on_audio(self, pcm16: bytes) -> list[Outgoing]:
+        if self.current is not None and self.current.cancelling:
+            return []
+        r, out = self._start()
+        r.audio_bytes += len(pcm16)
+        delta = base64.b64encode(pcm16).decode("ascii")
+        out.append(Outgoing(self._ev("response.output_audio.delta", **self._ids(r), delta=delta), r.id, len(pcm16)))
+        return out
+
+    def on_text(self, text: str) -> list[Outgoing]:
+        if self.current is not None and self.current.cancelling:
+            return []
+        r, out = self._start()
+        r.text.append(text)
+        out.append(Outgoing(self._ev("response.output_audio_transcript.delta", **self._ids(r), delta=text), r.id))
+        return out
+
+    def mark_cancelling(self) -> Response | None:
+        if self.current is not None:
+            self.current.cancelling = True
+        return self.current
+
+    def on_done(self, status: str, usage: ResponseUsage | None) -> list[Outgoing]:
+        r, out = self._start()
+        self.current = None
+        self.finished_items.add(r.item_id)
+        transcript = "".join(r.text)
+        ids = self._ids(r)
+        audio_seconds = r.audio_bytes / OUTPUT_BYTES_PER_SECOND
+        if usage is None:
+            usage = ResponseUsage(text_tokens=0, audio_seconds=audio_seconds)
+        item_status = "completed" if status == "completed" else "incomplete"
+        out += [
+            Outgoing(self._ev("response.output_audio.done", **ids)),
+            Outgoing(self._ev("response.output_audio_transcript.done", **ids, transcript=transcript)),
+            Outgoing(self._ev("response.content_part.done", **ids,
+                              part={"type": "output_audio", "transcript": transcript})),
+            Outgoing(self._ev("response.output_item.done", response_id=r.id, output_index=0,
+                              item=self._item(r, item_status))),
+            Outgoing(self._ev("response.done", response={
+                "id": r.id, "object": "realtime.response", "status": status,
+                "status_details": None if status == "completed" else {"type": status, "reason": "client_cancelled"},
+                "output": [self._item(r, item_status)],
+                "usage": {"total_tokens": usage.text_tokens, "input_tokens": 0, "output_tokens": usage.text_tokens,
+                          "output_token_details": {"text_tokens": usage.text_tokens, "audio_tokens": 0},
+                          "output_audio_seconds": round(usage.audio_seconds, 3)}})),
+        ]
+        return out

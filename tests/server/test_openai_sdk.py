@@ -1,0 +1,175 @@
+"""The official `openai` Python SDK's realtime client, unmodified, against our server.
+
+`AsyncOpenAI(base_url=.../v1).realtime.connect(model=...)`: connect (with the API key), session.update
+(GA shape: voice, instructions, 24 kHz input), stream audio, hear audio deltas and the transcript,
+and cut a reply with response.cancel. The FakeEngine variants run everywhere; the real tiny engine
+variant runs once the engine has the turn API (branch `turns`), and skips with that reason before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import numpy as np
+import pytest
+import soxr
+from openai import AsyncOpenAI
+from server_fakes import FakeEngine
+
+from duplexcache.config import DeployConfig
+from duplexcache.runtime.engine_api import TURN_CONTROL_METHODS
+from duplexcache.server.app import create_app
+from duplexcache.server.loopback import LoopbackServer
+
+KEY = "sk-duplexcache-test"
+TICK = 0.05
+TIMEOUT = 30.0
+
+
+def _deploy() -> DeployConfig:
+    deploy = DeployConfig.default("tiny")
+    deploy.engine.tick_seconds = TICK
+    deploy.server.api_key = KEY
+    return deploy
+
+
+def _tone_24k(seconds: float) -> np.ndarray:
+    t = np.arange(int(24_000 * seconds)) / 24_000
+    return (0.3 * np.sin(2 * np.pi * 440 * t) * 32767).astype("<i2")
+
+
+def _client(srv: LoopbackServer) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=srv.http_url("/v1"), api_key=KEY, max_retries=0)
+
+
+GA_UPDATE = {"type": "realtime", "instructions": "You are a test.",
+             "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000}},
+                       "output": {"voice": "alt", "format": {"type": "audio/pcm", "rate": 24000}}}}
+
+
+async def _until(conn, kind: str, seen: list) -> object:
+    async def loop():
+        async for event in conn:
+            seen.append(event)
+            if event.type == kind:
+                return event
+        raise AssertionError(f"connection closed before {kind}")
+    return await asyncio.wait_for(loop(), TIMEOUT)
+
+
+async def _stream(conn, pcm: np.ndarray, chunk: int = 4800) -> None:
+    for i in range(0, pcm.size, chunk):
+        await conn.input_audio_buffer.append(audio=base64.b64encode(pcm[i:i + chunk].tobytes()).decode())
+
+
+def test_sdk_streams_24k_audio_and_hears_audio_and_transcript():
+    deploy = _deploy()
+    engine = FakeEngine(deploy, done_after_units=2)
+    pcm = _tone_24k(2.1)  # a little over 2 units: the streaming resampler holds back a few ms
+
+    async def main(srv: LoopbackServer) -> list:
+        seen: list = []
+        async with _client(srv).realtime.connect(model="duplexcache-tiny") as conn:
+            created = await _until(conn, "session.created", seen)
+            assert created.session.audio.input.format.rate == 24000  # OpenAI's default for its clients
+            await conn.session.update(session=GA_UPDATE)
+            updated = await _until(conn, "session.updated", seen)
+            assert updated.session.audio.output.voice == "alt"
+            await _stream(conn, pcm)
+            done = await _until(conn, "response.done", seen)
+            assert done.response.status == "completed"
+            assert done.response.usage.output_tokens == 4  # the fake's 2 tokens per unit, 2 units
+        return seen
+
+    with LoopbackServer(create_app(engine, deploy)) as srv:
+        seen = asyncio.run(main(srv))
+    kinds = [e.type for e in seen]
+    first = kinds.index("response.created")
+    assert kinds[first:first + 4] == ["response.created", "response.output_item.added", "conversation.item.added",
+                                      "response.content_part.added"]
+    audio = b"".join(base64.b64decode(e.delta) for e in seen if e.type == "response.output_audio.delta")
+    assert np.array_equal(np.frombuffer(audio, "<i2"), np.repeat(np.arange(1, 3, dtype=np.int16), 24000))
+    transcript = "".join(e.delta for e in seen if e.type == "response.output_audio_transcript.delta")
+    assert transcript == "unit 1unit 2"
+    assert [e for e in seen if e.type == "response.output_audio_transcript.done"][0].transcript == transcript
+    # The engine got the session's settings and the 24 kHz input resampled to 16 kHz.
+    (sid, received), = engine.received.items()
+    got = np.concatenate(received)
+    want = soxr.resample(pcm.astype(np.float32) / 32768.0, 24_000, 16_000, quality="HQ")
+    assert 0 <= want.size - got.size <= 480  # the streaming resampler holds back its last few ms
+    np.testing.assert_allclose(got, want[:got.size], atol=1e-5)  # chunking does not change the samples
+    assert sid in engine.closed
+
+
+def test_sdk_response_cancel_cuts_a_reply():
+    deploy = _deploy()
+    engine = FakeEngine(deploy, done_after_units=50)
+
+    async def main(srv: LoopbackServer) -> list:
+        seen: list = []
+        async with _client(srv).realtime.connect(model="duplexcache-tiny") as conn:
+            await _until(conn, "session.created", seen)
+            update = {**GA_UPDATE, "audio": {**GA_UPDATE["audio"],
+                                             "input": {**GA_UPDATE["audio"]["input"], "turn_detection": None}}}
+            await conn.session.update(session=update)
+            await _until(conn, "session.updated", seen)
+            await _stream(conn, _tone_24k(1.0))
+            await conn.input_audio_buffer.commit()
+            await _until(conn, "input_audio_buffer.committed", seen)
+            await conn.response.create()
+            await _stream(conn, _tone_24k(30.0))  # keeps units running; the reply would be 50 units long
+            await _until(conn, "response.output_audio.delta", seen)
+            await conn.response.cancel()
+            done = await _until(conn, "response.done", seen)
+            assert done.response.status == "cancelled"
+        return seen
+
+    with LoopbackServer(create_app(engine, deploy)) as srv:
+        seen = asyncio.run(main(srv))
+    (sid, modes), = engine.turn_modes.items()
+    assert modes == ["manual"] and engine.response_requests == {sid: 1}
+    (cancel_sid, played_ms), = engine.cancels
+    assert cancel_sid == sid and played_ms is not None and played_ms % 1000 == 0  # whole fake units written
+    deltas = [e for e in seen if e.type == "response.output_audio.delta"]
+    assert 1 <= len(deltas) < 50
+
+
+def _real_engine_has_turn_api() -> bool:
+    from duplexcache.runtime.engine import DuplexEngine
+    return all(hasattr(DuplexEngine, name) for name in TURN_CONTROL_METHODS)
+
+
+@pytest.mark.skipif(not _real_engine_has_turn_api(),
+                    reason="the real engine has no turn API yet (branch `turns` adds it); enabled by merging it")
+def test_sdk_against_the_real_tiny_engine():
+    import torch
+
+    from duplexcache.runtime.engine import build_engine
+
+    torch.set_num_threads(1)
+    deploy = _deploy()
+    deploy.engine.tick_seconds = 0.2
+    engine = build_engine(deploy)
+
+    async def main(srv: LoopbackServer) -> list:
+        seen: list = []
+        async with _client(srv).realtime.connect(model="duplexcache-tiny") as conn:
+            await _until(conn, "session.created", seen)
+            update = {**GA_UPDATE, "audio": {**GA_UPDATE["audio"],
+                                             "input": {**GA_UPDATE["audio"]["input"], "turn_detection": None}}}
+            update["audio"]["output"]["voice"] = "default"
+            await conn.session.update(session=update)
+            await _until(conn, "session.updated", seen)
+            await _stream(conn, _tone_24k(1.0))
+            await conn.response.create()
+            await _stream(conn, _tone_24k(6.0))
+            await _until(conn, "response.output_audio.delta", seen)
+            await _until(conn, "response.output_audio_transcript.delta", seen)
+            await conn.response.cancel()
+            done = await _until(conn, "response.done", seen)
+            assert done.response.status == "cancelled"
+        return seen
+
+    with LoopbackServer(create_app(engine, deploy)) as srv:
+        asyncio.run(main(srv))

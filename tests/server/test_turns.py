@@ -1,0 +1,246 @@
+"""Turn taking over the wire: server_vad (with a VAD fake of SileroVAD's shape), client-driven
+turns (commit / response.create / response.cancel), user text items, truncate, barge-in dropping
+unsent audio, the beta event names, and an engine without the turn API."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from server_fakes import FakeEngine, pcm16_b64, recv, recv_type, send, sid_of, wait_for
+from websockets.asyncio.client import connect
+
+from duplexcache.config import DeployConfig
+from duplexcache.server import realtime_session
+from duplexcache.server.app import REALTIME_PATH, create_app
+from duplexcache.server.loopback import LoopbackServer
+
+TICK = 0.05
+LOUD = pcm16_b64(np.full(8000, 12000, np.int16))    # 0.5 s at 16 kHz
+QUIET = pcm16_b64(np.zeros(8000, np.int16))
+
+
+@dataclass(frozen=True)
+class VadEvent:
+    kind: str
+    audio_ms: int
+
+
+class FakeVAD:
+    """SileroVAD's interface: speech while a chunk's peak is above ``threshold``."""
+
+    made: list["FakeVAD"] = []
+
+    def __init__(self, threshold: float = 0.5, silence_duration_ms: int = 500, prefix_padding_ms: int = 300):
+        self.params = (threshold, silence_duration_ms, prefix_padding_ms)
+        self.ms = 0
+        self.speaking = False
+        FakeVAD.made.append(self)
+
+    def feed(self, pcm: np.ndarray) -> list[VadEvent]:
+        loud = float(np.abs(pcm).max()) > self.params[0]
+        out = []
+        if loud != self.speaking:
+            self.speaking = loud
+            out.append(VadEvent("speech_started" if loud else "speech_stopped", self.ms))
+        self.ms += pcm.size // 16
+        return out
+
+    def reset(self) -> None:
+        self.speaking = False
+
+
+@pytest.fixture
+def serve(monkeypatch):
+    FakeVAD.made = []
+    monkeypatch.setattr(realtime_session, "_vad_factory", FakeVAD)
+    servers = []
+
+    def _start(engine_cls=FakeEngine, **engine_kwargs):
+        deploy = DeployConfig.default("tiny")
+        deploy.engine.tick_seconds = TICK
+        engine = engine_cls(deploy, **engine_kwargs)
+        srv = LoopbackServer(create_app(engine, deploy)).start()
+        servers.append(srv)
+        return engine, srv
+
+    yield _start
+    for srv in servers:
+        srv.stop()
+
+
+def _connect(srv: LoopbackServer, **kwargs):
+    return connect(srv.ws_url(REALTIME_PATH), max_size=None, open_timeout=10, **kwargs)
+
+
+async def _update(ws, **session) -> dict:
+    await send(ws, {"type": "session.update", "session": session})
+    event, _ = await recv_type(ws, "session.updated")
+    return event
+
+
+async def _append(ws, audio: str, times: int = 1) -> None:
+    for _ in range(times):
+        await send(ws, {"type": "input_audio_buffer.append", "audio": audio})
+
+
+def test_server_vad_commits_answers_and_barge_in_cancels(serve):
+    engine, srv = serve(done_after_units=50)
+
+    async def main():
+        async with _connect(srv) as ws:
+            await recv(ws)
+            updated = await _update(ws, instructions="vad", turn_detection={
+                "type": "server_vad", "threshold": 0.3, "silence_duration_ms": 200, "prefix_padding_ms": 100})
+            assert updated["session"]["turn_detection"]["type"] == "server_vad"
+            await _append(ws, LOUD, 2)
+            started, _ = await recv_type(ws, "input_audio_buffer.speech_started")
+            await _append(ws, QUIET)
+            stopped, _ = await recv_type(ws, "input_audio_buffer.speech_stopped")
+            committed, _ = await recv_type(ws, "input_audio_buffer.committed")
+            await _append(ws, QUIET, 4)           # the reply runs on the next units
+            created, _ = await recv_type(ws, "response.created")
+            await recv_type(ws, "response.output_audio.delta")
+            await _append(ws, LOUD, 4)            # the user talks over the reply: barge-in
+            await recv_type(ws, "input_audio_buffer.speech_started")
+            done, skipped = await recv_type(ws, "response.done")
+            return started, stopped, committed, created, done, skipped
+
+    started, stopped, committed, created, done, skipped = asyncio.run(main())
+    sid = sid_of(engine, "vad")
+    assert FakeVAD.made[0].params == (0.3, 200, 100)   # the client's settings reached the VAD
+    assert (started["audio_start_ms"], stopped["audio_end_ms"]) == (0, 1000)
+    assert committed["item_id"] == started["item_id"] == stopped["item_id"]
+    assert engine.turn_modes[sid] == ["manual"] and engine.response_requests[sid] == 1
+    assert done["response"]["status"] == "cancelled" and done["response"]["id"] == created["response"]["id"]
+    (cancel_sid, played_ms), = engine.cancels
+    assert cancel_sid == sid and played_ms is not None and played_ms % 1000 == 0
+    assert not [e for e in skipped if e["type"] == "response.output_audio.delta"
+                and e["response_id"] != created["response"]["id"]]
+    metrics = srv.app.state.server.metrics.registry
+    assert metrics.get_sample_value("duplexcache_responses_total", {"status": "cancelled"}) == 1
+
+
+def test_client_driven_turns_items_and_truncate(serve):
+    engine, srv = serve(done_after_units=50)
+
+    async def expect_error(ws, event, code):
+        await send(ws, event)
+        error, _ = await recv_type(ws, "error")
+        assert error["error"]["code"] == code, error
+        return error
+
+    async def main():
+        async with _connect(srv) as ws:
+            await recv(ws)
+            await _update(ws, instructions="manual", turn_detection=None)
+            await expect_error(ws, {"type": "input_audio_buffer.commit"}, "input_audio_buffer_commit_empty")
+            await expect_error(ws, {"type": "response.cancel"}, "response_cancel_not_active")
+            await _append(ws, QUIET)
+            await send(ws, {"type": "input_audio_buffer.clear"})
+            await recv_type(ws, "input_audio_buffer.cleared")
+            await expect_error(ws, {"type": "input_audio_buffer.commit"}, "input_audio_buffer_commit_empty")
+            await _append(ws, QUIET)
+            await send(ws, {"type": "input_audio_buffer.commit"})
+            await recv_type(ws, "input_audio_buffer.committed")
+            item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello there"}]}
+            await send(ws, {"type": "conversation.item.create", "item": item})
+            added, _ = await recv_type(ws, "conversation.item.added")
+            await recv_type(ws, "conversation.item.done")
+            await expect_error(ws, {"type": "conversation.item.create",
+                                    "item": {"type": "function_call_output", "output": "x"}}, "unsupported_item")
+            await send(ws, {"type": "response.create"})
+            await expect_error(ws, {"type": "response.create"}, "conversation_already_has_active_response")
+            await _append(ws, QUIET, 6)
+            delta, _ = await recv_type(ws, "response.output_audio.delta")
+            await expect_error(ws, {"type": "conversation.item.truncate", "item_id": "item_nope", "content_index": 0,
+                                    "audio_end_ms": 5}, "item_not_found")
+            await send(ws, {"type": "conversation.item.truncate", "item_id": delta["item_id"], "content_index": 0,
+                            "audio_end_ms": 420})
+            truncated, _ = await recv_type(ws, "conversation.item.truncated")
+            done, _ = await recv_type(ws, "response.done")
+            return added, truncated, done
+
+    added, truncated, done = asyncio.run(main())
+    sid = sid_of(engine, "manual")
+    assert added["item"]["role"] == "user"
+    assert engine.user_texts == {sid: ["Hello there"]}
+    assert truncated["audio_end_ms"] == 420 and done["response"]["status"] == "cancelled"
+    assert engine.cancels == [(sid, 420)]  # the client's played position reaches the engine
+    assert engine.response_requests == {sid: 1}
+
+
+def test_cancel_drops_unsent_audio_from_the_outbox():
+    from duplexcache.server.connection import Connection
+    from duplexcache.server.protocol import event
+
+    class Stuck:
+        async def send_text(self, text):
+            await asyncio.Event().wait()
+
+        async def close(self, code, reason):
+            pass
+
+    async def main():
+        conn = Connection(Stuck())
+        for rid in ("r1", "r2", "r1"):
+            conn.send(event("response.output_audio.delta", delta="AA=="), response_id=rid, audio_bytes=2)
+        conn.send(event("response.done"))
+        dropped = conn.drop_pending("r1")
+        return dropped, [(item.response_id, item.event["type"]) for item in conn._outbox]
+
+    dropped, left = asyncio.run(main())
+    assert dropped == 2 and left == [("r2", "response.output_audio.delta"), (None, "response.done")]
+
+
+def test_beta_client_gets_beta_names_and_24k(serve):
+    engine, srv = serve(done_after_units=1)
+
+    async def main():
+        async with _connect(srv, additional_headers={"OpenAI-Beta": "realtime=v1"}) as ws:
+            created = await recv(ws)
+            await _update(ws, instructions="beta", input_audio_format="pcm16")
+            await _append(ws, pcm16_b64(np.zeros(24000, np.int16)))  # 1 s at 24 kHz ...
+            await _append(ws, pcm16_b64(np.zeros(2400, np.int16)))
+            delta, skipped = await recv_type(ws, "response.audio.delta")
+            done, rest = await recv_type(ws, "response.done")
+            return created, skipped + rest
+
+    created, events = asyncio.run(main())
+    assert created["session"]["input_audio_format"] == "pcm16" and created["session"]["input_sample_rate"] == 24000
+    kinds = {e["type"] for e in events}
+    assert {"response.audio_transcript.delta", "conversation.item.created"} <= kinds
+    assert not kinds & {"response.output_audio_transcript.delta", "response.output_audio.delta"}
+    received = sum(a.size for a in engine.received[sid_of(engine, "beta")])
+    assert 16000 <= received <= 17600  # ... arrives as ~1.1 s at 16 kHz
+
+
+class _NoTurnEngine:
+    """An engine built before the turn API: only the core EngineAPI calls."""
+
+    def __init__(self, deploy, **kwargs):
+        self._inner = FakeEngine(deploy, **kwargs)
+        for name in ("open_session", "is_queued", "push_audio", "close_session", "tick", "stats", "shutdown"):
+            setattr(self, name, getattr(self._inner, name))
+
+
+def test_engine_without_turn_api_serves_duplex_and_refuses_the_rest(serve):
+    engine, srv = serve(engine_cls=_NoTurnEngine)
+
+    async def main():
+        async with _connect(srv) as ws:
+            await recv(ws)
+            codes = []
+            for event in ({"type": "session.update", "session": {"turn_detection": None}},
+                          {"type": "response.create"}, {"type": "response.cancel"}):
+                await send(ws, event)
+                error, _ = await recv_type(ws, "error")
+                codes.append(error["error"]["code"])
+            await _append(ws, QUIET, 2)
+            await recv_type(ws, "response.output_audio.delta")  # duplex: the speak policy answers
+            return codes
+
+    assert asyncio.run(main()) == ["unsupported_turn_detection", "not_supported", "not_supported"]
+    wait_for(lambda: engine._inner.opened == 1, what="one session")

@@ -58,6 +58,7 @@ class FakeEngine:
         self.shutdown_called = False
         self.opened = 0
         self.open_calls = 0  # every call, refused ones included
+        self.turn_calls: list[tuple] = []
 
     # ------------------------------------------------------------------ EngineAPI
     def open_session(self, client_session: Mapping[str, Any], *, queue_if_full: bool = False) -> str:
@@ -100,6 +101,26 @@ class FakeEngine:
         with self._lock:
             if self.live.pop(sid, None) is not None or self.queued.pop(sid, None) is not None:
                 self.closed.append(sid)
+
+    # Turn control: recorded only (the server branch drives these; the real engine applies them).
+    def set_turn_mode(self, sid: str, mode: str) -> None:
+        if mode not in ("duplex", "manual"):
+            raise ValueError(f"unknown turn mode {mode!r}")
+        with self._lock:
+            self.turn_calls.append(("set_turn_mode", sid, mode))
+
+    def request_response(self, sid: str) -> None:
+        with self._lock:
+            self.turn_calls.append(("request_response", sid))
+
+    def cancel_response(self, sid: str, played_ms: int | None = None) -> bool:
+        with self._lock:
+            self.turn_calls.append(("cancel_response", sid, played_ms))
+            return sid in self.live
+
+    def add_user_text(self, sid: str, text: str) -> None:
+        with self._lock:
+            self.turn_calls.append(("add_user_text", sid, text))
 
     def tick(self) -> list[EngineEvent]:
         with self._lock:

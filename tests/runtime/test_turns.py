@@ -15,7 +15,7 @@ from test_stage0 import BS, OFF, make_context, make_runner, make_thinker
 from duplexcache.context.tokenizer import ByteTokenizer
 from duplexcache.kv.window import WindowConfig
 from duplexcache.runtime import turns
-from duplexcache.runtime.engine_api import AudioDelta, ResponseDone, TextDelta
+from duplexcache.runtime.engine_api import AudioDelta, ResponseDone, SessionError, TextDelta
 from duplexcache.runtime.policy import ControlTokens
 
 # Every unit speaks while a reply runs (a turn ends only at unit 99): replies end by cancel.
@@ -298,7 +298,7 @@ def test_add_user_text_is_refused_past_the_session_limits(tmp_path):
         eng.add_user_text(sid, "")
     eng.push_audio(sid, audio(0, 1))
     events = eng.tick()                                    # the text fits: no error, the session goes on
-    assert not [e for e in events if e.sid == sid and type(e).__name__ == "SessionError"]
+    assert not [e for e in events if e.sid == sid and isinstance(e, SessionError)]
     anchor = eng.session_info(sid).thinker_anchor_tokens
     speaking_unit = 11 + 1 + 3 + 1        # <unit> a1..a10 (no </unit> before unit 0) <|speak|> 3 text, end
     assert eng.stage0.num_tokens(sid) == anchor + (room - 40 + 20) + speaking_unit

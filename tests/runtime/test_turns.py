@@ -312,3 +312,17 @@ def test_add_user_text_window_off_counts_the_positions_left(tmp_path):
     left = eng.stage0.max_positions - eng.stage0.num_tokens(sid) - turns.UNIT_TOKENS_BOUND
     with pytest.raises(ValueError, match="does not fit"):
         eng.add_user_text(sid, "z" * left)
+
+
+def test_user_text_that_no_longer_fits_at_the_tick_is_dropped_with_an_error(tmp_path):
+    eng = engine(tmp_path, "late", {"stage0": {"window": {"mode": "off"}}})
+    sid = eng.open_session({"voice": "default"})
+    # Not open in Stage 0 yet: the call counts no context, so the text passes the first check ...
+    limit = eng.stage0.max_positions - turns.UNIT_TOKENS_BOUND
+    eng.add_user_text(sid, "w" * (limit - 20 - 5))            # 20: the chat-format wrapping
+    eng.push_audio(sid, audio(0, 1))
+    events = eng.tick()                                         # ... the tick sees the context
+    (err,) = [e for e in events if isinstance(e, SessionError)]
+    assert err.sid == sid and err.code == "user_text_too_long" and not err.fatal
+    anchor = eng.session_info(sid).thinker_anchor_tokens
+    assert eng.stage0.num_tokens(sid) == anchor + 11 + 1 + 3 + 1   # the unit ran without the text

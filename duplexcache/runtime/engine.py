@@ -61,6 +61,7 @@ from duplexcache.kv.paged_attention import PagedKVCache
 from duplexcache.kv.window import WindowConfig
 from duplexcache.models.audio_encoder import StreamingAudioEncoderState
 from duplexcache.models.talker import TalkerUnitRequest, generate_unit
+from duplexcache.runtime import turns
 from duplexcache.runtime.admission import (
     AdmissionLedger,
     Footprint,
@@ -75,6 +76,7 @@ from duplexcache.runtime.engine_api import (
     EngineEvent,
     EngineStats,
     ResponseDone,
+    ResponseUsage,
     SessionAdmitted,
     SessionError,
     TextDelta,
@@ -91,6 +93,7 @@ from duplexcache.runtime.stage0 import (
     Stage0Runner,
     session_worst_case,
 )
+from duplexcache.runtime.turns import NO_REQUESTS, TurnState, UnitTurn
 from duplexcache.runtime.voices import Voice
 
 logger = logging.getLogger(__name__)
@@ -133,6 +136,7 @@ class _Session:
     held: torch.Tensor | None = None  # 25 codes waiting for their lookahead
     talker_blocks: list = field(default_factory=list)
     talker_len: int = 0
+    turn: TurnState = field(default_factory=TurnState)   # turn control (runtime/turns.py)
 
 
 @dataclass(frozen=True)
@@ -174,6 +178,8 @@ class _Unit:
     tokens: list[int] = field(default_factory=list)        # text + end token
     hidden: list[torch.Tensor] = field(default_factory=list)  # Thinker hidden that produced each
     codes: torch.Tensor | None = None
+    turn: UnitTurn = NO_REQUESTS     # turn requests this unit applies
+    rows: torch.Tensor | None = None  # what the unit appended before its decision
 
 
 @dataclass
@@ -448,6 +454,115 @@ class DuplexEngine:
             self.ledger.release(sid)
             self._closing.append(sess)   # its memory is freed at the start of the next tick
 
+    # ------------------------------------------------------------------ turn control (runtime/turns.py)
+
+    def _turn_session(self, sid: str) -> _Session:
+        """A live or queued session (call under the lock); ValueError if unknown."""
+        sess = self._sessions.get(sid) or self._queue.get(sid)
+        if sess is None:
+            raise ValueError(f"unknown session {sid!r}")
+        return sess
+
+    def set_turn_mode(self, sid: str, mode: str) -> None:
+        turns.check_mode(mode)
+        with self._lock:
+            self._turn_session(sid).turn.mode = mode
+
+    def request_response(self, sid: str) -> None:
+        with self._lock:
+            self._turn_session(sid).turn.response_requested = True
+
+    def cancel_response(self, sid: str, played_ms: int | None = None) -> bool:
+        """See engine_api. A request not started yet is withdrawn (no response existed: False)."""
+        if played_ms is not None and (not isinstance(played_ms, int) or played_ms < 0):
+            raise ValueError(f"played_ms must be a non-negative int or None, got {played_ms!r}")
+        with self._lock:
+            state = self._turn_session(sid).turn
+            state.response_requested = False
+            if not state.replying:
+                return False
+            state.cancel_requested, state.cancel_played_ms = True, played_ms
+            return True
+
+    def add_user_text(self, sid: str, text: str) -> None:
+        ids = turns.user_text_ids(self.models.tokenizer, text)
+        with self._lock:
+            sess = self._turn_session(sid)
+            pending = sum(len(t) for t in sess.turn.pending_text)
+            room = self._user_text_room(sess)
+            if pending + len(ids) > room:
+                raise ValueError(
+                    f"user text of {len(ids)} tokens (with {pending} pending) does not fit session {sid!r}: "
+                    f"at most {max(room, 0)} tokens of text fit before its next unit")
+            sess.turn.pending_text.append(ids)
+
+    def _user_text_room(self, sess: _Session) -> int:
+        window = self._session_window(sess.config)
+        # An int read of the tick thread's state: at most one tick old, and the tick checks again.
+        try:
+            have = self.stage0.num_tokens(sess.sid) if sess.opened else 0
+        except ValueError:   # not in Stage 0 (yet, or any more)
+            have = 0
+        return turns.text_room(window.high_tokens if window.enabled else None, have,
+                               self.stage0.max_positions, self.block_size)
+
+    def _user_text_for(self, u: _Unit, events: list[EngineEvent]) -> list[int]:
+        """The unit's user text ids, checked again on the tick thread (the session moved on since
+        ``add_user_text``); refused text is dropped with a non-fatal error."""
+        text = list(u.turn.user_text)
+        if text and len(text) > self._user_text_room(u.session):
+            events.append(SessionError(u.session.sid, "user_text_too_long",
+                                       f"user text of {len(text)} tokens no longer fits the session; dropped"))
+            return []
+        return text
+
+    def _note_reply_units(self, units: list[_Unit]) -> None:
+        for u in units:
+            if u.rows is not None and turns.note_unit(u.session.turn, u.rows, u.decision, u.tokens, self.control):
+                with self._lock:
+                    u.session.turn.replying = True
+
+    def _finish_reply(self, sess: _Session) -> ResponseUsage:
+        usage = turns.finish_reply(sess.turn)
+        with self._lock:
+            sess.turn.replying = False
+            sess.turn.cancel_requested = False   # a cancel that came too late has nothing to stop
+        return usage
+
+    def _apply_cancels(self) -> list[EngineEvent]:
+        """Cancels recorded since the last tick, at this unit boundary (before any unit runs)."""
+        with self._lock:
+            todo = []
+            for sess in self._sessions.values():
+                if sess.turn.cancel_requested:
+                    todo.append((sess, sess.turn.cancel_played_ms))
+                    sess.turn.cancel_requested = False
+        events: list[EngineEvent] = []
+        for sess, played_ms in todo:
+            events += self._cancel_reply(sess, played_ms)
+        return events
+
+    def _cancel_reply(self, sess: _Session, played_ms: int | None) -> list[EngineEvent]:
+        """Drop the held codes, the Code2Wav stream and the Talker KV; rewind the Thinker to what
+        was played (turns.py); then ResponseDone(cancelled)."""
+        reply = sess.turn.reply
+        if reply is None or not sess.opened:
+            return []
+        rewind = turns.plan_rewind(reply, played_ms, self.stage0.droppable_tail(sess.sid), self.control)
+        if sess.c2w_sid is not None:
+            self.code2wav.remove_session(sess.c2w_sid)
+        sess.c2w_sid, sess.held = None, None
+        self._free_talker(sess)
+        close, listen = self._embed_tokens(torch.tensor([rewind.close_token, self.control.listen]))
+        err = turns.apply_rewind(self.stage0, sess.sid, rewind, close[None], listen[None])
+        usage = self._finish_reply(sess)
+        logger.info("session %s: reply cancelled after %d of %d units played (%d Thinker tokens dropped, %d appended)",
+                    sess.sid, rewind.played_units, len(reply), rewind.drop, rewind.appended)
+        events: list[EngineEvent] = [ResponseDone(sess.sid, "cancelled", usage)]
+        if err is not None:
+            events.append(self._end(sess, err))
+        return events
+
     # ------------------------------------------------------------------ read-only views
 
     def session_ids(self) -> list[str]:
@@ -574,6 +689,7 @@ class DuplexEngine:
             pending = [s for s in self._sessions.values() if not s.opened]
         if pending:
             events += self._open(pending)
+        events += self._apply_cancels()
         units = self._take_units()
         if units:
             events += self._run_units(units, lat)
@@ -645,7 +761,7 @@ class DuplexEngine:
                 rest = audio[need:]
                 sess.audio = [rest] if rest.size else []
                 sess.buffered = rest.size
-                units.append(_Unit(sess, audio[:need]))
+                units.append(_Unit(sess, audio[:need], turn=turns.take_unit_requests(sess.turn)))
         return units
 
     def _run_units(self, units: list[_Unit], lat: dict[str, float]) -> list[EngineEvent]:
@@ -657,6 +773,7 @@ class DuplexEngine:
         t = time.perf_counter()
         units = self._thinker(units, embeds, events)
         lat["thinker"] = time.perf_counter() - t
+        self._note_reply_units(units)
         for u in units:
             text = [tok for tok in u.tokens if tok not in self.control.ends]
             if text:
@@ -682,16 +799,19 @@ class DuplexEngine:
         c = self.control
         inputs = {}
         for u, emb in zip(units, embeds):
-            ids = ([c.unit_end] if u.session.unit_index > 0 else []) + [c.unit]
+            text = self._user_text_for(u, events)
+            ids = ([c.unit_end] if u.session.unit_index > 0 else []) + text + [c.unit]
             tok = self._embed_tokens(torch.tensor(ids, dtype=torch.long))
-            inputs[u.session.sid] = torch.cat([tok, emb.to(tok.dtype)], dim=0)
+            u.rows = inputs[u.session.sid] = torch.cat([tok, emb.to(tok.dtype)], dim=0)
         by_sid = {u.session.sid: u for u in units}
         result = self.stage0.append(inputs, unit_start=True)
         self._drop_failed(by_sid, result.errors, events)
         feed = {}
         for sid, logits in result.logits.items():
             u = by_sid[sid]
-            u.decision = self.policy.decide(u.session.unit_index, logits)
+            decision = self.policy.decide(u.session.unit_index, logits)
+            # The decision fed back (into the KV) is the turn-forced one, so the model sees it.
+            u.decision = turns.decide(u.turn, u.session.turn, decision, c)
             feed[sid] = u.decision
         while feed:
             result = self.stage0.decode(feed)
@@ -810,13 +930,15 @@ class DuplexEngine:
             out = self.code2wav.step(batch, {sid: last for sid in batch})
             for csid, err in out.errors.items():
                 logger.error("Code2Wav refused %s: %s", csid, err)
+                turns.note_audio(owner[csid].turn, 0)
             for csid, pcm in out.items():
                 events.append(AudioDelta(owner[csid].sid, pcm16_bytes(pcm)))
+                turns.note_audio(owner[csid].turn, int(pcm.numel()))
         self._note_code2wav_peak()
         for csid, f in finals.items():
             self.code2wav.remove_session(csid)
             if f.response_done:
-                events.append(ResponseDone(f.session.sid))
+                events.append(ResponseDone(f.session.sid, "completed", self._finish_reply(f.session)))
         return events
 
     # ------------------------------------------------------------------ ending sessions

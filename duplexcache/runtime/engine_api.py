@@ -65,33 +65,31 @@ class TextDelta:
     text: str
 
 
+RESPONSE_STATUSES = ("completed", "cancelled")
+
+
 @dataclass(frozen=True, slots=True)
 class ResponseUsage:
-    """What one response produced: Thinker text tokens and seconds of 24 kHz audio."""
+    """What one response produced: its text tokens (end tokens not counted) and the seconds of
+    audio sent for it (a cancelled response counts what went out before the cancel)."""
 
     text_tokens: int = 0
     audio_seconds: float = 0.0
 
 
-RESPONSE_STATUSES = ("completed", "cancelled")
-
-
 @dataclass(frozen=True, slots=True)
 class ResponseDone:
-    """The end of one response (a spoken turn).
-
-    A response starts with the session's first TextDelta/AudioDelta after its previous
-    ResponseDone; ``status`` is "cancelled" when ``cancel_response`` (or the engine's own
-    barge-in decision) stopped it. ``usage`` may be None for an engine that does not count.
-    """
+    """The end of one response (a spoken turn): ``completed`` (the turn ended by itself) or
+    ``cancelled`` (``cancel_response``). A response starts with its session's first TextDelta
+    or AudioDelta after the previous ResponseDone."""
 
     sid: str
     status: str = "completed"
-    usage: ResponseUsage | None = None
+    usage: ResponseUsage = ResponseUsage()
 
     def __post_init__(self) -> None:
         if self.status not in RESPONSE_STATUSES:
-            raise ValueError(f"ResponseDone for {self.sid!r}: status {self.status!r} not in {RESPONSE_STATUSES}")
+            raise ValueError(f"ResponseDone status must be one of {RESPONSE_STATUSES}, got {self.status!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +183,29 @@ class EngineAPI(Protocol):
 
     def close_session(self, sid: str) -> None:
         """End a live or queued session and free everything it owns; idempotent."""
+        ...
+
+    def set_turn_mode(self, sid: str, mode: str) -> None:
+        """``"duplex"`` (default): the speak policy decides every unit. ``"manual"``: the session
+        never starts a reply by itself; it speaks only after ``request_response``. ValueError on
+        an unknown mode or session."""
+        ...
+
+    def request_response(self, sid: str) -> None:
+        """Force the session's next unit to speak; the reply then runs as the policy/model
+        continues it (until ``<|turn_eos|>``, a listen decision or the Talker's limit)."""
+        ...
+
+    def cancel_response(self, sid: str, played_ms: int | None = None) -> bool:
+        """Stop the reply in progress at the next unit boundary: no more audio for it, then
+        ``ResponseDone(status="cancelled")``. ``played_ms``: ms of this reply's audio the client
+        played (None: all that was sent); the Thinker forgets the text of units not played.
+        Returns False when no reply is in progress."""
+        ...
+
+    def add_user_text(self, sid: str, text: str) -> None:
+        """Append a user text message (chat format) to the Thinker's context before the
+        session's next unit. ValueError when it cannot fit the session's limits."""
         ...
 
     def tick(self) -> list[EngineEvent]:

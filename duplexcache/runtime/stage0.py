@@ -588,6 +588,62 @@ class Stage0Runner:
         batch = PagedBatch.build(tables, computed, num_new, None, self.block_size, self.cache.device)
         return self.thinker.forward_paged(embeds, batch, self.cache), batch.last_token_indices
 
+    # ------------------------------------------------------------------ truncation
+
+    def drop_last_tokens(self, sid: str, num_tokens: int) -> list[int]:
+        """Forget the last ``num_tokens`` tokens of ``sid`` (a cancelled reply's unplayed text).
+
+        The manager's ``truncate`` releases every block past the new last token (tail first, so
+        they head the free list) and resets the session's length; the next append writes from
+        there. The kept partial last block keeps stale K/V past the new length: attention reads
+        only ``< length`` and the next append overwrites those slots before anything reads them.
+        The anchor is never cut (ValueError), so every block that may be written afterwards is
+        private: shared blocks are all anchor blocks, and an anchor that ends on a block
+        boundary makes the next append take a fresh block. Window bookkeeping follows: unit
+        starts at or past the cut are forgotten; in ``rebuild`` mode the input history too::
+
+            block 16, anchor 40, 75 tokens, drop_last_tokens(sid, 20) -> 55 tokens kept:
+            table idx   0       1        2                 3             4
+            logical     0..15   16..31   32..39 | 40..47   48..54 55..63 64..74
+                        anchor  anchor   anchor | window   kept   stale  released
+            block 3 keeps 48..54; its slots 55..63 are written by the next append.
+
+        Returns the released block ids (table order)."""
+        if sid not in self.sessions:
+            raise ValueError(f"unknown session {sid!r}")
+        sess = self.sessions[sid]
+        have = self.manager.num_tokens(sid)
+        if not 0 <= num_tokens <= have - sess.prefix_len:
+            raise ValueError(
+                f"session {sid!r}: cannot drop {num_tokens} of its {have} tokens: only the "
+                f"{have - sess.prefix_len} tokens after the {sess.prefix_len}-token anchor may be dropped"
+            )
+        keep = have - num_tokens
+        released = self.manager.truncate(sid, keep)
+        if keep % self.block_size:
+            tail = self.manager.pool.blocks[self.manager.block_table(sid)[-1]]
+            assert tail.block_hash is None and tail.ref_cnt == 1, f"session {sid}: next write would hit a shared block"
+        sess.unit_starts = [s for s in sess.unit_starts if s < keep]
+        if sess.history is not None:
+            sess.history.keep_before(keep)
+        logger.debug("session %s: dropped its last %d tokens (%d blocks released), %d left", sid, num_tokens,
+                     len(released), keep)
+        return released
+
+    def droppable_tail(self, sid: str) -> int:
+        """How many of ``sid``'s last tokens are contiguous since they were appended (what
+        ``drop_last_tokens`` may take back as one span): every token after the anchor until the
+        window first compacts; after that, the tokens from the first block past the anchor on,
+        since the kept window starts there and tokens before it in the anchor's last block are
+        older than the window's cut."""
+        if sid not in self.sessions:
+            raise ValueError(f"unknown session {sid!r}")
+        sess = self.sessions[sid]
+        have = self.manager.num_tokens(sid)
+        if sess.num_compactions == 0:
+            return have - sess.prefix_len
+        return max(0, have - self.manager.num_context_blocks(sid) * self.block_size)
+
     # ------------------------------------------------------------------ accounting
 
     def num_tokens(self, sid: str) -> int:

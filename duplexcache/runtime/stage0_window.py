@@ -65,6 +65,15 @@ class SessionHistory:
         self.chunks = [torch.cat((h[:start], h[start + num:]), dim=0)]
         self.num_tokens -= num
 
+    def keep_before(self, logical: int) -> None:
+        """Forget the tokens at logical indices ``logical`` and later (a tail truncation)."""
+        start = logical - self.prefix_len
+        if not 0 <= start <= self.num_tokens:
+            raise AssertionError(f"history cut at {logical} outside [{self.prefix_len}, "
+                                 f"{self.prefix_len + self.num_tokens}]")
+        self.chunks = [self.tensor()[:start]]
+        self.num_tokens = start
+
     def since(self, logical: int) -> torch.Tensor:
         """History from logical index ``logical`` on, (n, H)."""
         start = logical - self.prefix_len

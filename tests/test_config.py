@@ -33,7 +33,8 @@ NON_DEFAULT = {
     "code2wav": {"cfm_prompt_att_sharing": True, "cfm_arena_rows_from_graph_grid": True,
                  "max_num_seqs": 24, "graph_grid": [1, 4, 8]},
     "engine": {"memory_budget": "80GiB", "activation_reserve": "3GiB", "tick_seconds": 0.5, "decode_cuda_graphs": False,
-               "speak_policy": {"mode": "model", "k": 3, "turn_units": 1}},
+               "speak_policy": {"mode": "model", "k": 3, "turn_units": 1, "speech_rms": 0.02,
+                                "reply_min_units": 3, "reply_max_units": 5}},
     "server": {"host": "0.0.0.0", "port": 9001, "max_frame_bytes": "1MiB"},
 }
 

@@ -133,6 +133,8 @@ class Caller:
                 try:
                     await ws.send(Wire.session_update(self.voice, self.instructions))
                     await asyncio.wait_for(ready.wait(), self.ready_timeout_s)
+                    if trace.sid is None:   # the server refused the session (the error is recorded)
+                        return
                     await self._send(ws, trace)
                     await self._drain(trace)
                 finally:
@@ -163,6 +165,8 @@ class Caller:
                     trace.dones.append(now)
             elif kind == "error":
                 trace.errors.append(value)
+                if trace.sid is None:
+                    ready.set()   # refused before it started (bad voice, admission): stop waiting
 
     async def _send(self, ws: Any, trace: SessionTrace) -> None:
         """Each unit's chunks at real-time pace from the moment the session was ready."""

@@ -45,7 +45,21 @@ def sweep(tmp_path_factory):
         parser = argparse.ArgumentParser()
         serve.add_arguments(parser)
         rc = serve.run(parser.parse_args(argv), argv)
+        # a refused session is an error row, not a hang or a crash
+        bad = ["--url", srv.ws_url(REALTIME_PATH), "--sessions", "1", "--duration", "2", "--voices", "nope",
+               "--out", str(out / "refused")]
+        assert serve.run(parser.parse_args(bad), bad) == 0
     return rc, out, argv
+
+
+def test_a_refused_session_is_reported(sweep):
+    _, out, _ = sweep
+    step = json.loads((out / "refused" / "results.json").read_text())["steps"][0]
+    (row,) = step["per_session"]
+    assert not row["got_audio"] and row["sid"] is None and row["units_sent"] == 0
+    assert row["errors"] and row["errors"][0].startswith("invalid_session_config")
+    assert step["sessions_with_errors"] == 1 and step["realtime"] is False
+    assert not any(e.startswith("timeout") for e in row["errors"])   # it did not wait out the session timeout
 
 
 def test_results_schema_and_every_session_got_its_reply(sweep):

@@ -240,11 +240,25 @@ class SpeakPolicy(_Strict):
     """When sessions speak. ``model``: the Thinker decides; ``every_k_units``: forced every k
     units (deterministic load for benchmarks, since random weights decide arbitrarily): in each
     block of ``k`` units the last ``min(turn_units, k)`` speak as one turn. ``k == turn_units``
-    speaks every unit; a ``k`` larger than the run keeps one turn open for the whole run."""
+    speaks every unit; a ``k`` larger than the run keeps one turn open for the whole run.
+    ``reply``: a scripted conversation driven by the input audio (runtime/policy.py
+    ``ReplyPolicy``): a unit whose RMS exceeds ``speech_rms`` is user speech; the first quiet
+    unit after speech starts a reply of ``reply_min_units``..``reply_max_units`` units (a
+    deterministic function of session id and turn index, ``policy.reply_units``)."""
 
-    mode: Literal["model", "every_k_units"] = "every_k_units"
+    mode: Literal["model", "every_k_units", "reply"] = "every_k_units"
     k: int = Field(2, gt=0)
     turn_units: int = Field(2, gt=0)
+    speech_rms: float = Field(0.01, gt=0, lt=1)
+    reply_min_units: int = Field(2, gt=0)
+    reply_max_units: int = Field(8, gt=0)
+
+    @model_validator(mode="after")
+    def _reply_range(self) -> "SpeakPolicy":
+        if self.reply_min_units > self.reply_max_units:
+            raise ValueError(f"reply_min_units ({self.reply_min_units}) must be <= reply_max_units "
+                             f"({self.reply_max_units})")
+        return self
 
 
 class EngineConfig(_Strict):

@@ -3,8 +3,10 @@
 # (a failing step is logged and the next one still runs). Usage:
 #   OUT=/path/to/results bash scripts/gpu_bench.sh MODE [MODE ...]
 # smoke: every benchmark on the tiny preset (catches device bugs in seconds); bench, setup,
-# ticks, ticks_continuous, ticks_steady, ticks_ragged, ticks_eager, stage0, stage2: the minicpmo45 figures (random weights), each a few minutes on an H200.
-# Needs torch with CUDA, triton, numpy, pyyaml, safetensors, pydantic, tqdm, matplotlib.
+# ticks, ticks_continuous, ticks_steady, ticks_ragged, ticks_eager, ticks_conversation, serve_conversation, stage0,
+# stage2: the minicpmo45 figures (random weights), each a few minutes on an H200 (each fits one 10-minute call).
+# Needs torch with CUDA, triton, numpy, pyyaml, safetensors, pydantic, tqdm, matplotlib; the serve modes also
+# fastapi, uvicorn, websockets, prometheus-client, httpx.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:?set OUT to a results folder}
@@ -20,6 +22,52 @@ step() {  # step NAME SECONDS CMD...
   tail -n 25 "$out/$name.log"
 }
 
+serve_conversation() {  # NAME BASE_YAML SESSIONS DURATION: start `duplexcache serve` with the reply policy, wait for
+  # /health 200, run `bench serve --workload conversation`, stop the server
+  local name=$1 base=$2 sessions=$3 duration=$4 port=${SERVE_PORT:-8000}
+  local cfg="$out/$name.yaml"
+  python3 - "$cfg" "$base" <<'PY' || return 1
+import sys
+from duplexcache.config import DeployConfig
+deploy = DeployConfig.from_yaml(sys.argv[2])
+deploy.engine.speak_policy.mode = "reply"
+deploy.server.host = "127.0.0.1"
+open(sys.argv[1], "w").write(deploy.to_yaml())
+PY
+  echo "=== $name: server ($(date +%T)) ==="
+  python3 -m duplexcache.cli serve --config "$cfg" --port "$port" >"$out/${name}_server.log" 2>&1 &
+  local server=$!
+  # /health may answer 503 ("warming") before it answers 200; give the model build and warm-up 240 s
+  if python3 - "$port" "$server" <<'PY'
+import os, sys, time, urllib.request, urllib.error
+url, deadline = f"http://127.0.0.1:{sys.argv[1]}/health", time.monotonic() + 240
+while time.monotonic() < deadline:
+    try:
+        os.kill(int(sys.argv[2]), 0)   # the server exited: stop waiting
+    except OSError:
+        sys.exit(1)
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            if r.status == 200:
+                sys.exit(0)
+    except (urllib.error.URLError, OSError):
+        pass
+    time.sleep(2)
+sys.exit(1)
+PY
+  then
+    step "$name" 300 python3 -m duplexcache.cli bench serve --url "ws://127.0.0.1:$port/v1/realtime" \
+      --workload conversation --sessions "$sessions" --ramp 5 --duration "$duration" --out "$out/$name"
+  else
+    echo "=== $name: the server exited or was not healthy within 240 s ==="
+  fi
+  # SIGINT: uvicorn shuts the app down gracefully; SIGKILL only if it has not exited 20 s later
+  kill -INT "$server" 2>/dev/null
+  for _ in $(seq 20); do kill -0 "$server" 2>/dev/null || break; sleep 1; done
+  kill -KILL "$server" 2>/dev/null; wait "$server" 2>/dev/null
+  tail -n 10 "$out/${name}_server.log"
+}
+
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)'
 
@@ -29,6 +77,7 @@ case "$mode" in
     step smoke_bench 120 python3 -m duplexcache.cli bench --preset tiny --device cuda --sessions 1,2 --out "$out/smoke_bench"
     step smoke_ticks 120 python3 -m duplexcache.bench.engine_ticks --preset tiny --device cuda --sessions 1,2 --ticks 2 --out "$out/smoke_ticks"
     step smoke_setup 120 python3 -m duplexcache.bench.session_setup --preset tiny --device cuda --sessions 3 --repeats 1 --out "$out/smoke_setup"
+    serve_conversation smoke_serve duplexcache/configs/tiny.yaml 2 16   # 16 s: every caller reaches its first reply
     step gpu_tests 240 python3 -m pytest -q -x tests/cfm/test_graphs.py tests/kv/test_paged_attention.py tests/kv/test_decode_graphs.py -p no:cacheprovider ;;
   bench)  # issue 6: memory per session A/B per switch, 80 GiB budget as on an 80 GB card
     step bench 480 python3 -m duplexcache.cli bench --preset minicpmo45 --device cuda --sessions 1,2,4,8 --memory-budget 80GiB --out "$out/bench" ;;
@@ -46,10 +95,19 @@ case "$mode" in
     step engine_ticks_ragged 220 python3 -m duplexcache.bench.engine_ticks --preset minicpmo45 --device cuda --sessions 1,8,16,32 --ticks 4 --warmup-ticks 8 --max-seconds 180 --memory-budget 100GiB --speak-k 1000 --turn-units 1000 --steady-window --ragged-kernel on --out "$out/engine_ticks_ragged" ;;
   ticks_eager)  # A/B of engine.decode_cuda_graphs: the ticks sweep with eager decode steps
     step engine_ticks_eager 140 python3 -m duplexcache.bench.engine_ticks --preset minicpmo45 --device cuda --sessions 1,8 --ticks 4 --max-seconds 100 --memory-budget 100GiB --decode-cuda-graphs off --out "$out/engine_ticks_eager" ;;
+  ticks_conversation)  # issue 10: conversation workload (reply policy, user turns 2-6 s, replies 2-8 s, random phases,
+    # 3 voices), every sharing switch on, Thinker windows filled to 7000 tokens; 120 GiB admits 40-48 sessions if they
+    # fit at all (a refusal is recorded and larger counts skipped). Expected wall time ~6-8 min (build ~1 min, then per
+    # count: open + 8 warm-up + fill + 1 + 12 recorded ticks at 1-3 s each).
+    step engine_ticks_conversation 560 python3 -m duplexcache.bench.engine_ticks --preset minicpmo45 --device cuda --sessions 16,32,40,48 --workload conversation --steady-window --all-switches on --ticks 12 --warmup-ticks 8 --max-seconds 480 --memory-budget 120GiB --out "$out/engine_ticks_conversation" ;;
+  serve_conversation)  # issue 10: the real server from a fresh process, 32 callers over WebSockets for 60 s.
+    # The example config with engine.speak_policy.mode: reply (the conversation's replies come from the server's
+    # policy). Expected wall time ~4 min: server start + warm-up <= 4 min (bounded), 5 s ramp + 60 s + drain.
+    serve_conversation serve_conversation examples/minicpmo45-shared.yaml 32 60 ;;
   stage0)
     step gpu_stage0 120 python3 -m duplexcache.bench.gpu_stage0 --out "$out/gpu_stage0" ;;
   stage2)
     step gpu_stage2 300 python3 -m duplexcache.bench.gpu_stage2 --out "$out/gpu_stage2" --batches 1,8,32 ;;
-  *) echo "unknown mode $mode (smoke|bench|setup|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|stage0|stage2)"; exit 2 ;;
+  *) echo "unknown mode $mode (smoke|bench|setup|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|ticks_conversation|serve_conversation|stage0|stage2)"; exit 2 ;;
 esac
 done

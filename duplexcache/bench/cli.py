@@ -2,6 +2,8 @@
 
     duplexcache bench [--preset tiny|minicpmo45] [--device cpu|cuda] [--sessions 1,2,4,8]
                       [--memory-budget 80GiB] [--realtime] [--out DIR]
+    duplexcache bench serve --url ws://HOST:PORT/v1/realtime [...]   (bench/serve.py: a load
+                      generator against a running server over WebSockets)
 
 Writes DIR/report.json (schema: docs/benchmarks.md), DIR/memory.png and prints a table.
 The measured target is the serving engine (``--target engine``, default) or the stages wired
@@ -73,6 +75,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="engine: the serving engine (default); components: the stages wired directly")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
+    # Optional subcommand: without one, ``duplexcache bench`` is the memory benchmark above.
+    sub = parser.add_subparsers(dest="bench_command", metavar="{serve}")
+    from duplexcache.bench import serve
+
+    serve.add_arguments(sub.add_parser("serve", help="drive a running server over WebSockets at real-time pace",
+                                       description="Drive a running server over WebSockets at real-time pace "
+                                       "(see duplexcache/bench/serve.py)."))
 
 
 def load_deploy(args: argparse.Namespace) -> DeployConfig:
@@ -165,6 +174,10 @@ def _components_setup(deploy: DeployConfig, configs, args) -> _Setup:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "bench_command", None) == "serve":
+        from duplexcache.bench import serve
+
+        return serve.run(args)
     from tqdm import tqdm
 
     start = time.perf_counter()

@@ -3,16 +3,30 @@
     python -m duplexcache.bench.engine_ticks [--preset tiny|minicpmo45] [--device cpu|cuda]
         [--sessions 1,8,16,32] [--ticks 6] [--warmup-ticks 2] [--memory-budget 80GiB]
         [--all-switches on|off] [--steady-window] [--decode-cuda-graphs on|off] [--ragged-kernel on|off]
+        [--workload turns|continuous|conversation] [--speak-k 2] [--turn-units 2]
         [--max-seconds 420]
         [--out DIR]
 
 The models are built once (random weights; minicpmo45 on CUDA in bf16). For each session count
 ``n`` a fresh :class:`DuplexEngine` is built over the same :class:`ModelBundle`, ``n`` sessions are
-opened (voices ``default``/``alt`` alternating, the same instructions), each is given audio for
-``warmup + ticks`` units (the first unit 1.035 s, then 1 s each; a seeded tone plus noise at
-16 kHz), ``--warmup-ticks`` ticks run unrecorded (they open the sessions, compile kernels and
-capture Code2Wav graphs), then ``--ticks`` ticks are recorded. Then every session is closed, the
-engine shut down and its memory freed before the next ``n``.
+opened (the same instructions), ``--warmup-ticks`` ticks run unrecorded (they open the sessions,
+compile kernels and capture Code2Wav graphs), then ``--ticks`` ticks are recorded. Then every
+session is closed, the engine shut down and its memory freed before the next ``n``.
+
+Audio is fed one unit per session before each tick (the first unit 1.035 s, then 1 s each, at
+16 kHz), as a real-time client sends it, so runs of any length stay inside the engine's 10 s
+input buffer.
+
+``--workload`` (bench/workload.py) picks what the sessions say and when they speak:
+* ``turns`` (default): the lockstep ``every_k_units`` policy (``--speak-k``/``--turn-units``),
+  voices ``default``/``alt`` alternating, a seeded tone plus noise as input;
+* ``continuous``: one endless turn (every unit speaks), otherwise as ``turns``;
+* ``conversation``: the ``reply`` policy; each session alternates user turns of 2..6 units and
+  replies of 2..8 units from a random phase, voices drawn from at least 3 (extra synthetic
+  voices are registered in the bundle when the preset has fewer). On minicpmo45 it implies
+  ``--steady-window`` (a long call's 7000-token Thinker window).
+Every recorded tick is checked against the workload's schedule: the sessions that got text
+must be exactly the sessions the script says speak in that unit (else the run is an error).
 
 ``--steady-window``: after the warm-up, ``DuplexEngine.fast_forward`` fills every session's
 Thinker window to the middle of its marks, ``(low + high) // 2`` tokens after the anchor (seeded
@@ -30,8 +44,8 @@ What is recorded per tick:
   is the figure the 1 s real-time test uses.
 * ``decode_graph_steps``: decode steps of the Thinker and the Talker that replayed a CUDA graph
   over the recorded ticks (``--decode-cuda-graphs on``; 0 or absent when eager).
-* the number of sessions that got text in the tick (a scripted policy with ``turn_units >= k`` makes
-  every unit speak, so this must equal ``n``: a tick that silently skipped sessions is caught).
+* the number of sessions that got text in the tick, next to the number the workload scheduled
+  to speak (they must be equal: a tick that silently skipped sessions is caught).
 
 A stage with no work in a tick records 0 in the engine (e.g. Code2Wav on the first unit of a
 turn); percentiles are over the ticks where it ran, and the sample count says how many. With 6
@@ -51,8 +65,8 @@ Imports only torch, numpy and the package (pydantic/pyyaml through the config).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
-import json
 import logging
 import math
 import platform
@@ -65,9 +79,12 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from duplexcache.bench import workload as wl
+from duplexcache.bench.engine_ticks_report import STAGES, markdown, write_report
 from duplexcache.config import DeployConfig, format_bytes, parse_bytes
 from duplexcache.runtime.bundle import ModelBundle, build_models
 from duplexcache.runtime.engine import DuplexEngine
+from duplexcache.runtime.voices import VoiceRegistry
 from duplexcache.runtime.engine_api import (
     INPUT_SAMPLE_RATE,
     AdmissionError,
@@ -78,8 +95,8 @@ from duplexcache.runtime.engine_api import (
 
 logger = logging.getLogger(__name__)
 
-STAGES = ("encoder", "thinker", "talker", "code2wav", "tick")
 REALTIME_S = 1.0  # one tick is one 1-second unit: slower than this falls behind the audio
+CONTINUOUS_K = 1_000_000   # every_k_units block longer than any run: one endless turn
 VOICES = ("default", "alt")
 INSTRUCTIONS = "You are a friendly voice assistant. Keep every answer short."
 # minicpmo45 on an H200: weights take ~18 GiB of the 140; 80 GiB of pools leaves room for
@@ -113,8 +130,15 @@ class TickBenchConfig:
     decode_cuda_graphs: bool = True   # engine.decode_cuda_graphs (CUDA only)
     turn_units: int = 2   # scripted policy: the last min(turn_units, k) units of every k speak, as one turn
     ragged_kernel: bool = False   # stage0.ragged_kernel (CUDA only)
+    workload: str = "turns"   # turns | continuous | conversation (bench/workload.py)
 
     def __post_init__(self) -> None:
+        if self.workload not in wl.WORKLOADS:
+            raise ValueError(f"unknown workload {self.workload!r} (known: {', '.join(wl.WORKLOADS)})")
+        if self.workload == "conversation" and self.preset == "minicpmo45" and not self.steady_window:
+            logger.info("conversation workload on minicpmo45: Thinker windows are filled to (low + high) / 2 "
+                        "before the recorded ticks (--steady-window)")
+            self.steady_window = True
         if self.preset not in ("tiny", "minicpmo45"):
             raise ValueError(f"unknown preset {self.preset!r} (known: tiny, minicpmo45)")
         if self.device not in ("cpu", "cuda"):
@@ -140,7 +164,33 @@ class TickBenchConfig:
 
     @property
     def every_unit_speaks(self) -> bool:
-        return self.turn_units >= self.speak_k
+        if self.workload == "conversation":
+            return False
+        return self.workload == "continuous" or self.turn_units >= self.speak_k
+
+    def speak_policy(self) -> dict[str, Any]:
+        """``engine.speak_policy`` of the workload."""
+        if self.workload == "conversation":
+            shape = wl.ConversationShape()
+            return {"mode": "reply", "reply_min_units": shape.reply_min_units,
+                    "reply_max_units": shape.reply_max_units}
+        if self.workload == "continuous":
+            return {"mode": "every_k_units", "k": CONTINUOUS_K, "turn_units": CONTINUOUS_K}
+        return {"mode": "every_k_units", "k": self.speak_k, "turn_units": self.turn_units}
+
+    def describe_policy(self) -> str:
+        p = self.speak_policy()
+        if p["mode"] == "reply":
+            return f"reply (conversation) {p['reply_min_units']}..{p['reply_max_units']} units"
+        return f"every_k_units k={p['k']} turn_units={min(p['turn_units'], p['k'])}"
+
+    def script(self, index: int, sid: str, units: int) -> wl.SessionScript:
+        """What session ``index`` says and when it is scheduled to speak."""
+        if self.workload == "conversation":
+            return wl.conversation_script(index, sid, units, self.seed)
+        if self.workload == "continuous":
+            return wl.continuous_script(sid, units)
+        return wl.turns_script(sid, units, self.speak_k, self.turn_units)
 
     def budget(self) -> str | None:
         return self.memory_budget or DEFAULT_BUDGET.get(self.preset)
@@ -161,7 +211,7 @@ def make_deploy(cfg: TickBenchConfig) -> DeployConfig:
     for section, keys in SWITCHES.items():
         for key in keys:
             raw[section][key] = cfg.all_switches
-    raw["engine"]["speak_policy"] = {"mode": "every_k_units", "k": cfg.speak_k, "turn_units": cfg.turn_units}
+    raw["engine"]["speak_policy"] = cfg.speak_policy()
     raw["engine"]["decode_cuda_graphs"] = cfg.decode_cuda_graphs
     raw["stage0"]["ragged_kernel"] = cfg.ragged_kernel
     return DeployConfig.from_dict(raw, environ={})
@@ -210,6 +260,8 @@ class RunResult:
     planned_sessions: int | None = None
     per_tick: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in (*STAGES, "wall")})
     text_sessions: list[int] = field(default_factory=list)   # sessions with text, per recorded tick
+    scheduled_speakers: list[int] = field(default_factory=list)   # sessions the workload says speak, per recorded tick
+    schedule_mismatches: list[str] = field(default_factory=list)  # ticks (warm-up included) off the schedule
     audio_chunks: list[int] = field(default_factory=list)
     session_errors: int = 0
     late_ticks: int = 0
@@ -230,7 +282,8 @@ class RunResult:
                 "planned_sessions": self.planned_sessions, "recorded_ticks": len(self.per_tick["wall"]),
                 "stages_s": {s: summarize(v) for s, v in self.per_tick.items()},
                 "all_ticks_under_1s": self.all_under_1s, "per_tick_s": self.per_tick,
-                "text_sessions_per_tick": self.text_sessions, "audio_chunks_per_tick": self.audio_chunks,
+                "text_sessions_per_tick": self.text_sessions, "scheduled_speakers_per_tick": self.scheduled_speakers,
+                "schedule_mismatches": self.schedule_mismatches, "audio_chunks_per_tick": self.audio_chunks,
                 "session_errors": self.session_errors, "late_ticks": self.late_ticks,
                 "decode_graph_steps": self.decode_graph_steps,
                 "max_memory_allocated": self.max_memory_allocated,
@@ -248,12 +301,19 @@ class _Deadline:
         return self.elapsed() >= self.max_seconds
 
 
-def _open_all(eng: DuplexEngine, n: int, res: RunResult) -> list[str]:
+def session_voices(cfg: TickBenchConfig, n: int, available: list[str]) -> list[str]:
+    """``default``/``alt`` alternating; the conversation workload draws from every voice."""
+    if cfg.workload == "conversation":
+        return wl.pick_voices(n, available, cfg.seed)
+    return [VOICES[i % len(VOICES)] for i in range(n)]
+
+
+def _open_all(eng: DuplexEngine, n: int, res: RunResult, cfg: TickBenchConfig) -> list[str]:
     """Open ``n`` sessions; on the first refusal record it and return what was admitted."""
     sids: list[str] = []
-    for i in range(n):
+    for voice in session_voices(cfg, n, eng.voices.names()):
         try:
-            sids.append(eng.open_session({"voice": VOICES[i % len(VOICES)], "instructions": INSTRUCTIONS}))
+            sids.append(eng.open_session({"voice": voice, "instructions": INSTRUCTIONS}))
         except AdmissionError as exc:
             res.status, res.note = "refused", f"admitted {len(sids)} of {n}: {exc.reason}"
             logger.info("n=%d: admission refused after %d sessions: %s", n, len(sids), exc.reason)
@@ -262,21 +322,68 @@ def _open_all(eng: DuplexEngine, n: int, res: RunResult) -> list[str]:
     return sids
 
 
-def _record_tick(eng: DuplexEngine, res: RunResult, device: torch.device) -> None:
-    before = eng.stats().ticks
+class _Feed:
+    """Each session's workload script and input, fed one unit per tick as a real-time client does."""
+
+    def __init__(self, eng: DuplexEngine, cfg: TickBenchConfig, sids: list[str], units: int) -> None:
+        enc = eng.models.audio_encoder.cfg
+        if (enc.first_chunk_samples, enc.chunk_samples) != (wl.FIRST_UNIT_SAMPLES, wl.UNIT_SAMPLES):
+            raise ValueError(f"the workload's units ({wl.FIRST_UNIT_SAMPLES}, {wl.UNIT_SAMPLES} samples) differ "
+                             f"from the encoder's ({enc.first_chunk_samples}, {enc.chunk_samples})")
+        self.cfg, self.sids = cfg, sids
+        self.scripts = [cfg.script(i, sid, units) for i, sid in enumerate(sids)]
+        # turns/continuous keep the tone-plus-noise input of earlier runs
+        self.tones = None if cfg.workload == "conversation" else \
+            [session_audio(i, units, enc.first_chunk_samples, enc.chunk_samples, cfg.seed) for i in range(len(sids))]
+        self.unit = 0
+
+    def _audio(self, i: int, u: int) -> np.ndarray:
+        if self.tones is None:
+            return wl.unit_audio(self.scripts[i], i, u, self.cfg.seed)
+        start = 0 if u == 0 else wl.FIRST_UNIT_SAMPLES + (u - 1) * wl.UNIT_SAMPLES
+        return self.tones[i][start:start + wl.unit_samples(u)]
+
+    def push(self, eng: DuplexEngine) -> set[str]:
+        """Push the next unit to every live session; returns the sessions scheduled to speak in it."""
+        live = set(eng.session_ids())
+        speakers = set()
+        for i, sid in enumerate(self.sids):
+            if sid not in live:
+                continue   # the engine ended it; counted as a session error already
+            eng.push_audio(sid, self._audio(i, self.unit))
+            if self.scripts[i].speaks[self.unit]:
+                speakers.add(sid)
+        self.unit += 1
+        return speakers
+
+
+def _run_tick(eng: DuplexEngine, feed: _Feed, res: RunResult, device: torch.device) -> tuple[list, float, set[str]]:
+    """Feed one unit, tick (synchronised wall clock around ``tick()`` only), check the schedule."""
+    scheduled = feed.push(eng)
     _sync(device)
     t0 = time.perf_counter()
     events = eng.tick()
     _sync(device)
     wall = time.perf_counter() - t0
+    res.session_errors += sum(isinstance(e, SessionError) for e in events)
+    spoke = {e.sid for e in events if isinstance(e, TextDelta)}
+    if spoke != scheduled:
+        res.schedule_mismatches.append(f"unit {feed.unit - 1}: {len(spoke)} sessions spoke, "
+                                       f"{len(scheduled)} scheduled")
+    return events, wall, scheduled
+
+
+def _record_tick(eng: DuplexEngine, feed: _Feed, res: RunResult, device: torch.device) -> None:
+    before = eng.stats().ticks
+    events, wall, scheduled = _run_tick(eng, feed, res, device)
     st = eng.stats()
     assert st.ticks == before + 1, f"engine tick counter went {before} -> {st.ticks}"
     for stage in STAGES:
         res.per_tick[stage].append(float(st.stage_latency_s.get(stage, (0.0,))[-1]))
     res.per_tick["wall"].append(wall)
     res.text_sessions.append(len({e.sid for e in events if isinstance(e, TextDelta)}))
+    res.scheduled_speakers.append(len(scheduled))
     res.audio_chunks.append(sum(isinstance(e, AudioDelta) for e in events))
-    res.session_errors += sum(isinstance(e, SessionError) for e in events)
 
 
 def _fill_windows(eng: DuplexEngine, sids: list[str]) -> None:
@@ -297,28 +404,24 @@ def _drive(eng: DuplexEngine, n: int, cfg: TickBenchConfig, res: RunResult, dead
            sids: list[str]) -> None:
     """Open (into ``sids``), feed, warm up and record; the caller closes the sessions."""
     res.planned_sessions = eng.plan.planned_sessions
-    sids += _open_all(eng, n, res)
+    sids += _open_all(eng, n, res, cfg)
     if res.status == "refused":
         return
-    enc = eng.models.audio_encoder.cfg
     units = cfg.warmup_ticks + cfg.ticks + (1 if cfg.steady_window else 0)
-    for i, sid in enumerate(sids):
-        eng.push_audio(sid, session_audio(i, units, enc.first_chunk_samples, enc.chunk_samples, cfg.seed))
+    feed = _Feed(eng, cfg, list(sids), units)
+    device = eng.models.device
     for k in range(cfg.warmup_ticks):
         if deadline.passed():
             res.status = "stopped"
             res.note = f"wall-clock budget of {cfg.max_seconds:.0f} s spent after {k} warm-up ticks"
             return
-        t0 = time.perf_counter()
-        events = eng.tick()
-        res.session_errors += sum(isinstance(e, SessionError) for e in events)
-        logger.info("n=%d warm-up tick %d/%d: %.2f s", n, k + 1, cfg.warmup_ticks, time.perf_counter() - t0)
+        _, wall, _ = _run_tick(eng, feed, res, device)
+        logger.info("n=%d warm-up tick %d/%d: %.2f s", n, k + 1, cfg.warmup_ticks, wall)
     if cfg.steady_window:
         _fill_windows(eng, sids)
         # One more unrecorded tick: the longer block tables need decode graphs of a wider class,
         # captured on first use; the recorded ticks should show the steady cost, not the capture.
-        events = eng.tick()
-        res.session_errors += sum(isinstance(e, SessionError) for e in events)
+        _run_tick(eng, feed, res, device)
     late_before = eng.late_ticks
     graphs_before = dict(eng.stats().decode_graph_steps)
     for k in range(cfg.ticks):
@@ -326,19 +429,18 @@ def _drive(eng: DuplexEngine, n: int, cfg: TickBenchConfig, res: RunResult, dead
             res.status = "stopped"
             res.note = f"wall-clock budget of {cfg.max_seconds:.0f} s spent after {k} recorded ticks"
             break
-        _record_tick(eng, res, eng.models.device)
-        logger.info("n=%d tick %d/%d: %.1f ms (wall %.1f ms)", n, k + 1, cfg.ticks,
-                    1e3 * res.per_tick["tick"][-1], 1e3 * res.per_tick["wall"][-1])
+        _record_tick(eng, feed, res, device)
+        logger.info("n=%d tick %d/%d: %.1f ms (wall %.1f ms), %d of %d sessions speaking", n, k + 1, cfg.ticks,
+                    1e3 * res.per_tick["tick"][-1], 1e3 * res.per_tick["wall"][-1], res.text_sessions[-1], len(sids))
     res.late_ticks = eng.late_ticks - late_before
     res.decode_graph_steps = {k: v - graphs_before.get(k, 0) for k, v in eng.stats().decode_graph_steps.items()}
     if res.session_errors and res.status == "ok":
         res.status, res.note = "error", f"{res.session_errors} session errors during the run"
-    short = [k for k, t in enumerate(res.text_sessions) if t != len(sids)]
-    if cfg.every_unit_speaks and short and res.status == "ok":
-        # Every unit speaks: a tick without text from every session skipped some,
-        # and its latency would flatter the engine.
+    if res.schedule_mismatches and res.status == "ok":
+        # A tick whose speakers are not the scheduled ones skipped (or added) work, and its
+        # latency would not be the workload's.
         res.status = "error"
-        res.note = f"recorded ticks {short} ran fewer than {len(sids)} sessions ({res.text_sessions})"
+        res.note = f"ticks off the workload's schedule: {'; '.join(res.schedule_mismatches[:5])}"
 
 
 def run_sessions(models: ModelBundle, deploy: DeployConfig, n: int, cfg: TickBenchConfig,
@@ -425,6 +527,11 @@ def run_benchmark(cfg: TickBenchConfig, out: Path | None = None, models: ModelBu
         logger.info("building %s models on %s (%s)", cfg.preset, cfg.device, deploy.model.dtype)
         models = build_models(deploy, seed=cfg.seed)
         _sync(models.device)
+    if cfg.workload == "conversation" and len(models.voices) < wl.MIN_VOICES:
+        # A copy of the registry: the caller's bundle keeps its voices (and its memory plan).
+        voices = VoiceRegistry([models.voices.get(v) for v in models.voices.names()])
+        models = dataclasses.replace(models, voices=voices)
+        logger.info("conversation workload: voices %s", ", ".join(wl.ensure_voices(voices)))
     build_s = deadline.elapsed()
     weights_alloc = int(torch.cuda.memory_allocated(models.device)) if models.device.type == "cuda" else None
     logger.info("models ready in %.1f s (%s of weights)", build_s, format_bytes(models.weight_bytes()))
@@ -476,7 +583,7 @@ def _results(cfg: TickBenchConfig, deploy: DeployConfig, models: ModelBundle, ro
                    "sessions": list(cfg.sessions), "ticks": cfg.ticks, "warmup_ticks": cfg.warmup_ticks,
                    "memory_budget": format_bytes(deploy.engine.memory_budget),
                    "activation_reserve": format_bytes(deploy.engine.activation_reserve),
-                   "all_switches": cfg.all_switches, "speak_policy": f"every_k_units k={cfg.speak_k} turn_units={min(cfg.turn_units, cfg.speak_k)}",
+                   "all_switches": cfg.all_switches, "workload": cfg.workload, "speak_policy": cfg.describe_policy(),
                    "max_seconds": cfg.max_seconds, "seed": cfg.seed, "steady_window": cfg.steady_window,
                    "decode_cuda_graphs": cfg.decode_cuda_graphs, "ragged_kernel": cfg.ragged_kernel},
         "model_build_s": round(build_s, 3),
@@ -487,57 +594,6 @@ def _results(cfg: TickBenchConfig, deploy: DeployConfig, models: ModelBundle, ro
         "elapsed_s": round(deadline.elapsed(), 3),
         "runs": [r.to_dict() for r in rows],
     }
-
-
-def _stage_cell(s: dict) -> str:
-    if s["n"] == 0:
-        return "-"
-    return f"{s['p50'] * 1e3:.1f} / {s['p99'] * 1e3:.1f} / {s['max'] * 1e3:.1f}"
-
-
-def markdown(results: dict[str, Any]) -> str:
-    c = results["config"]
-    lines = [
-        "# Engine tick benchmark", "",
-        f"hardware: {results['hardware']}  ",
-        f"preset {c['preset']} on {c['device']} ({c['dtype']}), random weights, scripted policy "
-        f"{c['speak_policy']}; sharing switches {'on' if c['all_switches'] else 'off'}; "
-        f"budget {c['memory_budget']} (reserve {c['activation_reserve']}); Thinker windows "
-        f"{'filled to (low + high) / 2 before the recorded ticks' if c.get('steady_window') else 'as the units left them'}; "
-        f"decode CUDA graphs {'on' if c.get('decode_cuda_graphs') else 'off'}; "
-        f"ragged kernel {'on' if c.get('ragged_kernel') else 'off'}  ",
-        f"{c['warmup_ticks']} warm-up + {c['ticks']} recorded ticks per session count; models built once in "
-        f"{results['model_build_s']:.1f} s; whole run {results['elapsed_s']:.1f} s "
-        f"(budget {c['max_seconds']:.0f} s)", "",
-        "Per stage: p50 / p99 / max in ms over the recorded ticks where the stage ran (the engine's "
-        "timers, no device sync inside a tick). `wall`: synchronised wall clock around `tick()`, the "
-        "figure the 1 s test uses.", "",
-        "| sessions | status | " + " | ".join(f"{s} ms" for s in (*STAGES, "wall"))
-        + " | all ticks < 1 s | text/tick | graphed decode steps (Thinker/Talker) | peak alloc GiB |",
-        "|---" * (len(STAGES) + 7) + "|",
-    ]
-    for r in results["runs"]:
-        cells = [_stage_cell(r["stages_s"][s]) for s in (*STAGES, "wall")]
-        under = {True: "yes", False: "no", None: "-"}[r["all_ticks_under_1s"]]
-        text = f"{min(r['text_sessions_per_tick'])}" if r["text_sessions_per_tick"] else "-"
-        mem = "-" if r["max_memory_allocated"] is None else f"{r['max_memory_allocated'] / 2**30:.2f}"
-        steps = r.get("decode_graph_steps") or {}
-        graphed = f"{steps['thinker']}/{steps['talker']}" if steps else "-"
-        lines.append(f"| {r['sessions']} | {r['status']} | " + " | ".join(cells)
-                     + f" | {under} | {text} | {graphed} | {mem} |")
-    best = results["largest_sessions_all_ticks_under_1s"]
-    lines += ["", f"**Largest session count tried with every tick < 1 s: {best if best is not None else 'none'}**"]
-    notes = [f"- n={r['sessions']}: {r['status']}: {r['note']}" for r in results["runs"] if r["note"]]
-    if notes:
-        lines += ["", "Notes:", *notes]
-    lines.append("")
-    return "\n".join(lines)
-
-
-def write_report(results: dict[str, Any], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2))
-    (out / "results.md").write_text(markdown(results))
 
 
 # --------------------------------------------------------------------------------------------
@@ -570,6 +626,9 @@ def parse_args(argv: list[str] | None) -> tuple[TickBenchConfig, Path]:
                    help="scripted policy: speak in the last min(turn_units, k) of every k units")
     p.add_argument("--turn-units", type=int, default=2,
                    help="scripted policy: units per turn (k=2 with 2: two-unit turns; k=turn=1000: one turn)")
+    p.add_argument("--workload", choices=wl.WORKLOADS, default="turns",
+                   help="turns: --speak-k/--turn-units lockstep; continuous: one endless turn; conversation: "
+                        "user turns and replies (reply policy, >= 3 voices; implies --steady-window on minicpmo45)")
     p.add_argument("--steady-window", action="store_true",
                    help="before the recorded ticks, fill each Thinker window to (low + high) / 2 tokens")
     p.add_argument("--decode-cuda-graphs", choices=("on", "off"), default="on",
@@ -584,7 +643,7 @@ def parse_args(argv: list[str] | None) -> tuple[TickBenchConfig, Path]:
     try:
         cfg = TickBenchConfig(a.preset, device, a.sessions, a.ticks, a.warmup_ticks, a.memory_budget,
                               a.all_switches == "on", a.max_seconds, a.speak_k, a.seed, a.steady_window,
-                              a.decode_cuda_graphs == "on", a.turn_units, a.ragged_kernel == "on")
+                              a.decode_cuda_graphs == "on", a.turn_units, a.ragged_kernel == "on", a.workload)
     except ValueError as exc:
         p.error(str(exc))
     return cfg, a.out

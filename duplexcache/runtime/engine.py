@@ -137,6 +137,7 @@ class _Session:
     talker_blocks: list = field(default_factory=list)
     talker_len: int = 0
     turn: TurnState = field(default_factory=TurnState)   # turn control (runtime/turns.py)
+    policy_state: Any = None      # the speak policy's per-session state (policy.new_session)
 
 
 @dataclass(frozen=True)
@@ -409,7 +410,7 @@ class DuplexEngine:
         fp = self._footprint(cfg, voice)
         with self._lock:
             sid = f"sess_{next(self._ids)}"
-            sess = _Session(sid, cfg, voice, fp)
+            sess = _Session(sid, cfg, voice, fp, policy_state=self.policy.new_session(sid))
             reason = self.ledger.refusal(fp)
             if reason is None and not self._queue:
                 self.ledger.admit(sid, fp)
@@ -440,7 +441,8 @@ class DuplexEngine:
                 # without bound; the chunk is refused and the session goes on.
                 raise ValueError(
                     f"audio buffer of session {sid!r} is full: {sess.buffered / INPUT_SAMPLE_RATE:.2f} s "
-                    f"buffered, at most {MAX_BUFFERED_SECONDS} s; send audio in real time")
+                    f"buffered + {pcm.size / INPUT_SAMPLE_RATE:.2f} s in this chunk > at most "
+                    f"{MAX_BUFFERED_SECONDS} s; send audio in real time")
             sess.audio.append(pcm.copy())
             sess.buffered += pcm.size
 
@@ -809,7 +811,7 @@ class DuplexEngine:
         feed = {}
         for sid, logits in result.logits.items():
             u = by_sid[sid]
-            decision = self.policy.decide(u.session.unit_index, logits)
+            decision = self.policy.decide(u.session.unit_index, logits, u.session.policy_state, u.pcm)
             # The decision fed back (into the KV) is the turn-forced one, so the model sees it.
             u.decision = turns.decide(u.turn, u.session.turn, decision, c)
             feed[sid] = u.decision
@@ -825,7 +827,8 @@ class DuplexEngine:
                 if num_text >= MAX_UNIT_TOKENS - 2:
                     tok = c.chunk_eos   # decision + 18 text + end = 20 tokens
                 else:
-                    tok = self.policy.next_token(u.session.unit_index, num_text, result.logits[sid])
+                    tok = self.policy.next_token(u.session.unit_index, num_text, result.logits[sid],
+                                                 u.session.policy_state)
                 u.tokens.append(tok)
                 u.hidden.append(result.hidden[sid])   # the row whose logits chose ``tok``
                 nxt[sid] = tok

@@ -25,6 +25,19 @@ Two policies:
       k = 4, turn_units = 2:   L L S S | L L S S | ...    (S S = one turn of 2 chunks)
       k = 2, turn_units = 2:   S S | S S | ...            (the config default)
 
+* :class:`ReplyPolicy` (``reply``): a scripted conversation driven by the input audio, so a
+  load generator can play a caller and know when the server will answer. A unit whose PCM RMS
+  is above ``speech_rms`` is user speech; the first quiet unit after speech ends the user's turn
+  and starts a reply of ``R`` units (that quiet unit included), ``R =`` :func:`reply_units`
+  ``(session id, turn index, min, max)``; the reply's last unit ends with ``<|turn_eos|>``, then
+  the session listens again. Speech during a reply does not interrupt it (no barge-in)::
+
+      input     q q S S S q q q q q S S q ...       (S: RMS above the threshold)
+      decision  L L L L L S S S L L L L S ...       (turn 0: R = 3 units)
+
+Per-session state: the engine asks the policy for a state object when a session opens
+(:meth:`new_session`) and hands it back, with the unit's PCM, on every decision.
+
 Token ids come from the tokenizer (a real checkpoint's ids win). ``<|turn_eos|>`` is not in the
 spec's list; 151717 is the id public MiniCPM-o 4.5 test fixtures use, not verified against the
 real tokenizer (which is not available here).
@@ -32,9 +45,11 @@ real tokenizer (which is not available here).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from duplexcache.config import SpeakPolicy
@@ -79,15 +94,41 @@ def text_token_ids(tokenizer: Tokenizer, vocab_size: int) -> torch.Tensor:
 
 
 class DecisionPolicy(Protocol):
-    def decide(self, unit_index: int, logits: torch.Tensor) -> int:
-        """The decision token (listen or speak) of unit ``unit_index`` from the logits (V,)
-        after its audio."""
+    def new_session(self, sid: str) -> Any:
+        """Per-session state handed back on every call for that session (None if stateless)."""
         ...
 
-    def next_token(self, unit_index: int, num_text: int, logits: torch.Tensor) -> int:
+    def decide(self, unit_index: int, logits: torch.Tensor, state: Any = None,
+               pcm: np.ndarray | None = None) -> int:
+        """The decision token (listen or speak) of unit ``unit_index`` from the logits (V,)
+        after its audio; ``pcm`` is the unit's 16 kHz input."""
+        ...
+
+    def next_token(self, unit_index: int, num_text: int, logits: torch.Tensor, state: Any = None) -> int:
         """The next token of a speaking unit that has said ``num_text`` text tokens: a text id
         or one of the two end tokens."""
         ...
+
+
+def unit_rms(pcm: np.ndarray) -> float:
+    """Root mean square of one unit's PCM (float samples in [-1, 1]); 0 for an empty unit."""
+    if pcm.size == 0:
+        return 0.0
+    return float(np.sqrt(np.mean(np.square(pcm, dtype=np.float64))))
+
+
+def reply_units(sid: str, turn_index: int, min_units: int, max_units: int) -> int:
+    """Length in units of the reply to user turn ``turn_index`` of session ``sid``.
+
+    The one definition both the server's :class:`ReplyPolicy` and a load generator use, so a
+    client can tell how much audio the server will send. A hash, not a RNG stream: the value
+    depends only on its arguments (stable across processes, Python versions and platforms)."""
+    if not 1 <= min_units <= max_units:
+        raise ValueError(f"need 1 <= min_units <= max_units, got {min_units}, {max_units}")
+    if turn_index < 0:
+        raise ValueError(f"turn_index must be >= 0, got {turn_index}")
+    digest = hashlib.blake2b(f"{sid}/{turn_index}".encode(), digest_size=8).digest()
+    return min_units + int.from_bytes(digest, "little") % (max_units - min_units + 1)
 
 
 def _argmax_over(logits: torch.Tensor, ids: torch.Tensor) -> int:
@@ -113,10 +154,14 @@ class ModelPolicy:
         probs = torch.softmax(logits[ids.to(logits.device)].float().cpu() / self.temperature, dim=-1)
         return int(ids[int(torch.multinomial(probs, 1, generator=self.generator))])
 
-    def decide(self, unit_index: int, logits: torch.Tensor) -> int:
+    def new_session(self, sid: str) -> None:
+        return None
+
+    def decide(self, unit_index: int, logits: torch.Tensor, state: Any = None,
+               pcm: np.ndarray | None = None) -> int:
         return self._pick(logits, self.decision_ids)
 
-    def next_token(self, unit_index: int, num_text: int, logits: torch.Tensor) -> int:
+    def next_token(self, unit_index: int, num_text: int, logits: torch.Tensor, state: Any = None) -> int:
         return self._pick(logits, self.text_ids)
 
 
@@ -137,14 +182,78 @@ class ScriptedPolicy:
     def speaks(self, unit_index: int) -> bool:
         return unit_index % self.k >= self.k - self.turn_units
 
-    def decide(self, unit_index: int, logits: torch.Tensor) -> int:
+    def new_session(self, sid: str) -> None:
+        return None
+
+    def decide(self, unit_index: int, logits: torch.Tensor, state: Any = None,
+               pcm: np.ndarray | None = None) -> int:
         return self.control.speak if self.speaks(unit_index) else self.control.listen
 
-    def next_token(self, unit_index: int, num_text: int, logits: torch.Tensor) -> int:
+    def next_token(self, unit_index: int, num_text: int, logits: torch.Tensor, state: Any = None) -> int:
         if num_text < self.text_tokens:
             return _argmax_over(logits, self.text_ids)
         ends_turn = unit_index % self.k == self.k - 1
         return self.control.turn_eos if ends_turn else self.control.chunk_eos
+
+
+@dataclass
+class ReplyState:
+    """One session's place in a :class:`ReplyPolicy` conversation (tick thread only)."""
+
+    sid: str
+    heard_speech: bool = False   # the current user turn has had a speech unit
+    turns: int = 0               # user turns answered so far (the next reply's turn index)
+    reply_left: int = 0          # units of the current reply still to speak after the current one
+    speaking: bool = False       # the current unit is a reply unit
+    replies: list[int] = field(default_factory=list)   # lengths of the replies started, in order
+
+
+class ReplyPolicy:
+    """Replies after each user turn (see the module docstring)."""
+
+    def __init__(self, control: ControlTokens, text_ids: torch.Tensor, speech_rms: float, reply_min_units: int,
+                 reply_max_units: int, text_tokens: int = 3) -> None:
+        if not 0 < speech_rms < 1 or not 1 <= reply_min_units <= reply_max_units \
+                or not 0 <= text_tokens <= MAX_UNIT_TOKENS - 2:
+            raise ValueError(f"need 0 < speech_rms < 1, 1 <= reply_min_units <= reply_max_units and "
+                             f"0 <= text_tokens <= {MAX_UNIT_TOKENS - 2}; got {speech_rms}, {reply_min_units}, "
+                             f"{reply_max_units}, {text_tokens}")
+        self.control = control
+        self.text_ids = text_ids
+        self.speech_rms = speech_rms
+        self.reply_min_units = reply_min_units
+        self.reply_max_units = reply_max_units
+        self.text_tokens = text_tokens
+
+    def new_session(self, sid: str) -> ReplyState:
+        return ReplyState(sid)
+
+    def decide(self, unit_index: int, logits: torch.Tensor, state: Any = None,
+               pcm: np.ndarray | None = None) -> int:
+        if not isinstance(state, ReplyState) or pcm is None:
+            raise ValueError("ReplyPolicy.decide needs the session's ReplyState and the unit's PCM")
+        if state.speaking and state.reply_left > 0:   # inside a reply: keep speaking (no barge-in)
+            state.reply_left -= 1
+            return self.control.speak
+        state.speaking = False
+        if unit_rms(pcm) > self.speech_rms:
+            state.heard_speech = True
+            return self.control.listen
+        if not state.heard_speech:          # quiet, and no user turn to answer
+            return self.control.listen
+        length = reply_units(state.sid, state.turns, self.reply_min_units, self.reply_max_units)
+        state.replies.append(length)
+        state.heard_speech, state.turns = False, state.turns + 1
+        state.speaking, state.reply_left = True, length - 1
+        return self.control.speak
+
+    def next_token(self, unit_index: int, num_text: int, logits: torch.Tensor, state: Any = None) -> int:
+        if not isinstance(state, ReplyState):
+            raise ValueError("ReplyPolicy.next_token needs the session's ReplyState")
+        if num_text < self.text_tokens:
+            return _argmax_over(logits, self.text_ids)
+        # The reply's last unit ends the turn, so its audio is flushed in the same tick.
+        return self.control.turn_eos if state.reply_left == 0 else self.control.chunk_eos
 
 
 def make_policy(settings: SpeakPolicy, control: ControlTokens, text_ids: torch.Tensor) -> DecisionPolicy:
@@ -153,4 +262,7 @@ def make_policy(settings: SpeakPolicy, control: ControlTokens, text_ids: torch.T
         return ModelPolicy(control, text_ids)
     if settings.mode == "every_k_units":
         return ScriptedPolicy(control, text_ids, k=settings.k, turn_units=settings.turn_units)
+    if settings.mode == "reply":
+        return ReplyPolicy(control, text_ids, settings.speech_rms, settings.reply_min_units,
+                           settings.reply_max_units)
     raise ValueError(f"unknown speak_policy mode {settings.mode!r}")

@@ -38,6 +38,7 @@ class TrackedEngine(DuplexEngine):
     def __init__(self, deploy, models) -> None:
         super().__init__(deploy, models)
         self.opened: list[str] = []
+        self.voices_opened: list[str] = []
         self.closed: list[str] = []
         self.shutdowns = 0
         TrackedEngine.built.append(self)
@@ -45,6 +46,7 @@ class TrackedEngine(DuplexEngine):
     def open_session(self, client_session, *, queue_if_full=False):
         sid = super().open_session(client_session, queue_if_full=queue_if_full)
         self.opened.append(sid)
+        self.voices_opened.append(client_session["voice"])
         return sid
 
     def close_session(self, sid):
@@ -254,3 +256,58 @@ def test_steady_window_fills_to_the_middle_of_the_marks(models, tmp_path, restor
     assert run["status"] == "ok" and results["config"]["steady_window"] is True
     assert "filled to (low + high) / 2" in (tmp_path / "results.md").read_text()
     assert et.parse_args(["--steady-window"])[0].steady_window is True
+
+
+# ------------------------------------------------------------------ long runs and workloads
+
+LONG_WARMUP, LONG_TICKS = 8, 4
+
+
+def test_long_run_feeds_one_unit_per_tick(models):
+    """12 units used to overflow the engine's 10 s input buffer when pushed up front."""
+    TrackedEngine.built = []
+    cfg = et.TickBenchConfig("tiny", "cpu", (2,), LONG_TICKS, LONG_WARMUP, workload="continuous")
+    run = et.run_benchmark(cfg, models=models, engine_factory=TrackedEngine)["runs"][0]
+    assert run["status"] == "ok", run["note"]
+    assert run["session_errors"] == 0 and run["schedule_mismatches"] == []
+    assert run["recorded_ticks"] == LONG_TICKS
+    assert run["text_sessions_per_tick"] == run["scheduled_speakers_per_tick"] == [2] * LONG_TICKS
+    # one endless turn: after the first unit every tick carries one chunk per session
+    assert run["audio_chunks_per_tick"] == [2] * LONG_TICKS
+    eng = TrackedEngine.built[0]
+    assert eng.stats().ticks == LONG_WARMUP + LONG_TICKS
+
+
+def test_conversation_workload_follows_its_script(models):
+    n, seed = 3, 0
+    units = LONG_WARMUP + LONG_TICKS
+    TrackedEngine.built = []
+    cfg = et.TickBenchConfig("tiny", "cpu", (n,), LONG_TICKS, LONG_WARMUP, workload="conversation", seed=seed)
+    results = et.run_benchmark(cfg, models=models, engine_factory=TrackedEngine)
+    run = results["runs"][0]
+    assert run["status"] == "ok", run["note"]
+    assert run["session_errors"] == 0 and run["schedule_mismatches"] == []
+    eng = TrackedEngine.built[0]
+    assert eng.deploy.engine.speak_policy.mode == "reply"
+    assert len(set(eng.voices_opened)) == 3          # three voices, one more than the preset has
+    assert len(models.voices) == 2                   # the caller's bundle is left as it was
+    # the schedule, recomputed from the workload, has speaking and listening sessions in the
+    # recorded ticks (so the run's own schedule check had something to catch)
+    scripts = [et.wl.conversation_script(i, sid, units, seed) for i, sid in enumerate(eng.opened)]
+    scheduled = [sum(s.speaks[u] for s in scripts) for u in range(LONG_WARMUP, units)]
+    assert run["scheduled_speakers_per_tick"] == scheduled == run["text_sessions_per_tick"]
+    assert any(s.speaks[u] for s in scripts for u in range(units))
+    assert not all(s.speaks[u] for s in scripts for u in range(units))
+    assert results["config"]["workload"] == "conversation"
+    assert "reply" in results["config"]["speak_policy"]
+
+
+def test_workload_flag_reaches_the_policy():
+    cfg, _ = et.parse_args(["--workload", "conversation"])
+    sp = et.make_deploy(cfg).engine.speak_policy
+    assert (sp.mode, sp.reply_min_units, sp.reply_max_units) == ("reply", 2, 8)
+    cfg, _ = et.parse_args(["--workload", "continuous"])
+    sp = et.make_deploy(cfg).engine.speak_policy
+    assert sp.mode == "every_k_units" and sp.k == sp.turn_units == et.CONTINUOUS_K and cfg.every_unit_speaks
+    with pytest.raises(ValueError, match="unknown workload"):
+        et.TickBenchConfig(workload="chatter")

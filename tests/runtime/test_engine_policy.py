@@ -1,5 +1,8 @@
-"""Decision policies, the 20-token unit cap, the model-driven mode, and the voice registry."""
+"""Decision policies, the 20-token unit cap, the model-driven mode, the reply mode, and the voice
+registry."""
 from __future__ import annotations
+
+import numpy as np
 
 import sys
 from pathlib import Path
@@ -9,6 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).parent))
+from engine_helpers import FIRST as FIRST_UNIT
 from engine_helpers import audio, collect, engine, tiny_models
 
 from duplexcache.context.tokenizer import ByteTokenizer
@@ -16,8 +20,12 @@ from duplexcache.runtime.policy import (
     MAX_UNIT_TOKENS,
     ControlTokens,
     ModelPolicy,
+    ReplyPolicy,
+    ReplyState,
     ScriptedPolicy,
+    reply_units,
     text_token_ids,
+    unit_rms,
 )
 from duplexcache.runtime.voices import VoiceRegistry, synthetic_voice
 
@@ -59,7 +67,7 @@ def test_model_policy_restricts_the_logits():
 class _Chatty(ScriptedPolicy):
     """Speaks and never ends its text: the engine must cut the unit at 20 tokens."""
 
-    def next_token(self, unit_index, num_text, logits):
+    def next_token(self, unit_index, num_text, logits, state=None):
         return ord("x")
 
 
@@ -131,3 +139,111 @@ def test_talker_turn_at_its_position_limit_starts_a_new_audio_turn(tmp_path):
     assert [len(a) // 2 for a in got[2]["audio"]] == [27840] and got[2]["done"] == 0
     s = eng.session_info(sid)
     assert s.turns == 2 and s.talker_tokens == 30 and s.code2wav_stream == f"{sid}#2"
+
+
+# ------------------------------------------------------------------------------ reply mode
+
+LOUD, QUIET = 0.1, 0.02     # RMS of a user-speech unit and of a quiet one in these tests
+
+
+def _unit(rms: float, seed: int, n: int = 16_000) -> np.ndarray:
+    """A unit of noise with exactly this RMS."""
+    x = np.random.default_rng(seed).standard_normal(n)
+    return (x * rms / np.sqrt(np.mean(x * x))).astype(np.float32)
+
+
+def test_reply_units_is_deterministic_and_covers_its_range():
+    got = [reply_units(f"sess_{i}", t, 2, 8) for i in range(40) for t in range(5)]
+    assert got == [reply_units(f"sess_{i}", t, 2, 8) for i in range(40) for t in range(5)]
+    assert set(got) == set(range(2, 9))                         # every length in [2, 8] occurs
+    assert reply_units("sess_1", 0, 3, 3) == 3
+    assert [reply_units("sess_1", t, 2, 8) for t in range(6)] != [reply_units("sess_2", t, 2, 8) for t in range(6)]
+    for bad in ((0, 2), (3, 2)):
+        with pytest.raises(ValueError):
+            reply_units("sess_1", 0, *bad)
+
+
+def test_unit_rms():
+    assert unit_rms(np.zeros(0, np.float32)) == 0.0
+    assert unit_rms(np.full(100, -0.5, np.float32)) == pytest.approx(0.5)
+    assert unit_rms(_unit(LOUD, 0)) == pytest.approx(LOUD, rel=1e-5)
+
+
+def test_reply_policy_decisions():
+    p = ReplyPolicy(CONTROL, TEXT, speech_rms=0.05, reply_min_units=2, reply_max_units=8, text_tokens=1)
+    state = p.new_session("sess_7")
+    assert isinstance(state, ReplyState)
+    logits = torch.zeros(151748)
+    logits[CONTROL.listen] = 100.0            # the model wants to listen; the script decides
+    logits[ord("k")] = 5.0
+    r0, r1 = reply_units("sess_7", 0, 2, 8), reply_units("sess_7", 1, 2, 8)
+    # quiet, quiet (nothing to answer), loud, loud, quiet -> reply 0 of r0 units (the quiet unit
+    # that ends the user's turn is its first), loud during the reply is ignored (no barge-in),
+    # then quiet listens until the next loud burst, and the next quiet unit starts reply 1
+    script = [QUIET, QUIET, LOUD, LOUD] + [QUIET] + [LOUD] * (r0 - 1) + [QUIET, LOUD, QUIET]
+    want = "LLLL" + "S" * r0 + "LLS"
+    got, ends = "", []
+    for u, rms in enumerate(script):
+        d = p.decide(u, logits, state, _unit(rms, u))
+        got += "S" if d == CONTROL.speak else "L"
+        if d == CONTROL.speak:
+            assert p.next_token(u, 0, logits, state) == ord("k")
+            ends.append(p.next_token(u, 1, logits, state))
+    assert got == want
+    assert ends[:r0] == [CONTROL.chunk_eos] * (r0 - 1) + [CONTROL.turn_eos]
+    assert ends[r0] == (CONTROL.turn_eos if r1 == 1 else CONTROL.chunk_eos)
+    assert state.replies == [r0, r1] and state.turns == 2
+    # a threshold just above the loud units: nothing is speech, nothing is answered
+    deaf = ReplyPolicy(CONTROL, TEXT, speech_rms=LOUD * 1.01, reply_min_units=2, reply_max_units=8)
+    s2 = deaf.new_session("sess_7")
+    assert all(deaf.decide(u, logits, s2, _unit(r, u)) == CONTROL.listen for u, r in enumerate(script))
+    with pytest.raises(ValueError, match="ReplyState"):
+        p.decide(0, logits, None, _unit(LOUD, 0))
+    with pytest.raises(ValueError):
+        ReplyPolicy(CONTROL, TEXT, speech_rms=0.05, reply_min_units=4, reply_max_units=3)
+
+
+def test_reply_mode_settings_reach_the_engine_policy(tmp_path):
+    from duplexcache.config import ConfigError
+
+    eng = engine(tmp_path, "reply_wiring", {"engine": {"speak_policy": {
+        "mode": "reply", "speech_rms": 0.03, "reply_min_units": 3, "reply_max_units": 5}}})
+    assert isinstance(eng.policy, ReplyPolicy)
+    assert (eng.policy.speech_rms, eng.policy.reply_min_units, eng.policy.reply_max_units) == (0.03, 3, 5)
+    sid = eng.open_session({"voice": "default"})
+    assert eng._sessions[sid].policy_state == ReplyState(sid)   # per-session state from open
+    eng.shutdown()
+    with pytest.raises(ConfigError, match="reply_min_units"):
+        engine(tmp_path, "reply_bad", {"engine": {"speak_policy": {"reply_min_units": 9, "reply_max_units": 8}}})
+
+
+def test_reply_through_the_engine_has_the_scripted_length(tmp_path):
+    """A 2-unit burst, then quiet: one reply of reply_units(sid, 0) units, then silence. The
+    quiet units are above the default threshold (0.01) and below the YAML's (0.05), so this
+    also fails if speech_rms does not reach the policy."""
+    eng = engine(tmp_path, "reply_engine", {"engine": {"speak_policy": {
+        "mode": "reply", "speech_rms": 0.05, "reply_min_units": 2, "reply_max_units": 4}}})
+    sid = eng.open_session({"voice": "default"})
+    length = reply_units(sid, 0, 2, 4)
+    units = [_unit(LOUD, 0, FIRST_UNIT)] + [_unit(LOUD, 1)] + [_unit(QUIET, 2 + k) for k in range(length + 1)]
+    per_tick = []
+    for pcm in units:                    # one unit per tick, as a real-time client sends it
+        eng.push_audio(sid, pcm)
+        per_tick.append(collect(eng.tick()).get(sid, {"audio": [], "text": [], "done": 0, "errors": []}))
+    eng.shutdown()
+    assert not any(t["errors"] for t in per_tick)
+    spoke = [bool(t["text"]) for t in per_tick]
+    assert spoke == [False, False] + [True] * length + [False]
+    done = [t["done"] for t in per_tick]
+    assert done == [0] * (1 + length) + [1, 0]   # the reply's last unit ends the turn
+    samples = [sum(len(a) // 2 for a in t["audio"]) for t in per_tick]
+    # speech lags text by one unit; the final chunk carries the vocoder's 3840-sample tail
+    assert samples == [0, 0, 0] + [24_000] * (length - 2) + [24_000 + 27_840, 0]
+
+
+def test_full_buffer_message_names_the_chunk(tmp_path):
+    eng = engine(tmp_path, "flood_msg")
+    sid = eng.open_session({"voice": "default"})
+    with pytest.raises(ValueError, match=r"0\.00 s buffered \+ 12\.00 s in this chunk > at most 10 s"):
+        eng.push_audio(sid, np.zeros(12 * 16_000, np.float32))
+    eng.shutdown()

@@ -1,0 +1,65 @@
+"""The engine tick benchmark's Markdown report (results.md) and the files it writes.
+
+Split out of engine_ticks.py; reads only the JSON-able results dict that
+``engine_ticks.run_benchmark`` returns.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+STAGES = ("encoder", "thinker", "talker", "code2wav", "tick")   # the engine's stages, in tick order
+
+
+def _stage_cell(s: dict) -> str:
+    if s["n"] == 0:
+        return "-"
+    return f"{s['p50'] * 1e3:.1f} / {s['p99'] * 1e3:.1f} / {s['max'] * 1e3:.1f}"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    c = results["config"]
+    lines = [
+        "# Engine tick benchmark", "",
+        f"hardware: {results['hardware']}  ",
+        f"preset {c['preset']} on {c['device']} ({c['dtype']}), random weights, workload "
+        f"{c.get('workload', 'turns')}, speak policy {c['speak_policy']}; sharing switches {'on' if c['all_switches'] else 'off'}; "
+        f"budget {c['memory_budget']} (reserve {c['activation_reserve']}); Thinker windows "
+        f"{'filled to (low + high) / 2 before the recorded ticks' if c.get('steady_window') else 'as the units left them'}; "
+        f"decode CUDA graphs {'on' if c.get('decode_cuda_graphs') else 'off'}; "
+        f"ragged kernel {'on' if c.get('ragged_kernel') else 'off'}  ",
+        f"{c['warmup_ticks']} warm-up + {c['ticks']} recorded ticks per session count; models built once in "
+        f"{results['model_build_s']:.1f} s; whole run {results['elapsed_s']:.1f} s "
+        f"(budget {c['max_seconds']:.0f} s)", "",
+        "Per stage: p50 / p99 / max in ms over the recorded ticks where the stage ran (the engine's "
+        "timers, no device sync inside a tick). `wall`: synchronised wall clock around `tick()`, the "
+        "figure the 1 s test uses.", "",
+        "| sessions | status | " + " | ".join(f"{s} ms" for s in (*STAGES, "wall"))
+        + " | all ticks < 1 s | sessions speaking per tick (min..max) | graphed decode steps (Thinker/Talker) | peak alloc GiB |",
+        "|---" * (len(STAGES) + 7) + "|",
+    ]
+    for r in results["runs"]:
+        cells = [_stage_cell(r["stages_s"][s]) for s in (*STAGES, "wall")]
+        under = {True: "yes", False: "no", None: "-"}[r["all_ticks_under_1s"]]
+        text = f"{min(r['text_sessions_per_tick'])}..{max(r['text_sessions_per_tick'])}" \
+            if r["text_sessions_per_tick"] else "-"
+        mem = "-" if r["max_memory_allocated"] is None else f"{r['max_memory_allocated'] / 2**30:.2f}"
+        steps = r.get("decode_graph_steps") or {}
+        graphed = f"{steps['thinker']}/{steps['talker']}" if steps else "-"
+        lines.append(f"| {r['sessions']} | {r['status']} | " + " | ".join(cells)
+                     + f" | {under} | {text} | {graphed} | {mem} |")
+    best = results["largest_sessions_all_ticks_under_1s"]
+    lines += ["", f"**Largest session count tried with every tick < 1 s: {best if best is not None else 'none'}**"]
+    notes = [f"- n={r['sessions']}: {r['status']}: {r['note']}" for r in results["runs"] if r["note"]]
+    if notes:
+        lines += ["", "Notes:", *notes]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def write_report(results: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    (out / "results.md").write_text(markdown(results))

@@ -1,0 +1,379 @@
+"""``duplexcache bench serve``: drive a running server over WebSockets at real-time pace, the
+way callers meet it (the ``vllm bench serve`` of duplex speech).
+
+    duplexcache bench serve --url ws://127.0.0.1:8000/v1/realtime --sessions 8,16,32
+        [--workload conversation|continuous] [--duration 60] [--ramp 5] [--seed 0] [--out DIR]
+
+Each step of ``--sessions`` (one count, or a comma list: a sweep) connects a fresh set of
+sessions over ``--ramp`` seconds; each streams ``--duration`` seconds of its workload
+(bench/workload.py) in 0.1 s chunks at real-time pace, waits a few seconds for the replies it
+was promised, and disconnects. Between steps the client waits for the server to report no live
+sessions. Only ``--url`` (and ``/metrics``, ``/health`` on the same host and port) is contacted.
+
+``conversation`` needs the server to run ``engine.speak_policy.mode: reply`` with the same
+``reply_min_units``/``reply_max_units`` as ``--reply-min-units``/``--reply-max-units``: the
+client computes each reply's length with the server's ``policy.reply_units``. ``continuous``
+expects a server that speaks every unit (``every_k_units`` with ``turn_units >= k``).
+
+Per session (bench/serve_client.py): reply latency (end of the user's turn audio sent -> first
+audio delta of the reply), playback gaps inside replies longer than 200 ms, audio seconds
+received vs scheduled, errors. Per step: p50/p95/p99 of these, and the difference of the
+server's ``late_ticks``-like and ``graph_capture``-like counters over the step (null when the
+server exports none). A step is real-time when every session received audio, the server
+counted 0 late ticks, and the reply latency p99 is at most ``--max-reply-latency`` (1.5 s);
+``largest_realtime_sessions`` is the largest such step (null if none). Writes
+``DIR/results.json`` and ``DIR/reply_latency.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import math
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import numpy as np
+
+from duplexcache.bench import workload as wl
+from duplexcache.bench.serve_client import GAP_S, Caller, SessionTrace, session_row
+
+logger = logging.getLogger(__name__)
+
+SERVE_WORKLOADS = ("conversation", "continuous")
+MAX_SESSIONS = 1024
+MAX_STEPS = 16
+MAX_DURATION_S = 3600.0
+MAX_RAMP_S = 600.0
+INSTRUCTIONS = "You are a friendly voice assistant. Keep every answer short."
+IDLE_WAIT_S = 30.0      # between steps: at most this long for the server to free the last step's sessions
+
+
+def _sessions(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--sessions wants an int or a comma list, got {text!r}") from None
+    if not values or min(values) < 1 or max(values) > MAX_SESSIONS or len(values) > MAX_STEPS:
+        raise argparse.ArgumentTypeError(f"--sessions wants 1..{MAX_STEPS} counts in 1..{MAX_SESSIONS}, got {text!r}")
+    return values
+
+
+def _unit_range(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--user-units wants MIN,MAX, got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"--user-units needs 1 <= MIN <= MAX, got {text!r}")
+    return lo, hi
+
+
+def _bounded(name: str, lo: float, hi: float):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} wants a number, got {text!r}") from None
+        if not lo <= value <= hi or math.isnan(value):
+            raise argparse.ArgumentTypeError(f"{name} must be in [{lo:g}, {hi:g}], got {text!r}")
+        return value
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", required=True, help="the server's realtime WebSocket, e.g. ws://127.0.0.1:8000/v1/realtime")
+    parser.add_argument("--sessions", type=_sessions, default=(8,), help="a count, or a comma list for a sweep")
+    parser.add_argument("--workload", choices=SERVE_WORKLOADS, default="conversation")
+    parser.add_argument("--duration", type=_bounded("--duration", 1, MAX_DURATION_S), default=60.0,
+                        help="seconds of audio each session streams")
+    parser.add_argument("--ramp", type=_bounded("--ramp", 0, MAX_RAMP_S), default=5.0,
+                        help="seconds over which a step's sessions connect")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--voices", default="default,alt",
+                        help="comma list of server voices the sessions use in turn (the server must know them)")
+    parser.add_argument("--user-units", type=_unit_range, default=(2, 6),
+                        help="conversation: user turns last MIN,MAX units (seconds)")
+    parser.add_argument("--max-lead-units", type=int, default=wl.ConversationShape.max_lead_units,
+                        help="conversation: a session starts after 0..this many quiet units (its random phase)")
+    parser.add_argument("--reply-min-units", type=int, default=wl.ConversationShape.reply_min_units,
+                        help="must equal the server's engine.speak_policy.reply_min_units")
+    parser.add_argument("--reply-max-units", type=int, default=wl.ConversationShape.reply_max_units,
+                        help="must equal the server's engine.speak_policy.reply_max_units")
+    parser.add_argument("--max-reply-latency", type=_bounded("--max-reply-latency", 0, 60), default=1.5,
+                        help="real-time criterion: reply latency p99 at most this (seconds)")
+    parser.add_argument("--drain", type=_bounded("--drain", 0, 120), default=5.0,
+                        help="seconds to wait after the last audio for scheduled replies")
+    parser.add_argument("--hardware", default=None, help="hardware line for the report (default: nvidia-smi / platform)")
+    parser.add_argument("--out", type=Path, default=Path("bench-serve-out"))
+
+
+# ------------------------------------------------------------------------------ server side
+
+def http_base(url: str) -> str:
+    """ws(s)://host:port/path -> http(s)://host:port (the same server's HTTP endpoints)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("ws", "wss") or not parts.netloc:
+        raise ValueError(f"--url must be ws:// or wss:// with a host, got {url!r}")
+    return urlunsplit(("http" if parts.scheme == "ws" else "https", parts.netloc, "", "", ""))
+
+
+def counters(metrics_text: str) -> dict[str, float | None]:
+    """Sums of the ``late_ticks``-like and ``graph_capture``-like counters (None: none exported)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found: dict[str, float | None] = {"late_ticks": None, "graph_captures": None}
+    for family in text_string_to_metric_families(metrics_text):
+        key = "late_ticks" if "late_tick" in family.name else "graph_captures" if "graph_capture" in family.name \
+            else None
+        if key is None:
+            continue
+        total = sum(s.value for s in family.samples if s.name in (family.name, family.name + "_total"))
+        found[key] = (found[key] or 0.0) + total
+    return found
+
+
+async def _get(client: Any, url: str) -> Any:
+    response = await client.get(url, timeout=10.0)
+    response.raise_for_status()
+    return response
+
+
+async def scrape(client: Any, base: str) -> dict[str, float | None]:
+    try:
+        return counters((await _get(client, base + "/metrics")).text)
+    except Exception as exc:  # noqa: BLE001 - a server without /metrics gives nulls, not a failed run
+        logger.warning("could not read %s/metrics: %s", base, exc)
+        return {"late_ticks": None, "graph_captures": None}
+
+
+async def wait_idle(client: Any, base: str, timeout: float = IDLE_WAIT_S) -> None:
+    """Until /health reports no live sessions (the server frees closed sessions at its next tick)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        try:
+            body = (await client.get(base + "/health", timeout=5.0)).json()
+            if body.get("live_sessions", 0) == 0 and body.get("queued_sessions", 0) == 0:
+                return
+        except Exception as exc:  # noqa: BLE001
+            logger.debug("health: %s", exc)
+        await asyncio.sleep(0.25)
+    logger.warning("server still reports live sessions after %.0f s; starting the next step anyway", timeout)
+
+
+# ------------------------------------------------------------------------------ one step
+
+def percentiles(values: list[float]) -> dict[str, float | int | None]:
+    if not values:
+        return {"p50": None, "p95": None, "p99": None, "max": None, "n": 0}
+    a = np.asarray(values, dtype=np.float64)
+    return {"p50": round(float(np.percentile(a, 50)), 4), "p95": round(float(np.percentile(a, 95)), 4),
+            "p99": round(float(np.percentile(a, 99)), 4), "max": round(float(a.max()), 4), "n": int(a.size)}
+
+
+def _delta(after: float | None, before: float | None) -> float | None:
+    return None if after is None or before is None else after - before
+
+
+def summarize_step(n: int, rows: list[dict[str, Any]], before: dict, after: dict, wall_s: float,
+                   max_latency: float, workload: str) -> dict[str, Any]:
+    latencies = [x for r in rows for x in r["reply_latency_s"]]
+    ratios = [r["audio_received_ratio"] for r in rows if r["audio_received_ratio"] is not None]
+    late = _delta(after["late_ticks"], before["late_ticks"])
+    lat = percentiles(latencies)
+    all_audio = all(r["got_audio"] for r in rows)
+    if workload == "conversation":
+        latency_ok = lat["p99"] is not None and lat["p99"] <= max_latency
+    else:
+        latency_ok = True   # no user turns, no replies: the latency part does not apply
+    return {
+        "sessions": n, "wall_s": round(wall_s, 3),
+        "reply_latency_s": lat,
+        "max_gap_s": percentiles([r["max_gap_s"] for r in rows]),
+        "audio_received_ratio": percentiles(ratios),
+        "gaps_over_200ms": sum(r["gaps_over_200ms"] for r in rows),
+        "sessions_with_audio": sum(r["got_audio"] for r in rows),
+        "sessions_with_errors": sum(bool(r["errors"]) for r in rows),
+        "replies_scheduled": sum(r["replies_scheduled"] for r in rows),
+        "replies_done": sum(r["replies_done"] for r in rows),
+        "late_ticks": late, "graph_captures": _delta(after["graph_captures"], before["graph_captures"]),
+        "realtime": bool(all_audio and late == 0 and latency_ok),
+        "per_session": rows,
+    }
+
+
+async def run_step(n: int, args: argparse.Namespace, client: Any, base: str, bar: Any = None) -> dict[str, Any]:
+    shape = wl.ConversationShape(user_min_units=args.user_units[0], user_max_units=args.user_units[1],
+                                 reply_min_units=args.reply_min_units, reply_max_units=args.reply_max_units,
+                                 max_lead_units=args.max_lead_units)
+    voices = wl.pick_voices(n, [v for v in args.voices.split(",") if v.strip()], args.seed)
+    units = max(1, int(args.duration))
+    callers = [Caller(i, voices[i], args.workload, units, args.seed, shape, INSTRUCTIONS,
+                      start_delay_s=args.ramp * i / max(1, n - 1) if n > 1 else 0.0, drain_s=args.drain)
+               for i in range(n)]
+    traces = [SessionTrace(i, voices[i]) for i in range(n)]
+    before = await scrape(client, base)
+    start = time.perf_counter()
+    # Bounded: connect timeouts + ramp + audio + drain, with slack for a slow server.
+    limit = args.ramp + units + args.drain + 2 * callers[0].ready_timeout_s + 30.0
+    tasks = [asyncio.create_task(c.run(args.url, t)) for c, t in zip(callers, traces)]
+    ticker = asyncio.create_task(_progress(bar, args.ramp + units)) if bar is not None else None
+    done, pending = await asyncio.wait(tasks, timeout=limit)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    for task, trace in zip(tasks, traces):
+        if task in pending:
+            trace.errors.append(f"step time limit of {limit:.0f} s reached")
+    if ticker is not None:
+        ticker.cancel()
+    wall = time.perf_counter() - start
+    await asyncio.sleep(1.5)   # the server counts a late tick when the tick ends: let the last ones land
+    after = await scrape(client, base)
+    return summarize_step(n, [session_row(t) for t in traces], before, after, wall, args.max_reply_latency,
+                          args.workload)
+
+
+async def _progress(bar: Any, seconds: float) -> None:
+    for _ in range(int(math.ceil(seconds))):
+        await asyncio.sleep(1.0)
+        bar.update(1)
+
+
+# ------------------------------------------------------------------------------ the sweep
+
+def hardware_line() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        if out:
+            return "; ".join(line.strip() for line in out.splitlines()) + f"; client {platform.node()}"
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return f"CPU {platform.processor() or platform.machine()}; {platform.platform()}"
+
+
+def criterion(args: argparse.Namespace) -> dict[str, Any]:
+    return {"every_session_received_audio": True, "late_ticks": 0,
+            "reply_latency_p99_max_s": args.max_reply_latency if args.workload == "conversation" else None,
+            "text": "largest step in which every session received audio, the server counted 0 late ticks "
+                    f"and reply latency p99 <= {args.max_reply_latency:g} s"
+                    + ("" if args.workload == "conversation" else " (latency not applicable: no user turns)")}
+
+
+def largest_realtime(steps: list[dict[str, Any]]) -> int | None:
+    ok = [s["sessions"] for s in steps if s["realtime"]]
+    return max(ok) if ok else None
+
+
+def _results(args: argparse.Namespace, argv: list[str], steps: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "command": "duplexcache bench serve " + shlex.join(argv),
+        "hardware": args.hardware or hardware_line(),
+        "url": args.url,
+        "config": {"sessions": list(args.sessions), "workload": args.workload, "duration_s": args.duration,
+                   "ramp_s": args.ramp, "seed": args.seed, "voices": [v for v in args.voices.split(",") if v.strip()],
+                   "user_units": list(args.user_units), "max_lead_units": args.max_lead_units,
+                   "reply_units": [args.reply_min_units, args.reply_max_units], "drain_s": args.drain,
+                   "gap_threshold_s": GAP_S, "input": "16 kHz pcm16 in 0.1 s chunks at real-time pace"},
+        "criterion": criterion(args),
+        "largest_realtime_sessions": largest_realtime(steps),
+        "steps": steps,
+    }
+
+
+async def run_sweep(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    import httpx
+    from tqdm import tqdm
+
+    base = http_base(args.url)
+    steps: list[dict[str, Any]] = []
+    per_step = int(math.ceil(args.ramp + max(1, int(args.duration))))
+    async with httpx.AsyncClient() as client:
+        with tqdm(total=per_step * len(args.sessions), desc="bench serve", unit="s", file=sys.stderr,
+                  disable=None) as bar:
+            for k, n in enumerate(args.sessions):
+                if k:
+                    await wait_idle(client, base)
+                logger.info("step %d/%d: %d sessions, %s, %.0f s", k + 1, len(args.sessions), n, args.workload,
+                            args.duration)
+                step = await run_step(n, args, client, base, bar)
+                steps.append(step)
+                lat = step["reply_latency_s"]
+                logger.info("%d sessions: audio %d/%d, reply latency p50 %s p99 %s s, late ticks %s, real-time %s",
+                            n, step["sessions_with_audio"], n, lat["p50"], lat["p99"], step["late_ticks"],
+                            step["realtime"])
+                write_results(_results(args, argv, steps), args.out)   # a killed sweep keeps its steps
+    return _results(args, argv, steps)
+
+
+def write_results(results: dict[str, Any], out: Path) -> None:
+    import json
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+
+
+def plot_latency(results: dict[str, Any], path: Path) -> Path:
+    """Reply latency p50/p95/p99 vs sessions, with the criterion's limit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = results["steps"]
+    ns = [s["sessions"] for s in steps]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for q, style in (("p50", "o-"), ("p95", "s--"), ("p99", "^-")):
+        ys = [s["reply_latency_s"][q] if s["reply_latency_s"][q] is not None else float("nan") for s in steps]
+        ax.plot(ns, ys, style, label=q)
+    limit = results["criterion"]["reply_latency_p99_max_s"]
+    if limit is not None:
+        ax.axhline(limit, color="black", linewidth=0.8, linestyle=":", label=f"limit {limit:g} s")
+    ax.set_xlabel("concurrent sessions")
+    ax.set_ylabel("reply latency (s)")
+    ax.set_title(f"duplexcache bench serve ({results['config']['workload']}): {results['hardware'][:60]}",
+                 fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
+    """Run the sweep against ``args.url``; 0 when every step ran (whatever it measured)."""
+    try:
+        http_base(args.url)
+    except ValueError as exc:
+        print(f"duplexcache bench serve: {exc}", file=sys.stderr)
+        return 2
+    if not [v for v in args.voices.split(",") if v.strip()]:
+        print("duplexcache bench serve: --voices names no voice", file=sys.stderr)
+        return 2
+    if not 1 <= args.reply_min_units <= args.reply_max_units or args.max_lead_units < 0:
+        print("duplexcache bench serve: need 1 <= --reply-min-units <= --reply-max-units and --max-lead-units >= 0", file=sys.stderr)
+        return 2
+    if argv is None:   # what followed ``serve`` on the command line, for the report
+        argv = sys.argv[sys.argv.index("serve") + 1:] if "serve" in sys.argv else sys.argv[1:]
+    results = asyncio.run(run_sweep(args, argv))
+    write_results(results, args.out)
+    plot_latency(results, args.out / "reply_latency.png")
+    for s in results["steps"]:
+        lat = s["reply_latency_s"]
+        print(f"{s['sessions']:>4} sessions: audio {s['sessions_with_audio']}/{s['sessions']}, reply latency "
+              f"p50/p95/p99 {lat['p50']}/{lat['p95']}/{lat['p99']} s, gaps > 200 ms {s['gaps_over_200ms']}, "
+              f"late ticks {s['late_ticks']}, errors in {s['sessions_with_errors']} sessions, "
+              f"real-time {s['realtime']}")
+    print(f"largest real-time step: {results['largest_realtime_sessions']} ({results['criterion']['text']})")
+    print(f"wrote {args.out / 'results.json'} and {args.out / 'reply_latency.png'}")
+    return 0

@@ -1,0 +1,254 @@
+"""One simulated caller of ``duplexcache bench serve``: the wire protocol, the real-time sender,
+the receiver, and what one session measured.
+
+All protocol knowledge sits in :class:`Wire` (event names, audio formats and rates), so a
+protocol change (e.g. the OpenAI-compatible one: ``session.created`` on connect, then
+``session.updated``) is adapted in one place. The client already tolerates an unsolicited
+``session.created`` before its ``session.update``: it takes the session id from the first
+``session.created``/``session.updated`` and starts sending then.
+
+Timing: every time is ``loop.time()`` of the client's event loop (monotonic seconds).
+* a user turn ends when the last chunk of its last speech unit has been sent;
+* reply latency = first audio delta of the reply - end of the user turn it answers;
+* a gap: the client plays each reply from its first delta; a delta that arrives after
+  everything received so far has played out leaves a gap of (arrival - play-out end); gaps
+  longer than :data:`GAP_S` are counted (arrival times against audio duration).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from duplexcache.bench import workload as wl
+
+logger = logging.getLogger(__name__)
+
+GAP_S = 0.2
+CHUNK_SAMPLES = 1_600        # 0.1 s of 16 kHz input per input_audio_buffer.append
+
+
+class Wire:
+    """The realtime protocol as this client speaks it (duplexcache/server/protocol.py)."""
+
+    INPUT_RATE = 16_000
+    OUTPUT_RATE = 24_000
+    INPUT_FORMAT = "pcm16"
+
+    @staticmethod
+    def session_update(voice: str, instructions: str) -> str:
+        return json.dumps({"type": "session.update", "session": {
+            "voice": voice, "instructions": instructions, "input_audio_format": Wire.INPUT_FORMAT}})
+
+    @staticmethod
+    def append(pcm: np.ndarray) -> str:
+        """float PCM in [-1, 1] -> an ``input_audio_buffer.append`` of pcm16 little-endian."""
+        samples = np.round(np.clip(pcm, -1.0, 1.0) * 32767.0).astype("<i2")
+        return json.dumps({"type": "input_audio_buffer.append",
+                           "audio": base64.b64encode(samples.tobytes()).decode("ascii")})
+
+    @staticmethod
+    def parse(text: str | bytes) -> tuple[str, Any]:
+        """One server event -> (kind, value): ``session`` (its id), ``audio`` (output samples),
+        ``text``, ``done`` (status), ``error`` ("code: message") or ``other`` (the type)."""
+        event = json.loads(text)
+        kind = event.get("type")
+        if kind in ("session.created", "session.updated"):
+            return "session", (event.get("session") or {}).get("id")
+        if kind in ("response.output_audio.delta", "response.audio.delta"):
+            return "audio", len(base64.b64decode(event.get("delta", ""))) // 2
+        if kind in ("response.output_text.delta", "response.text.delta"):
+            return "text", event.get("delta", "")
+        if kind == "response.done":
+            response = event.get("response") or {}
+            reason = (response.get("status_details") or {}).get("reason")
+            return "done", reason or response.get("status", "completed")
+        if kind == "error":
+            err = event.get("error") or {}
+            return "error", f"{err.get('code')}: {err.get('message')}"
+        return "other", kind
+
+
+@dataclass
+class SessionTrace:
+    """What one session sent and received (client clock)."""
+
+    index: int
+    voice: str
+    sid: str | None = None
+    connected_at: float | None = None
+    ready_at: float | None = None           # session id known; audio starts
+    units_sent: int = 0
+    turn_ends: dict[int, float] = field(default_factory=dict)   # turn index -> user turn end
+    audio: list[tuple[float, int]] = field(default_factory=list)   # (arrival, samples)
+    dones: list[float] = field(default_factory=list)               # response.done arrivals
+    errors: list[str] = field(default_factory=list)
+    script: wl.SessionScript | None = None
+
+
+def _unit_chunks(pcm: np.ndarray) -> list[np.ndarray]:
+    """A unit's samples in <= 0.1 s pieces whose last one ends on the unit boundary."""
+    return [pcm[i:i + CHUNK_SAMPLES] for i in range(0, pcm.size, CHUNK_SAMPLES)]
+
+
+@dataclass(frozen=True)
+class Caller:
+    """How one simulated caller behaves."""
+
+    index: int
+    voice: str
+    workload: str
+    units: int
+    seed: int
+    shape: wl.ConversationShape
+    instructions: str
+    start_delay_s: float
+    ready_timeout_s: float = 30.0
+    drain_s: float = 5.0
+
+    def script(self, sid: str) -> wl.SessionScript:
+        if self.workload == "conversation":
+            return wl.conversation_script(self.index, sid, self.units, self.seed, self.shape)
+        return wl.continuous_script(sid, self.units)
+
+    async def run(self, url: str, trace: SessionTrace) -> None:
+        """Connect after ``start_delay_s``, stream the script in real time, drain, close.
+        Every failure is recorded in ``trace.errors`` (never raised: one caller must not stop
+        the others)."""
+        from websockets.asyncio.client import connect
+
+        await asyncio.sleep(self.start_delay_s)
+        loop = asyncio.get_running_loop()
+        try:
+            async with connect(url, max_size=None, open_timeout=self.ready_timeout_s) as ws:
+                trace.connected_at = loop.time()
+                ready = asyncio.Event()
+                receiver = asyncio.create_task(self._receive(ws, trace, ready))
+                try:
+                    await ws.send(Wire.session_update(self.voice, self.instructions))
+                    await asyncio.wait_for(ready.wait(), self.ready_timeout_s)
+                    if trace.sid is None:   # the server refused the session (the error is recorded)
+                        return
+                    await self._send(ws, trace)
+                    await self._drain(trace)
+                finally:
+                    receiver.cancel()
+                    await asyncio.gather(receiver, return_exceptions=True)
+        except asyncio.TimeoutError:
+            trace.errors.append(f"timeout: no session id within {self.ready_timeout_s:.0f} s"
+                                if trace.ready_at is None else "timeout")
+        except Exception as exc:  # noqa: BLE001 - recorded per session; the step goes on
+            trace.errors.append(f"{type(exc).__name__}: {exc}")
+
+    async def _receive(self, ws: Any, trace: SessionTrace, ready: asyncio.Event) -> None:
+        loop = asyncio.get_running_loop()
+        async for message in ws:
+            now = loop.time()
+            kind, value = Wire.parse(message)
+            if kind == "session":
+                if trace.sid is None:
+                    trace.sid, trace.ready_at = value, now
+                    trace.script = self.script(str(value))
+                    ready.set()
+                elif value is not None and value != trace.sid:
+                    trace.errors.append(f"session id changed from {trace.sid} to {value}")
+            elif kind == "audio":
+                trace.audio.append((now, value))
+            elif kind == "done":
+                if value != "session_closed":
+                    trace.dones.append(now)
+            elif kind == "error":
+                trace.errors.append(value)
+                if trace.sid is None:
+                    ready.set()   # refused before it started (bad voice, admission): stop waiting
+
+    async def _send(self, ws: Any, trace: SessionTrace) -> None:
+        """Each unit's chunks at real-time pace from the moment the session was ready."""
+        assert trace.script is not None
+        loop = asyncio.get_running_loop()
+        start, sent = loop.time(), 0
+        ends = {t.user_end - 1: t.index for t in trace.script.turns}   # last speech unit -> turn
+        for u in range(trace.script.units):
+            for chunk in _unit_chunks(wl.unit_audio(trace.script, self.index, u, self.seed)):
+                await asyncio.sleep(max(0.0, start + sent / Wire.INPUT_RATE - loop.time()))
+                await ws.send(Wire.append(chunk))
+                sent += chunk.size
+            trace.units_sent = u + 1
+            if u in ends:
+                trace.turn_ends[ends[u]] = loop.time()
+
+    async def _drain(self, trace: SessionTrace) -> None:
+        """Wait (at most ``drain_s``) for every reply that was scheduled in full."""
+        assert trace.script is not None
+        want = len(trace.script.complete_turns(trace.units_sent))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.drain_s
+        while len(trace.dones) < want and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+
+
+# ------------------------------------------------------------------------------ analysis
+
+def split_replies(trace: SessionTrace) -> list[list[tuple[float, int]]]:
+    """Audio deltas grouped by reply: a reply ends with its ``response.done`` (sent after its
+    last chunk); deltas after the last ``done`` form an unfinished reply."""
+    replies: list[list[tuple[float, int]]] = []
+    current: list[tuple[float, int]] = []
+    dones = iter(sorted(trace.dones))
+    next_done = next(dones, None)
+    for t, n in sorted(trace.audio):
+        while next_done is not None and next_done < t:
+            if current:
+                replies.append(current)
+                current = []
+            next_done = next(dones, None)
+        current.append((t, n))
+    if current:
+        replies.append(current)
+    return replies
+
+
+def playback_gaps(deltas: list[tuple[float, int]], rate: int = Wire.OUTPUT_RATE) -> list[float]:
+    """Silences a client playing ``deltas`` from the first arrival would hear."""
+    gaps = []
+    play_end = None
+    for t, n in deltas:
+        if play_end is not None and t > play_end:
+            gaps.append(t - play_end)
+        play_end = max(play_end if play_end is not None else t, t) + n / rate
+    return gaps
+
+
+def session_row(trace: SessionTrace) -> dict[str, Any]:
+    """The per-session row of results.json."""
+    script = trace.script
+    replies = split_replies(trace)
+    received_s = sum(n for _, n in trace.audio) / Wire.OUTPUT_RATE
+    latencies: list[float] = []
+    scheduled_s: float | None = None
+    complete = 0
+    if script is not None and script.workload == "conversation":
+        complete = len(script.complete_turns(trace.units_sent))
+        scheduled_s = float(sum(t.reply_units for t in script.complete_turns(trace.units_sent)))
+        for k, reply in enumerate(replies):
+            if k in trace.turn_ends:   # the k-th reply answers the k-th user turn
+                latencies.append(reply[0][0] - trace.turn_ends[k])
+    elif script is not None:
+        scheduled_s = float(max(0, trace.units_sent - 1))   # every unit speaks; speech lags one unit
+    gaps = [g for reply in replies for g in playback_gaps(reply)]
+    long_gaps = [g for g in gaps if g > GAP_S]
+    return {
+        "index": trace.index, "sid": trace.sid, "voice": trace.voice, "units_sent": trace.units_sent,
+        "replies_scheduled": complete, "replies_done": len(trace.dones), "replies_with_audio": len(replies),
+        "reply_latency_s": [round(x, 4) for x in latencies],
+        "gaps_over_200ms": len(long_gaps), "max_gap_s": round(max(gaps), 4) if gaps else 0.0,
+        "audio_received_s": round(received_s, 4), "audio_scheduled_s": scheduled_s,
+        "audio_received_ratio": round(received_s / scheduled_s, 4) if scheduled_s else None,
+        "got_audio": received_s > 0, "errors": trace.errors,
+    }

@@ -1,0 +1,198 @@
+"""Workloads that look like calls: what each session's user says, unit by unit, and when the
+server is scheduled to speak. Shared by ``engine_ticks`` (in process) and ``bench serve`` (over
+the wire).
+
+A unit is one second of 16 kHz input (the first is 1.035 s: the audio encoder's first chunk),
+the engine's tick. Three workloads:
+
+* ``conversation``: each session alternates user turns of ``user_min_units..user_max_units``
+  (2..6) units and replies of ``reply_min_units..reply_max_units`` (2..8) units. A session
+  starts at a random phase (0..``max_lead_units`` quiet units first) and leaves
+  0..``max_gap_units`` quiet units between a reply and the next user turn. The server must run
+  ``engine.speak_policy.mode: reply`` with the same reply range: its first quiet unit after a
+  user turn starts the reply, and the reply's length is ``policy.reply_units(sid, turn, ...)``
+  (the function the server uses), so the script knows when and how long the server speaks::
+
+      unit     0 1 2 3 4 5 6 7 8 9 ...
+      user     q q S S S q q q q S ...      lead 2, user turn of 3 units
+      server   . . . . . R R R R . ...      reply of 4 units (its first unit is the quiet one
+                                            that ends the user's turn)
+
+* ``continuous``: the user speaks every unit and the server is scheduled to speak every unit
+  (one endless turn: ``every_k_units`` with a huge k).
+* ``turns``: the lockstep ``every_k_units`` schedule (the last ``turn_units`` of every ``k``
+  units speak), the user speaking every unit; engine_ticks only.
+
+User audio is seeded Gaussian noise: at speech level (RMS :data:`SPEECH_RMS`, about -20 dBFS)
+in user turns, near-silence (RMS :data:`QUIET_RMS`) otherwise; the policy's default threshold
+``speech_rms`` = 0.01 lies between the two. Everything is a pure function of (seed, session
+index, session id), so two runs with one seed send the same audio.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from duplexcache.runtime.policy import reply_units
+from duplexcache.runtime.voices import VoiceRegistry, synthetic_voice
+
+WORKLOADS = ("conversation", "continuous", "turns")
+SPEECH_RMS = 0.1
+QUIET_RMS = 0.0005
+INPUT_RATE = 16_000
+FIRST_UNIT_SAMPLES = 16_560   # the audio encoder's first chunk (1.035 s)
+UNIT_SAMPLES = 16_000
+MIN_VOICES = 3
+
+
+@dataclass(frozen=True)
+class ConversationShape:
+    """Turn lengths of the conversation workload, in units."""
+
+    user_min_units: int = 2
+    user_max_units: int = 6
+    reply_min_units: int = 2     # must equal the server's engine.speak_policy.reply_min_units
+    reply_max_units: int = 8     # ... and reply_max_units
+    max_lead_units: int = 6      # random phase: quiet units before the first user turn
+    max_gap_units: int = 1       # quiet units between a reply's end and the next user turn
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.user_min_units <= self.user_max_units:
+            raise ValueError(f"need 1 <= user_min_units <= user_max_units, got "
+                             f"{self.user_min_units}, {self.user_max_units}")
+        if not 1 <= self.reply_min_units <= self.reply_max_units:
+            raise ValueError(f"need 1 <= reply_min_units <= reply_max_units, got "
+                             f"{self.reply_min_units}, {self.reply_max_units}")
+        if self.max_lead_units < 0 or self.max_gap_units < 0:
+            raise ValueError(f"max_lead_units and max_gap_units must be >= 0, got "
+                             f"{self.max_lead_units}, {self.max_gap_units}")
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One user turn and the reply scheduled after it (unit indices, end exclusive)."""
+
+    index: int
+    user_start: int
+    user_units: int
+    reply_units: int
+
+    @property
+    def user_end(self) -> int:
+        """The first quiet unit after the turn: the server's first reply unit."""
+        return self.user_start + self.user_units
+
+    @property
+    def reply_end(self) -> int:
+        return self.user_end + self.reply_units
+
+
+@dataclass(frozen=True)
+class SessionScript:
+    """What one session's user says (``speech``) and when the server speaks (``speaks``), per unit."""
+
+    sid: str
+    workload: str
+    speech: tuple[bool, ...]
+    speaks: tuple[bool, ...]
+    turns: tuple[Turn, ...] = ()
+
+    @property
+    def units(self) -> int:
+        return len(self.speech)
+
+    def complete_turns(self, units_sent: int) -> list[Turn]:
+        """Turns whose whole reply falls inside the first ``units_sent`` units (each reply unit
+        needs an input unit, so a reply is only scheduled in full when its units were sent)."""
+        return [t for t in self.turns if t.reply_end <= units_sent]
+
+
+def _rng(*key: int) -> np.random.Generator:
+    return np.random.default_rng([int(k) & 0xFFFFFFFF for k in key])
+
+
+def conversation_script(index: int, sid: str, units: int, seed: int = 0,
+                        shape: ConversationShape | None = None) -> SessionScript:
+    """The conversation of session ``index`` (user side seeded by ``seed`` and ``index``; reply
+    lengths from the server's ``reply_units(sid, turn)``), ``units`` units long."""
+    shape = shape or ConversationShape()
+    if units < 1:
+        raise ValueError(f"units must be >= 1, got {units}")
+    rng = _rng(seed, index, 0x5E55)
+    speech = [False] * units
+    speaks = [False] * units
+    turns: list[Turn] = []
+    at = int(rng.integers(0, shape.max_lead_units + 1))
+    while at < units:
+        user = int(rng.integers(shape.user_min_units, shape.user_max_units + 1))
+        reply = reply_units(sid, len(turns), shape.reply_min_units, shape.reply_max_units)
+        turn = Turn(len(turns), at, user, reply)
+        turns.append(turn)
+        for u in range(turn.user_start, min(turn.user_end, units)):
+            speech[u] = True
+        for u in range(turn.user_end, min(turn.reply_end, units)):
+            speaks[u] = True
+        at = turn.reply_end + int(rng.integers(0, shape.max_gap_units + 1))
+    return SessionScript(sid, "conversation", tuple(speech), tuple(speaks), tuple(turns))
+
+
+def continuous_script(sid: str, units: int) -> SessionScript:
+    """The user speaks every unit and so does the server (one endless turn)."""
+    return SessionScript(sid, "continuous", (True,) * units, (True,) * units)
+
+
+def turns_script(sid: str, units: int, k: int, turn_units: int) -> SessionScript:
+    """The ``every_k_units`` lockstep schedule; the user speaks every unit."""
+    t = min(turn_units, k)
+    return SessionScript(sid, "turns", (True,) * units, tuple(u % k >= k - t for u in range(units)))
+
+
+def unit_samples(unit_index: int) -> int:
+    return FIRST_UNIT_SAMPLES if unit_index == 0 else UNIT_SAMPLES
+
+
+def unit_audio(script: SessionScript, index: int, unit_index: int, seed: int = 0) -> np.ndarray:
+    """16 kHz float32 input of one unit: speech-level noise in a user turn, near-silence otherwise."""
+    if not 0 <= unit_index < script.units:
+        raise ValueError(f"unit {unit_index} is outside the script's {script.units} units")
+    rms = SPEECH_RMS if script.speech[unit_index] else QUIET_RMS
+    noise = _rng(seed, index, unit_index, zlib.crc32(b"audio")).standard_normal(unit_samples(unit_index))
+    return np.clip(noise * rms, -1.0, 1.0).astype(np.float32)
+
+
+def script_audio(script: SessionScript, index: int, seed: int = 0) -> np.ndarray:
+    """The whole session's input, every unit in order."""
+    return np.concatenate([unit_audio(script, index, u, seed) for u in range(script.units)])
+
+
+def ensure_voices(registry: VoiceRegistry, count: int = MIN_VOICES) -> list[str]:
+    """Register synthetic voices until ``registry`` has ``count``; returns every voice name.
+
+    Extra voices copy the shape of the first one (reference seconds, prompt frames, speech
+    vocabulary), so their per-session cost is that of the preset's voices."""
+    names = registry.names()
+    if not names:
+        raise ValueError("the voice registry is empty")
+    like = registry.get(names[0])
+    vocab = int(like.prompt_tokens.max()) + 1
+    k = 0
+    while len(registry) < count:
+        name = f"bench_voice_{k}"
+        k += 1
+        if name in registry:
+            continue
+        # 25 tokens (50 mel frames) per second; the vocabulary bound only needs to cover real ids
+        registry.add(synthetic_voice(name, like.ref_seconds, like.prompt_frames / 50, max(vocab, 2)))
+    return registry.names()
+
+
+def pick_voices(n: int, voices: list[str], seed: int = 0) -> list[str]:
+    """Voices of ``n`` sessions: every voice in turn, in a seeded order (so n >= len(voices)
+    uses them all)."""
+    if not voices:
+        raise ValueError("no voices to pick from")
+    order = [voices[i] for i in _rng(seed, 0x701CE).permutation(len(voices))]
+    return [order[i % len(order)] for i in range(n)]

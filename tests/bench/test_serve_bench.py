@@ -1,0 +1,150 @@
+"""``duplexcache bench serve`` against a real tiny server (real engine, reply policy) on 127.0.0.1,
+plus the pure pieces (reply splitting, playback gaps, counters) on hand-made inputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from duplexcache.bench import serve
+from duplexcache.bench.serve_client import SessionTrace, Wire, playback_gaps, session_row, split_replies
+from duplexcache.bench.workload import continuous_script
+from duplexcache.config import DeployConfig
+from duplexcache.runtime.bundle import build_models
+from duplexcache.runtime.engine import DuplexEngine
+from duplexcache.server.app import REALTIME_PATH, create_app
+from duplexcache.server.loopback import LoopbackServer
+
+torch.set_num_threads(1)  # 2 shared cores
+
+REPLY = (2, 3)
+DURATION = 7          # units: user turn 0-1, reply from unit 2 (2..3 units), done by unit 5
+
+
+def _deploy() -> DeployConfig:
+    deploy = DeployConfig.default("tiny")
+    deploy.engine.speak_policy.mode = "reply"
+    deploy.engine.speak_policy.reply_min_units, deploy.engine.speak_policy.reply_max_units = REPLY
+    deploy.engine.tick_seconds = 0.25
+    return deploy
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    out = tmp_path_factory.mktemp("serve")
+    deploy = _deploy()
+    engine = DuplexEngine(deploy, build_models(deploy, seed=0))
+    with LoopbackServer(create_app(engine, deploy)) as srv:
+        argv = ["--url", srv.ws_url(REALTIME_PATH), "--sessions", "1,2", "--duration", str(DURATION),
+                "--ramp", "0.5", "--user-units", "2,2", "--max-lead-units", "0", "--reply-min-units", str(REPLY[0]),
+                "--reply-max-units", str(REPLY[1]), "--drain", "8", "--out", str(out)]
+        import argparse
+
+        parser = argparse.ArgumentParser()
+        serve.add_arguments(parser)
+        rc = serve.run(parser.parse_args(argv), argv)
+        # a refused session is an error row, not a hang or a crash
+        bad = ["--url", srv.ws_url(REALTIME_PATH), "--sessions", "1", "--duration", "2", "--voices", "nope",
+               "--out", str(out / "refused")]
+        assert serve.run(parser.parse_args(bad), bad) == 0
+    return rc, out, argv
+
+
+def test_a_refused_session_is_reported(sweep):
+    _, out, _ = sweep
+    step = json.loads((out / "refused" / "results.json").read_text())["steps"][0]
+    (row,) = step["per_session"]
+    assert not row["got_audio"] and row["sid"] is None and row["units_sent"] == 0
+    assert row["errors"] and row["errors"][0].startswith("invalid_session_config")
+    assert step["sessions_with_errors"] == 1 and step["realtime"] is False
+    assert not any(e.startswith("timeout") for e in row["errors"])   # it did not wait out the session timeout
+
+
+def test_results_schema_and_every_session_got_its_reply(sweep):
+    rc, out, argv = sweep
+    assert rc == 0
+    results = json.loads((out / "results.json").read_text())
+    assert (out / "reply_latency.png").stat().st_size > 0
+    assert results["command"] == "duplexcache bench serve " + " ".join(argv)
+    assert isinstance(results["hardware"], str) and results["hardware"]
+    assert set(results["criterion"]) >= {"every_session_received_audio", "late_ticks", "reply_latency_p99_max_s",
+                                         "text"}
+    assert [s["sessions"] for s in results["steps"]] == [1, 2]
+    for step in results["steps"]:
+        n = step["sessions"]
+        for key in ("reply_latency_s", "max_gap_s", "audio_received_ratio"):
+            assert set(step[key]) == {"p50", "p95", "p99", "max", "n"}
+        assert isinstance(step["late_ticks"], float)          # the server exports duplexcache_late_ticks
+        assert step["graph_captures"] is None or step["graph_captures"] >= 0
+        assert len(step["per_session"]) == n and step["sessions_with_audio"] == n
+        assert step["sessions_with_errors"] == 0
+        for row in step["per_session"]:
+            assert row["got_audio"] and row["errors"] == [] and row["units_sent"] == DURATION
+            # one user turn of 2 units then quiet: exactly one reply, as long as the server's
+            # reply_units(sid, 0) says (1 s per unit, plus the final chunk's 0.16 s tail)
+            assert row["replies_scheduled"] == row["replies_done"] == row["replies_with_audio"] == 1
+            assert row["audio_scheduled_s"] in REPLY
+            assert row["audio_received_s"] == pytest.approx(row["audio_scheduled_s"] + 0.16)
+            (latency,) = row["reply_latency_s"]
+            # the quiet unit that ends the turn takes 1 s to send; the rest is the server's speed
+            assert latency > 1.0
+        want = step["realtime"]
+        assert want == (step["late_ticks"] == 0 and step["reply_latency_s"]["p99"] <= 1.5)
+    best = [s["sessions"] for s in results["steps"] if s["realtime"]]
+    assert results["largest_realtime_sessions"] == (max(best) if best else None)
+
+
+def test_split_replies_and_gaps():
+    t = SessionTrace(0, "default")
+    rate = Wire.OUTPUT_RATE
+    # reply 1: 1 s chunks at 10.0, 11.0, 12.5 (the last one 0.5 s late), done at 12.6;
+    # reply 2: one chunk at 20.0, no done yet
+    t.audio = [(10.0, rate), (11.0, rate), (12.5, rate), (20.0, rate // 2)]
+    t.dones = [12.6]
+    replies = split_replies(t)
+    assert [len(r) for r in replies] == [3, 1]
+    assert playback_gaps(replies[0]) == [pytest.approx(0.5)]
+    assert playback_gaps([(0.0, rate), (0.9, rate), (2.05, rate)]) == [pytest.approx(0.05)]
+    t.script, t.units_sent = continuous_script("sess_1", 5), 5
+    row = session_row(t)
+    assert row["gaps_over_200ms"] == 1 and row["max_gap_s"] == pytest.approx(0.5)
+    assert row["audio_scheduled_s"] == 4.0 and row["audio_received_s"] == pytest.approx(3.5)
+    assert row["reply_latency_s"] == []
+
+
+def test_counters_from_prometheus_text():
+    text = ("# TYPE duplexcache_late_ticks counter\nduplexcache_late_ticks_total 3.0\n"
+            "# TYPE duplexcache_graph_captures counter\n"
+            "duplexcache_graph_captures_total{model=\"thinker\"} 2.0\n"
+            "duplexcache_graph_captures_total{model=\"talker\"} 5.0\n"
+            "# TYPE duplexcache_live_sessions gauge\nduplexcache_live_sessions 4.0\n")
+    assert serve.counters(text) == {"late_ticks": 3.0, "graph_captures": 7.0}
+    assert serve.counters("# TYPE x counter\nx_total 1.0\n") == {"late_ticks": None, "graph_captures": None}
+
+
+def test_url_and_arguments_are_checked():
+    assert serve.http_base("ws://127.0.0.1:9/v1/realtime") == "http://127.0.0.1:9"
+    assert serve.http_base("wss://h:1/x") == "https://h:1"
+    for bad in ("http://127.0.0.1:9/", "ws:///nohost"):
+        with pytest.raises(ValueError):
+            serve.http_base(bad)
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    for bad in (["--sessions", "0"], ["--sessions", "1,x"], ["--duration", "0"], ["--ramp", "-1"],
+                ["--user-units", "3,2"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--url", "ws://127.0.0.1:9/v1/realtime", *bad])
+
+
+def test_bench_cli_keeps_the_memory_benchmark_and_adds_serve():
+    from duplexcache.cli import build_parser
+
+    parser = build_parser()
+    mem = parser.parse_args(["bench", "--preset", "tiny", "--sessions", "1,2"])
+    assert mem.bench_command is None and mem.sessions == "1,2"
+    srv = parser.parse_args(["bench", "serve", "--url", "ws://127.0.0.1:9/v1/realtime", "--sessions", "4,8"])
+    assert srv.bench_command == "serve" and srv.sessions == (4, 8) and srv.workload == "conversation"

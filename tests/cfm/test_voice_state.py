@@ -166,3 +166,30 @@ def test_voice_bytes_are_the_formulas_shared_setup_bytes():
             p = 2 * tokens.numel()
             assert stage.voice_bytes(voice) == code2wav_session_bytes(stage.config, p, True, "setup").shared
             assert stage.voice_bytes(voice) == code2wav_session_bytes(stage.config, p, False, "setup").private
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_one_pass_per_voice_and_per_stream_bits(monkeypatch):
+    """On CUDA the prompt pass is a graph captured at register_voice; the sharing-off copies are
+    one `_foreach_copy_` on the device. Same checks as the CPU tests, on graphs."""
+    import copy
+    # the engine's pinned numerics: otherwise cuDNN may pick another algorithm in another stage
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    cpu_flow, cpu_hift = tiny_models()
+    flow, hift = copy.deepcopy(cpu_flow).cuda(), copy.deepcopy(cpu_hift).cuda()
+    for sharing in (True, False):
+        stage = new_stage(flow, hift, prompt_att_sharing=sharing, use_cuda_graphs=True)
+        _register(stage)
+        assert stage.graph_stats.captures == 2 and stage.batch_stats.prompt_passes == 2
+        got = drive(stage, SCHEDULE)
+        assert stage.batch_stats.prompt_passes == 2 and stage.graph_stats.eager_runs == 0
+        ref_stage = new_stage(flow, hift, prompt_att_sharing=sharing, use_cuda_graphs=True)
+        for stream, (voice, _, _) in SCHEDULE.items():
+            ref_stage.register_voice(f"{voice}@{stream}", *VOICES[voice])
+        ref = drive(ref_stage, SCHEDULE, voice_of=lambda stream, voice: f"{voice}@{stream}")
+        for stream in SCHEDULE:
+            for (mel, pcm), (ref_mel, ref_pcm) in zip(got[stream], ref[stream]):
+                assert torch.equal(mel, ref_mel) and torch.equal(pcm, ref_pcm)

@@ -105,6 +105,23 @@ def test_prompt_pass_does_not_depend_on_the_arena_history():
     assert stage.registry.state("late").equal(fresh.registry.state("late"))
 
 
+def test_voice_state_is_the_reference_setup_cache():
+    """Against the single-session reference (`flow.setup_cache`, its own estimator code): the
+    conformer caches are torch.equal; the estimator's differ by GEMM rounding only (~1e-6)."""
+    flow, hift = tiny_models()
+    stage = new_stage(flow, hift)
+    _register(stage)
+    for voice, (tokens, mel, spk) in VOICES.items():
+        pad = torch.full((3,), stage.config.prompt_pad_token, dtype=torch.long)
+        ref = flow.setup_cache(torch.cat([tokens, pad])[None], mel[None], spk[None])
+        state = stage.registry.state(voice)
+        assert torch.equal(state.conformer_cnn, ref["conformer_cnn_cache"])
+        assert torch.equal(state.conformer_att, ref["conformer_att_cache"])
+        for got, want in ((state.estimator_cnn, ref["estimator_cnn_cache"]),
+                          (state.estimator_att, ref["estimator_att_cache"])):
+            assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_stream_starts_take_views_or_one_batched_copy(monkeypatch):
     flow, hift = tiny_models()
     copies = []

@@ -32,13 +32,19 @@ class BatchStats:
     """
 
     steps: int = 0
-    setup_conformer_calls: int = 0   # prompt passes (one session each, see `_solve_setup`)
+    prompt_passes: int = 0           # voice prompt setup passes (one per registered voice)
+    prompt_passes_per_voice: dict[str, int] = field(default_factory=dict)
+    stream_starts: int = 0           # streams opened from a voice's state (no pass, no model call)
     conformer_calls: int = 0         # batched chunk calls
     conformer_rows: int = 0
     vocoder_calls: int = 0
     vocoder_rows: int = 0
     last_conformer_groups: tuple[tuple[str, ...], ...] = field(default=())
     last_vocoder_groups: tuple[tuple[str, ...], ...] = field(default=())
+
+    def record_prompt_pass(self, voice: str) -> None:
+        self.prompt_passes += 1
+        self.prompt_passes_per_voice[voice] = self.prompt_passes_per_voice.get(voice, 0) + 1
 
     def record_step(self, conformer: list[list[str]], vocoder: list[list[str]]) -> None:
         self.steps += 1

@@ -15,15 +15,22 @@ replay it (`graph_stats` counts captures, replays and eager runs). On CPU the sa
 eagerly. The conformer and the vocoder run eagerly, one call per shape group (at steady state
 one group each).
 
+Voices and streams: `register_voice` runs the voice's prompt setup pass (conformer + estimator
+over the prompt, one row at tier 1) once, and the registry keeps its `PromptState` as long as the
+voice is registered. A stream (`add_session`, one per audio turn in the engine) never runs a model:
+at the next `step` it takes views of the voice's state (sharing on) or a private copy of it
+(sharing off; every such copy of a tick is one `torch._foreach_copy_`), before its first chunk.
+
 Ownership: the session object owns its caches; the arena only borrows rows during a solve; the
-registry owns shared prompt states. Prompt tensors are never written: after a chunk each cache
-is replaced by a new private tensor (or, for the estimator attention, a private delta).
+registry owns the voices' prompt states. Prompt tensors are never written: after a chunk each
+cache is replaced by a new private tensor (or, for the estimator attention, a private delta).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 import torch
@@ -63,7 +70,7 @@ class _Session:
 
     sid: str
     voice: str
-    prompt: PromptState | None   # the voice's shared state (registry-owned); None when private
+    prompt: PromptState | None   # the voice's state (registry-owned) when shared; None when private
     prompt_shared: bool
     prompt_frames: int           # P of the voice prompt (the trim keeps first P + last tail)
     spk: torch.Tensor            # (80,) projected x-vector
@@ -125,6 +132,10 @@ class BatchedCode2Wav:
         self.sessions: dict[str, _Session] = {}
         self._pending: dict[str, _Pending] = {}
         self._batch_stats = BatchStats()
+        # A new stream's vocoder state: empty caches and the Hamming cross-fade window. Built
+        # once (the window is a host-to-device copy) and shared read-only: the vocoder replaces a
+        # stream's caches with new tensors and never writes the window.
+        self._fresh_vocoder = HiftStreamState.create(config.shape.mel_bins, self.device)
 
     @property
     def graph_stats(self) -> ArenaStats:
@@ -137,8 +148,12 @@ class BatchedCode2Wav:
         return self._batch_stats
 
     # ---- voices and sessions -----------------------------------------------------------
+    @torch.inference_mode()
     def register_voice(self, name: str, tokens: torch.Tensor, mel: torch.Tensor, spk: torch.Tensor) -> None:
-        """tokens (T,) prompt speech tokens; mel (T * up_rate, 80); spk (192,)."""
+        """tokens (T,) prompt speech tokens; mel (T * up_rate, 80); spk (192,). Runs the voice's
+        prompt pass now (the only one for this voice); its state lives until `unregister_voice`."""
+        if self.registry.has_voice(name):
+            raise ValueError(f"voice {name!r} is already registered")
         cfg = self.config
         tokens = torch.as_tensor(tokens).reshape(-1)
         if mel.dim() != 2 or mel.shape[0] != tokens.numel() * cfg.up_rate:
@@ -147,25 +162,30 @@ class BatchedCode2Wav:
             raise ValueError(f"voice {name!r}: prompt of {mel.shape[0]} frames outside "
                              f"[{cfg.cache_tail_frames}, {cfg.max_prompt_frames}]")
         self._check_tokens(tokens, f"voice {name!r}")
-        self.registry.register_voice(name, VoicePrompt(tokens.to(self.device), mel.to(self.device),
-                                                       spk.reshape(-1).to(self.device)))
+        prompt = VoicePrompt(tokens.to(self.device), mel.to(self.device), spk.reshape(-1).to(self.device))
+        self.registry.register_voice(name, prompt, self._prompt_pass(name, prompt))
+
+    def unregister_voice(self, name: str) -> None:
+        """Remove a voice and free its prompt state; refused while a stream (queued or live) uses it."""
+        queued = sum(p.voice == name for p in self._pending.values())
+        if queued:
+            raise ValueError(f"voice {name!r} still has {queued} queued streams")
+        self.registry.unregister_voice(name)
 
     def add_session(self, sid: str, voice: str, seed: int = 0) -> None:
-        """Queue a session; its setup runs batched at the next `step`. `seed` drives the vocoder's
-        NSF noise for this session only."""
+        """Queue a stream of `voice`; it opens from the voice's prompt state at the next `step`
+        (no model call). `seed` drives the vocoder's NSF noise for this stream only."""
         if sid in self.sessions or sid in self._pending:
             raise ValueError(f"session {sid!r} already exists")
-        self.registry.voice(voice)   # raises ValueError for an unknown voice
+        self.registry.acquire(voice)   # raises ValueError for an unknown voice
         self._pending[sid] = _Pending(voice, seed)
 
     def remove_session(self, sid: str) -> None:
-        if self._pending.pop(sid, None) is not None:
-            return
-        sess = self.sessions.pop(sid, None)
-        if sess is None:
+        pending = self._pending.pop(sid, None)
+        sess = self.sessions.pop(sid, None) if pending is None else None
+        if pending is None and sess is None:
             raise ValueError(f"unknown session {sid!r}")
-        if sess.prompt_shared:
-            self.registry.release(sess.voice)
+        self.registry.release(pending.voice if pending is not None else sess.voice)
 
     # ---- the tick ----------------------------------------------------------------------
     @torch.inference_mode()
@@ -179,7 +199,7 @@ class BatchedCode2Wav:
                 tokens[sid] = self._validate(sid, chunk, bool(last.get(sid, False)))
             except ValueError as err:
                 out.errors[sid] = err
-        self._setup_pending()
+        self._open_pending()
         lasts = {sid: bool(last.get(sid, False)) for sid in tokens}
         conformer_groups = group_by(tokens, lambda sid: self._conformer_key(sid, tokens[sid], lasts[sid]))
         encoded: dict[str, _Work] = {}
@@ -227,56 +247,46 @@ class BatchedCode2Wav:
             bad = lo if lo < 0 else hi
             raise ValueError(f"{who}: token id {bad} outside the vocabulary [0, {self.config.vocab_size})")
 
-    # ---- setup (prompt state) ----------------------------------------------------------
-    def _setup_pending(self) -> None:
-        """Set up every queued session: reuse a voice's shared state, else one batched pass."""
-        todo: dict[str, list[tuple[str, _Pending]]] = {}
-        for sid, p in self._pending.items():
-            state = self.registry.acquire(p.voice) if self.config.prompt_att_sharing else None
-            if state is not None:
-                self._open(sid, p, state, shared=True)
-            else:
-                todo.setdefault(p.voice, []).append((sid, p))
-        self._pending.clear()
-        if not todo:
-            return
-        work = []
-        for voice, items in todo.items():
-            vp = self.registry.voice(voice)
-            for sid, _ in items:
-                work.append(self._encode_prompt(sid, vp))
-        rows = self._solve_setup(work)
-        for voice, items in todo.items():
-            states, shared = self.registry.publish(voice, [rows[sid] for sid, _ in items])
-            for (sid, p), state in zip(items, states):
-                self._open(sid, p, state, shared)
+    # ---- prompt state (per voice) and stream starts ---------------------------------------
+    def _prompt_pass(self, voice: str, vp: VoicePrompt) -> PromptState:
+        """The voice prompt's setup pass: conformer over the prompt tokens + lookahead pad, then
+        the estimator over the prompt (no caches), one row at tier 1.
 
-    def _encode_prompt(self, sid: str, vp: VoicePrompt) -> tuple[str, _Work, torch.Tensor, torch.Tensor]:
+        A row's bits can depend on how many rows share its GEMMs. Running the pass alone (batch 1
+        conformer, tier-1 solve; the solve reads only what `load_row` wrote, since a row with no
+        cache attends to its own new keys only) makes the state a function of the voice alone,
+        the same bits the per-stream pass gave every stream, whichever streams started with it.
+        """
         cfg = self.config
         pad = torch.full((cfg.pre_lookahead_len,), cfg.prompt_pad_token, dtype=torch.long, device=self.device)
         tokens = torch.cat([vp.tokens.long(), pad])[None]
         h, spk, ccnn, catt = self._conformer(tokens, vp.spk[None], False, None, None)
-        self._batch_stats.setup_conformer_calls += 1
-        work = _Work(sid, False, h[0], spk[0], vp.mel.transpose(0, 1), noise_offset=0)
-        return sid, work, ccnn, catt
+        work = _Work(voice, False, h[0], spk[0], vp.mel.transpose(0, 1), noise_offset=0)
+        width = work.mu.shape[1]
+        self._run_rows([(work, None, None)], width, tier=1)
+        self._batch_stats.record_prompt_pass(voice)
+        logger.info("voice %r: prompt pass over %d frames", voice, width)
+        return PromptState(
+            spk=_own(spk[0]), conformer_cnn=_own(ccnn), conformer_att=_own(catt),
+            estimator_cnn=self.arena.new_cnn_cache(0).clone(),
+            estimator_att=self.arena.new_att_cache(0, width).clone())
 
-    def _solve_setup(self, items: list[tuple[str, _Work, torch.Tensor, torch.Tensor]]) -> dict[str, PromptState]:
-        """The estimator over each session's prompt (no caches): one row per replay.
-
-        A row's bits can depend on how many rows share its GEMMs. Solving every prompt at tier 1
-        makes a voice's prompt state independent of which sessions started in the same tick, so a
-        late session that reuses a shared state gets the bits it would have computed itself
-        (sharing on == sharing off). It is a once-per-session (or per-voice) cost.
-        """
-        rows: dict[str, PromptState] = {}
-        for sid, w, ccnn, catt in items:
-            width = w.mu.shape[1]
-            self._run_rows([(w, None, None)], width, tier=1)
-            rows[sid] = PromptState(
-                spk=w.spk, conformer_cnn=ccnn, conformer_att=catt,
-                estimator_cnn=self.arena.new_cnn_cache(0).clone(),
-                estimator_att=self.arena.new_att_cache(0, width).clone())
-        return rows
+    def _open_pending(self) -> None:
+        """Open every queued stream from its voice's prompt state: views of it (sharing on) or a
+        private copy (sharing off; all copies of this tick in one `torch._foreach_copy_`)."""
+        if not self._pending:
+            return
+        states = {sid: self.registry.state(p.voice) for sid, p in self._pending.items()}
+        if not self.config.prompt_att_sharing:
+            src = [t for sid in self._pending for t in states[sid].tensors()]
+            dst = [torch.empty_like(t) for t in src]
+            torch._foreach_copy_(dst, src)
+            n = len(fields(PromptState))
+            states = {sid: PromptState(*dst[i * n:(i + 1) * n]) for i, sid in enumerate(self._pending)}
+        for sid, p in self._pending.items():
+            self._open(sid, p, states[sid], shared=self.config.prompt_att_sharing)
+        self._batch_stats.stream_starts += len(self._pending)
+        self._pending.clear()
 
     def _open(self, sid: str, p: _Pending, state: PromptState, shared: bool) -> None:
         tail = self.config.cache_tail_frames
@@ -286,12 +296,12 @@ class BatchedCode2Wav:
         else:
             att = PlainAttCache(state.estimator_att, state.num_frames, tail)
         gen = torch.Generator(device=self.device).manual_seed(p.seed)
-        # A private session keeps no PromptState: its setup tensors are referenced only by the
+        # A private session keeps no PromptState: its copied tensors are referenced only by the
         # caches that start from them, so each is freed as soon as its cache moves on.
         self.sessions[sid] = _Session(
             sid, p.voice, state if shared else None, shared, state.num_frames, state.spk,
             state.conformer_cnn, state.conformer_att, state.estimator_cnn,
-            att, HiftStreamState.create(state.spk.shape[0], self.device), gen)
+            att, dataclasses.replace(self._fresh_vocoder), gen)
 
     # ---- per-chunk pieces ----------------------------------------------------------------
     def _conformer(self, tokens: torch.Tensor, spk: torch.Tensor, last: bool,
@@ -396,16 +406,20 @@ class BatchedCode2Wav:
         return SessionBytes(private, shared)
 
     def voice_bytes(self, voice: str) -> int:
-        """Bytes of the voice's shared prompt state (0 when none is held)."""
-        return self.registry.shared_bytes(voice)
+        """Bytes of the voice's prompt state: allocated once by `register_voice`, held until
+        `unregister_voice` whatever the number of streams (0 for an unknown voice)."""
+        return self.registry.state_bytes(voice)
 
 
 def code2wav_session_bytes(config: Code2WavConfig, prompt_frames: int, sharing: bool,
                            stage: Literal["setup", "steady"], dtype_bytes: int = 4) -> SessionBytes:
-    """Shape-only bytes of one session's Stage-2 caches (estimator + conformer + vocoder).
+    """Shape-only bytes of one stream's Stage-2 caches (estimator + conformer + vocoder).
 
-    setup: right after the prompt pass; steady: after enough chunks that the estimator holds P
-    private frames (+ the prompt tail, shared when `sharing`).
+    setup: the stream just opened, before its first chunk; steady: after enough chunks that the
+    estimator holds P private frames (+ the prompt tail, shared when `sharing`). `shared` is what
+    the stream references in its voice's prompt state, which exists once per voice from
+    `register_voice` on (sharing on or off): setup-with-sharing's `shared` is those bytes, and a
+    memory plan counts them once per voice as fixed, never per stream.
     """
     if stage not in ("setup", "steady"):
         raise ValueError(f"stage must be 'setup' or 'steady', got {stage!r}")

@@ -1,11 +1,11 @@
-"""Per-voice prompt state, computed once and shared read-only by every session of the voice.
+"""Per-voice prompt state, computed once when the voice is registered and kept as long as it is.
 
 The setup pass over a voice prompt (conformer + estimator over the prompt tokens and mel) gives a
-`PromptState`. With `cfm_prompt_att_sharing` on, the rows produced for several sessions of one
-voice in one batch are compared with `torch.equal` before they are deduplicated into one shared
-state; if any row differs, every session keeps its own row (ordinary per-session tensors), a
-warning is logged and `fallbacks` counts it. Shared states are ref-counted and freed by
-`evict_prompt` when their last session ends.
+`PromptState`. `BatchedCode2Wav.register_voice` runs it once and hands it to the registry, which
+keeps it until `unregister_voice`; a stream (one per audio turn) never runs it. With
+`cfm_prompt_att_sharing` on, a stream takes views of the state; with it off, a private copy. Either
+way the registry counts the streams of each voice (`ref_count`), so a voice in use cannot be
+removed. Nothing is evicted when a voice has no stream: the next turn must not pay the pass again.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ class VoicePrompt:
 
 @dataclass
 class PromptState:
-    """Setup-pass result for one voice prompt. Read-only once published: sessions replace, never
+    """Setup-pass result for one voice prompt. Read-only once registered: streams replace, never
     write, these tensors."""
 
     spk: torch.Tensor            # (mel_bins,) normalized + projected x-vector
@@ -56,92 +56,71 @@ class PromptState:
 
 
 @dataclass
-class _Entry:
+class _Voice:
+    prompt: VoicePrompt
     state: PromptState
-    ref_count: int   # sessions holding `state`; only the registry changes it
+    streams: int = 0   # live streams of this voice; only the registry changes it
 
 
 class PromptRegistry:
-    """Voice name -> prompt inputs, and voice name -> shared prompt state (ref-counted)."""
+    """Voice name -> prompt inputs and prompt state, with the number of streams using each."""
 
     def __init__(self, sharing: bool) -> None:
         self.sharing = sharing
-        self._voices: dict[str, VoicePrompt] = {}
-        self._shared: dict[str, _Entry] = {}
-        self.fallbacks = 0    # batches whose rows diverged and were kept per session
-        self.hits = 0         # sessions that reused an existing shared state
+        self._voices: dict[str, _Voice] = {}
 
     # ---- voices ----------------------------------------------------------------------
-    def register_voice(self, name: str, prompt: VoicePrompt) -> None:
+    def register_voice(self, name: str, prompt: VoicePrompt, state: PromptState) -> None:
         if name in self._voices:
             raise ValueError(f"voice {name!r} is already registered")
-        self._voices[name] = prompt
+        self._voices[name] = _Voice(prompt, state)
 
-    def voice(self, name: str) -> VoicePrompt:
+    def unregister_voice(self, name: str) -> None:
+        """Forget the voice and free its prompt state; refused while a stream uses it."""
+        entry = self._entry(name)
+        if entry.streams:
+            raise ValueError(f"voice {name!r} still has {entry.streams} streams")
+        del self._voices[name]
+        logger.debug("unregistered voice %r (%d prompt-state bytes freed)", name, entry.state.nbytes())
+
+    def _entry(self, name: str) -> _Voice:
         try:
             return self._voices[name]
         except KeyError:
             raise ValueError(f"unknown voice {name!r}") from None
 
+    def voice(self, name: str) -> VoicePrompt:
+        return self._entry(name).prompt
+
+    def state(self, name: str) -> PromptState:
+        """The voice's prompt state (read-only)."""
+        return self._entry(name).state
+
     def has_voice(self, name: str) -> bool:
         return name in self._voices
 
-    # ---- shared states ----------------------------------------------------------------
-    def acquire(self, voice: str) -> PromptState | None:
-        """The voice's shared state with one more reference, or None if there is none."""
-        entry = self._shared.get(voice)
-        if entry is None:
-            return None
-        entry.ref_count += 1
-        self.hits += 1
+    def names(self) -> list[str]:
+        return list(self._voices)
+
+    # ---- streams -----------------------------------------------------------------------
+    def acquire(self, name: str) -> PromptState:
+        """The voice's state, counting one more stream of the voice."""
+        entry = self._entry(name)
+        entry.streams += 1
         return entry.state
 
-    def publish(self, voice: str, rows: list[PromptState]) -> tuple[list[PromptState], bool]:
-        """Rows computed in one batch for sessions of `voice` -> (state per session, shared?).
+    def release(self, name: str) -> None:
+        """One stream of the voice ended. The state stays (it lives as long as the voice)."""
+        entry = self._entry(name)
+        assert entry.streams > 0, f"release of voice {name!r} without a stream"
+        entry.streams -= 1
 
-        Sharing on and every row equal to the first: one shared state, referenced len(rows)
-        times. Otherwise (sharing off, or divergence) each session keeps its own row.
-        """
-        if not rows:
-            raise ValueError("publish needs at least one row")
-        if voice in self._shared:
-            raise ValueError(f"voice {voice!r} already has a shared prompt state")
-        if not self.sharing:
-            return rows, False
-        if not all(rows[0].equal(r) for r in rows[1:]):
-            self.fallbacks += 1
-            logger.warning(
-                "prompt state rows of voice %r differ across %d sessions of one batch; "
-                "keeping per-session tensors (fallback #%d)", voice, len(rows), self.fallbacks)
-            return rows, False
-        self._shared[voice] = _Entry(rows[0], ref_count=len(rows))
-        return [rows[0]] * len(rows), True
+    def ref_count(self, name: str) -> int:
+        """Live streams of the voice (0 for an unknown voice)."""
+        entry = self._voices.get(name)
+        return 0 if entry is None else entry.streams
 
-    def release(self, voice: str) -> None:
-        """Drop one reference; the last one evicts the voice's prompt state."""
-        entry = self._shared.get(voice)
-        assert entry is not None and entry.ref_count > 0, f"release of voice {voice!r} without a reference"
-        entry.ref_count -= 1
-        if entry.ref_count == 0:
-            self.evict_prompt(voice)
-
-    def evict_prompt(self, voice: str) -> None:
-        entry = self._shared.get(voice)
-        if entry is None:
-            return
-        if entry.ref_count:
-            raise ValueError(f"voice {voice!r} still has {entry.ref_count} sessions")
-        del self._shared[voice]
-        logger.debug("evicted prompt state of voice %r", voice)
-
-    def shared_state(self, voice: str) -> PromptState | None:
-        entry = self._shared.get(voice)
-        return None if entry is None else entry.state
-
-    def ref_count(self, voice: str) -> int:
-        entry = self._shared.get(voice)
-        return 0 if entry is None else entry.ref_count
-
-    def shared_bytes(self, voice: str) -> int:
-        state = self.shared_state(voice)
-        return 0 if state is None else state.nbytes()
+    def state_bytes(self, name: str) -> int:
+        """Bytes of the voice's prompt state (0 for an unknown voice)."""
+        entry = self._voices.get(name)
+        return 0 if entry is None else entry.state.nbytes()

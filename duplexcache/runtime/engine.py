@@ -277,7 +277,10 @@ class DuplexEngine:
     def _plan(self) -> MemoryPlan:
         e = self.deploy.engine
         budget = e.memory_budget - e.activation_reserve
-        fixed = self.code2wav.arena.nbytes() + sum(self.voices.get(v).nbytes() for v in self.voices.names())
+        # The voices' Code2Wav prompt states were computed by register_voice and live as long as
+        # the engine: fixed, once per voice (sharing on or off), never per session.
+        fixed = (self.code2wav.arena.nbytes() + sum(self.voices.get(v).nbytes() for v in self.voices.names())
+                 + sum(self.code2wav.voice_bytes(v) for v in self.voices.names()))
         if self.models.device.type == "cuda":
             # The arena and the voices are already allocated (they are part of the budget), so
             # what must still be free is the rest of the budget.
@@ -387,9 +390,10 @@ class DuplexEngine:
         steady = code2wav_session_bytes(cfm, voice.prompt_frames, sharing, "steady")
         encoder = self.models.audio_encoder.cfg.kv_bytes_per_session(self.models.dtype)
         dynamic = max(setup.private, steady.private) + encoder
-        voice_shared = setup.shared if sharing else 0
+        # What a stream shares (setup.shared / steady.shared) is the voice's prompt state, which
+        # _plan already counts as fixed: a session reserves nothing for it.
         return Footprint(wc.private_blocks, wc.shared_blocks, ctx.extra_key if share else None, talker_blocks,
-                         dynamic, voice.name, voice_shared)
+                         dynamic, voice.name, 0)
 
     def _session_window(self, cfg: SessionRuntimeConfig) -> WindowConfig:
         """The session's Stage 0 window: the server's mode with the client's marks (config.py
@@ -990,9 +994,11 @@ class DuplexEngine:
     # ------------------------------------------------------------------ stats
 
     def _code2wav_tier(self) -> TierBytes:
+        """shared: the voices' prompt states (fixed, allocated at start); private: the streams'
+        caches, which are what the dynamic region holds."""
         shared = sum(self.code2wav.voice_bytes(v) for v in self.voices.names())
         private = sum(self.code2wav.session_bytes(s).private for s in self.code2wav.sessions)
-        return TierBytes(shared=shared, private=private, free=max(0, self.plan.dynamic_bytes - shared - private))
+        return TierBytes(shared=shared, private=private, free=max(0, self.plan.dynamic_bytes - private))
 
     def _note_code2wav_peak(self) -> None:
         """Code2Wav streams end inside the tick that ends their turn; keep the busiest moment."""
@@ -1030,7 +1036,7 @@ class DuplexEngine:
                 live_sessions=len(self._sessions), queued_sessions=len(self._queue), pools=dict(self._pools),
                 context_cache_hits=cache.hits if cache is not None else 0,
                 context_cache_misses=cache.misses if cache is not None else 0,
-                cfm_fallbacks=self.code2wav.registry.fallbacks, ticks=self._ticks,
+                cfm_prompt_passes=dict(self.code2wav.batch_stats.prompt_passes_per_voice), ticks=self._ticks,
                 stage_latency_s=dict(self._last_latency),
                 decode_graph_steps={name: g.stats.replays for name, g in
                                     (("thinker", self.thinker_graphs), ("talker", self.talker_graphs))

@@ -139,7 +139,7 @@ class TierBytes:
 class EngineStats:
     """A snapshot of the engine.
 
-    Counters (``context_cache_*``, ``cfm_fallbacks``, ``ticks``) are cumulative since start.
+    Counters (``context_cache_*``, ``cfm_fallbacks``, ``cfm_prompt_passes``, ``ticks``) are cumulative since start.
     ``stage_latency_s`` holds the per-stage latency samples (seconds) of the most recent
     completed tick, the one numbered ``ticks``; a consumer observes them once per new ``ticks``.
     """
@@ -149,7 +149,11 @@ class EngineStats:
     pools: Mapping[str, TierBytes] = field(default_factory=dict)  # e.g. "thinker_kv", "cfm_prompt"
     context_cache_hits: int = 0
     context_cache_misses: int = 0
+    # Always 0 since a voice's prompt state is computed once (issue 10): there are no per-stream
+    # rows left to compare. Kept for the /metrics series; remove together with metrics.py's.
     cfm_fallbacks: int = 0
+    # Code2Wav voice prompt passes per voice (one at start per voice; never one per turn).
+    cfm_prompt_passes: Mapping[str, int] = field(default_factory=dict)
     ticks: int = 0
     stage_latency_s: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
     # Decode steps run through CUDA graphs, per model ("thinker", "talker"); empty when off.

@@ -16,10 +16,10 @@ VOICES = {"a": voice_inputs(11, 10), "b": voice_inputs(12, 12)}    # P = 20 and 
 #   st1, st2  voice a, 4th chunk, conformer cache 28 (trimmed to P + tail)   steady
 #   fin       voice a, final chunk of 5 tokens (no lookahead left)            final
 #   stb       voice b, 3rd chunk, conformer cache 32                          steady, other P
-#   new1/2    voice a, set up this tick + first chunk, conformer cache 20      first chunk
-#   newb      voice b, set up this tick + first chunk, conformer cache 24      first chunk
+#   new1/2    voice a, opened this tick + first chunk, conformer cache 20      first chunk
+#   newb      voice b, opened this tick + first chunk, conformer cache 24      first chunk
 #   wide      voice a, final chunk that keeps its lookahead (16 mel frames)    final, wider
-#   idle      voice a, set up this tick, no chunk                              setup only
+#   idle      voice a, opened this tick, no chunk                              opened only
 MIXED = {
     "st1": ("a", 0, token_stream(1, 5)), "fin": ("a", 0, token_stream(2, 4)),
     "stb": ("b", 1, token_stream(3, 4)), "new1": ("a", 3, token_stream(4, 3)),
@@ -77,7 +77,8 @@ def test_mixed_step_forms_the_right_groups():
     # vocoder: equal cache lengths and mel width; final and other-voice chunks join the steady group
     assert s.last_vocoder_groups == (("st1", "fin", "stb", "st2"), ("new1", "new2", "newb"), ("wide",))
     assert "idle" in stage.sessions and stage.sessions["idle"].chunks == 0
-    assert s.setup_conformer_calls - stats[2].setup_conformer_calls == 4     # new1, new2, newb, idle
+    assert s.stream_starts - stats[2].stream_starts == 4     # new1, new2, newb, idle: no pass each
+    assert s.prompt_passes == 2                                # one per voice, at register_voice
     assert s.conformer_calls - stats[2].conformer_calls == 6
     assert s.vocoder_calls - stats[2].vocoder_calls == 3
     assert s.conformer_rows - stats[2].conformer_rows == s.vocoder_rows - stats[2].vocoder_rows == 8

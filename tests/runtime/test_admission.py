@@ -47,9 +47,11 @@ def test_budget_for_exactly_k_sessions_refuses_the_next_and_admits_after_close(t
     per_session, _ = _independent_session_bytes(probe, share=False)
     nulls = probe.plan.thinker_block_bytes + probe.plan.talker_block_bytes
     # With sharing off the second voice's context costs nothing up front; the fixed part is the
-    # arena and the voices' tensors.
-    assert probe.plan.fixed_bytes == probe.code2wav.arena.nbytes() + sum(
-        v.nbytes() for v in (probe.voices.get(n) for n in probe.voices.names()))
+    # arena, the voices' tensors and each voice's Code2Wav prompt state once (from shapes).
+    voices = [probe.voices.get(n) for n in probe.voices.names()]
+    cfm = probe.code2wav.config
+    assert probe.plan.fixed_bytes == probe.code2wav.arena.nbytes() + sum(v.nbytes() for v in voices) + sum(
+        code2wav_session_bytes(cfm, v.prompt_frames, True, "setup").shared for v in voices)
     budget = probe.plan.fixed_bytes + nulls + k * per_session + per_session // 2
     eng = engine(tmp_path, f"k{k}", {"engine": {"memory_budget": budget + RESERVE, "activation_reserve": RESERVE}})
     assert eng.plan.planned_sessions == k

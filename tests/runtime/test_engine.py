@@ -93,7 +93,9 @@ def test_200_open_stream_close_cycles_leave_pools_as_they_started(tmp_path):
     eng.thinker_manager.check_invariants()
     assert eng.talker_pool.num_free == start_talker == eng.talker_pool.num_usable_blocks
     assert not eng.code2wav.sessions and not eng.code2wav._pending
-    assert eng.code2wav.registry.ref_count("default") == 0 and eng.code2wav.voice_bytes("default") == 0
+    # no stream left, but the voice's prompt state stays (fixed): 200 sessions' turns, one pass per voice
+    assert eng.code2wav.registry.ref_count("default") == 0 and eng.code2wav.voice_bytes("default") > 0
+    assert eng.stats().cfm_prompt_passes == {v: 1 for v in eng.voices.names()}
     assert len(eng.ledger) == 0
     assert (eng.ledger.thinker_reserved, eng.ledger.talker_reserved, eng.ledger.dynamic_reserved) == (0, 0, 0)
     s = eng.stats()

@@ -156,11 +156,14 @@ class _EndTurnAt:
     def __init__(self, policy, end_unit: int):
         self.policy, self.end_unit = policy, end_unit
 
-    def decide(self, unit_index, logits):
-        return self.policy.decide(unit_index, logits)
+    def new_session(self, sid):
+        return self.policy.new_session(sid)
 
-    def next_token(self, unit_index, num_text, logits):
-        tok = self.policy.next_token(unit_index, num_text, logits)
+    def decide(self, unit_index, logits, state=None, pcm=None):
+        return self.policy.decide(unit_index, logits, state, pcm)
+
+    def next_token(self, unit_index, num_text, logits, state=None):
+        tok = self.policy.next_token(unit_index, num_text, logits, state)
         return CONTROL.turn_eos if tok == CONTROL.chunk_eos and unit_index == self.end_unit else tok
 
 

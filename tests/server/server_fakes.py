@@ -277,3 +277,42 @@ def wait_for(predicate, timeout: float = 60.0, what: str = "condition") -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.01)
+
+
+class LoopbackServers:
+    """Real apps on loopback over fake engines (one tiny deploy each), stopped together.
+
+    ``start(engine_cls, server={...}, **engine_kwargs)`` sets ``deploy.server`` fields from
+    ``server`` and returns ``(engine, server)``; tests use it through a fixture that calls
+    ``stop_all`` at teardown."""
+
+    def __init__(self, tick_seconds: float) -> None:
+        self.tick_seconds = tick_seconds
+        self._servers: list = []
+
+    def start(self, engine_cls=FakeEngine, server: Mapping[str, Any] | None = None, **engine_kwargs):
+        from duplexcache.server.app import create_app
+        from duplexcache.server.loopback import LoopbackServer
+
+        deploy = DeployConfig.default("tiny")
+        deploy.engine.tick_seconds = self.tick_seconds
+        for name, value in (server or {}).items():
+            setattr(deploy.server, name, value)
+        engine = engine_cls(deploy, **engine_kwargs)
+        srv = LoopbackServer(create_app(engine, deploy)).start()
+        self._servers.append(srv)
+        return engine, srv
+
+    def stop_all(self) -> None:
+        for srv in self._servers:
+            srv.stop()
+        self._servers.clear()
+
+
+def connect_realtime(srv, **kwargs):
+    """A websockets client connection to ``srv``'s realtime endpoint (no frame size limit)."""
+    from websockets.asyncio.client import connect
+
+    from duplexcache.server.app import REALTIME_PATH
+
+    return connect(srv.ws_url(REALTIME_PATH), max_size=None, open_timeout=10, **kwargs)

@@ -10,13 +10,10 @@ import json
 import httpx
 import numpy as np
 import pytest
-from server_fakes import FakeEngine, pcm16_b64, recv, recv_type, send, wait_for
-from websockets.asyncio.client import connect
+from server_fakes import LoopbackServers, connect_realtime, pcm16_b64, recv, recv_type, send, wait_for
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from duplexcache.config import DeployConfig
 from duplexcache.server import cli
-from duplexcache.server.app import REALTIME_PATH, create_app
 from duplexcache.server.loopback import LoopbackServer
 
 KEY = "sk-test-key"
@@ -25,25 +22,12 @@ TICK = 0.05
 
 @pytest.fixture
 def serve():
-    servers = []
-
-    def _start(**server_settings):
-        deploy = DeployConfig.default("tiny")
-        deploy.engine.tick_seconds = TICK
-        for name, value in server_settings.items():
-            setattr(deploy.server, name, value)
-        engine = FakeEngine(deploy)
-        srv = LoopbackServer(create_app(engine, deploy)).start()
-        servers.append(srv)
-        return engine, srv
-
-    yield _start
-    for srv in servers:
-        srv.stop()
+    servers = LoopbackServers(TICK)
+    yield lambda **server_settings: servers.start(server=server_settings)
+    servers.stop_all()
 
 
-def _connect(srv: LoopbackServer, **kwargs):
-    return connect(srv.ws_url(REALTIME_PATH), max_size=None, open_timeout=10, **kwargs)
+_connect = connect_realtime
 
 
 async def _refused(srv: LoopbackServer, **kwargs) -> tuple[int, dict]:

@@ -13,12 +13,10 @@ import wave
 import httpx
 import numpy as np
 import pytest
-from server_fakes import FakeEngine, wait_for
+from server_fakes import FakeEngine, LoopbackServers, wait_for
 
 from duplexcache.config import DeployConfig
 from duplexcache.runtime.voices import VoiceRegistry
-from duplexcache.server.app import create_app
-from duplexcache.server.loopback import LoopbackServer
 from duplexcache.server.page import voice_names
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -38,20 +36,13 @@ class _VoicedEngine(FakeEngine):
 
 @pytest.fixture
 def server():
-    servers = []
+    servers = LoopbackServers(TICK)
 
     def _start(engine_cls=FakeEngine, api_key: str | None = None, **engine_kwargs):
-        deploy = DeployConfig.default("tiny")
-        deploy.engine.tick_seconds = TICK
-        deploy.server.api_key = api_key
-        engine = engine_cls(deploy, **engine_kwargs)
-        srv = LoopbackServer(create_app(engine, deploy)).start()
-        servers.append(srv)
-        return engine, srv
+        return servers.start(engine_cls, server={"api_key": api_key}, **engine_kwargs)
 
     yield _start
-    for srv in servers:
-        srv.stop()
+    servers.stop_all()
 
 
 def test_page_and_its_files_are_served(server):

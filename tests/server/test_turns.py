@@ -9,13 +9,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from server_fakes import FakeEngine, pcm16_b64, recv, recv_type, send, sid_of, wait_for
-from websockets.asyncio.client import connect
+from server_fakes import FakeEngine, LoopbackServers, connect_realtime, pcm16_b64, recv, recv_type, send, sid_of, wait_for
 
-from duplexcache.config import DeployConfig
 from duplexcache.server import realtime_session
-from duplexcache.server.app import REALTIME_PATH, create_app
-from duplexcache.server.loopback import LoopbackServer
 
 TICK = 0.05
 LOUD = pcm16_b64(np.full(8000, 12000, np.int16))    # 0.5 s at 16 kHz
@@ -56,23 +52,12 @@ class FakeVAD:
 def serve(monkeypatch):
     FakeVAD.made = []
     monkeypatch.setattr(realtime_session, "_vad_factory", FakeVAD)
-    servers = []
-
-    def _start(engine_cls=FakeEngine, **engine_kwargs):
-        deploy = DeployConfig.default("tiny")
-        deploy.engine.tick_seconds = TICK
-        engine = engine_cls(deploy, **engine_kwargs)
-        srv = LoopbackServer(create_app(engine, deploy)).start()
-        servers.append(srv)
-        return engine, srv
-
-    yield _start
-    for srv in servers:
-        srv.stop()
+    servers = LoopbackServers(TICK)
+    yield servers.start
+    servers.stop_all()
 
 
-def _connect(srv: LoopbackServer, **kwargs):
-    return connect(srv.ws_url(REALTIME_PATH), max_size=None, open_timeout=10, **kwargs)
+_connect = connect_realtime
 
 
 async def _update(ws, **session) -> dict:

@@ -4,6 +4,7 @@ server on 127.0.0.1 with the deterministic FakeEngine behind it."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import shutil
 import subprocess
@@ -91,13 +92,23 @@ def _mic_wav(path) -> None:
         out.writeframes(bytes(2 * rate) + raw + bytes(2 * 2 * rate))
 
 
-def _launch(playwright, wav_path):
-    return playwright.chromium.launch(executable_path=CHROMIUM, args=[
-        "--use-fake-ui-for-media-stream",           # grant the microphone without a prompt
-        "--use-fake-device-for-media-stream",
-        f"--use-file-for-fake-audio-capture={wav_path}",
-        "--autoplay-policy=no-user-gesture-required",
-    ])
+@contextlib.contextmanager
+def _browser(tmp_path):
+    """Headless Debian Chromium whose fake microphone plays a WAV of speech, closed on exit."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    wav = tmp_path / "mic.wav"
+    _mic_wav(wav)
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=[
+            "--use-fake-ui-for-media-stream",           # grant the microphone without a prompt
+            "--use-fake-device-for-media-stream",
+            f"--use-file-for-fake-audio-capture={wav}",
+            "--autoplay-policy=no-user-gesture-required",
+        ])
+        try:
+            yield browser
+        finally:
+            browser.close()
 
 
 def _wait_for_stats(page, condition: str, timeout_s: float) -> dict:
@@ -115,27 +126,20 @@ def _wait_for_stats(page, condition: str, timeout_s: float) -> dict:
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium (apt-get install -y chromium, or scripts/install_browser.sh)")
 @pytest.mark.skipif(ESPEAK is None, reason="no espeak-ng for the fake microphone's speech (scripts/install_browser.sh)")
 def test_the_page_talks_and_plays_the_reply(server, tmp_path):
-    sync_api = pytest.importorskip("playwright.sync_api")
     engine, srv = server(_VoicedEngine)
-    wav = tmp_path / "mic.wav"
-    _mic_wav(wav)
-    with sync_api.sync_playwright() as pw:
-        browser = _launch(pw, wav)
-        try:
-            page = browser.new_page()
-            errors: list[str] = []
-            page.on("pageerror", lambda exc: errors.append(str(exc)))
-            page.goto(srv.http_url("/"))
-            # The voice picker is filled from /v1/voices.
-            page.wait_for_function("document.querySelectorAll('#voice option').length === 3")
-            page.select_option("#voice", "alt")
-            page.fill("#instructions", "Talk about the weather.")
-            page.click("#start")
-            _wait_for_stats(page, f"s.replySamplesPlayed >= {OUT_RATE} && s.sessionReady", 90)
-            page.click("#stop")
-            stats = _wait_for_stats(page, "!s.connected", 30)  # nothing is sent after this
-        finally:
-            browser.close()
+    with _browser(tmp_path) as browser:
+        page = browser.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.goto(srv.http_url("/"))
+        # The voice picker is filled from /v1/voices.
+        page.wait_for_function("document.querySelectorAll('#voice option').length === 3")
+        page.select_option("#voice", "alt")
+        page.fill("#instructions", "Talk about the weather.")
+        page.click("#start")
+        _wait_for_stats(page, f"s.replySamplesPlayed >= {OUT_RATE} && s.sessionReady", 90)
+        page.click("#stop")
+        stats = _wait_for_stats(page, "!s.connected", 30)  # nothing is sent after this
     assert errors == [] and stats["errors"] == [], (errors, stats)
     assert stats["contextSampleRate"] in (OUT_RATE, 44_100, 48_000)
     assert stats["events"]["session.created"] == 1 and stats["events"]["session.updated"] >= 1
@@ -165,23 +169,16 @@ def test_server_vad_turns_and_barge_in(server, tmp_path):
     """server_vad end to end: the server's Silero VAD hears the fake microphone's sentence, the
     reply plays, and the sentence's next loop interrupts it: playback stops and the page tells the
     server how much it heard (conversation.item.truncate), which reaches the engine's cancel."""
-    sync_api = pytest.importorskip("playwright.sync_api")
     engine, srv = server(_VoicedEngine, done_after_units=6)  # replies long enough to be interrupted
-    wav = tmp_path / "mic.wav"
-    _mic_wav(wav)
-    with sync_api.sync_playwright() as pw:
-        browser = _launch(pw, wav)
-        try:
-            page = browser.new_page()
-            page.goto(srv.http_url("/"))
-            page.select_option("#turn-detection", "server_vad")
-            page.uncheck("#local-barge-in")  # only the server's VAD decides here
-            page.click("#start")
-            stats = _wait_for_stats(page, "s.bargeIns >= 1 && (s.events['input_audio_buffer.speech_stopped'] || 0) >= 1"
-                                          " && s.replySamplesPlayed > 0", 120)
-            page.click("#stop")
-        finally:
-            browser.close()
+    with _browser(tmp_path) as browser:
+        page = browser.new_page()
+        page.goto(srv.http_url("/"))
+        page.select_option("#turn-detection", "server_vad")
+        page.uncheck("#local-barge-in")  # only the server's VAD decides here
+        page.click("#start")
+        stats = _wait_for_stats(page, "s.bargeIns >= 1 && (s.events['input_audio_buffer.speech_stopped'] || 0) >= 1"
+                                      " && s.replySamplesPlayed > 0", 120)
+        page.click("#stop")
     assert stats["errors"] == [], stats
     assert stats["events"]["input_audio_buffer.speech_started"] >= 2
     (sid,) = engine.configs
@@ -194,26 +191,19 @@ def test_server_vad_turns_and_barge_in(server, tmp_path):
 def test_api_key_rides_in_the_subprotocol(server, tmp_path):
     """A server with an API key: the page's key field gets in (subprotocol auth, the only way a
     browser can present a key); a wrong key is refused and the page says so."""
-    sync_api = pytest.importorskip("playwright.sync_api")
     engine, srv = server(api_key="s3cret-key")
-    wav = tmp_path / "mic.wav"
-    _mic_wav(wav)
-    with sync_api.sync_playwright() as pw:
-        browser = _launch(pw, wav)
-        try:
-            wrong = browser.new_page()
-            wrong.goto(srv.http_url("/"))
-            wrong.fill("#api-key", "not-the-key")
-            wrong.click("#start")
-            refused = _wait_for_stats(wrong, "s.errors.length > 0", 30)
-            right = browser.new_page()
-            right.goto(srv.http_url("/"))
-            right.fill("#api-key", "s3cret-key")
-            right.click("#start")
-            accepted = _wait_for_stats(right, "s.sessionReady && s.chunksSent > 0", 30)
-            right.click("#stop")
-        finally:
-            browser.close()
+    with _browser(tmp_path) as browser:
+        wrong = browser.new_page()
+        wrong.goto(srv.http_url("/"))
+        wrong.fill("#api-key", "not-the-key")
+        wrong.click("#start")
+        refused = _wait_for_stats(wrong, "s.errors.length > 0", 30)
+        right = browser.new_page()
+        right.goto(srv.http_url("/"))
+        right.fill("#api-key", "s3cret-key")
+        right.click("#start")
+        accepted = _wait_for_stats(right, "s.sessionReady && s.chunksSent > 0", 30)
+        right.click("#stop")
     assert not refused["sessionReady"] and "session.created" not in refused["events"], refused
     assert "check the API key" in refused["errors"][0], refused
     assert accepted["errors"] == [] and accepted["events"]["session.created"] == 1, accepted

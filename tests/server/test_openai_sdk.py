@@ -24,7 +24,7 @@ from duplexcache.server.loopback import LoopbackServer
 
 KEY = "sk-duplexcache-test"
 TICK = 0.05
-TIMEOUT = 30.0
+TIMEOUT = 120.0  # per awaited event; generous: only a broken server gets near it
 
 
 def _deploy() -> DeployConfig:
@@ -56,6 +56,20 @@ async def _until(conn, kind: str, seen: list) -> object:
                 return event
         raise AssertionError(f"connection closed before {kind}")
     return await asyncio.wait_for(loop(), TIMEOUT)
+
+
+async def _until_seen(conn, kinds: set[str], seen: list) -> None:
+    """Read events until every kind in ``kinds`` is in ``seen`` (earlier events count: a reply's
+    transcript delta comes a unit before its audio)."""
+    async def loop():
+        if kinds <= {e.type for e in seen}:
+            return
+        async for event in conn:
+            seen.append(event)
+            if kinds <= {e.type for e in seen}:
+                return
+        raise AssertionError(f"connection closed before {kinds - {e.type for e in seen}}")
+    await asyncio.wait_for(loop(), TIMEOUT)
 
 
 async def _stream(conn, pcm: np.ndarray, chunk: int = 4800) -> None:
@@ -140,7 +154,6 @@ def _real_engine_has_turn_api() -> bool:
     return all(hasattr(DuplexEngine, name) for name in TURN_CONTROL_METHODS)
 
 
-@pytest.mark.xfail(reason="first run against the real engine (after merging the turn API): the response.cancel step times out; not yet diagnosed", strict=False)
 @pytest.mark.skipif(not _real_engine_has_turn_api(),
                     reason="the real engine has no turn API yet (branch `turns` adds it); enabled by merging it")
 def test_sdk_against_the_real_tiny_engine():
@@ -151,6 +164,9 @@ def test_sdk_against_the_real_tiny_engine():
     torch.set_num_threads(1)
     deploy = _deploy()
     deploy.engine.tick_seconds = 0.2
+    # One endless speaking turn once a reply is requested, so the reply is still going when the
+    # client cancels it (the default scripted turns end after two units).
+    deploy.engine.speak_policy.k = deploy.engine.speak_policy.turn_units = 1000
     engine = build_engine(deploy)
 
     async def main(srv: LoopbackServer) -> list:
@@ -165,8 +181,7 @@ def test_sdk_against_the_real_tiny_engine():
             await _stream(conn, _tone_24k(1.0))
             await conn.response.create()
             await _stream(conn, _tone_24k(6.0))
-            await _until(conn, "response.output_audio.delta", seen)
-            await _until(conn, "response.output_audio_transcript.delta", seen)
+            await _until_seen(conn, {"response.output_audio.delta", "response.output_audio_transcript.delta"}, seen)
             await conn.response.cancel()
             done = await _until(conn, "response.done", seen)
             assert done.response.status == "cancelled"

@@ -138,6 +138,10 @@ class _Session:
     talker_len: int = 0
     turn: TurnState = field(default_factory=TurnState)   # turn control (runtime/turns.py)
     policy_state: Any = None      # the speak policy's per-session state (policy.new_session)
+    # Seeds the session's random draws (Code2Wav noise, benchmark fills): "sess_<admission
+    # ordinal>", the engine's own numbering, also when the server named the session, so a run's
+    # audio does not depend on the server's random wire ids.
+    seed_name: str = ""
 
 
 @dataclass(frozen=True)
@@ -407,14 +411,18 @@ class DuplexEngine:
             raise SessionConfigError(f"unknown voice {cfg.voice!r} (known: {', '.join(self.voices.names())})")
         return cfg, self.voices.get(cfg.voice)
 
-    def open_session(self, client_session: Mapping[str, Any], *, queue_if_full: bool = False) -> str:
+    def open_session(self, client_session: Mapping[str, Any], *, queue_if_full: bool = False,
+                     sid: str | None = None) -> str:
         if self._closed:
             raise RuntimeError("engine is shut down")
         cfg, voice = self._check_session(client_session)
         fp = self._footprint(cfg, voice)
         with self._lock:
-            sid = f"sess_{next(self._ids)}"
-            sess = _Session(sid, cfg, voice, fp, policy_state=self.policy.new_session(sid))
+            if sid is not None and (sid in self._sessions or sid in self._queue):
+                raise ValueError(f"session id {sid!r} is in use")
+            seed_name = f"sess_{next(self._ids)}"
+            sid = sid or seed_name
+            sess = _Session(sid, cfg, voice, fp, policy_state=self.policy.new_session(sid), seed_name=seed_name)
             reason = self.ledger.refusal(fp)
             if reason is None and not self._queue:
                 self.ledger.admit(sid, fp)
@@ -663,7 +671,7 @@ class DuplexEngine:
         # Ids depend on (sid, seed, length so far) only, not on chunk_tokens: the same fill in
         # every configuration of a bench run, and chunking changes nothing but the forwards.
         start = self.stage0.num_tokens(sess.sid)
-        g = torch.Generator().manual_seed(zlib.crc32(f"{sess.sid}/{seed}/{start}".encode()))
+        g = torch.Generator().manual_seed(zlib.crc32(f"{sess.seed_name}/{seed}/{start}".encode()))
         ids = self._text_ids[torch.randint(len(self._text_ids), (todo,), generator=g)]
         for chunk in torch.split(ids, chunk_tokens):
             result = self.stage0.append({sess.sid: self._embed_tokens(chunk)}, unit_start=False)
@@ -922,7 +930,8 @@ class DuplexEngine:
             if s.c2w_sid is None:
                 s.turn_index += 1
                 s.c2w_sid = f"{s.sid}#{s.turn_index}"
-                self.code2wav.add_session(s.c2w_sid, s.voice.name, seed=zlib.crc32(s.c2w_sid.encode()))
+                seed = zlib.crc32(f"{s.seed_name}#{s.turn_index}".encode())
+                self.code2wav.add_session(s.c2w_sid, s.voice.name, seed=seed)
             owner[s.c2w_sid] = s
             if s.held is not None:
                 chunks[s.c2w_sid] = torch.cat([s.held, u.codes[:LOOKAHEAD]])

@@ -166,8 +166,13 @@ class EngineStats:
 
 @runtime_checkable
 class EngineAPI(Protocol):
-    def open_session(self, client_session: Mapping[str, Any], *, queue_if_full: bool = False) -> str:
+    def open_session(self, client_session: Mapping[str, Any], *, queue_if_full: bool = False,
+                     sid: str | None = None) -> str:
         """Create a session from a client's ``session.update`` object; returns its id.
+
+        ``sid``: the id to use (the server passes its wire id, so one id names the session in
+        the server's events and logs, the engine and its per-session hashes such as the reply
+        policy's ``reply_units``); ValueError if it is in use. None: the engine numbers it.
 
         Raises AdmissionError (no room and not queued), PrivateConfigKeyError or
         SessionConfigError (duplexcache.config), ReferenceAudioError (duplexcache.context).

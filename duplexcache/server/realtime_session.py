@@ -324,8 +324,10 @@ class RealtimeSession:
         fmt = self.settings.input_format(self.openai_client)
         self.opening = True  # counts against the per-client cap while the engine decides
         try:
+            # The engine takes the wire id: one id in the client's events, the logs and the
+            # engine's per-session hashes (the reply policy's reply_units).
             sid = await asyncio.to_thread(self.engine.open_session, self.settings.engine_session(),
-                                          queue_if_full=self.queue_if_full)
+                                          queue_if_full=self.queue_if_full, sid=self.id)
         except AdmissionError as exc:
             code = getattr(exc, "code", "admission_refused")
             logger.warning("session %s refused by the engine: %s: %s", self.id, code, exc.reason)

@@ -87,10 +87,7 @@ def test_results_schema_and_every_session_got_its_reply(sweep):
             # reply_units(sid, 0) says (1 s per unit, plus the final chunk's 0.16 s tail)
             assert row["replies_scheduled"] == row["replies_done"] == row["replies_with_audio"] == 1
             assert row["audio_scheduled_s"] in REPLY
-            # KNOWN GAP: the OpenAI-style server names sessions on the wire with ids of its own, so the
-            # client's reply_units(wire id) no longer predicts the engine's reply_units(engine id);
-            # until the server exposes the engine's id, only check a whole reply of a valid length came.
-            assert round(row["audio_received_s"] - 0.16, 6) in REPLY
+            assert row["audio_received_s"] == pytest.approx(row["audio_scheduled_s"] + 0.16)
             (latency,) = row["reply_latency_s"]
             # the quiet unit that ends the turn takes 1 s to send; the rest is the server's speed
             assert latency > 1.0

@@ -192,3 +192,22 @@ def test_audio_faster_than_real_time_is_refused_without_losing_the_session(tmp_p
     eng.tick()  # consumes a unit, which makes room again
     eng.push_audio(sid, second)
     eng.shutdown()
+
+
+def test_a_caller_named_session_hears_what_the_engine_numbered_one_hears(tmp_path, runs):
+    """The server names engine sessions with its wire ids; the random draws stay seeded by the
+    engine's admission ordinal, so naming changes no audio byte. An id in use is refused."""
+    _, off, _ = runs
+    eng = engine(tmp_path, "named")
+    sids = [eng.open_session({"voice": v, "instructions": "be brief"}, sid=f"wire_{i}") for i, v in enumerate(VOICES)]
+    assert sids == [f"wire_{i}" for i in range(len(VOICES))] and eng.session_ids() == sids
+    with pytest.raises(ValueError, match="in use"):
+        eng.open_session({"voice": VOICES[0]}, sid="wire_0")
+    for i, sid in enumerate(sids):
+        eng.push_audio(sid, audio(i, 2))
+    got: dict = {}
+    for _ in range(2):
+        for sid, d in collect(eng.tick()).items():
+            got.setdefault(sid, []).extend(d["audio"])
+    for i, sid in enumerate(sids):
+        assert got[sid] == off[VOICES[i] + str(i)]["audio"], sid

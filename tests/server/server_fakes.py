@@ -76,7 +76,8 @@ class FakeEngine:
         self.configs: dict[str, dict[str, Any]] = {}     # sid -> the client session it was opened with
 
     # ------------------------------------------------------------------ EngineAPI
-    def open_session(self, client_session: Mapping[str, Any], *, queue_if_full: bool = False) -> str:
+    def open_session(self, client_session: Mapping[str, Any], *, queue_if_full: bool = False,
+                     sid: str | None = None) -> str:
         with self._lock:
             self.open_calls += 1
         build_runtime_config(self.deploy, client_session)  # the real engine validates the same way
@@ -88,7 +89,9 @@ class FakeEngine:
             error.code = self.admission_code
             raise error
         with self._lock:
-            sid = f"sess_{next(self._ids)}"
+            if sid is not None and (sid in self.live or sid in self.queued):
+                raise ValueError(f"session id {sid!r} is in use")
+            sid = sid or f"sess_{next(self._ids)}"
             session = _FakeSession(dict(client_session))
             if len(self.live) < self.capacity:
                 self._admit(sid, session)

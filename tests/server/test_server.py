@@ -389,7 +389,7 @@ def test_graceful_shutdown_closes_every_session(serve):
     codes = asyncio.run(main())
     assert set(codes) <= {1001, 1012}  # ours (going away) or uvicorn's (service restart)
     assert engine.shutdown_called and engine.live == {} and engine.queued == {}
-    assert sorted(engine.closed) == ["sess_1", "sess_2"]
+    assert len(engine.closed) == 2 and set(engine.closed) == set(engine.configs)  # the live one and the queued one
 
 
 class _StuckSocket:

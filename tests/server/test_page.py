@@ -115,8 +115,10 @@ def _wait_for_stats(page, condition: str, timeout_s: float) -> dict:
     """Poll window.duplexStats until the JS ``condition`` on ``s`` holds (generous: CI is slow)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        stats = page.evaluate("window.duplexStats")
-        if page.evaluate(f"(s => {condition})(window.duplexStats)"):
+        # One evaluation: the snapshot returned is the one the condition held on (two calls
+        # raced the page: the condition could turn true after an older snapshot was read).
+        held, stats = page.evaluate(f"(s => [Boolean({condition}), s])(window.duplexStats)")
+        if held:
             return stats
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {condition}: {stats}")

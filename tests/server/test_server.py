@@ -217,6 +217,10 @@ def test_oversize_frame_closes_only_that_socket(serve, size):
         async with _connect(srv) as other, _connect(srv) as ws:
             await _create(other)
             await _open(ws, instructions="oversize")
+            # The first append opens the engine session; wait for it, or the oversize frame can
+            # close the socket before the server got to open it (seen under load in CI).
+            await asyncio.to_thread(wait_for, lambda: any(c.get("instructions") == "oversize"
+                                                          for c in engine.configs.values()), what="engine open")
             await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": "A" * size}))
             with pytest.raises(ConnectionClosed):
                 await recv(ws)

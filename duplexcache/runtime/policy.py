@@ -46,7 +46,7 @@ real tokenizer (which is not available here).
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -205,7 +205,7 @@ class ReplyState:
     turns: int = 0               # user turns answered so far (the next reply's turn index)
     reply_left: int = 0          # units of the current reply still to speak after the current one
     speaking: bool = False       # the current unit is a reply unit
-    replies: list[int] = field(default_factory=list)   # lengths of the replies started, in order
+    reply_units: int = 0         # length of the reply started last (0 before the first)
 
 
 class ReplyPolicy:
@@ -242,7 +242,7 @@ class ReplyPolicy:
         if not state.heard_speech:          # quiet, and no user turn to answer
             return self.control.listen
         length = reply_units(state.sid, state.turns, self.reply_min_units, self.reply_max_units)
-        state.replies.append(length)
+        state.reply_units = length
         state.heard_speech, state.turns = False, state.turns + 1
         state.speaking, state.reply_left = True, length - 1
         return self.control.speak

@@ -192,7 +192,7 @@ def test_reply_policy_decisions():
     assert got == want
     assert ends[:r0] == [CONTROL.chunk_eos] * (r0 - 1) + [CONTROL.turn_eos]
     assert ends[r0] == (CONTROL.turn_eos if r1 == 1 else CONTROL.chunk_eos)
-    assert state.replies == [r0, r1] and state.turns == 2
+    assert state.reply_units == r1 and state.turns == 2   # r0's length is in `want` above
     # a threshold just above the loud units: nothing is speech, nothing is answered
     deaf = ReplyPolicy(CONTROL, TEXT, speech_rms=LOUD * 1.01, reply_min_units=2, reply_max_units=8)
     s2 = deaf.new_session("sess_7")

@@ -228,29 +228,6 @@ class EngineAPI(Protocol):
         """Close every session and release the engine's memory."""
         ...
 
-    # -------- turn control (docs/protocol.md: how the server maps Realtime events onto these)
-    # Like the session calls above, these only record a request under the engine lock; the
-    # tick applies it at the session's next unit boundary.
-
-    def set_turn_mode(self, sid: str, mode: str) -> None:
-        """``"duplex"`` (default): the speak policy decides every unit; ``"manual"``: the session
-        starts a reply only after request_response()."""
-        ...
-
-    def request_response(self, sid: str) -> None:
-        """Force the session's next unit to speak; the reply then continues as the model decides."""
-        ...
-
-    def cancel_response(self, sid: str, played_ms: int | None = None) -> bool:
-        """Stop the current reply within one unit (ResponseDone status "cancelled"); the Thinker
-        keeps only the text of audio the client played (``played_ms``; None = all sent).
-        False when no reply is in progress."""
-        ...
-
-    def add_user_text(self, sid: str, text: str) -> None:
-        """Append a user text message to the Thinker's context before the session's next unit."""
-        ...
-
 
 # The turn-control members of EngineAPI; the server checks for them by name so that an engine
 # built before they existed still serves (turn_detection "duplex" only, no response.cancel).

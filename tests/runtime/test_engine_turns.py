@@ -10,7 +10,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import audio, collect, engine
-from test_stage0 import BS, OFF, make_context, make_runner, make_thinker
+from test_stage0 import BS, make_context, make_runner, make_thinker
 
 from duplexcache.context.tokenizer import ByteTokenizer
 from duplexcache.kv.window import WindowConfig

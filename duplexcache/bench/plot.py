@@ -12,11 +12,28 @@ from typing import Any
 MIB = 2**20
 
 
-def plot_memory(report: dict[str, Any], path: Path) -> Path:
+def pyplot():
+    """matplotlib.pyplot on the headless Agg backend (imported on first use)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, ax, path: Path, legend_size: int = 8) -> Path:
+    """Grid, legend, tight layout, then ``path`` at 120 dpi; the figure is closed."""
+    ax.legend(fontsize=legend_size)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    pyplot().close(fig)
+    return path
+
+
+def plot_memory(report: dict[str, Any], path: Path) -> Path:
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(8, 5))
     markers = "osD^vx*"  # configurations with equal numbers overlap; markers keep them visible
@@ -32,9 +49,4 @@ def plot_memory(report: dict[str, Any], path: Path) -> Path:
     ax.set_ylabel("held memory (MiB)")
     ax.set_title(f"duplexcache bench — {report['preset']} on {report['device']} "
                  f"(dashed: setup, solid: steady)")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, ax, path, legend_size=7)

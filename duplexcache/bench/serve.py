@@ -43,6 +43,7 @@ from urllib.parse import urlsplit, urlunsplit
 import numpy as np
 
 from duplexcache.bench import workload as wl
+from duplexcache.bench.plot import pyplot, save_figure
 from duplexcache.bench.serve_client import GAP_S, Caller, SessionTrace, session_row
 
 logger = logging.getLogger(__name__)
@@ -324,10 +325,7 @@ def write_results(results: dict[str, Any], out: Path) -> None:
 
 def plot_latency(results: dict[str, Any], path: Path) -> Path:
     """Reply latency p50/p95/p99 vs sessions, with the criterion's limit."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     steps = results["steps"]
     ns = [s["sessions"] for s in steps]
@@ -342,12 +340,7 @@ def plot_latency(results: dict[str, Any], path: Path) -> Path:
     ax.set_ylabel("reply latency (s)")
     ax.set_title(f"duplexcache bench serve ({results['config']['workload']}): {results['hardware'][:60]}",
                  fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, ax, path)
 
 
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:

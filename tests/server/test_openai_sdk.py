@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import copy
 
 import numpy as np
 import pytest
@@ -72,6 +73,16 @@ async def _until_seen(conn, kinds: set[str], seen: list) -> None:
     await asyncio.wait_for(loop(), TIMEOUT)
 
 
+async def _manual_turns(conn, seen: list, voice: str | None = None) -> None:
+    """GA_UPDATE with turn_detection null (the client commits and asks), answered by session.updated."""
+    update = copy.deepcopy(GA_UPDATE)   # never mutate the shared constant
+    update["audio"]["input"]["turn_detection"] = None
+    if voice is not None:
+        update["audio"]["output"]["voice"] = voice
+    await conn.session.update(session=update)
+    await _until(conn, "session.updated", seen)
+
+
 async def _stream(conn, pcm: np.ndarray, chunk: int = 4800) -> None:
     for i in range(0, pcm.size, chunk):
         await conn.input_audio_buffer.append(audio=base64.b64encode(pcm[i:i + chunk].tobytes()).decode())
@@ -124,10 +135,7 @@ def test_sdk_response_cancel_cuts_a_reply():
         seen: list = []
         async with _client(srv).realtime.connect(model="duplexcache-tiny") as conn:
             await _until(conn, "session.created", seen)
-            update = {**GA_UPDATE, "audio": {**GA_UPDATE["audio"],
-                                             "input": {**GA_UPDATE["audio"]["input"], "turn_detection": None}}}
-            await conn.session.update(session=update)
-            await _until(conn, "session.updated", seen)
+            await _manual_turns(conn, seen)
             await _stream(conn, _tone_24k(1.0))
             await conn.input_audio_buffer.commit()
             await _until(conn, "input_audio_buffer.committed", seen)
@@ -173,11 +181,7 @@ def test_sdk_against_the_real_tiny_engine():
         seen: list = []
         async with _client(srv).realtime.connect(model="duplexcache-tiny") as conn:
             await _until(conn, "session.created", seen)
-            update = {**GA_UPDATE, "audio": {**GA_UPDATE["audio"],
-                                             "input": {**GA_UPDATE["audio"]["input"], "turn_detection": None}}}
-            update["audio"]["output"]["voice"] = "default"
-            await conn.session.update(session=update)
-            await _until(conn, "session.updated", seen)
+            await _manual_turns(conn, seen, voice="default")
             await _stream(conn, _tone_24k(1.0))
             await conn.response.create()
             await _stream(conn, _tone_24k(6.0))

@@ -135,7 +135,7 @@ def test_example_client_streams_a_wav_and_writes_the_reply(tmp_path):
             pcm = np.frombuffer(wav.readframes(wav.getnframes()), "<i2")
         assert np.array_equal(pcm, np.repeat(np.arange(1, units + 1, dtype=np.int16), 24000))
     assert engine.live == {} and len(engine.closed) == 2
-    sent = np.concatenate(engine.received["sess_2"])
+    sent = np.concatenate(engine.received[engine.closed[1]])  # the WAV client's session (wire id)
     with wave.open(str(inp), "rb") as wav:
         ref = np.frombuffer(wav.readframes(wav.getnframes()), "<i2").astype(np.float32) / 32768.0
     assert np.array_equal(sent, ref)

@@ -42,8 +42,8 @@ case "$mode" in
     step engine_ticks_continuous 250 python3 -m duplexcache.bench.engine_ticks --preset minicpmo45 --device cuda --sessions 1,8,16,32 --ticks 4 --warmup-ticks 8 --max-seconds 210 --memory-budget 100GiB --speak-k 1000 --turn-units 1000 --out "$out/engine_ticks_continuous" ;;
   ticks_steady)  # as ticks_continuous, with every Thinker window filled to (low + high) / 2 = 7000 tokens first
     step engine_ticks_steady 220 python3 -m duplexcache.bench.engine_ticks --preset minicpmo45 --device cuda --sessions 1,8,16,32 --ticks 4 --warmup-ticks 8 --max-seconds 180 --memory-budget 100GiB --speak-k 1000 --turn-units 1000 --steady-window --out "$out/engine_ticks_steady" ;;
-  ticks_ragged)  # A/B of stage0.ragged_kernel: ticks_steady with the short ragged steps in the paged kernel
-    step engine_ticks_ragged 220 python3 -m duplexcache.bench.engine_ticks --preset minicpmo45 --device cuda --sessions 1,8,16,32 --ticks 4 --warmup-ticks 8 --max-seconds 180 --memory-budget 100GiB --speak-k 1000 --turn-units 1000 --steady-window --ragged-kernel on --out "$out/engine_ticks_ragged" ;;
+  ticks_ragged)  # A/B of stage0.ragged_kernel (default on): ticks_steady with the short ragged steps off the paged kernel
+    step engine_ticks_ragged 220 python3 -m duplexcache.bench.engine_ticks --preset minicpmo45 --device cuda --sessions 1,8,16,32 --ticks 4 --warmup-ticks 8 --max-seconds 180 --memory-budget 100GiB --speak-k 1000 --turn-units 1000 --steady-window --ragged-kernel off --out "$out/engine_ticks_ragged" ;;
   ticks_eager)  # A/B of engine.decode_cuda_graphs: the ticks sweep with eager decode steps
     step engine_ticks_eager 140 python3 -m duplexcache.bench.engine_ticks --preset minicpmo45 --device cuda --sessions 1,8 --ticks 4 --max-seconds 100 --memory-budget 100GiB --decode-cuda-graphs off --out "$out/engine_ticks_eager" ;;
   stage0)

@@ -112,7 +112,7 @@ class TickBenchConfig:
     steady_window: bool = False   # fill each Thinker window to (low + high) // 2 after the warm-up
     decode_cuda_graphs: bool = True   # engine.decode_cuda_graphs (CUDA only)
     turn_units: int = 2   # scripted policy: the last min(turn_units, k) units of every k speak, as one turn
-    ragged_kernel: bool = False   # stage0.ragged_kernel (CUDA only)
+    ragged_kernel: bool = True    # stage0.ragged_kernel (CUDA only; off is the A/B reference)
 
     def __post_init__(self) -> None:
         if self.preset not in ("tiny", "minicpmo45"):
@@ -474,7 +474,8 @@ def _results(cfg: TickBenchConfig, deploy: DeployConfig, models: ModelBundle, ro
         "hardware": hardware_line(models.device),
         "config": {"preset": cfg.preset, "device": cfg.device, "dtype": deploy.model.dtype,
                    "sessions": list(cfg.sessions), "ticks": cfg.ticks, "warmup_ticks": cfg.warmup_ticks,
-                   "memory_budget": format_bytes(deploy.engine.memory_budget),
+                   "memory_budget": (deploy.engine.memory_budget if deploy.engine.memory_budget == "auto"
+                                     else format_bytes(deploy.engine.memory_budget)),
                    "activation_reserve": format_bytes(deploy.engine.activation_reserve),
                    "all_switches": cfg.all_switches, "speak_policy": f"every_k_units k={cfg.speak_k} turn_units={min(cfg.turn_units, cfg.speak_k)}",
                    "max_seconds": cfg.max_seconds, "seed": cfg.seed, "steady_window": cfg.steady_window,
@@ -574,7 +575,7 @@ def parse_args(argv: list[str] | None) -> tuple[TickBenchConfig, Path]:
                    help="before the recorded ticks, fill each Thinker window to (low + high) / 2 tokens")
     p.add_argument("--decode-cuda-graphs", choices=("on", "off"), default="on",
                    help="engine.decode_cuda_graphs: replay the Thinker/Talker decode steps from CUDA graphs")
-    p.add_argument("--ragged-kernel", choices=("on", "off"), default="off",
+    p.add_argument("--ragged-kernel", choices=("on", "off"), default="on",
                    help="stage0.ragged_kernel: short ragged steps through the in-place paged kernel")
     p.add_argument("--max-seconds", type=float, default=420.0)
     p.add_argument("--seed", type=int, default=0)

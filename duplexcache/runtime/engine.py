@@ -67,6 +67,7 @@ from duplexcache.runtime.admission import (
     MemoryPlan,
     plan_memory,
 )
+from duplexcache.runtime import memory_budget
 from duplexcache.runtime.bundle import ModelBundle, build_models
 from duplexcache.runtime.engine_api import (
     INPUT_SAMPLE_RATE,
@@ -269,15 +270,10 @@ class DuplexEngine:
 
     def _plan(self) -> MemoryPlan:
         e = self.deploy.engine
-        budget = e.memory_budget - e.activation_reserve
         fixed = self.code2wav.arena.nbytes() + sum(self.voices.get(v).nbytes() for v in self.voices.names())
-        if self.models.device.type == "cuda":
-            # The arena and the voices are already allocated (they are part of the budget), so
-            # what must still be free is the rest of the budget.
-            free, _ = torch.cuda.mem_get_info(self.models.device)
-            if e.memory_budget - fixed > free:
-                raise ValueError(f"engine.memory_budget {e.memory_budget} bytes exceeds the {free + fixed} bytes "
-                                 f"available on {self.models.device} after loading weights; lower it")
+        # The arena and the voices are already allocated: free memory is measured after them.
+        budget = memory_budget.resolve_memory_budget(e, fixed, memory_budget.device_free_bytes(self.models.device),
+                                                     where=str(self.models.device)) - e.activation_reserve
         refs = [self._footprint(self._default_config(v), self.voices.get(v)) for v in self.voices.names()]
         return plan_memory(budget, fixed, refs, self._thinker_block_bytes(), self._talker_block_bytes())
 

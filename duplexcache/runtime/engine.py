@@ -93,6 +93,7 @@ from duplexcache.runtime.stage0 import (
     session_worst_case,
 )
 from duplexcache.runtime.voices import Voice
+from duplexcache.runtime.warmup import WarmupReport, warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -250,8 +251,30 @@ class DuplexEngine:
         self._pools: dict[str, TierBytes] = {}
         self.code2wav_peak = TierBytes(shared=0, private=0, free=self.plan.dynamic_bytes)
         self._closed = False
+        self._warmup_captures = 0
+        self.warmup_report: WarmupReport | None = None
         self._refresh_pools()
         logger.info("engine ready: %s", self.plan.describe())
+
+    # ------------------------------------------------------------------ warm start
+
+    def warmup(self) -> WarmupReport:
+        """Capture every decode and Code2Wav graph and run every Triton kernel a tick can need
+        (runtime/warmup.py), so that ticks capture nothing. Touches no session; call before
+        serving (the server does, before /health answers ok)."""
+        with self._tick_lock:
+            if self._closed:
+                raise RuntimeError("engine is shut down")
+            before = self._graph_captures_total()
+            report = warm_up(self)
+            self._warmup_captures += self._graph_captures_total() - before
+            self.warmup_report = report
+        return report
+
+    def _graph_captures_total(self) -> int:
+        """Decode-graph keys first used (captures on CUDA) + Code2Wav graphs captured."""
+        decode = sum(g.stats.first_uses for g in (self.thinker_graphs, self.talker_graphs) if g is not None)
+        return decode + self.code2wav.graph_stats.captures
 
     # ------------------------------------------------------------------ construction
 
@@ -905,4 +928,7 @@ class DuplexEngine:
                 stage_latency_s=dict(self._last_latency),
                 decode_graph_steps={name: g.stats.replays for name, g in
                                     (("thinker", self.thinker_graphs), ("talker", self.talker_graphs))
-                                    if g is not None})
+                                    if g is not None},
+                graph_captures={"warmup": self._warmup_captures,
+                                "tick": self._graph_captures_total() - self._warmup_captures},
+                warmup_seconds=self.warmup_report.seconds if self.warmup_report is not None else None)

@@ -13,6 +13,15 @@ that overruns its period is logged and counted (``late_ticks``) and the next one
 once, without a catch-up burst. Other engine calls also go through worker threads so a busy
 engine never stalls the event loop (the engine is thread-safe per ``engine_api``).
 
+Warm start: the lifespan starts listening at once, then runs ``engine.warmup()`` (when the engine
+has one: ``DuplexEngine`` captures every CUDA graph and compiles every kernel, runtime/warmup.py)
+in a worker thread; the tick loop starts after it. Until then ``/health`` answers 503
+``{"status": "warming"}`` and a WebSocket is accepted, sent an ``error`` event
+(``server_warming_up``) and closed with 1013 (try again later): refusing is explicit, and a client
+waiting through a 30 s warm-up inside the WebSocket handshake would hit its open timeout anyway.
+A failed warm-up leaves the server up but unready (503 ``warmup_failed`` with the error), so a
+load balancer never routes to it and the log says why.
+
 The app is a plain ASGI app, so it can be served by uvicorn or mounted as a Ray Serve ingress.
 """
 
@@ -21,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -45,6 +55,8 @@ REALTIME_PATH = "/v1/realtime"
 MAX_PENDING_EVENTS = 1024
 # A tick is late when it ends more than this fraction of a period after its deadline.
 LATE_SLACK = 0.1
+# WebSocket close code "Try Again Later" (RFC 6455 registry): the server is warming up.
+CLOSE_TRY_AGAIN_LATER = 1013
 # Engine-reported error codes that describe the client's input rather than a server fault.
 _CLIENT_ERROR_CODES = frozenset({"invalid_audio", "context_length_exceeded", "invalid_reference_audio"})
 
@@ -132,6 +144,8 @@ class RealtimeServer:
         self._connections: set[Connection] = set()
         self._stopping = asyncio.Event()
         self._tick_task: asyncio.Task[None] | None = None
+        self.warm_state = "warming"            # -> "ready" | "warmup_failed"
+        self.warmup_error: str | None = None
 
     @property
     def num_connections(self) -> int:
@@ -143,9 +157,31 @@ class RealtimeServer:
 
     # ---------------------------------------------------------------- lifecycle
 
+    @property
+    def ready(self) -> bool:
+        return self.warm_state == "ready"
+
     async def start(self) -> None:
+        """Start warming up and then ticking, in the background (the app listens meanwhile)."""
         assert self._tick_task is None, "RealtimeServer.start called twice"
-        self._tick_task = asyncio.create_task(self._tick_loop(), name="duplexcache-tick")
+        self._tick_task = asyncio.create_task(self._warm_then_tick(), name="duplexcache-tick")
+
+    async def _warm_then_tick(self) -> None:
+        warmup = getattr(self.engine, "warmup", None)   # optional: not part of EngineAPI
+        if warmup is not None:
+            start = time.perf_counter()
+            try:
+                report = await asyncio.to_thread(warmup)
+            except Exception as exc:  # noqa: BLE001 - report it on /health, keep the process up
+                logger.exception("engine warm-up failed; the server stays unready")
+                self.warmup_error = f"{type(exc).__name__}: {exc}"
+                self.warm_state = "warmup_failed"
+                return
+            logger.info("warm-up finished in %.2f s (%s); ready", time.perf_counter() - start,
+                        getattr(report, "describe", lambda: report)())
+        self.metrics.update(await asyncio.to_thread(self.engine.stats))
+        self.warm_state = "ready"
+        await self._tick_loop()
 
     async def stop(self) -> None:
         """Graceful shutdown: finish the running tick, close every session, shut the engine down."""
@@ -361,6 +397,19 @@ def _check_session_config(config: DeployConfig, session: dict[str, Any], eid: st
         raise proto.ProtocolError("invalid_session_config", str(exc), eid) from None
 
 
+async def _refuse_unready(ws: WebSocket, server: RealtimeServer) -> None:
+    """A connection before the warm-up finished: one error event, then close 1013."""
+    await ws.accept()
+    if server.warm_state == "warming":
+        code, message = "server_warming_up", "the server is warming up (capturing CUDA graphs); retry when /health is ok"
+    else:
+        code, message = "server_unavailable", f"the server's warm-up failed: {server.warmup_error}"
+    server.metrics.protocol_errors.labels(code=code).inc()
+    with contextlib.suppress(Exception):   # the client may be gone already
+        await ws.send_text(proto.encode(proto.error_event(code, message, error_type=proto.SERVER_ERROR)))
+        await ws.close(code=CLOSE_TRY_AGAIN_LATER, reason=code)
+
+
 def create_app(engine: EngineAPI, config: DeployConfig) -> FastAPI:
     """The ASGI app; its lifespan starts the tick loop and shuts everything down on exit."""
     server = RealtimeServer(engine, config)
@@ -378,6 +427,12 @@ def create_app(engine: EngineAPI, config: DeployConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if not server.ready and not server.stopping:
+            # warming: the engine is busy capturing graphs (its stats would wait for it)
+            body: dict[str, Any] = {"status": server.warm_state}
+            if server.warmup_error is not None:
+                body["error"] = server.warmup_error
+            return JSONResponse(body, status_code=503)
         stats = await asyncio.to_thread(engine.stats)
         stopping = server.stopping
         body = {"status": "stopping" if stopping else "ok", "live_sessions": stats.live_sessions,
@@ -392,6 +447,9 @@ def create_app(engine: EngineAPI, config: DeployConfig) -> FastAPI:
 
     @app.websocket(REALTIME_PATH)
     async def realtime(ws: WebSocket) -> None:
+        if not server.ready and not server.stopping:
+            await _refuse_unready(ws, server)
+            return
         await server.handle_socket(ws)
 
     return app

@@ -428,7 +428,7 @@ def create_app(engine: EngineAPI, config: DeployConfig) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         if not server.ready and not server.stopping:
-            # warming: the engine is busy capturing graphs (its stats would wait for it)
+            # warming (capturing graphs, compiling kernels) or a failed warm-up: not ready to serve
             body: dict[str, Any] = {"status": server.warm_state}
             if server.warmup_error is not None:
                 body["error"] = server.warmup_error

@@ -3,7 +3,8 @@
 # (a failing step is logged and the next one still runs). Usage:
 #   OUT=/path/to/results bash scripts/gpu_bench.sh MODE [MODE ...]
 # smoke: every benchmark on the tiny preset (catches device bugs in seconds); bench, setup,
-# ticks, ticks_continuous, ticks_steady, ticks_ragged, ticks_eager, stage0, stage2: the minicpmo45 figures (random weights), each a few minutes on an H200.
+# ticks, ticks_continuous, ticks_steady, ticks_ragged, ticks_eager, warm_start, serve_ready, stage0, stage2: the minicpmo45
+# figures (random weights), each a few minutes on an H200.
 # Needs torch with CUDA, triton, numpy, pyyaml, safetensors, pydantic, tqdm, matplotlib.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,7 +30,7 @@ case "$mode" in
     step smoke_bench 120 python3 -m duplexcache.cli bench --preset tiny --device cuda --sessions 1,2 --out "$out/smoke_bench"
     step smoke_ticks 120 python3 -m duplexcache.bench.engine_ticks --preset tiny --device cuda --sessions 1,2 --ticks 2 --out "$out/smoke_ticks"
     step smoke_setup 120 python3 -m duplexcache.bench.session_setup --preset tiny --device cuda --sessions 3 --repeats 1 --out "$out/smoke_setup"
-    step gpu_tests 240 python3 -m pytest -q -x tests/cfm/test_graphs.py tests/kv/test_paged_attention.py tests/kv/test_decode_graphs.py -p no:cacheprovider ;;
+    step gpu_tests 240 python3 -m pytest -q -x tests/cfm/test_graphs.py tests/kv/test_paged_attention.py tests/kv/test_decode_graphs.py tests/runtime/test_warmup.py -p no:cacheprovider ;;
   bench)  # issue 6: memory per session A/B per switch, 80 GiB budget as on an 80 GB card
     step bench 480 python3 -m duplexcache.cli bench --preset minicpmo45 --device cuda --sessions 1,2,4,8 --memory-budget 80GiB --out "$out/bench" ;;
   setup)  # issue 4: setup time / private bytes of later sessions, context cache x shared anchors
@@ -46,10 +47,15 @@ case "$mode" in
     step engine_ticks_ragged 220 python3 -m duplexcache.bench.engine_ticks --preset minicpmo45 --device cuda --sessions 1,8,16,32 --ticks 4 --warmup-ticks 8 --max-seconds 180 --memory-budget 100GiB --speak-k 1000 --turn-units 1000 --steady-window --ragged-kernel off --out "$out/engine_ticks_ragged" ;;
   ticks_eager)  # A/B of engine.decode_cuda_graphs: the ticks sweep with eager decode steps
     step engine_ticks_eager 140 python3 -m duplexcache.bench.engine_ticks --preset minicpmo45 --device cuda --sessions 1,8 --ticks 4 --max-seconds 100 --memory-budget 100GiB --decode-cuda-graphs off --out "$out/engine_ticks_eager" ;;
+  warm_start)  # issue 10: warm-up time and graphs, then 24 sessions at once: captures per tick (0) and first audio; --no-warmup is the cold A/B
+    step warm_start 420 python3 -m duplexcache.bench.warm_start --config examples/minicpmo45-shared.yaml --sessions 24 --ticks 4 --out "$out/warm_start"
+    step cold_start 420 python3 -m duplexcache.bench.warm_start --config examples/minicpmo45-shared.yaml --sessions 24 --ticks 4 --no-warmup --out "$out/cold_start" ;;
+  serve_ready)  # issue 10: `duplexcache serve` from launch to /health 200, then the graph-capture counters on /metrics
+    step serve_ready 480 python3 scripts/serve_ready.py --config examples/minicpmo45-shared.yaml --port 8765 ;;
   stage0)
     step gpu_stage0 120 python3 -m duplexcache.bench.gpu_stage0 --out "$out/gpu_stage0" ;;
   stage2)
     step gpu_stage2 300 python3 -m duplexcache.bench.gpu_stage2 --out "$out/gpu_stage2" --batches 1,8,32 ;;
-  *) echo "unknown mode $mode (smoke|bench|setup|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|stage0|stage2)"; exit 2 ;;
+  *) echo "unknown mode $mode (smoke|bench|setup|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|warm_start|serve_ready|stage0|stage2)"; exit 2 ;;
 esac
 done

@@ -32,7 +32,7 @@ import threading
 import time
 import zlib
 from collections import OrderedDict, deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -258,15 +258,16 @@ class DuplexEngine:
 
     # ------------------------------------------------------------------ warm start
 
-    def warmup(self) -> WarmupReport:
+    def warmup(self, should_stop: Callable[[], bool] | None = None) -> WarmupReport:
         """Capture every decode and Code2Wav graph and run every Triton kernel a tick can need
         (runtime/warmup.py), so that ticks capture nothing. Touches no session; call before
-        serving (the server does, before /health answers ok)."""
+        serving (the server does, before /health answers ok). ``should_stop`` is asked between
+        captures (a server shutting down)."""
         with self._tick_lock:
             if self._closed:
                 raise RuntimeError("engine is shut down")
             before = self._graph_captures_total()
-            report = warm_up(self)
+            report = warm_up(self, should_stop or (lambda: False))
             self._warmup_captures += self._graph_captures_total() - before
             self.warmup_report = report
         return report

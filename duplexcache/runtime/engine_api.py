@@ -134,7 +134,7 @@ class EngineStats:
     # Decode steps run through CUDA graphs, per model ("thinker", "talker"); empty when off.
     decode_graph_steps: Mapping[str, int] = field(default_factory=dict)
     # Graphs captured (decode + Code2Wav), by where: "warmup" (before serving) or "tick" (lazily,
-    # inside a tick: a warm engine keeps this at 0). Empty for an engine without graphs.
+    # inside a tick: a warm engine keeps this at 0). Empty for an engine that does not count them.
     graph_captures: Mapping[str, int] = field(default_factory=dict)
     # How long the warm-up took; None before (or without) one.
     warmup_seconds: float | None = None

@@ -34,13 +34,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from duplexcache.cfm.graph_grid import replay_tiers
+from duplexcache.kv.decode_graphs import width_classes
 from duplexcache.kv.paged_attention import NULL_BLOCK_ID, PagedBatch, PagedKVCache
-from duplexcache.kv.decode_graphs import PagedDecodeGraphs, width_classes
 
 if TYPE_CHECKING:
     from duplexcache.runtime.engine import DuplexEngine
@@ -58,6 +58,7 @@ class WarmupReport:
     decode_graphs: dict[str, int] = field(default_factory=dict)   # keys prepared per model
     code2wav_graphs: int = 0
     kernels: tuple[str, ...] = ()                                 # Triton kernels run once
+    cancelled: bool = False                                       # stopped early (server shutting down)
 
     @property
     def graphs(self) -> int:
@@ -180,26 +181,37 @@ def run_kernels_once(engine: DuplexEngine) -> tuple[str, ...]:
 
 # ------------------------------------------------------------------------------ the warm-up
 
-def _warm_decode(graphs: PagedDecodeGraphs, keys: list[tuple[int, int]]) -> int:
-    return sum(graphs.warm(batch, width) for batch, width in keys)
+def _never() -> bool:
+    return False
 
 
-def warm_up(engine: DuplexEngine) -> WarmupReport:
+def warm_up(engine: DuplexEngine, should_stop: Callable[[], bool] = _never) -> WarmupReport:
     """Capture every graph and run every kernel a tick can need (see the module docstring).
-    Call with no session open and no tick running (``DuplexEngine.warmup`` holds the tick lock)."""
+    Call with no tick running (``DuplexEngine.warmup`` holds the tick lock). ``should_stop`` is
+    asked between captures: a server shutting down does not wait for the rest."""
     start = time.perf_counter()
-    decode = {}
+    decode: dict[str, int] = {}
+    c2w, kernels, cancelled = 0, (), False
     with torch.no_grad():
         for name, keys in decode_keys(engine).items():
             graphs = engine.thinker_graphs if name == "thinker" else engine.talker_graphs
             assert graphs is not None
-            decode[name] = _warm_decode(graphs, keys)
+            decode[name] = 0
+            for batch, width in keys:
+                if should_stop():
+                    break
+                decode[name] += graphs.warm(batch, width)
             logger.info("warm-up: %s decode graphs %d (buckets %s, widths %s)", name, decode[name],
                         sorted({b for b, _ in keys}), sorted({w for _, w in keys}))
     arena = engine.code2wav.arena
-    c2w = sum(arena.warm(tier, width, length) for tier, width, length in code2wav_keys(engine)) \
-        if arena.use_graphs else 0
-    kernels = run_kernels_once(engine)
-    report = WarmupReport(time.perf_counter() - start, decode, c2w, kernels)
-    logger.info("engine %s", report.describe())
+    for tier, width, length in code2wav_keys(engine) if arena.use_graphs else ():
+        if should_stop():
+            break
+        c2w += arena.warm(tier, width, length)
+    if should_stop():
+        cancelled = True
+    else:
+        kernels = run_kernels_once(engine)
+    report = WarmupReport(time.perf_counter() - start, decode, c2w, kernels, cancelled)
+    logger.info("engine %s%s", report.describe(), " (cancelled)" if cancelled else "")
     return report

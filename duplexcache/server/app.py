@@ -171,11 +171,15 @@ class RealtimeServer:
         if warmup is not None:
             start = time.perf_counter()
             try:
-                report = await asyncio.to_thread(warmup)
+                # should_stop: a shutdown during the warm-up does not wait for every capture.
+                report = await asyncio.to_thread(warmup, should_stop=self._stopping.is_set)
             except Exception as exc:  # noqa: BLE001 - report it on /health, keep the process up
                 logger.exception("engine warm-up failed; the server stays unready")
                 self.warmup_error = f"{type(exc).__name__}: {exc}"
                 self.warm_state = "warmup_failed"
+                return
+            if self._stopping.is_set():
+                logger.info("warm-up stopped: the server is shutting down")
                 return
             logger.info("warm-up finished in %.2f s (%s); ready", time.perf_counter() - start,
                         getattr(report, "describe", lambda: report)())

@@ -111,6 +111,15 @@ def test_warmup_touches_no_session_state(tmp_path, monkeypatch):
     eng.shutdown()
 
 
+def test_warmup_stops_when_asked(tmp_path, monkeypatch):
+    eng = graphed_engine(tmp_path, monkeypatch, "stop")
+    asked = []
+    report = eng.warmup(should_stop=lambda: asked.append(1) or len(asked) > 3)   # 3 captures, then stop
+    assert report.cancelled and report.graphs == 3 and report.kernels == ()
+    assert eng.stats().graph_captures == {"warmup": 3, "tick": 0}
+    assert not eng.warmup().cancelled                                            # the rest, later
+
+
 def test_cpu_engine_warmup_is_a_no_op(tmp_path):
     """On CPU as configured there are no graphs: warm-up reports 0 and serving is unchanged."""
     eng = engine(tmp_path, "cpu", SMALL)

@@ -30,9 +30,14 @@ class WarmingEngine(FakeEngine):
         self.release = threading.Event()
         self.fail = fail
         self.warmed = False
+        self.stopped_early = False
 
-    def warmup(self) -> None:
-        assert self.release.wait(30), "test never released the warm-up"
+    def warmup(self, should_stop=None) -> None:
+        while not self.release.wait(0.01):
+            if should_stop is not None and should_stop():
+                self.stopped_early = True
+                return
+        assert self.release.is_set()
         if self.fail:
             raise RuntimeError(self.fail)
         self.warmed = True
@@ -112,3 +117,11 @@ def test_failed_warmup_stays_unready(warming):
     reply = httpx.get(srv.http_url("/health"))
     assert reply.status_code == 503 and reply.json()["status"] == "warmup_failed"
     assert "out of memory" in reply.json()["error"] and engine.ticks == 0
+
+
+def test_stop_during_warmup_does_not_wait_for_it():
+    deploy = DeployConfig.default("tiny")
+    engine = WarmingEngine(deploy)
+    srv = LoopbackServer(create_app(engine, deploy)).start(wait_ready=False)
+    srv.stop(timeout=10)             # never released: the warm-up must notice the shutdown
+    assert engine.stopped_early and engine.shutdown_called and engine.ticks == 0

@@ -61,13 +61,13 @@ from duplexcache.kv.paged_attention import PagedKVCache
 from duplexcache.kv.window import WindowConfig
 from duplexcache.models.audio_encoder import StreamingAudioEncoderState
 from duplexcache.models.talker import TalkerUnitRequest, generate_unit
+from duplexcache.runtime import memory_budget
 from duplexcache.runtime.admission import (
     AdmissionLedger,
     Footprint,
     MemoryPlan,
     plan_memory,
 )
-from duplexcache.runtime import memory_budget
 from duplexcache.runtime.bundle import ModelBundle, build_models
 from duplexcache.runtime.engine_api import (
     INPUT_SAMPLE_RATE,

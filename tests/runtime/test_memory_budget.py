@@ -108,19 +108,16 @@ def _meta_engine(monkeypatch, models, path: Path, budget: str | None = None, ava
         raw["engine"]["memory_budget"] = budget
     deploy = DeployConfig.from_dict(raw, environ={})
     if available is not None:
-        # what mem_get_info would say once the fixed allocations (arena, voices) are made
-        fixed = _fixed_bytes(monkeypatch, models, path)
-        monkeypatch.setattr(MB, "device_free_bytes", lambda device: available - fixed)
+        # What mem_get_info would say once the fixed allocations (arena, voices) are made: the
+        # engine asks after allocating them, so the injected figure is ``available - fixed``.
+        resolve = MB.resolve_memory_budget
+
+        def on_the_card(engine_cfg, fixed, free, *, where="the device"):
+            assert free is None, "meta is not a CUDA device: nothing measured"
+            return resolve(engine_cfg, fixed, available - fixed, where=where)
+
+        monkeypatch.setattr(MB, "resolve_memory_budget", on_the_card)
     return DuplexEngine(deploy, models)
-
-
-_FIXED: dict[Path, int] = {}
-
-
-def _fixed_bytes(monkeypatch, models, path: Path) -> int:
-    if path not in _FIXED:
-        _FIXED[path] = _meta_engine(monkeypatch, models, path, budget="100GiB").plan.fixed_bytes
-    return _FIXED[path]
 
 
 @pytest.mark.parametrize("card", CARDS)

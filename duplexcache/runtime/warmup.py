@@ -18,8 +18,10 @@ the first seconds saw first audio after 13-16 s, and 11 of them none within 16 s
   every cache bucket a voice's estimator cache passes through (P, P + W, ... up to P + 100
   frames), plus each voice's setup pass (tier 1, width P, no cache).
 * Triton kernels, once each, on the null block: paged decode (also inside every decode capture),
-  the short ragged step (when ``stage0.ragged_kernel``) and the fused key re-rotation (window
-  ``basic``).
+  the short ragged step (when ``stage0.ragged_kernel``; every split count it can pick, since the
+  split count is a compile-time constant) and the fused key re-rotation (window ``basic``).
+  Graphs off (``engine.decode_cuda_graphs: false``, the A/B reference): eager decode steps of
+  arbitrary batch sizes may still compile split variants inside ticks.
 
 Nothing here touches a session or the pools' accounting: decode captures use padding rows (slot 0
 of the null block, as a padded replay does), Code2Wav captures use padded arena rows (scratch
@@ -166,6 +168,7 @@ def run_kernels_once(engine: DuplexEngine) -> tuple[str, ...]:
             model.forward_paged(torch.zeros(num_new, hidden, dtype=m.dtype, device=m.device),
                                 _null_block_step(num_new, cache), cache)
             ran += [f"{name}:{p}" for p, n in cache.path_counts.items() if n > before.get(p, 0) and p != "reference"]
+    ran += _ragged_split_variants(engine)
     if engine.window.mode == "basic" and engine.thinker_cache.decode_backend == "triton":
         from duplexcache.kv.triton_kernels import rerotate_keys_triton_
 
@@ -177,6 +180,36 @@ def run_kernels_once(engine: DuplexEngine) -> tuple[str, ...]:
         ran.append("thinker:rerotate")
     torch.cuda.synchronize(m.device)
     return tuple(dict.fromkeys(ran))
+
+
+# Fewest query rows of a ragged step: the Thinker's first append is <unit> + 10 audio embeddings,
+# the Talker's condition rows at least one text token + the end token.
+RAGGED_MIN_ROWS = {"thinker": 11, "talker": 2}
+
+
+def _ragged_split_variants(engine: DuplexEngine) -> list[str]:
+    """Compile every split count the ragged path can pick. The decode kernel's split count is a
+    compile-time constant chosen from the row count and the table width (``default_num_splits``);
+    graphed decode steps only meet their buckets' values (compiled by the captures), but a ragged
+    step has any row count >= RAGGED_MIN_ROWS and any width, so every value from 1 to the one of
+    the fewest rows can occur: Thinker 1..6, Talker 1..22 at minicpmo45 shapes on an H200."""
+    from duplexcache.kv.triton_kernels import _num_sms, default_num_splits, paged_decode_attention
+
+    m, ran = engine.models, []
+    for name, model, cache in (("thinker", m.thinker, engine.thinker_cache),
+                               ("talker", m.talker, engine.talker_cache)):
+        if cache.decode_backend != "triton" or not cache.ragged_steps_in_kernel:
+            continue
+        c = model.config
+        most = default_num_splits(RAGGED_MIN_ROWS[name], c.num_key_value_heads, 2**31, _num_sms(m.device))
+        q = torch.zeros(1, c.num_attention_heads, c.head_dim, dtype=m.dtype, device=m.device)
+        table = torch.full((1, 1), NULL_BLOCK_ID, dtype=torch.int32, device=m.device)
+        seq_lens = torch.ones(1, dtype=torch.int32, device=m.device)
+        for splits in range(1, most + 1):   # one row of the null block, as a padding row reads it
+            paged_decode_attention(q, cache.k[0], cache.v[0], table, seq_lens, c.head_dim ** -0.5,
+                                   num_splits=splits)
+        ran.append(f"{name}:ragged_splits_1..{most}")
+    return ran
 
 
 # ------------------------------------------------------------------------------ the warm-up

@@ -110,6 +110,18 @@ def format_bytes(num_bytes: int) -> str:
 
 ByteSize = Annotated[int, BeforeValidator(parse_bytes)]
 
+AUTO = "auto"
+
+
+def parse_budget(value: int | str) -> int | str:
+    """``"auto"`` (sized from the free device memory at start-up) or a byte size."""
+    if isinstance(value, str) and value.strip().lower() == AUTO:
+        return AUTO
+    return parse_bytes(value)
+
+
+BudgetSize = Annotated[int | Literal["auto"], BeforeValidator(parse_budget)]
+
 
 def parse_graph_grid(value: str | list[int] | tuple[int, ...] | None, source: str) -> tuple[int, ...] | None:
     """Parse graph tiers (``"1,4,8,16"`` or a list) into a sorted tuple of unique positive ints."""
@@ -183,8 +195,9 @@ class Stage0Config(_Strict):
     client_window_override: bool = True
     # CUDA: ragged steps of <= 32 new tokens per sequence (a unit's append, the Talker's condition
     # rows) through the in-place paged kernel, one query row per token, instead of one gather +
-    # SDPA per sequence per layer. Default off until measured on a GPU (A/B with engine_ticks).
-    ragged_kernel: bool = False
+    # SDPA per sequence per layer. Default on (H200: 40 real-time sessions vs 8 with it off);
+    # off is the A/B reference. Ignored on CPU.
+    ragged_kernel: bool = True
 
 
 class ContextCacheConfig(_Strict):
@@ -264,7 +277,13 @@ class SpeakPolicy(_Strict):
 class EngineConfig(_Strict):
     """Admission and ticking."""
 
-    memory_budget: ByteSize = parse_bytes("512MiB")
+    # "auto": memory_fraction of the device memory still free after the weights and the fixed
+    # allocations (runtime/memory_budget.py; on CPU a fixed 512 MiB, capped by free RAM), or a
+    # byte size, refused at start-up when it exceeds what is free.
+    memory_budget: BudgetSize = AUTO
+    # Share of the free device memory an "auto" budget takes; the rest stays for the CUDA
+    # context's growth, cuBLAS/cuDNN workspaces, Triton and the allocator's fragmentation.
+    memory_fraction: float = Field(0.9, gt=0, le=1)
     # Kept free for activations/scratch; admission only hands out memory_budget - this.
     activation_reserve: ByteSize = parse_bytes("64MiB")
     tick_seconds: float = Field(1.0, gt=0)
@@ -275,7 +294,8 @@ class EngineConfig(_Strict):
 
     @model_validator(mode="after")
     def _reserve_fits(self) -> "EngineConfig":
-        if self.activation_reserve >= self.memory_budget:
+        # An "auto" budget is checked against the reserve when it is resolved at start-up.
+        if self.memory_budget != AUTO and self.activation_reserve >= self.memory_budget:
             raise ValueError(
                 f"activation_reserve ({format_bytes(self.activation_reserve)}) must be below "
                 f"memory_budget ({format_bytes(self.memory_budget)})"
@@ -307,7 +327,7 @@ _PRESET_OVERRIDES: dict[str, dict[str, Any]] = {
     "minicpmo45": {
         "model": {"preset": "minicpmo45", "dtype": "bfloat16", "device": "cuda"},
         "code2wav": {"max_num_seqs": 32},
-        "engine": {"memory_budget": "120GiB", "activation_reserve": "8GiB"},
+        "engine": {"activation_reserve": "8GiB"},
     },
 }
 
@@ -363,7 +383,8 @@ class DeployConfig(_Strict):
         """Plain YAML-able dict; ``DeployConfig.from_dict(c.to_dict()) == c``."""
         data = self.model_dump(mode="json")
         for key in ("memory_budget", "activation_reserve"):
-            data["engine"][key] = format_bytes(data["engine"][key])
+            if data["engine"][key] != AUTO:
+                data["engine"][key] = format_bytes(data["engine"][key])
         data["server"]["max_frame_bytes"] = format_bytes(data["server"]["max_frame_bytes"])
         if data["code2wav"]["graph_grid"] is not None:
             data["code2wav"]["graph_grid"] = list(data["code2wav"]["graph_grid"])
@@ -446,7 +467,7 @@ PRIVATE_RUNTIME_CONFIG_KEYS: frozenset[str] = frozenset({
     "duplex_context_caching", "context_cache_capacity", "capacity",
     "cfm_prompt_att_sharing", "cfm_arena_rows_from_graph_grid", "max_num_seqs", "graph_grid",
     "shared_anchor_blocks", "block_size", "window_mode", "mode", "client_window_override",
-    "memory_budget", "activation_reserve", "tick_seconds", "speak_policy",
+    "memory_budget", "memory_fraction", "activation_reserve", "tick_seconds", "speak_policy",
     "preset", "checkpoint_dir", "revision", "model_revision", "dtype", "device",
     "max_frame_bytes",
 })

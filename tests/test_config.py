@@ -28,11 +28,11 @@ NON_DEFAULT = {
     "model": {"preset": "minicpmo45", "checkpoint_dir": "/ckpt", "revision": "abc123",
               "dtype": "bfloat16", "device": "cuda:1"},
     "stage0": {"block_size": 32, "window": {"mode": "rebuild", "high_tokens": 4000, "low_tokens": 3000},
-               "shared_anchor_blocks": True, "client_window_override": False, "ragged_kernel": True},
+               "shared_anchor_blocks": True, "client_window_override": False, "ragged_kernel": False},
     "context_cache": {"duplex_context_caching": True, "capacity": 7},
     "code2wav": {"cfm_prompt_att_sharing": True, "cfm_arena_rows_from_graph_grid": True,
                  "max_num_seqs": 24, "graph_grid": [1, 4, 8]},
-    "engine": {"memory_budget": "80GiB", "activation_reserve": "3GiB", "tick_seconds": 0.5, "decode_cuda_graphs": False,
+    "engine": {"memory_budget": "80GiB", "memory_fraction": 0.8, "activation_reserve": "3GiB", "tick_seconds": 0.5, "decode_cuda_graphs": False,
                "speak_policy": {"mode": "model", "k": 3, "turn_units": 1, "speech_rms": 0.02,
                                 "reply_min_units": 3, "reply_max_units": 5}},
     "server": {"host": "0.0.0.0", "port": 9001, "max_frame_bytes": "1MiB", "api_key": "sk-test",
@@ -61,6 +61,26 @@ def test_shipped_yaml_writes_out_every_switch_with_its_default(preset):
     assert default.stage0.shared_anchor_blocks is False
     assert default.code2wav.cfm_prompt_att_sharing is False
     assert default.code2wav.cfm_arena_rows_from_graph_grid is False
+    # the speed switches and the budget default on: the fast path, sized from the free memory
+    assert default.stage0.ragged_kernel is True and default.engine.decode_cuda_graphs is True
+    assert default.engine.memory_budget == "auto" and default.engine.memory_fraction == 0.9
+
+
+def test_memory_budget_auto_or_bytes():
+    auto = DeployConfig.from_dict({"engine": {"memory_budget": "AUTO"}}, environ=NO_ENV)
+    assert auto.engine.memory_budget == "auto" and auto.to_dict()["engine"]["memory_budget"] == "auto"
+    assert DeployConfig.from_dict(auto.to_dict(), environ=NO_ENV) == auto
+    sized = DeployConfig.from_dict({"engine": {"memory_budget": "2GiB"}}, environ=NO_ENV)
+    assert sized.engine.memory_budget == 2 * 2**30
+    # an auto budget is checked against the reserve when it is resolved, a fixed one at once
+    DeployConfig.from_dict({"engine": {"memory_budget": "auto", "activation_reserve": "1TiB"}}, environ=NO_ENV)
+    with pytest.raises(ConfigError, match="activation_reserve"):
+        DeployConfig.from_dict({"engine": {"memory_budget": "1GiB", "activation_reserve": "1TiB"}}, environ=NO_ENV)
+    for bad in (0, 1.5, -0.1):
+        with pytest.raises(ConfigError, match="engine.memory_fraction"):
+            DeployConfig.from_dict({"engine": {"memory_fraction": bad}}, environ=NO_ENV)
+    with pytest.raises(ConfigError, match="engine.memory_budget"):
+        DeployConfig.from_dict({"engine": {"memory_budget": "automatic"}}, environ=NO_ENV)
 
 
 def test_api_key_env_overrides_yaml_and_packaged_configs_bind_loopback():
@@ -260,3 +280,4 @@ def test_example_serving_config_turns_every_sharing_switch_on():
     assert d.code2wav.cfm_prompt_att_sharing and d.code2wav.cfm_arena_rows_from_graph_grid
     assert d.code2wav.graph_grid == (1, 4, 8, 16) and d.code2wav.arena_rows == 16
     assert d.stage0.window.mode == "basic"
+    assert d.stage0.ragged_kernel and d.engine.decode_cuda_graphs and d.engine.memory_budget == "auto"

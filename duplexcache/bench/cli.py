@@ -122,6 +122,8 @@ class _Setup:
 def _fit_engine_budget(deploy: DeployConfig, configs, device: torch.device):
     """The engine preallocates its pools from engine.memory_budget and refuses a budget above
     the memory left after the weights; on a smaller GPU the bench lowers it (and logs it)."""
+    if deploy.engine.memory_budget == "auto":   # sized from the free memory at start-up: it fits
+        return configs
     free, _ = torch.cuda.mem_get_info(device)
     limit = int(free * 0.9) // 2**20 * 2**20
     if deploy.engine.memory_budget <= limit:
@@ -231,6 +233,9 @@ def _run_meta(args, deploy: DeployConfig, configs, device: torch.device, session
         budget, includes_weights = torch.cuda.get_device_properties(device).total_memory, True
     else:
         budget, includes_weights = configs[0].deploy.engine.memory_budget, False
+        if budget == "auto":   # a host device: what the engine resolves auto to
+            from duplexcache.runtime.memory_budget import resolve_memory_budget
+            budget = resolve_memory_budget(configs[0].deploy.engine, 0, None)
     return RunMeta(preset=args.preset, device=str(device), target=setup.target, memory_source=source,
                    memory_budget=budget, activation_reserve=deploy.engine.activation_reserve,
                    weight_bytes=setup.weight_bytes, floor=setup.floor, workload=workload,

@@ -81,7 +81,7 @@ import torch
 
 from duplexcache.bench import workload as wl
 from duplexcache.bench.engine_ticks_report import STAGES, markdown, write_report
-from duplexcache.config import DeployConfig, format_bytes, parse_bytes
+from duplexcache.config import AUTO, DeployConfig, format_bytes, parse_budget, parse_bytes
 from duplexcache.runtime.bundle import ModelBundle, build_models
 from duplexcache.runtime.engine import DuplexEngine
 from duplexcache.runtime.voices import VoiceRegistry
@@ -129,7 +129,7 @@ class TickBenchConfig:
     steady_window: bool = False   # fill each Thinker window to (low + high) // 2 after the warm-up
     decode_cuda_graphs: bool = True   # engine.decode_cuda_graphs (CUDA only)
     turn_units: int = 2   # scripted policy: the last min(turn_units, k) units of every k speak, as one turn
-    ragged_kernel: bool = False   # stage0.ragged_kernel (CUDA only)
+    ragged_kernel: bool = True    # stage0.ragged_kernel (CUDA only; off is the A/B reference)
     workload: str = "turns"   # turns | continuous | conversation (bench/workload.py)
 
     def __post_init__(self) -> None:
@@ -157,7 +157,7 @@ class TickBenchConfig:
         if self.speak_k < 1 or self.turn_units < 1:
             raise ValueError(f"speak_k and turn_units must be >= 1, got {self.speak_k}, {self.turn_units}")
         if self.memory_budget is not None:
-            parse_bytes(self.memory_budget)   # raises ValueError naming the bad size
+            parse_budget(self.memory_budget)   # "auto" or a size; raises ValueError naming a bad one
         if self.warmup_ticks < 2:
             logger.warning("warmup_ticks=%d: the first Code2Wav step (graph capture on CUDA) "
                            "falls in a recorded tick", self.warmup_ticks)
@@ -206,7 +206,7 @@ def make_deploy(cfg: TickBenchConfig) -> DeployConfig:
     if budget is not None:
         raw["engine"]["memory_budget"] = budget
         reserve = parse_bytes(raw["engine"]["activation_reserve"])
-        if reserve >= parse_bytes(budget):   # e.g. a small test budget under the 8 GiB reserve
+        if budget != AUTO and reserve >= parse_bytes(budget):   # e.g. a small test budget under the 8 GiB reserve
             raw["engine"]["activation_reserve"] = format_bytes(parse_bytes(budget) // 8)
     for section, keys in SWITCHES.items():
         for key in keys:
@@ -581,7 +581,8 @@ def _results(cfg: TickBenchConfig, deploy: DeployConfig, models: ModelBundle, ro
         "hardware": hardware_line(models.device),
         "config": {"preset": cfg.preset, "device": cfg.device, "dtype": deploy.model.dtype,
                    "sessions": list(cfg.sessions), "ticks": cfg.ticks, "warmup_ticks": cfg.warmup_ticks,
-                   "memory_budget": format_bytes(deploy.engine.memory_budget),
+                   "memory_budget": (deploy.engine.memory_budget if deploy.engine.memory_budget == "auto"
+                                     else format_bytes(deploy.engine.memory_budget)),
                    "activation_reserve": format_bytes(deploy.engine.activation_reserve),
                    "all_switches": cfg.all_switches, "workload": cfg.workload, "speak_policy": cfg.describe_policy(),
                    "max_seconds": cfg.max_seconds, "seed": cfg.seed, "steady_window": cfg.steady_window,
@@ -633,7 +634,7 @@ def parse_args(argv: list[str] | None) -> tuple[TickBenchConfig, Path]:
                    help="before the recorded ticks, fill each Thinker window to (low + high) / 2 tokens")
     p.add_argument("--decode-cuda-graphs", choices=("on", "off"), default="on",
                    help="engine.decode_cuda_graphs: replay the Thinker/Talker decode steps from CUDA graphs")
-    p.add_argument("--ragged-kernel", choices=("on", "off"), default="off",
+    p.add_argument("--ragged-kernel", choices=("on", "off"), default="on",
                    help="stage0.ragged_kernel: short ragged steps through the in-place paged kernel")
     p.add_argument("--max-seconds", type=float, default=420.0)
     p.add_argument("--seed", type=int, default=0)

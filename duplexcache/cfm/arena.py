@@ -17,16 +17,18 @@ masked (rows of one micro-batch have their own cache lengths). Lb is a cache-len
 K = max(largest setup width, largest chunk width + largest cache): the setup pass (width P, no
 cache) and a chunk (width <= 56, cache <= P + 100) never need more.
 
-CUDA graphs (policy: lazy capture). `run` looks up the key (tier, W, Lb); the first time a key
-is needed it is captured (one eager warm-up on a side stream, then the capture) and from then on
-replayed. Tiers come from the graph grid via `replay_groups` (the smallest tier that fits; rows
+CUDA graphs (policy: capture at warm-up, lazy as a fallback). `run` looks up the key (tier, W,
+Lb); the first time a key is needed it is captured (one eager warm-up on a side stream, then the
+capture) and from then on replayed. `warm(tier, W, L)` captures a key over padded rows ahead of
+time: the engine's warm-up (runtime/warmup.py) captures every key its sessions can meet before
+the server reports ready, so a tick captures nothing. Tiers come from the graph grid via `replay_groups` (the smallest tier that fits; rows
 past the batch are padded slots whose inputs are zeros), so the set of keys is small: per tier,
 one width per chunk size and one bucket per 64 frames of cache. All graphs share one memory pool.
 That is safe in any capture order because `_euler` keeps nothing in the pool between replays:
 every result is copied into the static buffers, which live outside the pool, and replays never
-overlap (one stream). Lazy capture was chosen over capturing the whole grid at start-up because
-most (tier, W, Lb) keys of a grid are never met in a given deployment, and each capture costs
-about two eager solves. On CPU (or with graphs off) the same `_euler` runs eagerly.
+overlap (one stream). The warm-up does not capture the whole grid: only the
+widths and cache buckets the engine's chunks produce (most (tier, W, Lb) keys never occur), each
+capture costing about two eager solves. On CPU (or with graphs off) the same `_euler` runs eagerly.
 `stats` counts captures, replays and eager runs, so a caller can prove which path ran.
 """
 from __future__ import annotations
@@ -293,6 +295,20 @@ class EulerArena:
             self.stats.captures += 1
         replay()
         self.stats.replays += 1
+
+    def has_graph(self, tier: int, width: int, max_cache_len: int) -> bool:
+        return (tier, width, self.bucket(width, max_cache_len)) in self._graphs
+
+    def warm(self, tier: int, width: int, max_cache_len: int) -> bool:
+        """Capture the graph `run(tier, width, max_cache_len)` would need, over padded rows
+        [0, tier) (scratch: every `run` loads its rows first). Returns False when there is no
+        graph backend or the key is captured already."""
+        if self.graph_backend is None or self.has_graph(tier, width, max_cache_len):
+            return False
+        for row in range(tier):
+            self.pad_row(row, width)
+        self.run(tier, width, max_cache_len)
+        return True
 
     @torch.inference_mode()
     def _prepare_time_embedding(self) -> None:

@@ -93,3 +93,11 @@ def replay_groups(batch_size: int, grid: tuple[int, ...], arena_rows: int) -> li
         groups.append(ReplayGroup(start, rows, tier))
         start += rows
     return groups
+
+
+def replay_tiers(grid: tuple[int, ...], arena_rows: int, max_batch: int) -> tuple[int, ...]:
+    """Every tier `replay_groups` can pick for a batch of 1..max_batch rows (what a warm-up
+    captures). Without a grid that is every row count up to min(arena rows, max_batch)."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    return tuple(sorted({g.tier for n in range(1, max_batch + 1) for g in replay_groups(n, grid, arena_rows)}))

@@ -18,7 +18,9 @@ step overwrites, and the graph is keyed by
   table. The attention kernel sizes its sequence splits from the width, so one width per graph
   keeps the split plan (and the summation order) fixed.
 
-Graphs are captured lazily, the first time a (batch, width) is needed, into one memory pool.
+Graphs are captured the first time a (batch, width) is needed, into one memory pool, or ahead of
+time by ``warm`` (the engine's warm-up, runtime/warmup.py, captures every key a reference session
+can need before the server reports ready, largest first so smaller graphs reuse the pool).
 
 Numerics: a padded step multiplies ``bucket`` rows where the eager step multiplies ``B``, and
 cuBLAS may pick another kernel for another row count, so a graphed step can differ from the
@@ -76,6 +78,9 @@ class DecodeGraphStats:
 
     replays: int = 0          # steps run through the static buffers (graph replays, or eager when capture=False)
     captures: int = 0         # graphs captured
+    # First uses of a (batch, width) key: a capture on CUDA; with capture=False the step that would
+    # have captured (how CPU tests prove that a warm-up leaves nothing to capture in a tick).
+    first_uses: int = 0
     eager_fallbacks: int = 0  # steps the runner declined (too many sequences or too long a table)
     # Growth of the allocator's reserved bytes during captures: the graphs' activations, which
     # live in the activation reserve. Approximate: the first engine of a process pays for
@@ -114,6 +119,7 @@ class PagedDecodeGraphs:
         self._query_start = torch.arange(self.max_batch + 1, dtype=torch.int64, device=dev)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self._used: set[tuple[int, int]] = set()   # keys run (captured) at least once
         self.stats = DecodeGraphStats()
 
     # ------------------------------------------------------------------ public
@@ -141,6 +147,7 @@ class PagedDecodeGraphs:
                              f"({self.max_batch} / {self.max_width}); check can_run first")
         batch = next(b for b in self.buckets if b >= num_seqs)
         width = next(w for w in self.widths if w >= longest)
+        self._note_use(batch, width)
         if self.capture:
             # Capture first: it overwrites the static buffers with a harmless step.
             graph, out = self._graphs.get((batch, width)) or self._capture(batch, width)
@@ -152,9 +159,42 @@ class PagedDecodeGraphs:
         self.stats.replays += 1
         return out[:num_seqs].clone()
 
+    def keys(self, max_width: int | None = None) -> list[tuple[int, int]]:
+        """Every (batch bucket, width class), widths up to ``max_width`` blocks (default: all),
+        largest first: the order a warm-up captures them in."""
+        widths = [w for w in self.widths if max_width is None or w <= max_width] or [self.widths[0]]
+        return [(b, w) for b in reversed(self.buckets) for w in reversed(widths)]
+
+    def is_warm(self, batch: int, width: int) -> bool:
+        return (batch, width) in self._used
+
+    def warm(self, batch: int, width: int) -> bool:
+        """Prepare key (batch, width) without touching any sequence: capture its graph (CUDA), or
+        with ``capture=False`` run its step once. Every row is a padding row (slot 0 of the null
+        block), as in a capture. Returns False when the key was ready already."""
+        if batch not in self.buckets or width not in self.widths:
+            raise ValueError(f"{self.name}: ({batch}, {width}) is not a bucket x width class "
+                             f"({self.buckets} x {self.widths})")
+        if self.is_warm(batch, width):
+            return False
+        self._note_use(batch, width)
+        if self.capture:
+            self._capture(batch, width)
+        else:
+            self._packed[:batch].zero_()
+            self._packed[:batch, _SEQ_LEN] = 1
+            self._step(batch, width)
+        return True
+
     def close(self) -> None:
         self._graphs.clear()
+        self._used.clear()
         self._pool = None
+
+    def _note_use(self, batch: int, width: int) -> None:
+        if (batch, width) not in self._used:
+            self._used.add((batch, width))
+            self.stats.first_uses += 1
 
     # ------------------------------------------------------------------ internals
 

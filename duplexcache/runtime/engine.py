@@ -32,7 +32,7 @@ import threading
 import time
 import zlib
 from collections import OrderedDict, deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +62,7 @@ from duplexcache.kv.window import WindowConfig
 from duplexcache.models.audio_encoder import StreamingAudioEncoderState
 from duplexcache.models.talker import TalkerUnitRequest, generate_unit
 from duplexcache.runtime import turns
+from duplexcache.runtime import memory_budget
 from duplexcache.runtime.admission import (
     AdmissionLedger,
     Footprint,
@@ -95,6 +96,7 @@ from duplexcache.runtime.stage0 import (
 )
 from duplexcache.runtime.turns import NO_REQUESTS, TurnState, UnitTurn
 from duplexcache.runtime.voices import Voice
+from duplexcache.runtime.warmup import WarmupReport, warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -260,8 +262,31 @@ class DuplexEngine:
         self._pools: dict[str, TierBytes] = {}
         self.code2wav_peak = TierBytes(shared=0, private=0, free=self.plan.dynamic_bytes)
         self._closed = False
+        self._warmup_captures = 0
+        self.warmup_report: WarmupReport | None = None
         self._refresh_pools()
         logger.info("engine ready: %s", self.plan.describe())
+
+    # ------------------------------------------------------------------ warm start
+
+    def warmup(self, should_stop: Callable[[], bool] | None = None) -> WarmupReport:
+        """Capture every decode and Code2Wav graph and run every Triton kernel a tick can need
+        (runtime/warmup.py), so that ticks capture nothing. Touches no session; call before
+        serving (the server does, before /health answers ok). ``should_stop`` is asked between
+        captures (a server shutting down)."""
+        with self._tick_lock:
+            if self._closed:
+                raise RuntimeError("engine is shut down")
+            before = self._graph_captures_total()
+            report = warm_up(self, should_stop or (lambda: False))
+            self._warmup_captures += self._graph_captures_total() - before
+            self.warmup_report = report
+        return report
+
+    def _graph_captures_total(self) -> int:
+        """Decode-graph keys first used (captures on CUDA) + Code2Wav graphs captured."""
+        decode = sum(g.stats.first_uses for g in (self.thinker_graphs, self.talker_graphs) if g is not None)
+        return decode + self.code2wav.graph_stats.captures
 
     # ------------------------------------------------------------------ construction
 
@@ -280,18 +305,13 @@ class DuplexEngine:
 
     def _plan(self) -> MemoryPlan:
         e = self.deploy.engine
-        budget = e.memory_budget - e.activation_reserve
         # The voices' Code2Wav prompt states were computed by register_voice and live as long as
         # the engine: fixed, once per voice (sharing on or off), never per session.
         fixed = (self.code2wav.arena.nbytes() + sum(self.voices.get(v).nbytes() for v in self.voices.names())
                  + sum(self.code2wav.voice_bytes(v) for v in self.voices.names()))
-        if self.models.device.type == "cuda":
-            # The arena and the voices are already allocated (they are part of the budget), so
-            # what must still be free is the rest of the budget.
-            free, _ = torch.cuda.mem_get_info(self.models.device)
-            if e.memory_budget - fixed > free:
-                raise ValueError(f"engine.memory_budget {e.memory_budget} bytes exceeds the {free + fixed} bytes "
-                                 f"available on {self.models.device} after loading weights; lower it")
+        # The arena and the voices are already allocated: free memory is measured after them.
+        budget = memory_budget.resolve_memory_budget(e, fixed, memory_budget.device_free_bytes(self.models.device),
+                                                     where=str(self.models.device)) - e.activation_reserve
         refs = [self._footprint(self._default_config(v), self.voices.get(v)) for v in self.voices.names()]
         return plan_memory(budget, fixed, refs, self._thinker_block_bytes(), self._talker_block_bytes())
 
@@ -1049,4 +1069,7 @@ class DuplexEngine:
                 stage_latency_s=dict(self._last_latency),
                 decode_graph_steps={name: g.stats.replays for name, g in
                                     (("thinker", self.thinker_graphs), ("talker", self.talker_graphs))
-                                    if g is not None})
+                                    if g is not None},
+                graph_captures={"warmup": self._warmup_captures,
+                                "tick": self._graph_captures_total() - self._warmup_captures},
+                warmup_seconds=self.warmup_report.seconds if self.warmup_report is not None else None)

@@ -16,6 +16,15 @@ that overruns its period is logged and counted (``late_ticks``) and the next one
 once, without a catch-up burst. Other engine calls also go through worker threads so a busy
 engine never stalls the event loop (the engine is thread-safe per ``engine_api``).
 
+Warm start: the lifespan starts listening at once, then runs ``engine.warmup()`` (when the engine
+has one: ``DuplexEngine`` captures every CUDA graph and compiles every kernel, runtime/warmup.py)
+in a worker thread; the tick loop starts after it. Until then ``/health`` answers 503
+``{"status": "warming"}`` and a WebSocket is accepted, sent an ``error`` event
+(``server_warming_up``) and closed with 1013 (try again later): refusing is explicit, and a client
+waiting through a 30 s warm-up inside the WebSocket handshake would hit its open timeout anyway.
+A failed warm-up leaves the server up but unready (503 ``warmup_failed`` with the error), so a
+load balancer never routes to it and the log says why.
+
 The app is a plain ASGI app, so it can be served by uvicorn or mounted as a Ray Serve ingress.
 """
 
@@ -25,7 +34,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, Response
@@ -73,6 +83,8 @@ class RealtimeServer:
         self._tick_task: asyncio.Task[None] | None = None
         self._housekeeping_task: asyncio.Task[None] | None = None
         self._pending_clients: dict[str, int] = {}  # handshakes in progress per address
+        self.warm_state = "warming"            # -> "ready" | "warmup_failed"
+        self.warmup_error: str | None = None
 
     @property
     def num_connections(self) -> int:
@@ -94,10 +106,36 @@ class RealtimeServer:
 
     # ---------------------------------------------------------------- lifecycle
 
+    @property
+    def ready(self) -> bool:
+        return self.warm_state == "ready"
+
     async def start(self) -> None:
+        """Start warming up and then ticking, in the background (the app listens meanwhile)."""
         assert self._tick_task is None, "RealtimeServer.start called twice"
-        self._tick_task = asyncio.create_task(self._tick_loop(), name="duplexcache-tick")
+        self._tick_task = asyncio.create_task(self._warm_then_tick(), name="duplexcache-tick")
         self._housekeeping_task = asyncio.create_task(self._housekeeping_loop(), name="duplexcache-housekeeping")
+
+    async def _warm_then_tick(self) -> None:
+        warmup = getattr(self.engine, "warmup", None)   # optional: not part of EngineAPI
+        if warmup is not None:
+            start = time.perf_counter()
+            try:
+                # should_stop: a shutdown during the warm-up does not wait for every capture.
+                report = await asyncio.to_thread(warmup, should_stop=self._stopping.is_set)
+            except Exception as exc:  # noqa: BLE001 - report it on /health, keep the process up
+                logger.exception("engine warm-up failed; the server stays unready")
+                self.warmup_error = f"{type(exc).__name__}: {exc}"
+                self.warm_state = "warmup_failed"
+                return
+            if self._stopping.is_set():
+                logger.info("warm-up stopped: the server is shutting down")
+                return
+            logger.info("warm-up finished in %.2f s (%s); ready", time.perf_counter() - start,
+                        getattr(report, "describe", lambda: report)())
+        self.metrics.update(await asyncio.to_thread(self.engine.stats))
+        self.warm_state = "ready"
+        await self._tick_loop()
 
     async def stop(self) -> None:
         """Graceful shutdown: finish the running tick, close every session, shut the engine down."""
@@ -320,6 +358,19 @@ async def _refuse(ws: WebSocket, refusal: Refusal) -> None:
         await ws.close(code=proto.CLOSE_POLICY, reason=refusal.code)
 
 
+async def _refuse_unready(ws: WebSocket, server: RealtimeServer) -> None:
+    """A connection before the warm-up finished: one error event, then close 1013."""
+    await ws.accept()
+    if server.warm_state == "warming":
+        code, message = "server_warming_up", "the server is warming up (capturing CUDA graphs); retry when /health is ok"
+    else:
+        code, message = "server_unavailable", f"the server's warm-up failed: {server.warmup_error}"
+    server.metrics.protocol_errors.labels(code=code).inc()
+    with contextlib.suppress(Exception):   # the client may be gone already
+        await ws.send_text(proto.encode(proto.error_event(code, message, error_type=proto.SERVER_ERROR)))
+        await ws.close(code=proto.CLOSE_TRY_AGAIN, reason=code)
+
+
 def create_app(engine: EngineAPI, config: DeployConfig) -> FastAPI:
     """The ASGI app; its lifespan starts the tick loop and shuts everything down on exit."""
     server = RealtimeServer(engine, config)
@@ -337,6 +388,12 @@ def create_app(engine: EngineAPI, config: DeployConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if not server.ready and not server.stopping:
+            # warming (capturing graphs, compiling kernels) or a failed warm-up: not ready to serve
+            body: dict[str, Any] = {"status": server.warm_state}
+            if server.warmup_error is not None:
+                body["error"] = server.warmup_error
+            return JSONResponse(body, status_code=503)
         stats = await asyncio.to_thread(engine.stats)
         stopping = server.stopping
         body = {"status": "stopping" if stopping else "ok", "live_sessions": stats.live_sessions,
@@ -354,6 +411,9 @@ def create_app(engine: EngineAPI, config: DeployConfig) -> FastAPI:
 
     @app.websocket(REALTIME_PATH)
     async def realtime(ws: WebSocket) -> None:
+        if not server.ready and not server.stopping:
+            await _refuse_unready(ws, server)
+            return
         await server.handle_socket(ws)
 
     from duplexcache.server.page import mount_page  # the browser page at / and its files

@@ -9,9 +9,12 @@ uvicorn installs signal handlers only on the main thread, so running it in a thr
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
+import urllib.error
+import urllib.request
 from typing import Any
 
 import uvicorn
@@ -44,7 +47,9 @@ class LoopbackServer:
         self._start_timeout = start_timeout
         self.port: int | None = None
 
-    def start(self) -> "LoopbackServer":
+    def start(self, wait_ready: bool = True) -> "LoopbackServer":
+        """Start listening; with ``wait_ready`` also wait until ``/health`` stops answering
+        "warming" (the engine's warm-up ran), so clients are not refused as too early."""
         self._thread.start()
         deadline = time.monotonic() + self._start_timeout
         while not self._server.started:
@@ -57,7 +62,29 @@ class LoopbackServer:
         sockets = [s for server in self._server.servers for s in server.sockets]
         self.port = sockets[0].getsockname()[1]
         logger.info("loopback server listening on 127.0.0.1:%d", self.port)
+        if wait_ready:
+            self.wait_ready(max(0.0, deadline - time.monotonic()) + self._start_timeout)
         return self
+
+    def wait_ready(self, timeout: float) -> None:
+        """Poll ``/health`` until it is not 503 "warming"; RuntimeError on a failed warm-up."""
+        deadline = time.monotonic() + timeout
+        direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))   # never via an HTTP proxy
+        while True:
+            try:
+                with direct.open(self.http_url("/health"), timeout=5):
+                    return   # 200 (or an app without /health: 404 raises below)
+            except urllib.error.HTTPError as exc:
+                if exc.code != 503:
+                    return
+                body = json.loads(exc.read() or b"{}")
+                if body.get("status") == "warmup_failed":
+                    raise RuntimeError(f"server warm-up failed: {body.get('error')}") from None
+                if body.get("status") != "warming":
+                    return   # e.g. stopping: not ours to wait for
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server was not ready within {timeout:.0f} s (still warming up)")
+            time.sleep(0.02)
 
     def stop(self, timeout: float = 20.0) -> None:
         """Ask uvicorn to exit (runs the app's lifespan shutdown) and join its thread."""

@@ -24,6 +24,7 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 
 # EngineStats counter field -> metric attribute name on ServerMetrics
 _ENGINE_COUNTERS = ("context_cache_hits", "context_cache_misses", "cfm_fallbacks")
+GRAPH_CAPTURE_PLACES = ("warmup", "tick")
 
 
 class ServerMetrics:
@@ -54,6 +55,13 @@ class ServerMetrics:
                                        buckets=LATENCY_BUCKETS, registry=r)
         self.stage_latency = Histogram(PREFIX + "stage_latency_seconds", "Per-stage latency within a tick",
                                        ["stage"], buckets=LATENCY_BUCKETS, registry=r)
+        self.graph_captures = Counter(PREFIX + "graph_captures",
+                                      "CUDA graphs captured (decode + Code2Wav), by where: warmup or tick "
+                                      "(a warm engine captures nothing inside a tick)", ["where"], registry=r)
+        self.warmup_seconds = Gauge(PREFIX + "warmup_seconds", "How long the engine's warm-up took", registry=r)
+        for where in GRAPH_CAPTURE_PLACES:   # export 0 before the first capture
+            self.graph_captures.labels(where=where)
+        self._last_captures = dict.fromkeys(GRAPH_CAPTURE_PLACES, 0)
         self._last_counts = {name: 0 for name in _ENGINE_COUNTERS}
         self._last_tick = 0
 
@@ -73,6 +81,16 @@ class ServerMetrics:
             elif delta:
                 getattr(self, name).inc(delta)
             self._last_counts[name] = value
+        for where, value in stats.graph_captures.items():
+            if where not in self._last_captures:
+                logger.warning("unknown graph capture place %r in engine stats", where)
+                continue
+            delta = value - self._last_captures[where]
+            if delta > 0:
+                self.graph_captures.labels(where=where).inc(delta)
+            self._last_captures[where] = value   # a counter that went backwards is a new baseline
+        if stats.warmup_seconds is not None:
+            self.warmup_seconds.set(stats.warmup_seconds)
         if stats.ticks > self._last_tick:
             for stage, samples in stats.stage_latency_s.items():
                 child = self.stage_latency.labels(stage=stage)

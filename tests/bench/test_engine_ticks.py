@@ -204,12 +204,12 @@ def test_deploy_switches_policy_and_bad_input():
     assert on.engine.memory_budget == 256 * 2**20 and on.model.dtype == "float32"
     assert off.engine.speak_policy.mode == "every_k_units" and off.engine.speak_policy.k == 3
     # the speed switches and the turn length reach the deploy config from the command line
-    cfg, _ = et.parse_args(["--decode-cuda-graphs", "off", "--ragged-kernel", "on", "--speak-k", "9",
+    cfg, _ = et.parse_args(["--decode-cuda-graphs", "off", "--ragged-kernel", "off", "--speak-k", "9",
                             "--turn-units", "9"])
     fast = et.make_deploy(cfg)
-    assert fast.engine.decode_cuda_graphs is False and fast.stage0.ragged_kernel is True
+    assert fast.engine.decode_cuda_graphs is False and fast.stage0.ragged_kernel is False
     assert fast.engine.speak_policy.turn_units == 9 and cfg.every_unit_speaks
-    assert on.engine.decode_cuda_graphs is True and on.stage0.ragged_kernel is False
+    assert on.engine.decode_cuda_graphs is True and on.stage0.ragged_kernel is True   # the default
     with pytest.raises(ValueError, match="turn_units"):
         et.TickBenchConfig(turn_units=0)
     with pytest.raises(ValueError, match="needs --device cuda"):

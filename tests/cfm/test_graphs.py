@@ -144,3 +144,26 @@ def test_cuda_sharing_on_off_bit_identical_with_graphs():
     for sid in PLAN:
         for a, b in zip(on[sid], off[sid]):
             assert torch.equal(a, b)
+
+
+def test_warm_captures_ahead_and_keeps_the_bits():
+    """EulerArena.warm (the engine's warm-up) captures a key over padded rows; the run that needs
+    it later only replays, and the solves give the eager bits (warming wrote only scratch rows)."""
+    flow, hift = tiny_models()
+    kw = dict(prompt_att_sharing=True, max_num_seqs=8, graph_grid=(1, 4, 8), arena_rows_from_graph_grid=True)
+    eager = _run(new_stage(flow, hift, **kw), PLAN, 6)
+    lazy = new_stage(flow, hift, graph_backend=FakeGraphBackend(), **kw)
+    _run(lazy, PLAN, 6)
+    fake = FakeGraphBackend()
+    stage = new_stage(flow, hift, graph_backend=fake, **kw)
+    arena = stage.arena
+    for tier, width, lb in lazy.arena.graph_keys:          # the keys this plan meets
+        assert arena.warm(tier, width, lb) and not arena.warm(tier, width, lb)
+        assert arena.has_graph(tier, width, lb)
+    warmed = fake.captured
+    got = _run(stage, PLAN, 6)
+    assert fake.captured == warmed == len(lazy.arena.graph_keys)   # nothing captured while serving
+    for sid in PLAN:
+        for a, b in zip(got[sid], eager[sid]):
+            assert torch.equal(a, b)
+    assert not new_stage(flow, hift, **kw).arena.warm(1, 4, 0)     # no graph backend: nothing to warm

@@ -180,6 +180,29 @@ def test_talker_position_limit_is_checked_without_the_device():
         talker.forward_paged(torch.zeros(1, cfg.hidden_size), batch, cache)
 
 
+def test_warm_prepares_keys_without_touching_sequences():
+    """warm() (the engine's warm-up) runs a key's all-padding step: only the null block is
+    written, a later run of that key is no first use, and keys() lists largest first."""
+    model = make_thinker()
+    cache, _ = two_caches(model)
+    cache.k.normal_()
+    live_k, live_v = cache.k[:, 1:].clone(), cache.v[:, 1:].clone()
+    runner = PagedDecodeGraphs("thinker", model.forward_paged, cache, model.config.hidden_size, torch.float32,
+                               max_batch=5, max_blocks_per_seq=40, capture=False)
+    assert runner.keys() == [(b, w) for b in (8, 4, 2, 1) for w in (64, 32, 16)]
+    assert runner.keys(max_width=32) == [(b, w) for b in (8, 4, 2, 1) for w in (32, 16)]
+    with torch.inference_mode():
+        assert runner.warm(4, 16) and not runner.warm(4, 16)
+        assert runner.stats.first_uses == 1 and runner.is_warm(4, 16) and not runner.is_warm(2, 16)
+        assert torch.equal(cache.k[:, 1:], live_k) and torch.equal(cache.v[:, 1:], live_v)
+        runner.run(torch.zeros(3, model.config.hidden_size), [[1], [2], [3]], [0, 0, 0])   # bucket 4, width 16
+        assert runner.stats.first_uses == 1                                             # already warm
+        runner.run(torch.zeros(1, model.config.hidden_size), [[1]], [1])                  # bucket 1: a first use
+        assert runner.stats.first_uses == 2 and runner.stats.captures == 0
+    with pytest.raises(ValueError, match="bucket x width"):
+        runner.warm(3, 16)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_graph_replay_equals_the_same_padded_step_eagerly():
     pytest.importorskip("triton")

@@ -1,0 +1,90 @@
+"""The engine's memory budget in bytes: ``engine.memory_budget`` resolved against the device.
+
+``engine.memory_budget: auto`` (the default) sizes the budget from what is free at start-up,
+after the weights and the engine's fixed allocations (the Code2Wav arena and the voices) are
+already on the device::
+
+    budget = fixed + floor(memory_fraction * free)        (CUDA: free from torch.cuda.mem_get_info)
+
+like vLLM's ``--gpu-memory-utilization``, except that the fraction applies to the memory left
+after the weights, so the same config fits an 80 GB and a 141 GB card. ``memory_fraction``
+defaults to 0.9: the remaining 10 % (about 11 GB on an H200, 4 GB on an 80 GB card) is what the
+process still allocates outside the budget after start-up -- the CUDA context's lazy growth,
+cuBLAS/cuDNN workspaces, Triton's compiled kernels, NCCL if any, and the caching allocator's
+fragmentation. Activations and graph pools live in ``activation_reserve``, inside the budget.
+
+On a host device (CPU) ``auto`` means ``CPU_AUTO_BUDGET`` (512 MiB, what the tiny preset always
+had), capped at ``memory_fraction`` of the RAM available now: the pools are preallocated, so a
+fraction of a shared machine's RAM would be far too much for a demo.
+
+A fixed byte budget keeps the old contract: on CUDA it must fit what is free, else start-up fails
+with :class:`BudgetExceedsDevice` naming both numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from duplexcache.config import AUTO, EngineConfig, format_bytes
+
+logger = logging.getLogger(__name__)
+
+CPU_AUTO_BUDGET = 512 * 2**20
+
+
+class BudgetExceedsDevice(ValueError):
+    """A fixed ``engine.memory_budget`` larger than the device memory free for it."""
+
+
+def device_free_bytes(device: torch.device) -> int | None:
+    """Bytes free on ``device`` now: CUDA from the driver, None for host devices (CPU, meta)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    return None
+
+
+def host_available_bytes() -> int | None:
+    """RAM available now (``os.sysconf``), None where the platform does not say."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def resolve_memory_budget(engine: EngineConfig, fixed_bytes: int, free_bytes: int | None,
+                          *, where: str = "the device") -> int:
+    """The total budget in bytes (``activation_reserve`` included, weights excluded).
+
+    ``free_bytes``: device memory free now, after the weights and the ``fixed_bytes`` already
+    allocated (None: a host device). Raises :class:`BudgetExceedsDevice` for a fixed budget that
+    does not fit, ValueError when the resolved budget cannot even hold the activation reserve.
+    """
+    if engine.memory_budget == AUTO:
+        if free_bytes is None:
+            ram = host_available_bytes()
+            cap = CPU_AUTO_BUDGET if ram is None else int(engine.memory_fraction * ram)
+            budget = min(CPU_AUTO_BUDGET, cap)
+            how = f"auto on a host device: {format_bytes(CPU_AUTO_BUDGET)} capped by available RAM"
+        else:
+            budget = fixed_bytes + int(engine.memory_fraction * free_bytes)
+            how = (f"auto: fixed {fixed_bytes / 2**30:.2f} GiB + {engine.memory_fraction} x "
+                   f"{free_bytes / 2**30:.2f} GiB free on {where}")
+        if budget <= engine.activation_reserve + fixed_bytes:
+            raise ValueError(
+                f"engine.memory_budget auto came to {budget} bytes ({how}), which does not exceed "
+                f"the fixed allocations ({fixed_bytes}) + activation_reserve ({engine.activation_reserve}); "
+                "free memory or lower engine.activation_reserve")
+        logger.info("engine.memory_budget = %.2f GiB (%s)", budget / 2**30, how)
+        return budget
+    budget = int(engine.memory_budget)
+    # The fixed allocations are already made (they are part of the budget), so what must still
+    # be free is the rest of the budget.
+    if free_bytes is not None and budget - fixed_bytes > free_bytes:
+        raise BudgetExceedsDevice(
+            f"engine.memory_budget {budget} bytes exceeds the {free_bytes + fixed_bytes} bytes available "
+            f"on {where} after loading weights; lower it or use memory_budget: auto")
+    return budget

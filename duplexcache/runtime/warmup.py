@@ -1,0 +1,250 @@
+"""The engine's warm start: capture every graph and compile every kernel before serving.
+
+Why: a fresh engine captured its decode CUDA graphs (per batch bucket x block-table width) and
+its Code2Wav whole-Euler graphs (per tier x width x cache bucket) lazily inside ticks, and Triton
+JIT-compiled its kernels on first use. On an H200 (minicpmo45 shapes) 24 clients connecting in
+the first seconds saw first audio after 13-16 s, and 11 of them none within 16 s.
+
+``warm_up(engine)`` runs before the server reports ready (``DuplexEngine.warmup``):
+
+* decode graphs (``kv/decode_graphs.py``): every batch bucket up to the planned session count x
+  every width class a reference session's table can reach -- the Thinker's up to its worst-case
+  blocks (context + window high mark; the model's 40 960 positions would add classes of 1024 to
+  4096 blocks that no reference session can reach), the Talker's up to one full turn. Largest
+  first, so the smaller graphs reuse the one memory pool. A session with a longer table (long
+  instructions) still captures its class lazily, counted as a tick capture.
+* Code2Wav graphs (``cfm/arena.py``): every replay tier batches of up to the planned session
+  count can use x every chunk width (a non-final chunk of 25 + 3 codes, a final chunk of 25) x
+  every cache bucket a voice's estimator cache passes through (P, P + W, ... up to P + 100
+  frames), plus each voice's setup pass (tier 1, width P, no cache).
+* Triton kernels, once each, on the null block: paged decode (also inside every decode capture),
+  the short ragged step (when ``stage0.ragged_kernel``; every split count it can pick, since the
+  split count is a compile-time constant) and the fused key re-rotation (window ``basic``).
+  Graphs off (``engine.decode_cuda_graphs: false``, the A/B reference): eager decode steps of
+  arbitrary batch sizes may still compile split variants inside ticks.
+
+Nothing here touches a session or the pools' accounting: decode captures use padding rows (slot 0
+of the null block, as a padded replay does), Code2Wav captures use padded arena rows (scratch
+that every solve reloads), and the kernel runs write only the null block, which no live sequence
+reads. On CPU there is nothing to capture or compile: decode graphs exist only on CUDA and the
+arena runs eagerly; tests give the engine ``capture=False`` decode runners and a fake arena
+backend to exercise the same key lists.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from duplexcache.cfm.graph_grid import replay_tiers
+from duplexcache.kv.decode_graphs import width_classes
+from duplexcache.kv.paged_attention import NULL_BLOCK_ID, PagedBatch, PagedKVCache
+
+if TYPE_CHECKING:
+    from duplexcache.runtime.engine import DuplexEngine
+
+logger = logging.getLogger(__name__)
+
+Code2WavKey = tuple[int, int, int]   # (tier, width, largest cache length of the batch)
+
+
+@dataclass(frozen=True)
+class WarmupReport:
+    """What one warm-up did."""
+
+    seconds: float
+    decode_graphs: dict[str, int] = field(default_factory=dict)   # keys prepared per model
+    code2wav_graphs: int = 0
+    kernels: tuple[str, ...] = ()                                 # Triton kernels run once
+    cancelled: bool = False                                       # stopped early (server shutting down)
+
+    @property
+    def graphs(self) -> int:
+        return sum(self.decode_graphs.values()) + self.code2wav_graphs
+
+    def describe(self) -> str:
+        per_model = ", ".join(f"{k} {v}" for k, v in self.decode_graphs.items()) or "none"
+        return (f"warm-up took {self.seconds:.2f} s: {self.graphs} graphs (decode: {per_model}; "
+                f"Code2Wav: {self.code2wav_graphs}), kernels: {', '.join(self.kernels) or 'none'}")
+
+
+# ------------------------------------------------------------------------------ key lists
+
+def thinker_width_bound(engine: DuplexEngine) -> int:
+    """Blocks of the longest Thinker table a reference session (any voice) can hold."""
+    fps = [engine._footprint(engine._default_config(v), engine.voices.get(v)) for v in engine.voices.names()]
+    return max(fp.thinker_private_blocks + fp.thinker_shared_blocks for fp in fps)
+
+
+def decode_keys(engine: DuplexEngine) -> dict[str, list[tuple[int, int]]]:
+    """Per model, the (batch bucket, width class) keys a warm-up captures, largest first."""
+    keys: dict[str, list[tuple[int, int]]] = {}
+    if engine.thinker_graphs is not None:
+        bound = width_classes(thinker_width_bound(engine))[-1]
+        keys["thinker"] = engine.thinker_graphs.keys(max_width=bound)
+    if engine.talker_graphs is not None:
+        keys["talker"] = engine.talker_graphs.keys()
+    return keys
+
+
+def code2wav_chunk_widths(engine: DuplexEngine) -> tuple[int, ...]:
+    """Frames of the chunks the engine sends: non-final (25 codes + lookahead, the lookahead
+    consumed by the conformer) and final (25 codes, nothing held back)."""
+    from duplexcache.runtime.engine import LOOKAHEAD   # the engine's own constant
+
+    cfg = engine.code2wav.config
+    per_unit = engine.models.talker.config.tokens_per_unit
+    non_final = (per_unit + LOOKAHEAD - cfg.pre_lookahead_len) * cfg.up_rate
+    return tuple(sorted({non_final, per_unit * cfg.up_rate}))
+
+
+def code2wav_cache_lengths(prompt_frames: int, chunk_width: int, tail: int) -> list[int]:
+    """Estimator cache lengths a stream passes through: P after the setup pass, then one chunk
+    more each step until the reference trim holds it at P + tail."""
+    lengths, length = [prompt_frames], prompt_frames
+    while length < prompt_frames + tail:
+        length = min(length + chunk_width, prompt_frames + tail)
+        lengths.append(length)
+    return lengths
+
+
+def code2wav_keys(engine: DuplexEngine) -> list[Code2WavKey]:
+    """Every (tier, width, cache length) whose graph a tick can need, one per arena graph key,
+    largest tier first (smaller captures reuse the pool)."""
+    arena, cfg = engine.code2wav.arena, engine.code2wav.config
+    prompts = sorted({engine.voices.get(v).prompt_frames for v in engine.voices.names()})
+    widths = code2wav_chunk_widths(engine)
+    lengths = sorted({n for p in prompts for w in widths for n in code2wav_cache_lengths(p, w, cfg.cache_tail_frames)})
+    tiers = replay_tiers(cfg.graph_grid, arena.rows, max(1, engine.plan.planned_sessions))
+    wanted = [(t, w, n) for t in reversed(tiers) for w in widths for n in lengths]
+    wanted += [(1, p, 0) for p in prompts]   # the setup pass: one prompt per replay, no cache
+    keys, seen = [], set()
+    for tier, width, length in wanted:
+        graph_key = (tier, width, arena.bucket(width, length))
+        if graph_key not in seen:
+            seen.add(graph_key)
+            keys.append((tier, width, length))
+    return keys
+
+
+# ------------------------------------------------------------------------------ kernels
+
+def _null_block_step(num_new: int, cache: PagedKVCache) -> PagedBatch:
+    """One sequence of ``num_new`` tokens that lives in the null block only (slots 0..n-1)."""
+    dev, bs = cache.device, cache.block_size
+    if num_new > bs:
+        raise ValueError(f"a null-block step holds at most {bs} tokens, got {num_new}")
+    idx = torch.arange(num_new, dtype=torch.int64)
+    return PagedBatch(
+        query_start_loc=torch.tensor([0, num_new], dtype=torch.int64, device=dev),
+        seq_lens=torch.tensor([num_new], dtype=torch.int32, device=dev),
+        block_tables=torch.full((1, 1), NULL_BLOCK_ID, dtype=torch.int32, device=dev),
+        slot_mapping=(NULL_BLOCK_ID * bs + idx).to(dev),
+        positions=idx.to(dev),
+        block_size=bs, num_computed_list=[0], num_new_list=[num_new],
+        token_seq_ids=torch.zeros(num_new, dtype=torch.int64), token_seq_lens=(idx + 1).to(torch.int32))
+
+
+@torch.no_grad()
+def run_kernels_once(engine: DuplexEngine) -> tuple[str, ...]:
+    """JIT-compile the Triton kernels the ticks use, on the null block (CUDA only)."""
+    m = engine.models
+    if m.device.type != "cuda":
+        return ()
+    ran = []
+    models = (("thinker", m.thinker, engine.thinker_cache, m.thinker.config.hidden_size),
+              ("talker", m.talker, engine.talker_cache, m.talker.config.hidden_size))
+    for name, model, cache, hidden in models:
+        if cache.decode_backend != "triton":
+            continue
+        # A decode row, then a short ragged step (a unit's append is 12 tokens): the paths
+        # paged_attention picks for them (the ragged one only with stage0.ragged_kernel).
+        for num_new in (1, min(12, cache.block_size)):
+            before = dict(cache.path_counts)
+            model.forward_paged(torch.zeros(num_new, hidden, dtype=m.dtype, device=m.device),
+                                _null_block_step(num_new, cache), cache)
+            ran += [f"{name}:{p}" for p, n in cache.path_counts.items() if n > before.get(p, 0) and p != "reference"]
+    ran += _ragged_split_variants(engine)
+    if engine.window.mode == "basic" and engine.thinker_cache.decode_backend == "triton":
+        from duplexcache.kv.triton_kernels import rerotate_keys_triton_
+
+        # Three ids (not 1: Triton specialises an int argument equal to 1) of the null block,
+        # whose contents no sequence reads; check_ids=False because the null block is refused.
+        ids = torch.full((3,), NULL_BLOCK_ID, dtype=torch.long, device=m.device)
+        rerotate_keys_triton_(engine.thinker_cache.k, ids, engine.block_size, m.thinker.config.rope_theta,
+                              check_ids=False)
+        ran.append("thinker:rerotate")
+    torch.cuda.synchronize(m.device)
+    return tuple(dict.fromkeys(ran))
+
+
+# Fewest query rows of a ragged step: the Thinker's first append is <unit> + 10 audio embeddings,
+# the Talker's condition rows at least one text token + the end token.
+RAGGED_MIN_ROWS = {"thinker": 11, "talker": 2}
+
+
+def _ragged_split_variants(engine: DuplexEngine) -> list[str]:
+    """Compile every split count the ragged path can pick. The decode kernel's split count is a
+    compile-time constant chosen from the row count and the table width (``default_num_splits``);
+    graphed decode steps only meet their buckets' values (compiled by the captures), but a ragged
+    step has any row count >= RAGGED_MIN_ROWS and any width, so every value from 1 to the one of
+    the fewest rows can occur: Thinker 1..6, Talker 1..22 at minicpmo45 shapes on an H200."""
+    from duplexcache.kv.triton_kernels import _num_sms, default_num_splits, paged_decode_attention
+
+    m, ran = engine.models, []
+    for name, model, cache in (("thinker", m.thinker, engine.thinker_cache),
+                               ("talker", m.talker, engine.talker_cache)):
+        if cache.decode_backend != "triton" or not cache.ragged_steps_in_kernel:
+            continue
+        c = model.config
+        most = default_num_splits(RAGGED_MIN_ROWS[name], c.num_key_value_heads, 2**31, _num_sms(m.device))
+        q = torch.zeros(1, c.num_attention_heads, c.head_dim, dtype=m.dtype, device=m.device)
+        table = torch.full((1, 1), NULL_BLOCK_ID, dtype=torch.int32, device=m.device)
+        seq_lens = torch.ones(1, dtype=torch.int32, device=m.device)
+        for splits in range(1, most + 1):   # one row of the null block, as a padding row reads it
+            paged_decode_attention(q, cache.k[0], cache.v[0], table, seq_lens, c.head_dim ** -0.5,
+                                   num_splits=splits)
+        ran.append(f"{name}:ragged_splits_1..{most}")
+    return ran
+
+
+# ------------------------------------------------------------------------------ the warm-up
+
+def _never() -> bool:
+    return False
+
+
+def warm_up(engine: DuplexEngine, should_stop: Callable[[], bool] = _never) -> WarmupReport:
+    """Capture every graph and run every kernel a tick can need (see the module docstring).
+    Call with no tick running (``DuplexEngine.warmup`` holds the tick lock). ``should_stop`` is
+    asked between captures: a server shutting down does not wait for the rest."""
+    start = time.perf_counter()
+    decode: dict[str, int] = {}
+    c2w, kernels, cancelled = 0, (), False
+    with torch.no_grad():
+        for name, keys in decode_keys(engine).items():
+            graphs = engine.thinker_graphs if name == "thinker" else engine.talker_graphs
+            assert graphs is not None
+            decode[name] = 0
+            for batch, width in keys:
+                if should_stop():
+                    break
+                decode[name] += graphs.warm(batch, width)
+            logger.info("warm-up: %s decode graphs %d (buckets %s, widths %s)", name, decode[name],
+                        sorted({b for b, _ in keys}), sorted({w for _, w in keys}))
+    arena = engine.code2wav.arena
+    for tier, width, length in code2wav_keys(engine) if arena.use_graphs else ():
+        if should_stop():
+            break
+        c2w += arena.warm(tier, width, length)
+    if should_stop():
+        cancelled = True
+    else:
+        kernels = run_kernels_once(engine)
+    report = WarmupReport(time.perf_counter() - start, decode, c2w, kernels, cancelled)
+    logger.info("engine %s%s", report.describe(), " (cancelled)" if cancelled else "")
+    return report

@@ -1,0 +1,152 @@
+"""``engine.memory_budget`` resolution (runtime/memory_budget.py) and the packaged configs'
+budgets on an H200 and an 80 GB card, computed on the ``meta`` device.
+
+The minicpmo45 engine is built on ``meta`` (shapes and bytes only, no weights: never build
+minicpmo45 weights on a CPU) with the free device memory injected, so the plan is the engine's own
+arithmetic end to end. Free memory after the weights, from the H200 start-up failure of issue 10:
+115 341 166 944 bytes of ~141 GB; an 80 GB card keeps the same ~25.7 GB outside (weights, CUDA
+context), so 54.3 GB.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from engine_helpers import engine
+
+from duplexcache.config import DeployConfig, packaged_config_path
+from duplexcache.kv.decode_graphs import batch_buckets, width_classes
+from duplexcache.runtime import memory_budget as MB
+from duplexcache.runtime import warmup as W
+from duplexcache.runtime.engine import DuplexEngine
+
+GB = 10**9
+H200_AVAILABLE = 115_341_166_944            # free after the weights on the H200 (measured)
+CARD_80GB_AVAILABLE = 80 * GB - (141 * GB - H200_AVAILABLE)
+CARDS = {"H200": H200_AVAILABLE, "80GB": CARD_80GB_AVAILABLE}
+CONFIGS = {"minicpmo45.yaml": packaged_config_path("minicpmo45"),
+           "minicpmo45-shared.yaml": Path(__file__).resolve().parents[2] / "examples" / "minicpmo45-shared.yaml"}
+
+
+# ---------------------------------------------------------------------------- arithmetic
+
+def _engine_cfg(**engine):
+    return DeployConfig.from_dict({"engine": engine}, environ={}).engine
+
+
+def test_auto_takes_the_fraction_of_what_is_free():
+    cfg = _engine_cfg(memory_budget="auto", memory_fraction=0.9, activation_reserve="8GiB")
+    assert MB.resolve_memory_budget(cfg, 10 * GB, 100 * GB) == 10 * GB + 90 * GB
+    half = _engine_cfg(memory_budget="auto", memory_fraction=0.5, activation_reserve="8GiB")
+    assert MB.resolve_memory_budget(half, 10 * GB, 100 * GB) == 60 * GB
+    with pytest.raises(ValueError, match="activation_reserve"):   # nothing left for sessions
+        MB.resolve_memory_budget(cfg, 10 * GB, 2 * GB)
+
+
+def test_fixed_budget_must_fit_what_is_free():
+    cfg = _engine_cfg(memory_budget="120GiB", activation_reserve="8GiB")
+    fixed = 19 * GB
+    with pytest.raises(MB.BudgetExceedsDevice) as info:
+        MB.resolve_memory_budget(cfg, fixed, H200_AVAILABLE - fixed, where="cuda:0")
+    assert str(info.value).startswith(f"engine.memory_budget {120 * 2**30} bytes exceeds the {H200_AVAILABLE} "
+                                      "bytes available on cuda:0")
+    assert MB.resolve_memory_budget(cfg, fixed, None) == 120 * 2**30      # host device: not checked
+    ok = _engine_cfg(memory_budget="100GiB", activation_reserve="8GiB")
+    assert MB.resolve_memory_budget(ok, fixed, H200_AVAILABLE - fixed) == 100 * 2**30
+
+
+def test_auto_on_a_host_device(monkeypatch):
+    cfg = _engine_cfg()
+    monkeypatch.setattr(MB, "host_available_bytes", lambda: 64 * GB)
+    assert MB.resolve_memory_budget(cfg, 0, None) == MB.CPU_AUTO_BUDGET == 512 * 2**20
+    monkeypatch.setattr(MB, "host_available_bytes", lambda: 400 * 2**20)   # a small machine
+    assert MB.resolve_memory_budget(cfg, 0, None) == int(0.9 * 400 * 2**20)
+
+
+def test_tiny_default_serves_with_auto_on_cpu(tmp_path, monkeypatch):
+    monkeypatch.setattr(MB, "host_available_bytes", lambda: 64 * GB)
+    eng = engine(tmp_path, "auto", {})       # the packaged defaults: memory_budget auto
+    assert eng.deploy.engine.memory_budget == "auto"
+    assert eng.plan.budget_bytes == MB.CPU_AUTO_BUDGET - eng.deploy.engine.activation_reserve
+    assert eng.plan.planned_sessions >= 4
+
+
+# ---------------------------------------------------------------------------- minicpmo45 on meta
+
+@pytest.fixture(scope="module")
+def meta_models():
+    from duplexcache.context.tokenizer import load_tokenizer
+    from duplexcache.models.audio_encoder import AudioEncoder
+    from duplexcache.models.flow import build_flow
+    from duplexcache.models.talker import Talker
+    from duplexcache.models.thinker import Thinker
+    from duplexcache.models.vocoder import build_vocoder
+    from duplexcache.runtime import bundle as B
+    from duplexcache.runtime.voices import VoiceRegistry, synthetic_voice
+
+    tk, tl, enc, flow_cfg, voc = B.preset_configs("minicpmo45")
+    meta, dtype = torch.device("meta"), torch.bfloat16
+    with meta:
+        thinker, talker, encoder = Thinker(tk).to(dtype), Talker(tl).to(dtype), AudioEncoder(enc).to(dtype)
+    ref_s, prompt_s = B.VOICE_SECONDS["minicpmo45"]
+    voices = VoiceRegistry([synthetic_voice(n, ref_s, prompt_s, flow_cfg.vocab_size) for n in B.DEFAULT_VOICES])
+    return B.ModelBundle(thinker, talker, encoder, build_flow(flow_cfg, device="meta"),
+                         build_vocoder(voc, device="meta"), load_tokenizer(None), voices, dtype, meta)
+
+
+def _meta_engine(monkeypatch, models, path: Path, budget: str | None = None, available: int | None = None):
+    """The engine of a deploy YAML on meta; ``available``: device bytes free after the weights."""
+    from duplexcache.models.audio_encoder import AudioEncoder
+
+    # The reference-audio length check reads values (isfinite), which meta tensors do not have.
+    monkeypatch.setattr(AudioEncoder, "_check_mel", lambda self, mel, batched: None)
+    raw = DeployConfig.from_yaml(path, environ={}).to_dict()
+    raw["model"]["device"] = "meta"
+    if budget is not None:
+        raw["engine"]["memory_budget"] = budget
+    deploy = DeployConfig.from_dict(raw, environ={})
+    if available is not None:
+        # What mem_get_info would say once the fixed allocations (arena, voices) are made: the
+        # engine asks after allocating them, so the injected figure is ``available - fixed``.
+        resolve = MB.resolve_memory_budget
+
+        def on_the_card(engine_cfg, fixed, free, *, where="the device"):
+            assert free is None, "meta is not a CUDA device: nothing measured"
+            return resolve(engine_cfg, fixed, available - fixed, where=where)
+
+        monkeypatch.setattr(MB, "resolve_memory_budget", on_the_card)
+    return DuplexEngine(deploy, models)
+
+
+@pytest.mark.parametrize("card", CARDS)
+@pytest.mark.parametrize("config", CONFIGS)
+def test_packaged_minicpmo45_configs_start_on_h200_and_80gb(monkeypatch, caplog, meta_models, config, card):
+    caplog.set_level(logging.INFO)
+    available = CARDS[card]
+    eng = _meta_engine(monkeypatch, meta_models, CONFIGS[config], available=available)
+    plan, e = eng.plan, eng.deploy.engine
+    assert e.memory_budget == "auto" and e.memory_fraction == 0.9
+    budget = plan.budget_bytes + e.activation_reserve
+    assert budget == plan.fixed_bytes + int(0.9 * (available - plan.fixed_bytes))
+    assert available - budget >= 0.1 * (available - plan.fixed_bytes) - 1   # the headroom stays free
+    assert plan.planned_sessions >= 2
+    # What its warm-up captures (the counts docs/engine.md quotes).
+    buckets = batch_buckets(plan.planned_sessions)
+    thinker_w = width_classes(W.thinker_width_bound(eng))
+    talker_w = width_classes(-(-eng.models.talker.config.max_position_embeddings // eng.block_size))
+    c2w = W.code2wav_keys(eng)
+    logging.getLogger(__name__).info(
+        "%s on %s: budget %.1f GB, fixed %.1f GB, %d sessions; warm-up: %d decode graphs "
+        "(%d buckets x (%d Thinker + %d Talker widths)), %d Code2Wav graphs", config, card, budget / GB,
+        plan.fixed_bytes / GB, plan.planned_sessions, len(buckets) * (len(thinker_w) + len(talker_w)),
+        len(buckets), len(thinker_w), len(talker_w), len(c2w))
+    assert thinker_w[-1] <= 1024 and len(c2w) >= 1
+
+
+def test_a_fixed_budget_above_the_h200s_free_memory_is_refused(monkeypatch, meta_models):
+    """The issue-10 start-up failure, kept for fixed budgets: 120 GiB on the H200."""
+    with pytest.raises(MB.BudgetExceedsDevice, match=f"exceeds the {H200_AVAILABLE} bytes available"):
+        _meta_engine(monkeypatch, meta_models, CONFIGS["minicpmo45-shared.yaml"], budget="120GiB",
+                     available=H200_AVAILABLE)

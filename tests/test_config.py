@@ -33,8 +33,9 @@ NON_DEFAULT = {
     "code2wav": {"cfm_prompt_att_sharing": True, "cfm_arena_rows_from_graph_grid": True,
                  "max_num_seqs": 24, "graph_grid": [1, 4, 8]},
     "engine": {"memory_budget": "80GiB", "activation_reserve": "3GiB", "tick_seconds": 0.5, "decode_cuda_graphs": False,
+               "tick_headroom": 0.5, "prefill_chunk_tokens": 256,
                "speak_policy": {"mode": "model", "k": 3, "turn_units": 1}},
-    "server": {"host": "0.0.0.0", "port": 9001, "max_frame_bytes": "1MiB"},
+    "server": {"host": "0.0.0.0", "port": 9001, "max_frame_bytes": "1MiB", "max_context_tokens": 4096},
 }
 
 

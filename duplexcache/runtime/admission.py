@@ -262,7 +262,10 @@ class TickCostModel:
         return self.fixed_s + self.per_unit_s * sessions
 
     def refusal(self, live_sessions: int) -> str | None:
-        """Why one more session would make the tick late (numbers for the log), or None."""
+        """Why one more session would make the tick late (numbers for the log), or None. The
+        first session is always admitted: with nobody live there is no one to protect."""
+        if live_sessions == 0:
+            return None
         predicted = self.predicted_s(live_sessions + 1)
         if predicted is None or predicted <= self.limit_s:
             return None

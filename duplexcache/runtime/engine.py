@@ -52,6 +52,7 @@ from duplexcache.config import (
 from duplexcache.context import (
     EmbeddingResult,
     EncoderPath,
+    SessionContext,
     SessionContextBuilder,
     build_session_context,
 )
@@ -381,14 +382,23 @@ class DuplexEngine:
 
     # ------------------------------------------------------------------ admission
 
-    def _footprint(self, cfg: SessionRuntimeConfig, voice: Voice) -> Footprint:
-        """Worst-case footprint from shapes only: the context length comes from the context
-        builder's own layout with zero-width stand-in embeddings (no model runs)."""
+    def context_tokens(self, client_session: Mapping[str, Any]) -> int:
+        """The Thinker context length a ``session.update`` object would open with (instructions,
+        reference audio, initial text), from shapes only; compare with ``server.max_context_tokens``."""
+        cfg, voice = self._check_session(client_session)
+        return self._context_layout(cfg, voice).total
+
+    def _context_layout(self, cfg: SessionRuntimeConfig, voice: Voice) -> SessionContext:
         r = self._ref_embeddings[voice.name]
-        ctx = build_session_context(
+        return build_session_context(
             self.models.tokenizer, lambda ids: torch.zeros(len(ids), 1),
             lambda a, s: EmbeddingResult(torch.zeros(r, 1), EncoderPath.WHOLE_CLIP),
             cfg.instructions, voice.ref_audio, cfg.initial_user_text, model_revision=cfg.model_revision)
+
+    def _footprint(self, cfg: SessionRuntimeConfig, voice: Voice) -> Footprint:
+        """Worst-case footprint from shapes only: the context length comes from the context
+        builder's own layout with zero-width stand-in embeddings (no model runs)."""
+        ctx = self._context_layout(cfg, voice)
         max_pos = self.models.thinker.config.max_position_embeddings
         window = self._session_window(cfg)
         limit = self.deploy.server.max_context_tokens
@@ -978,6 +988,8 @@ class DuplexEngine:
         events: list[EngineEvent] = []
         final_chunks = {csid: f.codes for csid, f in finals.items()}
         for batch, last in ((chunks, False), (final_chunks, True)):
+            ended = self._ended(events)   # a session ended by the first step has no final chunk
+            batch = {csid: codes for csid, codes in batch.items() if owner[csid].sid not in ended}
             if batch:
                 events += self._code2wav_step(batch, last, owner)
         self._note_code2wav_peak()

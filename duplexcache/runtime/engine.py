@@ -443,21 +443,23 @@ class DuplexEngine:
         cfg, voice = self._check_session(client_session)
         fp = self._footprint(cfg, voice)
         with self._lock:
-            sid = f"sess_{next(self._ids)}"
-            sess = _Session(sid, cfg, voice, fp)
             refusal = self._refusal(fp) if not self._queue else (
                 "capacity_memory" if self.ledger.refusal(fp) else "capacity_compute",
                 "sessions are queued ahead of this one")
-            if refusal is None:
-                self.ledger.admit(sid, fp)
-                self._sessions[sid] = sess
-            elif queue_if_full:
-                self._queue[sid] = sess
-                logger.info("session %s queued (%s): %s", sid, refusal[0], refusal[1])
-            else:
+            if refusal is not None and not queue_if_full:
                 code, detail = refusal
                 logger.info("session refused (%s): %s", code, detail)
                 raise AdmissionError(_CLIENT_REFUSALS[code], code=code)
+            # Ids are drawn only here: a refused session leaves no trace (an id seeds the
+            # session's Code2Wav noise, so it must not depend on others' refusals).
+            sid = f"sess_{next(self._ids)}"
+            sess = _Session(sid, cfg, voice, fp)
+            if refusal is None:
+                self.ledger.admit(sid, fp)
+                self._sessions[sid] = sess
+            else:
+                self._queue[sid] = sess
+                logger.info("session %s queued (%s): %s", sid, refusal[0], refusal[1])
         return sid
 
     def _refusal(self, fp: Footprint) -> tuple[str, str] | None:

@@ -19,9 +19,14 @@ the vocoder's 3840-sample cross-fade tail. Each turn is one Code2Wav stream (pro
 voice, caches reset), as in the reference's per-response ``Token2wav.stream``.
 
 Sessions open, stream and close at any time (thread-safe per engine_api): ``open_session``
-admits against the ledger at once (shape arithmetic only, no model call), and the next tick
-builds the context and opens the Stage 0 session; ``close_session`` releases the reservation
-at once and the next tick frees the blocks, before it opens anything.
+admits against the ledger and the measured tick cost at once (shape arithmetic only, no model
+call), and the next tick builds the context and prefills it in chunks of at most
+``engine.prefill_chunk_tokens`` per tick; ``close_session`` releases the reservation at once and
+the next tick frees the blocks, before it opens anything.
+
+Isolation (docs/engine.md, runtime/isolation.py): bad audio is refused at ``push_audio``; inside
+the tick a failure attributable to one session ends that session only, and a batched call that
+raises is probed per session and re-run without the culprits.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """Chaos: 16 sessions on `tiny`, tick by tick, with faults injected at random stages and
 sessions, sessions closed mid-prefill and mid-reply, bad audio and refused opens. Nothing
 crashes, only the hit sessions get errors, and every pool is back to a fresh engine's at the end.
+That a refused session changes nobody's output is checked byte for byte (two runs) in
+``test_isolation.py::test_refused_sessions_change_nobody_s_output``; here refusals own nothing.
 
 CHAOS_TICKS is 24, not 200: on the shared 2-core CPU a tick of 16 tiny sessions takes ~0.5 s
 listening and 3-6 s when many speak (Code2Wav), so 200 ticks would take several minutes; 24

@@ -278,3 +278,28 @@ def test_tick_cost_model_formula():
     assert "tick_headroom" in m.refusal(10)
     with pytest.raises(ValueError):
         TickCostModel(1.0, 0.0)
+
+
+def test_refused_sessions_change_nobody_s_output(tmp_path):
+    sections = {"engine": {"tick_seconds": 1e-6, "tick_headroom": 1.0}, "server": {"max_context_tokens": 512}}
+
+    def run(refusals: bool) -> dict:
+        eng = engine(tmp_path, f"refusals{refusals}", sections)
+        sids = [eng.open_session({"voice": v}) for v in ("default", "alt")]
+        for i, sid in enumerate(sids):
+            eng.push_audio(sid, audio(i, TICKS))
+        out: dict = {}
+        for _ in range(TICKS):
+            _merge(out, eng.tick())
+            if refusals:
+                for session, code in (({"voice": "default"}, "capacity_compute"),
+                                      ({"voice": "alt", "instructions": "z" * 600}, "context_length_exceeded")):
+                    with pytest.raises(AdmissionError) as info:
+                        eng.open_session(session)
+                    assert info.value.code == code
+        # A refused session drew no id: the next one (queued) is the third.
+        assert eng.open_session({"voice": "default"}, queue_if_full=True) == "sess_3"
+        eng.shutdown()
+        return out
+
+    assert run(True) == run(False)

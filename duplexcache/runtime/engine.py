@@ -103,7 +103,6 @@ from duplexcache.runtime.stage0 import (
 from duplexcache.runtime.isolation import (
     FaultInjector,
     Isolated,
-    StageFailed,
     check_faults,
     precheck,
     run_isolated,

@@ -250,3 +250,8 @@ def test_example_serving_config_turns_every_sharing_switch_on():
     assert d.code2wav.cfm_prompt_att_sharing and d.code2wav.cfm_arena_rows_from_graph_grid
     assert d.code2wav.graph_grid == (1, 4, 8, 16) and d.code2wav.arena_rows == 16
     assert d.stage0.window.mode == "basic"
+    # The preset's prefill chunk and context limit, written out (a missing key would fall back
+    # to the field default, not the preset's).
+    preset = DeployConfig.default("minicpmo45", environ={})
+    assert d.engine.prefill_chunk_tokens == preset.engine.prefill_chunk_tokens == 1024
+    assert d.server.max_context_tokens == preset.server.max_context_tokens == 16384

@@ -287,6 +287,12 @@ class EngineConfig(_Strict):
     # Kept free for activations/scratch; admission only hands out memory_budget - this.
     activation_reserve: ByteSize = parse_bytes("64MiB")
     tick_seconds: float = Field(1.0, gt=0)
+    # Admission by time: admit while the measured per-session cost predicts a tick under
+    # tick_seconds x tick_headroom (runtime/admission.py TickCostModel).
+    tick_headroom: float = Field(0.8, gt=0)
+    # Context prefill runs in chunks of at most this many tokens per tick (all opening
+    # sessions together), so a long context never stalls the other sessions' tick.
+    prefill_chunk_tokens: int = Field(512, gt=0)
     speak_policy: SpeakPolicy = Field(default_factory=SpeakPolicy)
     # CUDA devices: the Thinker's and the Talker's one-token decode steps replay CUDA graphs
     # (kv/decode_graphs.py); ignored on CPU. Off: every step is launched eagerly (A/B reference).
@@ -319,6 +325,9 @@ class ServerConfig(_Strict):
     max_connections_per_client: int = Field(16, ge=1)  # open WebSockets per client address
     max_sessions_per_client: int = Field(8, ge=1)      # engine sessions (admitted or queued) per client address
     queue_notice_s: float = Field(2.0, gt=0)           # period of session.queued events while waiting
+    # Longest session context (instructions + reference audio + initial text, in tokens) that
+    # open_session accepts; longer ones are refused with context_length_exceeded.
+    max_context_tokens: int = Field(8192, gt=0)
 
 
 # Preset-specific values that differ from the field defaults above (the YAML files say the same).
@@ -327,7 +336,8 @@ _PRESET_OVERRIDES: dict[str, dict[str, Any]] = {
     "minicpmo45": {
         "model": {"preset": "minicpmo45", "dtype": "bfloat16", "device": "cuda"},
         "code2wav": {"max_num_seqs": 32},
-        "engine": {"activation_reserve": "8GiB"},
+        "engine": {"activation_reserve": "8GiB", "prefill_chunk_tokens": 1024},
+        "server": {"max_context_tokens": 16384},
     },
 }
 
@@ -467,7 +477,8 @@ PRIVATE_RUNTIME_CONFIG_KEYS: frozenset[str] = frozenset({
     "duplex_context_caching", "context_cache_capacity", "capacity",
     "cfm_prompt_att_sharing", "cfm_arena_rows_from_graph_grid", "max_num_seqs", "graph_grid",
     "shared_anchor_blocks", "block_size", "window_mode", "mode", "client_window_override",
-    "memory_budget", "memory_fraction", "activation_reserve", "tick_seconds", "speak_policy",
+    "memory_budget", "memory_fraction", "activation_reserve", "tick_seconds", "speak_policy", "tick_headroom",
+    "prefill_chunk_tokens", "max_context_tokens",
     "preset", "checkpoint_dir", "revision", "model_revision", "dtype", "device",
     "max_frame_bytes",
 })

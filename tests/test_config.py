@@ -33,11 +33,12 @@ NON_DEFAULT = {
     "code2wav": {"cfm_prompt_att_sharing": True, "cfm_arena_rows_from_graph_grid": True,
                  "max_num_seqs": 24, "graph_grid": [1, 4, 8]},
     "engine": {"memory_budget": "80GiB", "memory_fraction": 0.8, "activation_reserve": "3GiB", "tick_seconds": 0.5, "decode_cuda_graphs": False,
+               "tick_headroom": 0.5, "prefill_chunk_tokens": 256,
                "speak_policy": {"mode": "model", "k": 3, "turn_units": 1, "speech_rms": 0.02,
                                 "reply_min_units": 3, "reply_max_units": 5}},
     "server": {"host": "0.0.0.0", "port": 9001, "max_frame_bytes": "1MiB", "api_key": "sk-test",
                "allowed_origins": ["https://app.example"], "idle_timeout_s": 30.0, "max_session_s": 600.0,
-               "max_connections_per_client": 3, "max_sessions_per_client": 2, "queue_notice_s": 0.5},
+               "max_connections_per_client": 3, "max_sessions_per_client": 2, "queue_notice_s": 0.5, "max_context_tokens": 4096},
 }
 
 
@@ -281,3 +282,8 @@ def test_example_serving_config_turns_every_sharing_switch_on():
     assert d.code2wav.graph_grid == (1, 4, 8, 16) and d.code2wav.arena_rows == 16
     assert d.stage0.window.mode == "basic"
     assert d.stage0.ragged_kernel and d.engine.decode_cuda_graphs and d.engine.memory_budget == "auto"
+    # The preset's prefill chunk and context limit, written out (a missing key would fall back
+    # to the field default, not the preset's).
+    preset = DeployConfig.default("minicpmo45", environ={})
+    assert d.engine.prefill_chunk_tokens == preset.engine.prefill_chunk_tokens == 1024
+    assert d.server.max_context_tokens == preset.server.max_context_tokens == 16384

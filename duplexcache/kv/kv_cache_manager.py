@@ -484,6 +484,20 @@ class KVCacheManager:
             raise ValueError(f"unknown session {sid!r}")
         self.pool.free_blocks(self._release_template(sess) + sess.blocks[::-1])
 
+    def abandon_context(self, sid: str, computed_tokens: int) -> None:
+        """Free ``sid`` whose context prefill stopped after ``computed_tokens`` tokens (a chunked
+        prefill closed or failed midway). Its full context blocks from the first one not fully
+        computed lose their hash first: they were registered at ``allocate_context`` and a later
+        session must never hit K/V that was never written."""
+        sess = self._get(sid)
+        bs = self.block_size
+        for block in sess.blocks[computed_tokens // bs: sess.num_context_tokens // bs]:
+            h = block.block_hash
+            if h is not None and self.pool.get_cached_block(h) is block:
+                assert block.ref_cnt == 1, f"uncomputed context block {block.block_id} is shared"
+                self.pool.uncache_block(block)
+        self.free(sid)
+
     def drop_blocks(self, sid: str, start_block: int, num_blocks: int) -> list[int]:
         """Release table entries ``[start_block, start_block + num_blocks)`` (a window cut).
 

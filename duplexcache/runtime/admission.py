@@ -214,3 +214,61 @@ class AdmissionLedger:
                 del self._voices[fp.voice]
                 self.dynamic_reserved -= fp.voice_shared_bytes
         assert min(self.thinker_reserved, self.talker_reserved, self.dynamic_reserved) >= 0, "negative reservation"
+
+
+class TickCostModel:
+    """Admission by time: a measured per-session tick cost.
+
+    After every tick the engine reports the time of its unit work (the tick less the context
+    prefill, which is bounded separately by ``engine.prefill_chunk_tokens``) and how many units
+    ran. Two exponentially weighted moving averages (weight ``alpha`` on the newest sample)::
+
+        fixed     <- tick time of ticks with no unit                 (0 until one is seen)
+        per_unit  <- (tick time - fixed) / units  of ticks with units
+        predicted(n) = fixed + per_unit * n
+
+    One more session is admitted while ``predicted(live + 1) <= tick_seconds * tick_headroom``
+    (every live session may run a unit in one tick). Before the first tick with units there is
+    no measurement and admission is by memory only.
+    """
+
+    def __init__(self, tick_seconds: float, headroom: float, alpha: float = 0.2) -> None:
+        if tick_seconds <= 0 or headroom <= 0 or not 0 < alpha <= 1:
+            raise ValueError(f"TickCostModel: tick_seconds {tick_seconds} and headroom {headroom} must be > 0 "
+                             f"and alpha {alpha} in (0, 1]")
+        self.limit_s = tick_seconds * headroom
+        self.alpha = alpha
+        self.fixed_s = 0.0
+        self.per_unit_s: float | None = None
+        self.samples = 0          # ticks with units seen
+        self.fixed_samples = 0    # ticks without units seen
+
+    def observe(self, tick_s: float, units: int) -> None:
+        """One tick's unit-work time and its unit count."""
+        tick_s = max(0.0, tick_s)
+        if units <= 0:
+            first = self.fixed_samples == 0
+            self.fixed_s = tick_s if first else self.fixed_s + self.alpha * (tick_s - self.fixed_s)
+            self.fixed_samples += 1
+            return
+        cost = max(0.0, tick_s - self.fixed_s) / units
+        self.per_unit_s = cost if self.per_unit_s is None else self.per_unit_s + self.alpha * (cost - self.per_unit_s)
+        self.samples += 1
+
+    def predicted_s(self, sessions: int) -> float | None:
+        """The predicted tick with ``sessions`` units, None before any measurement."""
+        if self.per_unit_s is None:
+            return None
+        return self.fixed_s + self.per_unit_s * sessions
+
+    def refusal(self, live_sessions: int) -> str | None:
+        """Why one more session would make the tick late (numbers for the log), or None. The
+        first session is always admitted: with nobody live there is no one to protect."""
+        if live_sessions == 0:
+            return None
+        predicted = self.predicted_s(live_sessions + 1)
+        if predicted is None or predicted <= self.limit_s:
+            return None
+        return (f"predicted tick {predicted * 1e3:.1f} ms with {live_sessions + 1} sessions (fixed "
+                f"{self.fixed_s * 1e3:.1f} ms + {self.per_unit_s * 1e3:.1f} ms per session) exceeds "  # type: ignore[operator]
+                f"tick_seconds x tick_headroom = {self.limit_s * 1e3:.1f} ms")

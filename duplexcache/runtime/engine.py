@@ -19,13 +19,19 @@ the vocoder's 3840-sample cross-fade tail. Each turn is one Code2Wav stream (pro
 voice, caches reset), as in the reference's per-response ``Token2wav.stream``.
 
 Sessions open, stream and close at any time (thread-safe per engine_api): ``open_session``
-admits against the ledger at once (shape arithmetic only, no model call), and the next tick
-builds the context and opens the Stage 0 session; ``close_session`` releases the reservation
-at once and the next tick frees the blocks, before it opens anything.
+admits against the ledger and the measured tick cost at once (shape arithmetic only, no model
+call), and the next tick builds the context and prefills it in chunks of at most
+``engine.prefill_chunk_tokens`` per tick; ``close_session`` releases the reservation at once and
+the next tick frees the blocks, before it opens anything.
+
+Isolation (docs/engine.md, runtime/isolation.py): bad audio is refused at ``push_audio``; inside
+the tick a failure attributable to one session ends that session only, and a batched call that
+raises is probed per session and re-run without the culprits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -51,6 +57,7 @@ from duplexcache.config import (
 from duplexcache.context import (
     EmbeddingResult,
     EncoderPath,
+    SessionContext,
     SessionContextBuilder,
     build_session_context,
 )
@@ -67,6 +74,7 @@ from duplexcache.runtime.admission import (
     AdmissionLedger,
     Footprint,
     MemoryPlan,
+    TickCostModel,
     plan_memory,
 )
 from duplexcache.runtime.bundle import ModelBundle, build_models
@@ -74,6 +82,7 @@ from duplexcache.runtime.engine_api import (
     INPUT_SAMPLE_RATE,
     AdmissionError,
     AudioDelta,
+    InvalidAudioError,
     EngineEvent,
     EngineStats,
     ResponseDone,
@@ -95,6 +104,13 @@ from duplexcache.runtime.stage0 import (
     session_worst_case,
 )
 from duplexcache.runtime.turns import NO_REQUESTS, TurnState, UnitTurn
+from duplexcache.runtime.isolation import (
+    FaultInjector,
+    Isolated,
+    check_faults,
+    precheck,
+    run_isolated,
+)
 from duplexcache.runtime.voices import Voice
 from duplexcache.runtime.warmup import WarmupReport, warm_up
 
@@ -106,6 +122,14 @@ MAX_BUFFERED_SAMPLES = MAX_BUFFERED_SECONDS * INPUT_SAMPLE_RATE
 STAGES = ("encoder", "thinker", "talker", "code2wav", "tick")
 LOOKAHEAD = 3
 LATENCY_HISTORY = 4096
+
+
+# What a refused client reads (AdmissionError.reason): no pool sizes; the numbers go to the log.
+_CLIENT_REFUSALS = {
+    "capacity_memory": "capacity_memory: the server has no memory for another session now; try again later",
+    "capacity_compute": "capacity_compute: one more session would make the server miss its real-time "
+                        "deadline; try again later",
+}
 
 
 def build_engine(deploy: DeployConfig) -> DuplexEngine:
@@ -144,6 +168,7 @@ class _Session:
     # ordinal>", the engine's own numbering, also when the server named the session, so a run's
     # audio does not depend on the server's random wire ids.
     seed_name: str = ""
+    prefill_tick: int | None = None   # the tick that queued its context prefill
 
 
 @dataclass(frozen=True)
@@ -264,6 +289,11 @@ class DuplexEngine:
         self._closed = False
         self._warmup_captures = 0
         self.warmup_report: WarmupReport | None = None
+        # Admission by time: the measured per-session tick cost (runtime/admission.py).
+        self.tick_cost = TickCostModel(deploy.engine.tick_seconds, deploy.engine.tick_headroom)
+        # Fault injection for tests (runtime/isolation.py); None when serving: no YAML key or
+        # client message reaches it, only ``install_faults``.
+        self.faults: FaultInjector | None = None
         self._refresh_pools()
         logger.info("engine ready: %s", self.plan.describe())
 
@@ -390,20 +420,35 @@ class DuplexEngine:
 
     # ------------------------------------------------------------------ admission
 
-    def _footprint(self, cfg: SessionRuntimeConfig, voice: Voice) -> Footprint:
-        """Worst-case footprint from shapes only: the context length comes from the context
-        builder's own layout with zero-width stand-in embeddings (no model runs)."""
+    def context_tokens(self, client_session: Mapping[str, Any]) -> int:
+        """The Thinker context length a ``session.update`` object would open with (instructions,
+        reference audio, initial text), from shapes only; compare with ``server.max_context_tokens``."""
+        cfg, voice = self._check_session(client_session)
+        return self._context_layout(cfg, voice).total
+
+    def _context_layout(self, cfg: SessionRuntimeConfig, voice: Voice) -> SessionContext:
         r = self._ref_embeddings[voice.name]
-        ctx = build_session_context(
+        return build_session_context(
             self.models.tokenizer, lambda ids: torch.zeros(len(ids), 1),
             lambda a, s: EmbeddingResult(torch.zeros(r, 1), EncoderPath.WHOLE_CLIP),
             cfg.instructions, voice.ref_audio, cfg.initial_user_text, model_revision=cfg.model_revision)
+
+    def _footprint(self, cfg: SessionRuntimeConfig, voice: Voice) -> Footprint:
+        """Worst-case footprint from shapes only: the context length comes from the context
+        builder's own layout with zero-width stand-in embeddings (no model runs)."""
+        ctx = self._context_layout(cfg, voice)
         max_pos = self.models.thinker.config.max_position_embeddings
         window = self._session_window(cfg)
+        limit = self.deploy.server.max_context_tokens
+        if ctx.total > limit:
+            raise AdmissionError(
+                f"context_length_exceeded: the session context (instructions, reference audio, initial "
+                f"text) is {ctx.total} tokens; this server allows at most {limit}",
+                code="context_length_exceeded")
         if window.enabled and ctx.total + window.high_tokens > max_pos:
             raise AdmissionError(
                 f"context_length_exceeded: context of {ctx.total} tokens + window high {window.high_tokens} "
-                f"exceeds the model's {max_pos} positions")
+                f"exceeds the model's {max_pos} positions", code="context_length_exceeded")
         share = self.deploy.stage0.shared_anchor_blocks
         # The runner's own formula (Stage0Runner.worst_case), with this session's marks.
         wc = session_worst_case(ctx.total, window, max_pos, self.block_size, share)
@@ -440,29 +485,64 @@ class DuplexEngine:
         with self._lock:
             if sid is not None and (sid in self._sessions or sid in self._queue):
                 raise ValueError(f"session id {sid!r} is in use")
+            refusal = self._refusal(fp) if not self._queue else (
+                "capacity_memory" if self.ledger.refusal(fp) else "capacity_compute",
+                "sessions are queued ahead of this one")
+            if refusal is not None and not queue_if_full:
+                code, detail = refusal
+                logger.info("session refused (%s): %s", code, detail)
+                raise AdmissionError(_CLIENT_REFUSALS[code], code=code)
+            # Ordinals are drawn only here: a refused session leaves no trace (the ordinal seeds
+            # the session's Code2Wav noise, so it must not depend on others' refusals).
             seed_name = f"sess_{next(self._ids)}"
             sid = sid or seed_name
             sess = _Session(sid, cfg, voice, fp, policy_state=self.policy.new_session(sid), seed_name=seed_name)
-            reason = self.ledger.refusal(fp)
-            if reason is None and not self._queue:
+            if refusal is None:
                 self.ledger.admit(sid, fp)
                 self._sessions[sid] = sess
-            elif queue_if_full:
-                self._queue[sid] = sess
-                logger.info("session %s queued: %s", sid, reason or "earlier sessions are queued")
             else:
-                raise AdmissionError(reason or "sessions are queued ahead of this one")
+                self._queue[sid] = sess
+                logger.info("session %s queued (%s): %s", sid, refusal[0], refusal[1])
         return sid
+
+    def _refusal(self, fp: Footprint) -> tuple[str, str] | None:
+        """(code, detail for the logs) when ``fp`` cannot be admitted now, memory first; None
+        when it can. Compute: the measured per-session tick cost (none yet: memory only)."""
+        reason = self.ledger.refusal(fp)
+        if reason is not None:
+            return "capacity_memory", reason
+        reason = self.tick_cost.refusal(len(self._sessions))
+        if reason is not None:
+            return "capacity_compute", reason
+        return None
 
     def is_queued(self, sid: str) -> bool:
         with self._lock:
             return sid in self._queue
 
+    def queue_position(self, sid: str) -> int | None:
+        """1 for the next queued session to be admitted, 2 for the one after...; None when
+        ``sid`` is not queued (live, closed or unknown). For ``session.queued`` events."""
+        with self._lock:
+            for i, queued in enumerate(self._queue, start=1):
+                if queued == sid:
+                    return i
+        return None
+
+    def install_faults(self, faults: FaultInjector | None) -> None:
+        """Test hook: make chosen stages raise for chosen sessions (runtime/isolation.py)."""
+        self.faults = faults
+        self.stage0.faults = faults
+
     def push_audio(self, sid: str, pcm: np.ndarray) -> None:
         if not isinstance(pcm, np.ndarray) or pcm.dtype != np.float32 or pcm.ndim != 1:
             raise ValueError(f"audio must be a float32 numpy array of shape (samples,) at {INPUT_SAMPLE_RATE} Hz")
         if pcm.size == 0 or not np.isfinite(pcm).all():
-            raise ValueError("audio is empty or contains NaN/Inf")
+            raise InvalidAudioError("audio is empty or contains NaN/Inf")
+        peak = float(np.abs(pcm).max())
+        if peak > 1.0:
+            # Checked here, at the edge: inside the batched encoder it would fail every session.
+            raise InvalidAudioError(f"audio samples must be float PCM in [-1, 1]; this chunk peaks at {peak:.4g}")
         with self._lock:
             sess = self._sessions.get(sid)
             if sess is None:
@@ -477,6 +557,15 @@ class DuplexEngine:
                     f"{MAX_BUFFERED_SECONDS} s; send audio in real time")
             sess.audio.append(pcm.copy())
             sess.buffered += pcm.size
+
+    @staticmethod
+    def _drop_oldest(sess: _Session, samples: int) -> None:
+        """Drop the oldest ``samples`` of ``sess``'s buffer (engine lock held)."""
+        if samples <= 0 or not sess.audio:
+            return
+        audio = np.concatenate(sess.audio)[samples:]
+        sess.audio = [audio] if audio.size else []
+        sess.buffered = int(audio.size)
 
     def close_session(self, sid: str) -> None:
         with self._lock:
@@ -573,7 +662,10 @@ class DuplexEngine:
                     sess.turn.cancel_requested = False
         events: list[EngineEvent] = []
         for sess, played_ms in todo:
-            events += self._cancel_reply(sess, played_ms)
+            try:
+                events += self._cancel_reply(sess, played_ms)
+            except Exception as err:  # noqa: BLE001 - a failed rewind ends its session only
+                events.append(self._end(sess, err))
         return events
 
     def _cancel_reply(self, sess: _Session, played_ms: int | None) -> list[EngineEvent]:
@@ -721,13 +813,18 @@ class DuplexEngine:
         events += self._admit_queued()
         with self._lock:
             pending = [s for s in self._sessions.values() if not s.opened]
+        prefill_s = 0.0
         if pending:
+            t = time.perf_counter()
             events += self._open(pending)
+            prefill_s = time.perf_counter() - t
         events += self._apply_cancels()
         units = self._take_units()
         if units:
             events += self._run_units(units, lat)
         lat["tick"] = time.perf_counter() - start
+        # The cost model learns the unit work only: prefill is bounded separately (one chunk).
+        self.tick_cost.observe(lat["tick"] - prefill_s, len(units))
         with self._lock:
             live = set(self._sessions)
         # A session closed while this tick ran gets no more events.
@@ -753,7 +850,7 @@ class DuplexEngine:
         with self._lock:
             while self._queue:
                 sid, sess = next(iter(self._queue.items()))
-                if self.ledger.refusal(sess.footprint) is not None:
+                if self._refusal(sess.footprint) is not None:
                     break  # FIFO: later sessions wait behind the first one
                 del self._queue[sid]
                 self.ledger.admit(sid, sess.footprint)
@@ -762,22 +859,51 @@ class DuplexEngine:
         return events
 
     def _open(self, pending: list[_Session]) -> list[EngineEvent]:
-        """Build each session's context (context cache on the way) and open them in Stage 0."""
-        contexts, windows = {}, {}
-        for sess in pending:
-            sess.encoder_state = self.models.audio_encoder.new_stream_state()
-            ctx = self.builder.build(sess.config.instructions, sess.voice.ref_audio, sess.config.initial_user_text,
-                                     encoder_state=sess.encoder_state)
-            contexts[sess.sid] = SessionContextInput(ctx.inputs_embeds, ctx.token_ids, ctx.extra_key)
-            windows[sess.sid] = self._session_window(sess.config)   # what its footprint reserved
-        result = self.stage0.open_sessions(contexts, windows)
+        """Build each new session's context (context cache on the way), queue it for its chunked
+        prefill, and advance the prefills by one chunk (``engine.prefill_chunk_tokens``).
+
+        A session whose prefill takes more than the tick it was queued in would start that many
+        seconds behind real time and stay behind (one unit per tick): when it opens, the audio
+        that arrived while it prefilled is trimmed to its first unit (logged)."""
         events: list[EngineEvent] = []
         for sess in pending:
-            if sess.sid in result.errors:
-                events.append(self._end(sess, result.errors[sess.sid]))
-            else:
-                sess.opened = True
+            if sess.prefill_tick is not None:
+                continue  # already queued in Stage 0
+            try:
+                check_faults(self.faults, "open", (sess.sid,), "precheck")
+                sess.encoder_state = self.models.audio_encoder.new_stream_state()
+                ctx = self.builder.build(sess.config.instructions, sess.voice.ref_audio,
+                                         sess.config.initial_user_text, encoder_state=sess.encoder_state)
+                context = SessionContextInput(ctx.inputs_embeds, ctx.token_ids, ctx.extra_key)
+                # The window its footprint reserved.
+                self.stage0.enqueue_open(sess.sid, context, self._session_window(sess.config))
+            except Exception as err:  # noqa: BLE001 - one session's context never fails the tick
+                events.append(self._end(sess, err))
+                continue
+            sess.prefill_tick = self._ticks
+        result = self.stage0.prefill(self.deploy.engine.prefill_chunk_tokens)
+        by_sid = {s.sid: s for s in pending}
+        for sid, err in result.errors.items():
+            if sid in by_sid:
+                events.append(self._end(by_sid[sid], err))
+        for sid in result.opened:
+            sess = by_sid.get(sid)
+            if sess is None:   # closed while this tick ran: freed at the start of the next
+                continue
+            sess.opened = True
+            if sess.prefill_tick is not None and sess.prefill_tick < self._ticks:
+                self._trim_after_prefill(sess)
         return events
+
+    def _trim_after_prefill(self, sess: _Session) -> None:
+        keep = self.models.audio_encoder.cfg.first_chunk_samples
+        with self._lock:
+            drop = sess.buffered - keep
+            if drop > 0:
+                self._drop_oldest(sess, drop)
+        if drop > 0:
+            logger.info("session %s: prefill took %d ticks; dropped %.2f s of audio received meanwhile",
+                        sess.sid, self._ticks - (sess.prefill_tick or 0) + 1, drop / INPUT_SAMPLE_RATE)
 
     def _take_units(self) -> list[_Unit]:
         enc = self.models.audio_encoder
@@ -801,11 +927,10 @@ class DuplexEngine:
     def _run_units(self, units: list[_Unit], lat: dict[str, float]) -> list[EngineEvent]:
         events: list[EngineEvent] = []
         t = time.perf_counter()
-        embeds = self.models.audio_encoder.stream_step([u.session.encoder_state for u in units],
-                                                       [torch.from_numpy(u.pcm) for u in units])
+        units, embeds = self._encoder(units, events)
         lat["encoder"] = time.perf_counter() - t
         t = time.perf_counter()
-        units = self._thinker(units, embeds, events)
+        units = self._thinker(units, embeds, events) if units else []
         lat["thinker"] = time.perf_counter() - t
         self._note_reply_units(units)
         for u in units:
@@ -814,7 +939,8 @@ class DuplexEngine:
                 events.append(TextDelta(u.session.sid, self._detokenize(text)))
         # A stage that had nothing to do this tick records 0 (not a sample).
         t = time.perf_counter()
-        finals = self._talker(units)
+        finals = self._talker(units, events)
+        units = [u for u in units if u.session.sid not in self._ended(events)]
         if any(u.codes is not None for u in units):
             lat["talker"] = time.perf_counter() - t
         t = time.perf_counter()
@@ -826,11 +952,58 @@ class DuplexEngine:
             u.session.unit_index += 1
         return events
 
+    # ------------------------------------------------------------------ isolation helpers
+
+    @staticmethod
+    def _ended(events: list[EngineEvent]) -> set[str]:
+        """Sessions this tick ended so far (their later stages must not run)."""
+        return {e.sid for e in events if isinstance(e, SessionError) and e.fatal}
+
+    def _end_all(self, units: list[_Unit], errors: Mapping[str, Exception], events: list[EngineEvent]) -> list[_Unit]:
+        """End the sessions named in ``errors``; returns the units of the others."""
+        for u in units:
+            if u.session.sid in errors:
+                events.append(self._end(u.session, errors[u.session.sid]))
+        return [u for u in units if u.session.sid not in errors]
+
+    # ------------------------------------------------------------------ audio encoder
+
+    def _encoder(self, units: list[_Unit], events: list[EngineEvent]) -> tuple[list[_Unit], list[torch.Tensor]]:
+        """One batched encoder step; a session whose audio fails ends alone (runtime/isolation.py)."""
+        enc = self.models.audio_encoder
+        _, errors = precheck(self.faults, "encoder", units, lambda u: u.session.sid, self._check_unit_audio)
+        units = self._end_all(units, errors, events)
+
+        def run(batch: list[_Unit]) -> list[torch.Tensor]:
+            return enc.stream_step([u.session.encoder_state for u in batch], [torch.from_numpy(u.pcm) for u in batch])
+
+        def snapshot(u: _Unit) -> tuple[int, int, int]:
+            st = u.session.encoder_state
+            return st.num_frames, st.num_chunks, st.num_resets
+
+        def restore(u: _Unit, saved: object) -> None:
+            st = u.session.encoder_state
+            st.num_frames, st.num_chunks, st.num_resets = saved  # type: ignore[misc]
+
+        iso: Isolated[_Unit, list[torch.Tensor]] = run_isolated(
+            "encoder", units, run, lambda u: u.session.sid, self.faults, snapshot, restore)
+        self._end_all(units, iso.errors, events)
+        return iso.kept, iso.result or []
+
+    def _check_unit_audio(self, u: _Unit) -> None:
+        """What the encoder would refuse for this session alone (push_audio checked it already)."""
+        if not np.isfinite(u.pcm).all() or float(np.abs(u.pcm).max(initial=0.0)) > 1.0:
+            raise InvalidAudioError("audio samples must be finite float PCM in [-1, 1]")
+
     # ------------------------------------------------------------------ Thinker
 
     def _thinker(self, units: list[_Unit], embeds: list[torch.Tensor], events: list[EngineEvent]) -> list[_Unit]:
         """Append each unit's audio, then decode until every session listened or ended its text."""
         c = self.control
+        kept, errors = precheck(self.faults, "thinker", list(zip(units, embeds)), lambda ue: ue[0].session.sid)
+        self._end_all(units, errors, events)
+        units = [u for u, _ in kept]
+        embeds = [e for _, e in kept]
         inputs = {}
         for u, emb in zip(units, embeds):
             text = self._user_text_for(u, events)
@@ -882,9 +1055,10 @@ class DuplexEngine:
 
     # ------------------------------------------------------------------ Talker
 
-    def _talker(self, units: list[_Unit]) -> dict[str, _Final]:
+    def _talker(self, units: list[_Unit], events: list[EngineEvent]) -> dict[str, _Final]:
         """25 codes for each speaking unit. Returns held codes to flush as final chunks of turns
-        that end before this unit (a listen after speaking, or a Talker turn at its limit)."""
+        that end before this unit (a listen after speaking, or a Talker turn at its limit).
+        A session whose Talker work fails ends alone (``events``); the others keep their codes."""
         finals: dict[str, _Final] = {}
         cfg = self.models.talker.config
         speakers = []
@@ -902,14 +1076,32 @@ class DuplexEngine:
             speakers.append(u)
         if not speakers:
             return finals
-        reqs = [TalkerUnitRequest(self._talker_table(u.session), u.session.talker_len,
-                                  torch.tensor(u.tokens, dtype=torch.long), torch.stack(u.hidden))
-                for u in speakers]
-        for u, res in zip(speakers, generate_unit(self.models.talker, self.talker_cache, reqs,
-                                                  graphs=self.talker_graphs)):
+        _, errors = precheck(self.faults, "talker", speakers, lambda u: u.session.sid)
+        speakers = self._end_all(speakers, errors, events)
+
+        def run(batch: list[_Unit]) -> list:
+            reqs = [TalkerUnitRequest(self._talker_table(u.session), u.session.talker_len,
+                                      torch.tensor(u.tokens, dtype=torch.long), torch.stack(u.hidden))
+                    for u in batch]
+            return generate_unit(self.models.talker, self.talker_cache, reqs, graphs=self.talker_graphs)
+
+        # A retry rewrites the same Talker KV slots (talker_len only moves below), so a failed
+        # batch is probed per session (runtime/isolation.py).
+        iso = run_isolated("talker", speakers, run, lambda u: u.session.sid, self.faults)
+        self._end_all(speakers, iso.errors, events)
+        for u, res in zip(iso.kept, iso.result or []):
             u.session.talker_len = res.num_computed
             u.codes = res.codes[: cfg.tokens_per_unit]
-        return finals
+        return self._drop_ended_finals(finals, self._ended(events))
+
+    def _drop_ended_finals(self, finals: dict[str, _Final], ended: set[str]) -> dict[str, _Final]:
+        """Remove the closed-turn streams of sessions this tick ended (``_free`` only knows the
+        current turn's stream); returns the finals of the others."""
+        for csid, f in finals.items():
+            if f.session.sid in ended:
+                with contextlib.suppress(ValueError):   # already removed (unknown stream)
+                    self.code2wav.remove_session(csid)
+        return {csid: f for csid, f in finals.items() if f.session.sid not in ended}
 
     def _talker_table(self, s: _Session) -> list[int]:
         return [b.block_id for b in s.talker_blocks]
@@ -961,20 +1153,51 @@ class DuplexEngine:
         events: list[EngineEvent] = []
         final_chunks = {csid: f.codes for csid, f in finals.items()}
         for batch, last in ((chunks, False), (final_chunks, True)):
-            if not batch:
-                continue
-            out = self.code2wav.step(batch, {sid: last for sid in batch})
-            for csid, err in out.errors.items():
-                logger.error("Code2Wav refused %s: %s", csid, err)
-                turns.note_audio(owner[csid].turn, 0)
-            for csid, pcm in out.items():
-                events.append(AudioDelta(owner[csid].sid, pcm16_bytes(pcm)))
-                turns.note_audio(owner[csid].turn, int(pcm.numel()))
+            ended = self._ended(events)   # a session ended by the first step has no final chunk
+            batch = {csid: codes for csid, codes in batch.items() if owner[csid].sid not in ended}
+            if batch:
+                events += self._code2wav_step(batch, last, owner)
         self._note_code2wav_peak()
-        for csid, f in finals.items():
+        for csid, f in self._drop_ended_finals(finals, self._ended(events)).items():
             self.code2wav.remove_session(csid)
             if f.response_done:
                 events.append(ResponseDone(f.session.sid, "completed", self._finish_reply(f.session)))
+        return events
+
+    def _code2wav_step(self, batch: dict[str, torch.Tensor], last: bool, owner: dict[str, _Session]) -> list[EngineEvent]:
+        """One Code2Wav step. A chunk that fails its check (the injected fault, or
+        ``BatchedCode2Wav``'s own per-session validation) ends its session only. Code2Wav
+        mutates every stream's caches group by group, so a batch that raises anyway cannot be
+        re-run: that step's sessions skip this unit's audio (non-fatal ``audio_skipped``, their
+        turn's stream restarts at the next speaking unit); the tick's other work is kept."""
+        events: list[EngineEvent] = []
+        kept, errors = precheck(self.faults, "code2wav", list(batch), lambda csid: owner[csid].sid)
+        for csid, err in ((c, errors[owner[c].sid]) for c in batch if owner[c].sid in errors):
+            events.append(self._end(owner[csid], err))
+        batch = {csid: batch[csid] for csid in kept}
+        if not batch:
+            return events
+        try:
+            out = self.code2wav.step(batch, {sid: last for sid in batch})
+        except Exception as err:  # noqa: BLE001 - see the docstring: the unit is skipped
+            logger.error("Code2Wav step over %d streams failed; their audio for this unit is skipped: %r",
+                         len(batch), err)
+            for csid in batch:
+                s = owner[csid]
+                if s.c2w_sid == csid:
+                    self.code2wav.remove_session(csid)
+                    s.c2w_sid, s.held = None, None
+                turns.note_audio(s.turn, 0)
+                events.append(SessionError(s.sid, "audio_skipped", "this unit's audio could not be produced",
+                                           fatal=False))
+            return events
+        for csid, err in out.errors.items():
+            logger.error("Code2Wav refused %s: %s", csid, err)
+            turns.note_audio(owner[csid].turn, 0)
+            events.append(self._end(owner[csid], err))
+        for csid, pcm in out.items():
+            events.append(AudioDelta(owner[csid].sid, pcm16_bytes(pcm)))
+            turns.note_audio(owner[csid].turn, int(pcm.numel()))
         return events
 
     # ------------------------------------------------------------------ ending sessions
@@ -991,7 +1214,7 @@ class DuplexEngine:
 
     def _free(self, sess: _Session) -> None:
         """Free everything ``sess`` holds (tick thread only)."""
-        if sess.opened and sess.sid in self.stage0.sessions:
+        if sess.sid in self.stage0.sessions or self.stage0.is_prefilling(sess.sid):
             self.stage0.close_session(sess.sid)
         sess.opened = False
         if sess.c2w_sid is not None:

@@ -34,13 +34,26 @@ TIERS = ("shared", "private", "free")
 
 
 class AdmissionError(Exception):
-    """A session that cannot be admitted now; ``reason`` says why (e.g. which memory ran out)."""
+    """A session that cannot be admitted now; ``reason`` says why (e.g. which memory ran out).
+
+    ``code`` names the cause for clients: ``capacity_memory`` (the memory budget is full),
+    ``capacity_compute`` (one more session would make the tick late), ``context_length_exceeded``
+    (the session's context is longer than the server allows), or ``admission_refused``."""
 
     code = "admission_refused"
 
-    def __init__(self, reason: str):
+    def __init__(self, reason: str, code: str | None = None):
         self.reason = reason
+        if code is not None:
+            self.code = code
         super().__init__(reason)
+
+
+class InvalidAudioError(ValueError):
+    """Audio a client pushed that the engine refuses (e.g. float samples outside [-1, 1]).
+    Only that push fails; the server reports ``code`` to that client."""
+
+    code = "invalid_audio"
 
 
 # --------------------------------------------------------------------------------------------

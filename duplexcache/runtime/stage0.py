@@ -52,6 +52,7 @@ A session that cannot continue is closed (its blocks freed) and its error is ret
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -68,6 +69,7 @@ from duplexcache.kv.decode_graphs import PagedDecodeGraphs
 from duplexcache.kv.paged_attention import PagedBatch, PagedKVCache, copy_blocks
 from duplexcache.kv.rope import rerotate_keys_
 from duplexcache.kv.window import ContextLengthExceeded, WindowConfig, plan_compaction
+from duplexcache.runtime.isolation import FaultInjector, check_faults, run_isolated
 from duplexcache.runtime.stage0_window import (
     SessionHistory,
     shift_unit_starts,
@@ -83,6 +85,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "BlockBudgetTooSmall",
     "ContextLengthExceeded",
+    "PrefillResult",
     "SessionContextInput",
     "Stage0Runner",
     "StepResult",
@@ -241,6 +244,26 @@ class _Work:
     wants_logits: bool = True
 
 
+@dataclass
+class _Prefill:
+    """A session waiting for (or in the middle of) its chunked context prefill."""
+
+    sid: str
+    context: SessionContextInput
+    window: WindowConfig
+    alloc: ContextAllocation | None = None  # set when it reaches the head of the queue
+    cursor: int = 0                          # first context token not computed yet
+
+
+@dataclass
+class PrefillResult:
+    """What one ``Stage0Runner.prefill`` call did."""
+
+    opened: list[str] = field(default_factory=list)
+    errors: dict[str, Exception] = field(default_factory=dict)
+    computed_tokens: int = 0
+
+
 class Stage0Runner:
     """Stage 0 sessions over a Thinker, a ``KVCacheManager`` and its ``PagedKVCache``."""
 
@@ -272,6 +295,10 @@ class Stage0Runner:
         self.sessions: dict[str, _Session] = {}
         # One-token steps replay CUDA graphs when the engine installs them (use_decode_graphs).
         self.decode_graphs: PagedDecodeGraphs | None = None
+        # Chunked opens (enqueue_open / prefill), FIFO; only the head holds blocks.
+        self._prefills: OrderedDict[str, _Prefill] = OrderedDict()
+        # Test hook (runtime/isolation.py): None when serving.
+        self.faults: FaultInjector | None = None
 
     def use_decode_graphs(self, graphs: PagedDecodeGraphs | None) -> None:
         """Run decode steps (one new token per session) through ``graphs``; None: eager."""
@@ -432,8 +459,102 @@ class Stage0Runner:
             )
         return None
 
+    # ------------------------------------------------------------------ chunked open
+
+    def enqueue_open(self, sid: str, context: SessionContextInput, window: WindowConfig | None = None) -> None:
+        """Queue ``sid`` for a chunked open (``prefill``); caller mistakes raise here.
+
+        The engine's path: a context of any allowed length adds at most one chunk to a tick.
+        Sessions open in FIFO order and only the head holds blocks, so no session can hit a
+        shared block whose K/V is not computed yet (a later session allocates only after the
+        earlier one committed its context). Do not mix with ``open_sessions`` while a prefill
+        is in flight."""
+        if sid in self._prefills:
+            raise ValueError(f"session {sid!r} is already waiting for its prefill")
+        resolved = self._resolve_window(window, sid)
+        self._validate_context(sid, context, resolved)
+        self._prefills[sid] = _Prefill(sid, context, resolved)
+
+    def is_prefilling(self, sid: str) -> bool:
+        """True while ``sid`` waits for, or is in the middle of, its chunked prefill."""
+        return sid in self._prefills
+
+    def prefill(self, chunk_tokens: int) -> PrefillResult:
+        """Advance the queued opens by at most ``chunk_tokens`` computed tokens in all.
+
+        Chunks are aligned to multiples of ``chunk_tokens`` from token 0 of each context (a
+        chunk that does not fit this call's budget waits for the next call), so a context is
+        computed with the same chunks whatever else opened in the same tick: sharing on and
+        off stay bit-identical. Each chunk is a forward of its own (the session alone, as
+        ``open_sessions`` does for bit-exactness), over the paged path: attention is
+        (chunk x context) per layer, never (context x context). A full cache hit costs nothing."""
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        result = PrefillResult()
+        left = chunk_tokens
+        while self._prefills:
+            p = next(iter(self._prefills.values()))
+            if p.alloc is None and not self._start_prefill(p, result):
+                continue
+            assert p.alloc is not None
+            while p.cursor < p.alloc.compute_end:
+                end = min((p.cursor // chunk_tokens + 1) * chunk_tokens, p.alloc.compute_end)
+                if end - p.cursor > left:
+                    return result  # the next chunk waits for the next call
+                try:
+                    check_faults(self.faults, "open", (p.sid,), "batched")
+                    self._forward([_Work(p.sid, p.cursor, p.context.inputs_embeds[p.cursor:end], wants_logits=False)])
+                except Exception as err:  # noqa: BLE001 - a failed prefill ends that session only
+                    logger.warning("session %s: context prefill failed at token %d: %s", p.sid, p.cursor, err)
+                    self._cancel_prefill(p.sid)
+                    result.errors[p.sid] = err
+                    break
+                left -= end - p.cursor
+                result.computed_tokens += end - p.cursor
+                p.cursor = end
+            else:
+                self._finish_prefill(p)
+                result.opened.append(p.sid)
+        return result
+
+    def _start_prefill(self, p: _Prefill, result: PrefillResult) -> bool:
+        """Allocate the head's context; False (its error recorded, it leaves the queue) if it cannot."""
+        err = self._admission_error(p.sid, p.context, p.window)
+        if err is not None:
+            logger.info("session %s refused: %s", p.sid, err)
+            del self._prefills[p.sid]
+            result.errors[p.sid] = err
+            return False
+        ctx = p.context
+        p.alloc = self.manager.allocate_context(p.sid, ctx.token_ids, ctx.extra_key, self.share_context)
+        # Only the head allocates, after every earlier open committed: no template is pending.
+        assert not p.alloc.deferred_cow_pairs, "chunked open found a pending template"
+        copy_blocks(self.cache, list(p.alloc.cow_pairs))
+        p.cursor = p.alloc.compute_start
+        return True
+
+    def _finish_prefill(self, p: _Prefill) -> None:
+        assert p.alloc is not None
+        copy_blocks(self.cache, list(p.alloc.template_pairs))
+        self.manager.commit_context(p.sid)
+        hist = SessionHistory(p.context.prefix_len) if self.window.mode == "rebuild" else None
+        self.sessions[p.sid] = _Session(p.sid, p.context.prefix_len, p.window, history=hist)
+        del self._prefills[p.sid]
+        logger.debug("session %s opened: %d cached tokens, %d computed", p.sid, p.alloc.num_cached_tokens,
+                     p.alloc.num_tokens_to_compute)
+
+    def _cancel_prefill(self, sid: str) -> None:
+        p = self._prefills.pop(sid)
+        if p.alloc is not None:
+            self.manager.abandon_context(sid, p.cursor)
+
     def close_session(self, sid: str) -> None:
-        """Free every block of ``sid`` (shared ones stay cached until memory is needed)."""
+        """Free every block of ``sid`` (shared ones stay cached until memory is needed); a
+        session still waiting for its prefill leaves the queue (blocks it registered but did
+        not compute lose their hash)."""
+        if sid in self._prefills:
+            self._cancel_prefill(sid)
+            return
         if sid not in self.sessions:
             raise ValueError(f"unknown session {sid!r}")
         del self.sessions[sid]
@@ -458,7 +579,15 @@ class Stage0Runner:
                 self.close_session(sid)
                 result.errors[sid] = err
         if work:
-            result.logits, result.hidden = self._forward(work)
+            # A forward that raises is probed session by session (runtime/isolation.py): the
+            # culprits end here, the others re-run as one batch (their KV slots are rewritten).
+            iso = run_isolated("thinker", work, self._forward, lambda w: w.sid, self.faults)
+            for sid, err in iso.errors.items():
+                self.close_session(sid)
+                result.errors[sid] = err
+            if iso.result is not None:
+                result.logits, result.hidden = iso.result
+            work = iso.kept
         for w in work:
             sess = self.sessions[w.sid]
             if sess.history is not None:

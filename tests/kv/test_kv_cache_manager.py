@@ -412,3 +412,15 @@ def test_truncate_never_releases_shared_anchor_blocks():
     assert m.block_table("a") == m.block_table("b") == [1, 2] and refs(m) == {1: 2, 2: 2}
     assert free_ids(m)[:3] == [5, 4, 3]
     m.check_invariants()
+
+
+def test_abandon_context_unhashes_only_the_blocks_not_computed():
+    m = make(12)
+    a = m.allocate_context("a", CTX10, b"v1")           # full blocks 1, 2; tail 3; template 4
+    m.abandon_context("a", computed_tokens=5)          # block 1 done, block 2 half done
+    m.check_invariants()
+    assert m.pool.num_free == 11 and "a" not in m
+    b = m.allocate_context("b", CTX10, b"v1")
+    # Block 1 (computed) is still a hit; block 2 and the never-filled template are not.
+    assert b.num_cached_tokens == BS and b.block_ids[0] == a.block_ids[0]
+    assert b.compute_start == BS and b.compute_end == 10 and b.template_pairs

@@ -29,8 +29,15 @@ def tiny_models() -> ModelBundle:
     return _MODELS["tiny"]
 
 
+# Admission by time measures this machine's ticks; tests must not depend on its speed, so
+# the engines of these tests admit by memory only unless a test sets engine.tick_headroom.
+NO_COMPUTE_LIMIT = 1e9
+
+
 def deploy_from_yaml(tmp_path, name: str, sections: dict) -> DeployConfig:
-    """Write ``sections`` as a deploy YAML and load it the way `duplexcache serve` does."""
+    """Write ``sections`` as a deploy YAML and load it the way `duplexcache serve` does
+    (``engine.tick_headroom`` defaults to ``NO_COMPUTE_LIMIT`` here)."""
+    sections = {**sections, "engine": {"tick_headroom": NO_COMPUTE_LIMIT, **sections.get("engine", {})}}
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(sections))
     return DeployConfig.from_yaml(path, environ={})

@@ -1,0 +1,156 @@
+"""Prefill isolation bench: what opening a session with the longest allowed context adds to the
+tick of the sessions already live.
+
+    python -m duplexcache.bench.prefill_isolation [--preset tiny|minicpmo45] [--device cpu|cuda]
+        [--sessions 32] [--warmup-ticks 3] [--baseline-ticks 6] [--prefill-chunk-tokens N]
+        [--max-context-tokens N] [--memory-budget 80GiB] [--threshold-ms 100] [--out DIR]
+
+``--sessions`` sessions (every unit speaks, the engine_ticks bench's deploy: all sharing switches
+on, scripted policy) are opened and fed one unit of audio per tick. After ``--warmup-ticks``,
+``--baseline-ticks`` ticks are timed; then ONE session opens whose context is exactly
+``server.max_context_tokens`` tokens (instructions sized with ``DuplexEngine.context_tokens``), and
+every tick until it is open is timed (its context prefills in ``engine.prefill_chunk_tokens``
+chunks, at most one chunk's worth per tick). Wall time per tick, with ``torch.cuda.synchronize``
+around ``tick()``.
+
+Reported: the baseline ticks' p50 and max, the prefill ticks' p50 and max, ``added_ms`` = max of
+the prefill ticks - p50 of the baseline, and ``ok`` = added_ms <= ``--threshold-ms``. Admission by
+time is switched off for the bench (``tick_headroom`` 1e9), so the live sessions are admitted
+whatever their measured cost. Results go to ``DIR/results.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from duplexcache.bench.engine_ticks import TickBenchConfig, make_deploy, session_audio
+from duplexcache.config import DeployConfig
+from duplexcache.runtime.bundle import build_models
+from duplexcache.runtime.engine import DuplexEngine
+
+logger = logging.getLogger(__name__)
+
+
+def _timed_tick(eng: DuplexEngine, cuda: bool) -> tuple[float, list]:
+    if cuda:
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    events = eng.tick()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t, events
+
+
+def _instructions(eng: DuplexEngine, voice: str, tokens: int) -> str:
+    """Instructions that make the context exactly ``tokens`` long (tokens counted by the engine)."""
+    base = eng.context_tokens({"voice": voice, "instructions": ""})
+    lo, hi = 0, max(1, 8 * (tokens - base))
+    while lo < hi:   # the longest text whose context fits (a real tokenizer is not 1 token per char)
+        mid = (lo + hi + 1) // 2
+        if eng.context_tokens({"voice": voice, "instructions": "hello " * (mid // 6) + "x" * (mid % 6)}) <= tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    text = "hello " * (lo // 6) + "x" * (lo % 6)
+    logger.info("longest context: %d tokens (limit %d)", eng.context_tokens({"voice": voice, "instructions": text}),
+                tokens)
+    return text
+
+
+def run(deploy: DeployConfig, sessions: int, warmup: int, baseline_ticks: int, seed: int) -> dict:
+    models = build_models(deploy, seed=seed)
+    eng = DuplexEngine(deploy, models)
+    cuda = models.device.type == "cuda"
+    enc = models.audio_encoder.cfg
+    total_units = warmup + baseline_ticks + 200
+    sids = [eng.open_session({"voice": ("default", "alt")[i % 2]}) for i in range(sessions)]
+    audio = {sid: session_audio(i, total_units, enc.first_chunk_samples, enc.chunk_samples, seed)
+             for i, sid in enumerate(sids)}
+    cursor = dict.fromkeys(sids, 0)
+
+    def feed() -> None:
+        for sid in sids:
+            n = enc.first_chunk_samples if cursor[sid] == 0 else enc.chunk_samples
+            eng.push_audio(sid, audio[sid][cursor[sid]:cursor[sid] + n])
+            cursor[sid] += n
+
+    for _ in range(warmup):
+        feed()
+        _timed_tick(eng, cuda)
+    base = []
+    for _ in range(baseline_ticks):
+        feed()
+        base.append(_timed_tick(eng, cuda)[0])
+    limit = deploy.server.max_context_tokens
+    long_sid = eng.open_session({"voice": "default", "instructions": _instructions(eng, "default", limit)})
+    prefill, spoke = [], []
+    while not eng.session_info(long_sid).opened:
+        feed()
+        wall, events = _timed_tick(eng, cuda)
+        prefill.append(wall)
+        spoke.append(len({e.sid for e in events if e.sid in cursor}))
+        if len(prefill) > 10 * (limit // deploy.engine.prefill_chunk_tokens + 2):
+            raise RuntimeError("the long session did not open")
+    eng.shutdown()
+    added = max(prefill) - float(np.median(base))
+    return {"sessions": sessions, "max_context_tokens": limit,
+            "prefill_chunk_tokens": deploy.engine.prefill_chunk_tokens, "device": str(models.device),
+            "baseline_ms": {"p50": 1e3 * float(np.median(base)), "max": 1e3 * max(base), "ticks": base},
+            "prefill_ms": {"p50": 1e3 * float(np.median(prefill)), "max": 1e3 * max(prefill), "ticks": prefill},
+            "sessions_with_events_per_prefill_tick": spoke, "added_ms": 1e3 * added}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", choices=("tiny", "minicpmo45"), default="tiny")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="default: cuda for minicpmo45, cpu for tiny")
+    p.add_argument("--sessions", type=int, default=32)
+    p.add_argument("--warmup-ticks", type=int, default=3)
+    p.add_argument("--baseline-ticks", type=int, default=6)
+    p.add_argument("--prefill-chunk-tokens", type=int, default=None, help="default: the preset's")
+    p.add_argument("--max-context-tokens", type=int, default=None, help="default: the preset's")
+    p.add_argument("--memory-budget", default=None)
+    p.add_argument("--threshold-ms", type=float, default=100.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("out/prefill_isolation"))
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    a = parse_args(argv)
+    device = a.device or ("cuda" if a.preset == "minicpmo45" else "cpu")
+    cfg = TickBenchConfig(preset=a.preset, device=device, sessions=(a.sessions,), memory_budget=a.memory_budget,
+                          warmup_ticks=a.warmup_ticks, seed=a.seed)
+    raw = make_deploy(cfg).to_dict()
+    raw["engine"]["tick_headroom"] = 1e9   # the bench measures; it must not refuse by time
+    if a.prefill_chunk_tokens is not None:
+        raw["engine"]["prefill_chunk_tokens"] = a.prefill_chunk_tokens
+    if a.max_context_tokens is not None:
+        raw["server"]["max_context_tokens"] = a.max_context_tokens
+    deploy = DeployConfig.from_dict(raw, environ={})
+    result = run(deploy, a.sessions, a.warmup_ticks, a.baseline_ticks, a.seed)
+    result["threshold_ms"] = a.threshold_ms
+    result["ok"] = result["added_ms"] <= a.threshold_ms
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "results.json").write_text(json.dumps(result, indent=2))
+    print(f"{a.sessions} live sessions, context {result['max_context_tokens']} tokens in chunks of "
+          f"{result['prefill_chunk_tokens']}: baseline tick p50 {result['baseline_ms']['p50']:.1f} ms, "
+          f"ticks while prefilling p50 {result['prefill_ms']['p50']:.1f} / max {result['prefill_ms']['max']:.1f} ms "
+          f"({len(result['prefill_ms']['ticks'])} ticks): added {result['added_ms']:.1f} ms "
+          f"(threshold {a.threshold_ms:.0f} ms: {'ok' if result['ok'] else 'OVER'})", flush=True)
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -59,6 +59,10 @@ PY
   then
     step "$name" 300 python3 -m duplexcache.cli bench serve --url "ws://127.0.0.1:$port/v1/realtime" \
       --workload conversation --sessions "$sessions" --ramp 5 --duration "$duration" --out "$out/$name"
+    # the server's own counters after the run: graph captures inside ticks (0 after a warm-up), late ticks
+    python3 -c 'import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=30).read().decode())' \
+      "http://127.0.0.1:$port/metrics" >"$out/${name}_metrics.txt" 2>&1
+    grep -E '^duplexcache_(graph_captures_total|warmup_seconds|cfm_prompt_passes_total|late_ticks|tick_errors|tick_duration_seconds_(count|sum))' "$out/${name}_metrics.txt"
   else
     echo "=== $name: the server exited or was not healthy within 240 s ==="
   fi

@@ -59,11 +59,16 @@ class ServerMetrics:
                                       "CUDA graphs captured (decode + Code2Wav), by where: warmup or tick "
                                       "(a warm engine captures nothing inside a tick)", ["where"], registry=r)
         self.warmup_seconds = Gauge(PREFIX + "warmup_seconds", "How long the engine's warm-up took", registry=r)
+        self.cfm_prompt_passes = Counter(PREFIX + "cfm_prompt_passes",
+                                         "Code2Wav voice-prompt setup passes, by voice (one per registered "
+                                         "voice; a growing count means turn starts pay the pass again)",
+                                         ["voice"], registry=r)
         for where in GRAPH_CAPTURE_PLACES:   # export 0 before the first capture
             self.graph_captures.labels(where=where)
         self._last_captures = dict.fromkeys(GRAPH_CAPTURE_PLACES, 0)
         self._last_counts = {name: 0 for name in _ENGINE_COUNTERS}
         self._last_tick = 0
+        self._last_prompt_passes: dict[str, int] = {}
 
     def update(self, stats: EngineStats) -> None:
         """Bring every engine-fed metric up to ``stats``."""
@@ -89,6 +94,11 @@ class ServerMetrics:
             if delta > 0:
                 self.graph_captures.labels(where=where).inc(delta)
             self._last_captures[where] = value   # a counter that went backwards is a new baseline
+        for voice, value in stats.cfm_prompt_passes.items():
+            delta = value - self._last_prompt_passes.get(voice, 0)
+            if delta > 0:
+                self.cfm_prompt_passes.labels(voice=voice).inc(delta)
+            self._last_prompt_passes[voice] = value
         if stats.warmup_seconds is not None:
             self.warmup_seconds.set(stats.warmup_seconds)
         if stats.ticks > self._last_tick:

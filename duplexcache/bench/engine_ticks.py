@@ -4,7 +4,7 @@
         [--sessions 1,8,16,32] [--ticks 6] [--warmup-ticks 2] [--memory-budget 80GiB]
         [--all-switches on|off] [--steady-window] [--decode-cuda-graphs on|off] [--ragged-kernel on|off]
         [--workload turns|continuous|conversation] [--speak-k 2] [--turn-units 2]
-        [--max-seconds 420]
+        [--warm-up on|off] [--graph-grid 1,4,8,16] [--max-seconds 420]
         [--out DIR]
 
 The models are built once (random weights; minicpmo45 on CUDA in bf16). For each session count
@@ -131,6 +131,8 @@ class TickBenchConfig:
     turn_units: int = 2   # scripted policy: the last min(turn_units, k) units of every k speak, as one turn
     ragged_kernel: bool = True    # stage0.ragged_kernel (CUDA only; off is the A/B reference)
     workload: str = "turns"   # turns | continuous | conversation (bench/workload.py)
+    warm_up: bool = True      # DuplexEngine.warmup() before the first tick, as `duplexcache serve` does
+    graph_grid: tuple[int, ...] | None = None   # code2wav.graph_grid (+ arena rows from it); None: the preset's
 
     def __post_init__(self) -> None:
         if self.workload not in wl.WORKLOADS:
@@ -214,6 +216,9 @@ def make_deploy(cfg: TickBenchConfig) -> DeployConfig:
     raw["engine"]["speak_policy"] = cfg.speak_policy()
     raw["engine"]["decode_cuda_graphs"] = cfg.decode_cuda_graphs
     raw["stage0"]["ragged_kernel"] = cfg.ragged_kernel
+    if cfg.graph_grid is not None:
+        raw["code2wav"]["graph_grid"] = list(cfg.graph_grid)
+        raw["code2wav"]["cfm_arena_rows_from_graph_grid"] = True
     return DeployConfig.from_dict(raw, environ={})
 
 
@@ -266,6 +271,9 @@ class RunResult:
     session_errors: int = 0
     late_ticks: int = 0
     decode_graph_steps: dict[str, int] = field(default_factory=dict)   # over the recorded ticks
+    warmup_s: float | None = None          # DuplexEngine.warmup() (None: not run)
+    warmup_graphs: int | None = None
+    tick_graph_captures: int = 0           # graphs captured inside recorded ticks (0 when warm)
     max_memory_allocated: int | None = None
     memory_allocated_after: int | None = None   # after the engine was freed: should be the weights
     seconds: float = 0.0
@@ -285,7 +293,8 @@ class RunResult:
                 "text_sessions_per_tick": self.text_sessions, "scheduled_speakers_per_tick": self.scheduled_speakers,
                 "schedule_mismatches": self.schedule_mismatches, "audio_chunks_per_tick": self.audio_chunks,
                 "session_errors": self.session_errors, "late_ticks": self.late_ticks,
-                "decode_graph_steps": self.decode_graph_steps,
+                "decode_graph_steps": self.decode_graph_steps, "warmup_s": self.warmup_s,
+                "warmup_graphs": self.warmup_graphs, "tick_graph_captures": self.tick_graph_captures,
                 "max_memory_allocated": self.max_memory_allocated,
                 "memory_allocated_after": self.memory_allocated_after, "seconds": round(self.seconds, 3)}
 
@@ -424,6 +433,7 @@ def _drive(eng: DuplexEngine, n: int, cfg: TickBenchConfig, res: RunResult, dead
         _run_tick(eng, feed, res, device)
     late_before = eng.late_ticks
     graphs_before = dict(eng.stats().decode_graph_steps)
+    captures_before = eng.stats().graph_captures["tick"]
     for k in range(cfg.ticks):
         if deadline.passed():
             res.status = "stopped"
@@ -433,6 +443,7 @@ def _drive(eng: DuplexEngine, n: int, cfg: TickBenchConfig, res: RunResult, dead
         logger.info("n=%d tick %d/%d: %.1f ms (wall %.1f ms), %d of %d sessions speaking", n, k + 1, cfg.ticks,
                     1e3 * res.per_tick["tick"][-1], 1e3 * res.per_tick["wall"][-1], res.text_sessions[-1], len(sids))
     res.late_ticks = eng.late_ticks - late_before
+    res.tick_graph_captures = eng.stats().graph_captures["tick"] - captures_before
     res.decode_graph_steps = {k: v - graphs_before.get(k, 0) for k, v in eng.stats().decode_graph_steps.items()}
     if res.session_errors and res.status == "ok":
         res.status, res.note = "error", f"{res.session_errors} session errors during the run"
@@ -455,6 +466,10 @@ def run_sessions(models: ModelBundle, deploy: DeployConfig, n: int, cfg: TickBen
     sids: list[str] = []
     try:
         eng = engine_factory(deploy, models)
+        if cfg.warm_up:   # a no-op on CPU (no graphs to capture)
+            report = eng.warmup()
+            res.warmup_s, res.warmup_graphs = round(report.seconds, 3), report.graphs
+            logger.info("n=%d: warm-up %.1f s, %d graphs", n, report.seconds, report.graphs)
         _drive(eng, n, cfg, res, deadline, sids)
     except torch.OutOfMemoryError as exc:
         res.status, res.note = "oom", f"out of memory: {str(exc).splitlines()[0]}"
@@ -586,7 +601,8 @@ def _results(cfg: TickBenchConfig, deploy: DeployConfig, models: ModelBundle, ro
                    "activation_reserve": format_bytes(deploy.engine.activation_reserve),
                    "all_switches": cfg.all_switches, "workload": cfg.workload, "speak_policy": cfg.describe_policy(),
                    "max_seconds": cfg.max_seconds, "seed": cfg.seed, "steady_window": cfg.steady_window,
-                   "decode_cuda_graphs": cfg.decode_cuda_graphs, "ragged_kernel": cfg.ragged_kernel},
+                   "decode_cuda_graphs": cfg.decode_cuda_graphs, "ragged_kernel": cfg.ragged_kernel,
+                   "warm_up": cfg.warm_up, "graph_grid": list(deploy.code2wav.graph_grid or ())},
         "model_build_s": round(build_s, 3),
         "weight_bytes": models.weight_bytes(),
         "memory_allocated_after_build": weights_alloc,
@@ -636,6 +652,11 @@ def parse_args(argv: list[str] | None) -> tuple[TickBenchConfig, Path]:
                    help="engine.decode_cuda_graphs: replay the Thinker/Talker decode steps from CUDA graphs")
     p.add_argument("--ragged-kernel", choices=("on", "off"), default="on",
                    help="stage0.ragged_kernel: short ragged steps through the in-place paged kernel")
+    p.add_argument("--warm-up", choices=("on", "off"), default="on",
+                   help="CUDA: DuplexEngine.warmup() before the first tick (as `duplexcache serve`); off: graphs "
+                        "are captured inside ticks (the cold A/B)")
+    p.add_argument("--graph-grid", type=_session_list, default=None,
+                   help="code2wav.graph_grid, e.g. 1,4,8,16 (arena rows from the grid); default: the preset's")
     p.add_argument("--max-seconds", type=float, default=420.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("out/engine_ticks"))
@@ -644,7 +665,8 @@ def parse_args(argv: list[str] | None) -> tuple[TickBenchConfig, Path]:
     try:
         cfg = TickBenchConfig(a.preset, device, a.sessions, a.ticks, a.warmup_ticks, a.memory_budget,
                               a.all_switches == "on", a.max_seconds, a.speak_k, a.seed, a.steady_window,
-                              a.decode_cuda_graphs == "on", a.turn_units, a.ragged_kernel == "on", a.workload)
+                              a.decode_cuda_graphs == "on", a.turn_units, a.ragged_kernel == "on", a.workload,
+                              a.warm_up == "on", a.graph_grid)
     except ValueError as exc:
         p.error(str(exc))
     return cfg, a.out

@@ -29,7 +29,9 @@ def markdown(results: dict[str, Any]) -> str:
         f"budget {c['memory_budget']} (reserve {c['activation_reserve']}); Thinker windows "
         f"{'filled to (low + high) / 2 before the recorded ticks' if c.get('steady_window') else 'as the units left them'}; "
         f"decode CUDA graphs {'on' if c.get('decode_cuda_graphs') else 'off'}; "
-        f"ragged kernel {'on' if c.get('ragged_kernel') else 'off'}  ",
+        f"ragged kernel {'on' if c.get('ragged_kernel') else 'off'}; "
+        f"Code2Wav graph grid {c.get('graph_grid') or 'none (every tier)'}; "
+        f"warm-up before the ticks {'on' if c.get('warm_up') else 'off'}  ",
         f"{c['warmup_ticks']} warm-up + {c['ticks']} recorded ticks per session count; models built once in "
         f"{results['model_build_s']:.1f} s; whole run {results['elapsed_s']:.1f} s "
         f"(budget {c['max_seconds']:.0f} s)", "",
@@ -37,8 +39,9 @@ def markdown(results: dict[str, Any]) -> str:
         "timers, no device sync inside a tick). `wall`: synchronised wall clock around `tick()`, the "
         "figure the 1 s test uses.", "",
         "| sessions | status | " + " | ".join(f"{s} ms" for s in (*STAGES, "wall"))
-        + " | all ticks < 1 s | sessions speaking per tick (min..max) | graphed decode steps (Thinker/Talker) | peak alloc GiB |",
-        "|---" * (len(STAGES) + 7) + "|",
+        + " | all ticks < 1 s | sessions speaking per tick (min..max) | graphed decode steps (Thinker/Talker) "
+        "| warm-up s (graphs) | graphs captured in recorded ticks | peak alloc GiB |",
+        "|---" * (len(STAGES) + 9) + "|",
     ]
     for r in results["runs"]:
         cells = [_stage_cell(r["stages_s"][s]) for s in (*STAGES, "wall")]
@@ -48,8 +51,9 @@ def markdown(results: dict[str, Any]) -> str:
         mem = "-" if r["max_memory_allocated"] is None else f"{r['max_memory_allocated'] / 2**30:.2f}"
         steps = r.get("decode_graph_steps") or {}
         graphed = f"{steps['thinker']}/{steps['talker']}" if steps else "-"
+        warm = "-" if r.get("warmup_s") is None else f"{r['warmup_s']:.1f} ({r['warmup_graphs']})"
         lines.append(f"| {r['sessions']} | {r['status']} | " + " | ".join(cells)
-                     + f" | {under} | {text} | {graphed} | {mem} |")
+                     + f" | {under} | {text} | {graphed} | {warm} | {r.get('tick_graph_captures', '-')} | {mem} |")
     best = results["largest_sessions_all_ticks_under_1s"]
     lines += ["", f"**Largest session count tried with every tick < 1 s: {best if best is not None else 'none'}**"]
     notes = [f"- n={r['sessions']}: {r['status']}: {r['note']}" for r in results["runs"] if r["note"]]

@@ -68,6 +68,7 @@ def _instructions(eng: DuplexEngine, voice: str, tokens: int) -> str:
 def run(deploy: DeployConfig, sessions: int, warmup: int, baseline_ticks: int, seed: int) -> dict:
     models = build_models(deploy, seed=seed)
     eng = DuplexEngine(deploy, models)
+    eng.warmup()   # as `duplexcache serve` does: no graph capture inside the timed ticks
     cuda = models.device.type == "cuda"
     enc = models.audio_encoder.cfg
     total_units = warmup + baseline_ticks + 200

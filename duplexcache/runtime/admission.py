@@ -32,6 +32,8 @@ pool calls in the engine can only assert: there is no out-of-memory path.
 
 from __future__ import annotations
 
+from collections import deque
+
 import logging
 from collections import Counter
 from dataclasses import dataclass
@@ -217,43 +219,59 @@ class AdmissionLedger:
 
 
 class TickCostModel:
-    """Admission by time: a measured per-session tick cost.
+    """Admission by time: the tick cost as a line in the number of units it runs.
 
     After every tick the engine reports the time of its unit work (the tick less the context
     prefill, which is bounded separately by ``engine.prefill_chunk_tokens``) and how many units
-    ran. Two exponentially weighted moving averages (weight ``alpha`` on the newest sample)::
+    ran. Over the last ``window`` ticks, a least-squares line::
 
-        fixed     <- tick time of ticks with no unit                 (0 until one is seen)
-        per_unit  <- (tick time - fixed) / units  of ticks with units
         predicted(n) = fixed + per_unit * n
+
+    On a GPU a batched tick has a large part that does not grow with the batch (launches, graph
+    replays, the Code2Wav solve of a tier): at minicpmo45 shapes one session costs ~100 ms and
+    each further one ~20 ms, so a line through the origin (tick / units) would refuse a ninth
+    session that the card runs in real time. The line needs ticks at two unit counts, which a
+    server meets as sessions join; until then (one count seen) it is the line through the origin
+    (``fixed`` 0: the pessimistic guess), and a fitted slope <= 0 (noise between close counts)
+    is replaced by the same guess.
 
     One more session is admitted while ``predicted(live + 1) <= tick_seconds * tick_headroom``
     (every live session may run a unit in one tick). Before the first tick with units there is
     no measurement and admission is by memory only.
     """
 
-    def __init__(self, tick_seconds: float, headroom: float, alpha: float = 0.2) -> None:
-        if tick_seconds <= 0 or headroom <= 0 or not 0 < alpha <= 1:
+    def __init__(self, tick_seconds: float, headroom: float, window: int = 128) -> None:
+        if tick_seconds <= 0 or headroom <= 0 or window < 2:
             raise ValueError(f"TickCostModel: tick_seconds {tick_seconds} and headroom {headroom} must be > 0 "
-                             f"and alpha {alpha} in (0, 1]")
+                             f"and window {window} >= 2")
         self.limit_s = tick_seconds * headroom
-        self.alpha = alpha
+        self._points: deque[tuple[int, float]] = deque(maxlen=window)   # (units, seconds)
         self.fixed_s = 0.0
         self.per_unit_s: float | None = None
         self.samples = 0          # ticks with units seen
-        self.fixed_samples = 0    # ticks without units seen
 
     def observe(self, tick_s: float, units: int) -> None:
         """One tick's unit-work time and its unit count."""
-        tick_s = max(0.0, tick_s)
-        if units <= 0:
-            first = self.fixed_samples == 0
-            self.fixed_s = tick_s if first else self.fixed_s + self.alpha * (tick_s - self.fixed_s)
-            self.fixed_samples += 1
+        self._points.append((max(0, units), max(0.0, tick_s)))
+        if units > 0:
+            self.samples += 1
+        self._fit()
+
+    def _fit(self) -> None:
+        with_units = [(n, t) for n, t in self._points if n > 0]
+        if not with_units:
             return
-        cost = max(0.0, tick_s - self.fixed_s) / units
-        self.per_unit_s = cost if self.per_unit_s is None else self.per_unit_s + self.alpha * (cost - self.per_unit_s)
-        self.samples += 1
+        xs = [n for n, _ in self._points]
+        if len(set(xs)) >= 2:
+            mx = sum(xs) / len(xs)
+            my = sum(t for _, t in self._points) / len(self._points)
+            sxx = sum((n - mx) ** 2 for n in xs)
+            slope = sum((n - mx) * (t - my) for n, t in self._points) / sxx
+            if slope > 0:
+                self.per_unit_s, self.fixed_s = slope, max(0.0, my - slope * mx)
+                return
+        self.fixed_s = 0.0
+        self.per_unit_s = sum(t / n for n, t in with_units) / len(with_units)
 
     def predicted_s(self, sessions: int) -> float | None:
         """The predicted tick with ``sessions`` units, None before any measurement."""

@@ -287,7 +287,9 @@ class DuplexEngine:
         self._pools: dict[str, TierBytes] = {}
         self.code2wav_peak = TierBytes(shared=0, private=0, free=self.plan.dynamic_bytes)
         self._closed = False
-        self._warmup_captures = 0
+        # Graphs captured while the engine was built (each voice's Code2Wav prompt pass at
+        # register_voice) were captured before serving: they count with the warm-up's.
+        self._warmup_captures = self._graph_captures_total()
         self.warmup_report: WarmupReport | None = None
         # Admission by time: the measured per-session tick cost (runtime/admission.py).
         self.tick_cost = TickCostModel(deploy.engine.tick_seconds, deploy.engine.tick_headroom)

@@ -311,3 +311,26 @@ def test_workload_flag_reaches_the_policy():
     assert sp.mode == "every_k_units" and sp.k == sp.turn_units == et.CONTINUOUS_K and cfg.every_unit_speaks
     with pytest.raises(ValueError, match="unknown workload"):
         et.TickBenchConfig(workload="chatter")
+
+
+def test_warm_up_and_graph_grid_reach_the_engine(models):
+    """--warm-up runs DuplexEngine.warmup() before the first tick (off: never); --graph-grid
+    becomes code2wav.graph_grid with the arena sized from it."""
+    cfg, _ = et.parse_args(["--graph-grid", "1,4", "--sessions", "1", "--ticks", "1", "--warmup-ticks", "2"])
+    deploy = et.make_deploy(cfg)
+    assert deploy.code2wav.graph_grid == (1, 4) and deploy.code2wav.cfm_arena_rows_from_graph_grid
+    assert deploy.code2wav.arena_rows == 4
+    assert et.make_deploy(et.TickBenchConfig()).code2wav.graph_grid is None   # the preset's
+    for flag in ("on", "off"):
+        cfg, _ = et.parse_args(["--warm-up", flag, "--sessions", "1", "--ticks", "1", "--warmup-ticks", "2"])
+        calls = []
+
+        class Counting(DuplexEngine):
+            def warmup(self, should_stop=None):
+                calls.append(self._ticks)   # before any tick
+                return super().warmup(should_stop)
+
+        run = et.run_sessions(models, et.make_deploy(cfg), 1, cfg, et._Deadline(time.perf_counter(), 300),
+                              engine_factory=Counting)
+        assert calls == ([0] if flag == "on" else []) and run.status == "ok"
+        assert (run.warmup_s is not None) == (flag == "on") and run.tick_graph_captures == 0

@@ -265,16 +265,25 @@ def test_prefill_chunk_tokens_reaches_stage0(tmp_path, monkeypatch):
 def test_tick_cost_model_formula():
     from duplexcache.runtime.admission import TickCostModel
 
-    m = TickCostModel(tick_seconds=1.0, headroom=0.8, alpha=0.5)
+    m = TickCostModel(tick_seconds=1.0, headroom=0.8, window=4)
     assert m.refusal(100) is None                  # no measurement: memory decides
     assert m.refusal(0) is None                    # nobody live: always admit one
-    m.observe(0.1, 0)                              # fixed part 0.1 s
-    m.observe(0.5, 4)                              # (0.5 - 0.1) / 4 = 0.1 s per session
-    assert m.predicted_s(7) == pytest.approx(0.8)
-    assert m.refusal(6) is None and m.refusal(7) is not None
-    m.observe(0.1 + 0.2 * 2, 2)                    # EWMA: 0.1 + 0.5 * (0.2 - 0.1) = 0.15
-    assert m.per_unit_s == pytest.approx(0.15)
-    assert "tick_headroom" in m.refusal(10)
+    m.observe(0.4, 2)                              # one unit count seen: the line through the origin
+    assert (m.fixed_s, m.per_unit_s) == (0.0, pytest.approx(0.2))
+    assert m.refusal(3) is None and m.refusal(4) is not None       # 0.8 s at 4, 1.0 s at 5
+    m.observe(0.5, 4)                              # two counts: fixed 0.3 s + 0.05 s per session
+    assert m.fixed_s == pytest.approx(0.3) and m.per_unit_s == pytest.approx(0.05)
+    assert m.predicted_s(10) == pytest.approx(0.8)
+    assert m.refusal(9) is None and m.refusal(10) is not None and "tick_headroom" in m.refusal(10)
+    m.observe(0.3, 0)                              # an idle tick is a point of the line too
+    assert m.fixed_s == pytest.approx(0.3) and m.per_unit_s == pytest.approx(0.05)
+    for _ in range(3):                             # the window forgets: three ticks at 4 units, one idle
+        m.observe(0.9, 4)
+    assert m.fixed_s == pytest.approx(0.3) and m.per_unit_s == pytest.approx(0.15)
+    m2 = TickCostModel(1.0, 1.0)
+    m2.observe(0.6, 3)
+    m2.observe(0.5, 4)                             # noise: slower with fewer units -> no negative slope
+    assert m2.fixed_s == 0.0 and m2.per_unit_s == pytest.approx((0.2 + 0.125) / 2)
     with pytest.raises(ValueError):
         TickCostModel(1.0, 0.0)
 

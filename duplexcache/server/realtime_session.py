@@ -226,7 +226,9 @@ class RealtimeSession:
         if self.tracker.current is not None or self.response_requested:
             raise proto.ProtocolError("conversation_already_has_active_response",
                                       "a response is already in progress; cancel it first", ev.event_id)
+        metadata = _response_metadata(ev)
         if await self._ensure_session(ev.event_id):
+            self.tracker.next_metadata = metadata
             await self._request_response()
 
     async def _response_cancel(self, ev: proto.ClientEvent) -> None:
@@ -428,3 +430,22 @@ def _user_text(item: dict[str, Any], eid: str | None) -> str:
                                   eid, param="item.content")
     return text
 
+
+def _response_metadata(ev: proto.ClientEvent) -> dict[str, str] | None:
+    """``response.create``'s ``response.metadata`` (OpenAI: at most 16 string pairs, keys up to
+    64 and values up to 512 characters), or None; anything else is a client error."""
+    response = ev.data.get("response")
+    if response is None:
+        return None
+    if not isinstance(response, dict):
+        raise proto.ProtocolError("invalid_value", "response must be an object", ev.event_id, param="response")
+    metadata = response.get("metadata")
+    if metadata is None:
+        return None
+    if (not isinstance(metadata, dict) or len(metadata) > 16
+            or not all(isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
+                       for k, v in metadata.items())):
+        raise proto.ProtocolError("invalid_value", "response.metadata must map at most 16 string keys "
+                                  "(<= 64 characters) to string values (<= 512 characters)", ev.event_id,
+                                  param="response.metadata")
+    return dict(metadata)

@@ -43,6 +43,7 @@ class Response:
     audio_bytes: int = 0
     text: list[str] = field(default_factory=list)
     cancelling: bool = False  # cancel asked for; ignore engine output until its ResponseDone
+    metadata: dict[str, str] | None = None   # response.create's response.metadata, echoed back
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ class ResponseTracker:
         self.current: Response | None = None
         self.last_item_id: str | None = None
         self.finished_items: set[str] = set()
+        # response.create's metadata for the next response: clients (LiveKit's generate_reply)
+        # match response.created to their request by it, as OpenAI echoes it.
+        self.next_metadata: dict[str, str] | None = None
 
     def _ev(self, kind: str, **fields: Any) -> dict[str, Any]:
         return event(wire_name(kind, self.beta), **fields)
@@ -73,11 +77,12 @@ class ResponseTracker:
     def _start(self) -> tuple[Response, list[Outgoing]]:
         if self.current is not None:
             return self.current, []
-        r = self.current = Response(new_id("resp"), new_id("item"))
+        r = self.current = Response(new_id("resp"), new_id("item"), metadata=self.next_metadata)
+        self.next_metadata = None
         out = [
             Outgoing(self._ev("response.created", response={
                 "id": r.id, "object": "realtime.response", "status": "in_progress", "status_details": None,
-                "output": [], "usage": None})),
+                "output": [], "usage": None, "metadata": r.metadata})),
             Outgoing(self._ev("response.output_item.added", response_id=r.id, output_index=0,
                               item=self._item(r, "in_progress"))),
             Outgoing(self._ev("conversation.item.added", previous_item_id=self.last_item_id,
@@ -130,7 +135,7 @@ class ResponseTracker:
             Outgoing(self._ev("response.done", response={
                 "id": r.id, "object": "realtime.response", "status": status,
                 "status_details": None if status == "completed" else {"type": status, "reason": "client_cancelled"},
-                "output": [self._item(r, item_status)],
+                "output": [self._item(r, item_status)], "metadata": r.metadata,
                 "usage": {"total_tokens": usage.text_tokens, "input_tokens": 0, "output_tokens": usage.text_tokens,
                           "output_token_details": {"text_tokens": usage.text_tokens, "audio_tokens": 0},
                           "output_audio_seconds": round(usage.audio_seconds, 3)}})),

@@ -157,6 +157,32 @@ def test_client_driven_turns_items_and_truncate(serve):
     assert engine.response_requests == {sid: 1}
 
 
+def test_response_create_metadata_is_echoed_on_created_and_done(serve):
+    """OpenAI echoes response.create's metadata; clients (LiveKit's generate_reply) match on it."""
+    engine, srv = serve(done_after_units=2)
+
+    async def main():
+        async with _connect(srv) as ws:
+            await recv(ws)
+            await _update(ws, instructions="meta", turn_detection=None)
+            bad = {"type": "response.create", "response": {"metadata": {"k": 7}}}
+            await send(ws, bad)
+            error, _ = await recv_type(ws, "error")
+            assert error["error"]["code"] == "invalid_value" and error["error"]["param"] == "response.metadata"
+            await send(ws, {"type": "response.create", "response": {"metadata": {"client_event_id": "abc"}}})
+            await _append(ws, QUIET, 8)
+            created, _ = await recv_type(ws, "response.created")
+            done, _ = await recv_type(ws, "response.done")
+            await send(ws, {"type": "response.create"})       # the next one carries none
+            await _append(ws, QUIET, 8)
+            created2, _ = await recv_type(ws, "response.created")
+            return created, done, created2
+
+    created, done, created2 = asyncio.run(main())
+    assert created["response"]["metadata"] == done["response"]["metadata"] == {"client_event_id": "abc"}
+    assert created2["response"]["metadata"] is None
+
+
 def test_cancel_drops_unsent_audio_from_the_outbox():
     from duplexcache.server.connection import Connection
     from duplexcache.server.protocol import event

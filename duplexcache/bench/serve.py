@@ -195,9 +195,17 @@ def summarize_step(n: int, rows: list[dict[str, Any]], before: dict, after: dict
         latency_ok = lat["p99"] is not None and lat["p99"] <= max_latency
     else:
         latency_ok = True   # no user turns, no replies: the latency part does not apply
+    capped = sum(any("rate_limit_exceeded" in e for e in r["errors"]) for r in rows)
+    if capped:
+        # Every caller of this load generator comes from one address: a per-address cap on the
+        # server refuses them, and the step then measures the cap, not the engine.
+        logger.warning("%d of %d sessions were refused with rate_limit_exceeded: the server caps sessions per "
+                       "client address (server.max_sessions_per_client / max_connections_per_client) and every "
+                       "caller of this benchmark has the same address; raise those limits on the server", capped, n)
     return {
         "sessions": n, "wall_s": round(wall_s, 3),
         "reply_latency_s": lat,
+        "sessions_rate_limited": capped,
         "max_gap_s": percentiles([r["max_gap_s"] for r in rows]),
         "audio_received_ratio": percentiles(ratios),
         "gaps_over_200ms": sum(r["gaps_over_200ms"] for r in rows),

@@ -149,3 +149,19 @@ def test_bench_cli_keeps_the_memory_benchmark_and_adds_serve():
     assert mem.bench_command is None and mem.sessions == "1,2"
     srv = parser.parse_args(["bench", "serve", "--url", "ws://127.0.0.1:9/v1/realtime", "--sessions", "4,8"])
     assert srv.bench_command == "serve" and srv.sessions == (4, 8) and srv.workload == "conversation"
+
+
+def test_rate_limited_callers_are_counted_and_named(caplog):
+    """Every caller of the benchmark shares one address: a per-address cap must not pass for an
+    engine limit (an H200 run measured the cap of 8 instead of 32 sessions)."""
+    def row(errors):
+        return {"reply_latency_s": [], "audio_received_ratio": None, "max_gap_s": 0.0, "gaps_over_200ms": 0,
+                "got_audio": not errors, "errors": errors, "replies_scheduled": 0, "replies_done": 0}
+
+    counters = {"late_ticks": 0.0, "graph_captures": 0.0}
+    rows = [row([]), row(["rate_limit_exceeded: too many sessions from this client address"])]
+    with caplog.at_level("WARNING", logger="duplexcache.bench.serve"):
+        step = serve.summarize_step(2, rows, counters, counters, 1.0, 3.5, "conversation")
+    assert step["sessions_rate_limited"] == 1 and step["realtime"] is False
+    assert "max_sessions_per_client" in caplog.text
+    assert serve.summarize_step(1, rows[:1], counters, counters, 1.0, 3.5, "conversation")["sessions_rate_limited"] == 0

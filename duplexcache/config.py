@@ -328,6 +328,11 @@ class ServerConfig(_Strict):
     # Longest session context (instructions + reference audio + initial text, in tokens) that
     # open_session accepts; longer ones are refused with context_length_exceeded.
     max_context_tokens: int = Field(8192, gt=0)
+    # Python's thread switch interval while the server runs (sys.setswitchinterval), in ms. The
+    # tick thread drops the GIL at every device sync; the event loop (WebSocket frames, audio
+    # decoding) then holds it for up to one interval before the tick thread may go on, so a busy
+    # server stretches every tick by (syncs per tick) x (interval). None = Python's default, 5 ms.
+    switch_interval_ms: float | None = Field(None, gt=0, le=100)
 
 
 # Preset-specific values that differ from the field defaults above (the YAML files say the same).
@@ -478,7 +483,7 @@ PRIVATE_RUNTIME_CONFIG_KEYS: frozenset[str] = frozenset({
     "cfm_prompt_att_sharing", "cfm_arena_rows_from_graph_grid", "max_num_seqs", "graph_grid",
     "shared_anchor_blocks", "block_size", "window_mode", "mode", "client_window_override",
     "memory_budget", "memory_fraction", "activation_reserve", "tick_seconds", "speak_policy", "tick_headroom",
-    "prefill_chunk_tokens", "max_context_tokens",
+    "prefill_chunk_tokens", "max_context_tokens", "switch_interval_ms",
     "preset", "checkpoint_dir", "revision", "model_revision", "dtype", "device",
     "max_frame_bytes",
 })

@@ -28,14 +28,17 @@ step() {  # step NAME SECONDS CMD...
 # audio comes ~2 units + the tick after the user stopped; 1.5 s (issue 10) is below that floor.
 REPLY_LATENCY_S=${REPLY_LATENCY_S:-3.5}
 
-serve_conversation() {  # NAME BASE_YAML SESSIONS DURATION: start `duplexcache serve` with the reply policy, wait for
-  # /health 200, run `bench serve --workload conversation`, stop the server
-  local name=$1 base=$2 sessions=$3 duration=$4 port=${SERVE_PORT:-8000}
+serve_conversation() {  # NAME BASE_YAML SESSIONS DURATION [SWITCH_MS]: start `duplexcache serve` with the reply policy,
+  # wait for /health 200, run `bench serve --workload conversation`, stop the server. SWITCH_MS: server.switch_interval_ms
+  # ("none": Python's 5 ms; default: the config's)
+  local name=$1 base=$2 sessions=$3 duration=$4 switch_ms=${5:-} port=${SERVE_PORT:-8000}
   local cfg="$out/$name.yaml"
-  python3 - "$cfg" "$base" <<'PY' || return 1
+  python3 - "$cfg" "$base" "$switch_ms" <<'PY' || return 1
 import sys
 from duplexcache.config import DeployConfig
 deploy = DeployConfig.from_yaml(sys.argv[2])
+if sys.argv[3]:
+    deploy.server.switch_interval_ms = None if sys.argv[3] == "none" else float(sys.argv[3])
 deploy.engine.speak_policy.mode = "reply"
 deploy.server.host = "127.0.0.1"
 # every caller of the load generator comes from 127.0.0.1: lift the per-address caps above the load
@@ -116,6 +119,14 @@ case "$mode" in
     # The example config with engine.speak_policy.mode: reply (the conversation's replies come from the server's
     # policy). Expected wall time ~4 min: server start + warm-up <= 4 min (bounded), 5 s ramp + 60 s + drain.
     serve_conversation serve_conversation examples/minicpmo45-shared.yaml 32 60 ;;
+  serve_switch)  # A/B of server.switch_interval_ms: serve_conversation with Python's 5 ms, then with 0.5 ms
+    serve_conversation serve_switch_5ms examples/minicpmo45-shared.yaml 32 60 none
+    serve_conversation serve_switch_0.5ms examples/minicpmo45-shared.yaml 32 60 0.5 ;;
+  ticks_conversation_large)  # ticks_conversation at 40 and 48 sessions only, with the shared graph grid warm
+    step engine_ticks_conversation_large 560 python3 -m duplexcache.bench.engine_ticks --preset minicpmo45 --device cuda --sessions 40,48 --workload conversation --steady-window --all-switches on --ticks 8 --warmup-ticks 8 --max-seconds 420 --memory-budget auto --graph-grid 1,4,8,16 --out "$out/engine_ticks_conversation_large" ;;
+  prefill)  # issue 11: the longest allowed context (16384 tokens) opening beside 32 live sessions, plus the attention A/B
+    step prefill_attention 120 python3 scripts/prefill_attention_ab.py --out "$out/prefill_attention"
+    step prefill_isolation 400 python3 -m duplexcache.bench.prefill_isolation --preset minicpmo45 --device cuda --sessions 32 --memory-budget 100GiB --out "$out/prefill_isolation" ;;
   warm_start)  # issue 10: warm-up time and graphs, then 24 sessions at once: captures per tick (0) and first audio; --no-warmup is the cold A/B
     step warm_start 420 python3 -m duplexcache.bench.warm_start --config examples/minicpmo45-shared.yaml --sessions 24 --ticks 4 --out "$out/warm_start"
     step cold_start 420 python3 -m duplexcache.bench.warm_start --config examples/minicpmo45-shared.yaml --sessions 24 --ticks 4 --no-warmup --out "$out/cold_start" ;;
@@ -125,6 +136,6 @@ case "$mode" in
     step gpu_stage0 120 python3 -m duplexcache.bench.gpu_stage0 --out "$out/gpu_stage0" ;;
   stage2)
     step gpu_stage2 300 python3 -m duplexcache.bench.gpu_stage2 --out "$out/gpu_stage2" --batches 1,8,32 ;;
-  *) echo "unknown mode $mode (smoke|bench|setup|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|ticks_conversation|serve_conversation|warm_start|serve_ready|stage0|stage2)"; exit 2 ;;
+  *) echo "unknown mode $mode (smoke|bench|setup|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|ticks_conversation|ticks_conversation_large|serve_conversation|serve_switch|prefill|warm_start|serve_ready|stage0|stage2)"; exit 2 ;;
 esac
 done

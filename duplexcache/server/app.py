@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -85,6 +86,7 @@ class RealtimeServer:
         self._pending_clients: dict[str, int] = {}  # handshakes in progress per address
         self.warm_state = "warming"            # -> "ready" | "warmup_failed"
         self.warmup_error: str | None = None
+        self._saved_switch_interval: float | None = None  # Python's, while ours is set
 
     @property
     def num_connections(self) -> int:
@@ -113,6 +115,13 @@ class RealtimeServer:
     async def start(self) -> None:
         """Start warming up and then ticking, in the background (the app listens meanwhile)."""
         assert self._tick_task is None, "RealtimeServer.start called twice"
+        interval_ms = self.config.server.switch_interval_ms
+        if interval_ms is not None:
+            # process-wide: restored in stop() so an embedding process gets its own value back
+            self._saved_switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(interval_ms / 1000)
+            logger.info("thread switch interval %.2f ms (server.switch_interval_ms; Python's was %.2f ms)",
+                        interval_ms, self._saved_switch_interval * 1000)
         self._tick_task = asyncio.create_task(self._warm_then_tick(), name="duplexcache-tick")
         self._housekeeping_task = asyncio.create_task(self._housekeeping_loop(), name="duplexcache-housekeeping")
 
@@ -150,6 +159,9 @@ class RealtimeServer:
             session.conn.close(proto.CLOSE_GOING_AWAY, "server shutting down")
         await asyncio.gather(*(session.conn.finish() for session in sessions))
         await asyncio.to_thread(self.engine.shutdown)
+        if self._saved_switch_interval is not None:
+            sys.setswitchinterval(self._saved_switch_interval)
+            self._saved_switch_interval = None
         logger.info("server stopped: closed %d connection(s)", len(sessions))
 
     # ---------------------------------------------------------------- tick loop

@@ -428,3 +428,17 @@ def test_slow_client_is_dropped_not_buffered_forever():
     ws, conn = asyncio.run(main())
     assert conn.closing and ws.sent == 1  # the stuck send did not keep the rest queued
     assert ws.closed_with == (1008, "client too slow")
+
+
+@pytest.mark.parametrize("interval_ms", [None, 0.5])
+def test_switch_interval_is_set_while_serving_and_restored(interval_ms):
+    """server.switch_interval_ms reaches sys.setswitchinterval for the server's life (None: untouched)."""
+    import sys
+
+    deploy = DeployConfig.default("tiny")
+    deploy.server.switch_interval_ms = interval_ms
+    before = sys.getswitchinterval()
+    with LoopbackServer(create_app(FakeEngine(deploy), deploy)):
+        during = sys.getswitchinterval()
+    assert during == (before if interval_ms is None else interval_ms / 1000)
+    assert sys.getswitchinterval() == before

@@ -67,3 +67,21 @@ def collect(events) -> dict:
         elif isinstance(e, SessionError):
             d["errors"].append(e)
     return out
+
+
+def record_sdpa(monkeypatch, record) -> None:
+    """Make torch's SDPA call ``record(q, k)`` before it runs. The real function runs with the patch
+    lifted: a ``torch.nn.attention.bias.CausalBias`` mask dispatches only when it sees the real
+    function (a patched one hands it the bias object as if it were a mask tensor)."""
+    functional = torch.nn.functional
+    real = functional.scaled_dot_product_attention
+
+    def recording(q, k, v, *args, **kwargs):
+        record(q, k)
+        functional.scaled_dot_product_attention = real
+        try:
+            return real(q, k, v, *args, **kwargs)
+        finally:
+            functional.scaled_dot_product_attention = recording
+
+    monkeypatch.setattr(functional, "scaled_dot_product_attention", recording)

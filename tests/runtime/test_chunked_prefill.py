@@ -8,9 +8,9 @@ import math
 
 import pytest
 import torch
+from engine_helpers import record_sdpa
 from test_stage0 import BS, make_context, make_runner, make_thinker, unit_inputs
 
-from duplexcache.kv import paged_attention
 from duplexcache.runtime.isolation import FaultInjector
 
 
@@ -117,13 +117,7 @@ def test_prefill_attention_is_chunk_by_context_never_context_by_context(monkeypa
     n, chunk = 400, 64
     runner = make_runner(thinker, num_blocks=64, share=False)
     shapes = []
-    sdpa = paged_attention.F.scaled_dot_product_attention
-
-    def recording(q, k, v, *args, **kwargs):
-        shapes.append((q.shape[-2], k.shape[-2]))
-        return sdpa(q, k, v, *args, **kwargs)
-
-    monkeypatch.setattr(paged_attention.F, "scaled_dot_product_attention", recording)
+    record_sdpa(monkeypatch, lambda q, k: shapes.append((q.shape[-2], k.shape[-2])))
     runner.enqueue_open("a", make_context(thinker, n, seed=6))
     calls = _prefill_all(runner, chunk)
     assert len(calls) == math.ceil(n / chunk)

@@ -18,9 +18,8 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_helpers import FIRST, audio, collect, engine
+from engine_helpers import FIRST, audio, collect, engine, record_sdpa
 
-from duplexcache.kv import paged_attention
 from duplexcache.runtime.engine_api import AdmissionError, InvalidAudioError, SessionError
 from duplexcache.runtime.isolation import FaultInjector
 
@@ -172,13 +171,7 @@ def test_a_context_of_the_maximum_length_prefills_in_bounded_chunks_without_a_de
     sections = {"server": {"max_context_tokens": limit}, "engine": {"prefill_chunk_tokens": chunk}}
     eng = engine(tmp_path, "longctx", sections)
     scores: list[tuple[int, int, int]] = []   # (heads, query rows, key columns) of each attention call
-    sdpa = paged_attention.F.scaled_dot_product_attention
-
-    def recording_sdpa(q, k, v, *args, **kwargs):
-        scores.append((q.shape[-3], q.shape[-2], k.shape[-2]))
-        return sdpa(q, k, v, *args, **kwargs)
-
-    monkeypatch.setattr(paged_attention.F, "scaled_dot_product_attention", recording_sdpa)
+    record_sdpa(monkeypatch, lambda q, k: scores.append((q.shape[-3], q.shape[-2], k.shape[-2])))
     bystander = eng.open_session({"voice": "default"})
     eng.push_audio(bystander, audio(0, 1))
     eng.tick()

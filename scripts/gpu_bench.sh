@@ -120,13 +120,15 @@ case "$mode" in
     # policy). Expected wall time ~4 min: server start + warm-up <= 4 min (bounded), 5 s ramp + 60 s + drain.
     serve_conversation serve_conversation examples/minicpmo45-shared.yaml 32 60 ;;
   serve_switch)  # A/B of server.switch_interval_ms: serve_conversation with Python's 5 ms, then with 0.5 ms
-    serve_conversation serve_switch_5ms examples/minicpmo45-shared.yaml 32 60 none
-    serve_conversation serve_switch_0.5ms examples/minicpmo45-shared.yaml 32 60 0.5 ;;
+    serve_conversation serve_switch_5ms examples/minicpmo45-shared.yaml 32 "${SERVE_DURATION:-60}" none
+    serve_conversation serve_switch_0.5ms examples/minicpmo45-shared.yaml 32 "${SERVE_DURATION:-60}" 0.5 ;;
   ticks_conversation_large)  # ticks_conversation at 40 and 48 sessions only, with the shared graph grid warm
     step engine_ticks_conversation_large 560 python3 -m duplexcache.bench.engine_ticks --preset minicpmo45 --device cuda --sessions 40,48 --workload conversation --steady-window --all-switches on --ticks 8 --warmup-ticks 8 --max-seconds 420 --memory-budget auto --graph-grid 1,4,8,16 --out "$out/engine_ticks_conversation_large" ;;
   prefill)  # issue 11: the longest allowed context (16384 tokens) opening beside 32 live sessions, plus the attention A/B
     step prefill_attention 120 python3 scripts/prefill_attention_ab.py --out "$out/prefill_attention"
     step prefill_isolation 400 python3 -m duplexcache.bench.prefill_isolation --preset minicpmo45 --device cuda --sessions 32 --memory-budget 100GiB --out "$out/prefill_isolation" ;;
+  prefill_512)  # prefill with engine.prefill_chunk_tokens 512 (the 16384-token context opens in 32 ticks)
+    step prefill_isolation_512 400 python3 -m duplexcache.bench.prefill_isolation --preset minicpmo45 --device cuda --sessions 32 --memory-budget 100GiB --prefill-chunk-tokens 512 --out "$out/prefill_isolation_512" ;;
   warm_start)  # issue 10: warm-up time and graphs, then 24 sessions at once: captures per tick (0) and first audio; --no-warmup is the cold A/B
     step warm_start 420 python3 -m duplexcache.bench.warm_start --config examples/minicpmo45-shared.yaml --sessions 24 --ticks 4 --out "$out/warm_start"
     step cold_start 420 python3 -m duplexcache.bench.warm_start --config examples/minicpmo45-shared.yaml --sessions 24 --ticks 4 --no-warmup --out "$out/cold_start" ;;
@@ -136,6 +138,6 @@ case "$mode" in
     step gpu_stage0 120 python3 -m duplexcache.bench.gpu_stage0 --out "$out/gpu_stage0" ;;
   stage2)
     step gpu_stage2 300 python3 -m duplexcache.bench.gpu_stage2 --out "$out/gpu_stage2" --batches 1,8,32 ;;
-  *) echo "unknown mode $mode (smoke|bench|setup|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|ticks_conversation|ticks_conversation_large|serve_conversation|serve_switch|prefill|warm_start|serve_ready|stage0|stage2)"; exit 2 ;;
+  *) echo "unknown mode $mode (smoke|bench|setup|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|ticks_conversation|ticks_conversation_large|serve_conversation|serve_switch|prefill|prefill_512|warm_start|serve_ready|stage0|stage2)"; exit 2 ;;
 esac
 done

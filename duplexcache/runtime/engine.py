@@ -65,6 +65,7 @@ from duplexcache.kv.block_pool import BlockPool
 from duplexcache.kv.decode_graphs import PagedDecodeGraphs
 from duplexcache.kv.kv_cache_manager import KVCacheManager
 from duplexcache.kv.paged_attention import PagedKVCache
+from duplexcache.kv.talker_blocks import TalkerBlocks
 from duplexcache.kv.window import WindowConfig
 from duplexcache.models.audio_encoder import StreamingAudioEncoderState
 from duplexcache.models.talker import TalkerUnitRequest, generate_unit
@@ -160,8 +161,6 @@ class _Session:
     turn_index: int = 0
     c2w_sid: str | None = None    # Code2Wav stream of the current turn
     held: torch.Tensor | None = None  # 25 codes waiting for their lookahead
-    talker_blocks: list = field(default_factory=list)
-    talker_len: int = 0
     turn: TurnState = field(default_factory=TurnState)   # turn control (runtime/turns.py)
     policy_state: Any = None      # the speak policy's per-session state (policy.new_session)
     # Seeds the session's random draws (Code2Wav noise, benchmark fills): "sess_<admission
@@ -366,7 +365,8 @@ class DuplexEngine:
         tc = m.talker.config
         self.talker_cache = PagedKVCache(tc.num_hidden_layers, self.plan.talker_blocks, bs, tc.num_key_value_heads,
                                          tc.head_dim, dt, dev)
-        self.talker_pool = BlockPool(self.plan.talker_blocks)
+        self.talker_kv = TalkerBlocks(BlockPool(self.plan.talker_blocks), bs)
+        self.talker_pool = self.talker_kv.pool   # read by tests and stats; only talker_kv mutates it
         for cache in (self.thinker_cache, self.talker_cache):
             _select_attention_backend(cache)
             cache.ragged_steps_in_kernel = self.deploy.stage0.ragged_kernel
@@ -680,7 +680,7 @@ class DuplexEngine:
         if sess.c2w_sid is not None:
             self.code2wav.remove_session(sess.c2w_sid)
         sess.c2w_sid, sess.held = None, None
-        self._free_talker(sess)
+        self.talker_kv.free(sess.sid)
         close, listen = self._embed_tokens(torch.tensor([rewind.close_token, self.control.listen]))
         err = turns.apply_rewind(self.stage0, sess.sid, rewind, close[None], listen[None])
         usage = self._finish_reply(sess)
@@ -707,7 +707,7 @@ class DuplexEngine:
             code2wav_stream=s.c2w_sid, window=self._session_window(s.config),
             thinker_anchor_tokens=self.stage0.sessions[sid].prefix_len if opened else 0,
             thinker_tokens=self.stage0.num_tokens(sid) if opened else 0,
-            talker_tokens=s.talker_len, talker_blocks=len(s.talker_blocks))
+            talker_tokens=self.talker_kv.num_tokens(sid), talker_blocks=self.talker_kv.num_blocks(sid))
 
     def _live_session(self, sid: str) -> _Session:
         with self._lock:
@@ -751,9 +751,7 @@ class DuplexEngine:
             appended = self._fill_thinker(sess, todo, chunk_tokens, seed)
             added = 0
             if talker_full_turn:
-                before = len(sess.talker_blocks)
-                self._grow_talker(sess, self.models.talker.config.max_position_embeddings)
-                added = len(sess.talker_blocks) - before
+                added = self.talker_kv.grow(sid, self.models.talker.config.max_position_embeddings)
             self._refresh_pools()
         return FastForwardResult(appended, added)
 
@@ -1071,10 +1069,11 @@ class DuplexEngine:
                     self._close_turn(s, finals)
                 continue
             need = len(u.tokens) + cfg.tokens_per_unit + 1
-            if s.talker_len + need > cfg.max_position_embeddings:
-                logger.info("session %s: Talker turn at %d tokens; starting a new audio turn", s.sid, s.talker_len)
+            have = self.talker_kv.num_tokens(s.sid)
+            if have + need > cfg.max_position_embeddings:
+                logger.info("session %s: Talker turn at %d tokens; starting a new audio turn", s.sid, have)
                 self._close_turn(s, finals, response_done=False)   # the Thinker's turn goes on
-            self._grow_talker(s, s.talker_len + need)
+            self.talker_kv.grow(s.sid, self.talker_kv.num_tokens(s.sid) + need)
             speakers.append(u)
         if not speakers:
             return finals
@@ -1082,17 +1081,17 @@ class DuplexEngine:
         speakers = self._end_all(speakers, errors, events)
 
         def run(batch: list[_Unit]) -> list:
-            reqs = [TalkerUnitRequest(self._talker_table(u.session), u.session.talker_len,
+            reqs = [TalkerUnitRequest(self.talker_kv.block_table(u.session.sid), self.talker_kv.num_tokens(u.session.sid),
                                       torch.tensor(u.tokens, dtype=torch.long), torch.stack(u.hidden))
                     for u in batch]
             return generate_unit(self.models.talker, self.talker_cache, reqs, graphs=self.talker_graphs)
 
-        # A retry rewrites the same Talker KV slots (talker_len only moves below), so a failed
+        # A retry rewrites the same Talker KV slots (the computed length only moves below), so a failed
         # batch is probed per session (runtime/isolation.py).
         iso = run_isolated("talker", speakers, run, lambda u: u.session.sid, self.faults)
         self._end_all(speakers, iso.errors, events)
         for u, res in zip(iso.kept, iso.result or []):
-            u.session.talker_len = res.num_computed
+            self.talker_kv.set_num_computed(u.session.sid, res.num_computed)
             u.codes = res.codes[: cfg.tokens_per_unit]
         return self._drop_ended_finals(finals, self._ended(events))
 
@@ -1105,21 +1104,6 @@ class DuplexEngine:
                     self.code2wav.remove_session(csid)
         return {csid: f for csid, f in finals.items() if f.session.sid not in ended}
 
-    def _talker_table(self, s: _Session) -> list[int]:
-        return [b.block_id for b in s.talker_blocks]
-
-    def _grow_talker(self, s: _Session, num_tokens: int) -> None:
-        need = -(-num_tokens // self.block_size) - len(s.talker_blocks)
-        if need > 0:
-            # The ledger reserved a full turn for this session, so the pool has the blocks.
-            assert need <= self.talker_pool.num_free, f"Talker pool short for {s.sid}: admission bug"
-            s.talker_blocks.extend(self.talker_pool.get_new_blocks(need))
-
-    def _free_talker(self, s: _Session) -> None:
-        if s.talker_blocks:
-            self.talker_pool.free_blocks(s.talker_blocks[::-1])
-        s.talker_blocks, s.talker_len = [], 0
-
     def _close_turn(self, s: _Session, finals: dict[str, _Final], response_done: bool = True) -> None:
         """End the audio turn: its held codes become the final chunk; the Talker KV resets."""
         assert s.c2w_sid is not None
@@ -1128,7 +1112,7 @@ class DuplexEngine:
         else:
             self.code2wav.remove_session(s.c2w_sid)
         s.held, s.c2w_sid = None, None
-        self._free_talker(s)
+        self.talker_kv.free(s.sid)
 
     # ------------------------------------------------------------------ Code2Wav
 
@@ -1222,7 +1206,7 @@ class DuplexEngine:
         if sess.c2w_sid is not None:
             self.code2wav.remove_session(sess.c2w_sid)
             sess.c2w_sid, sess.held = None, None
-        self._free_talker(sess)
+        self.talker_kv.free(sess.sid)
         sess.encoder_state = None
 
     def shutdown(self) -> None:
@@ -1266,8 +1250,7 @@ class DuplexEngine:
         b = ps.bytes_per_block
         thinker = TierBytes(shared=ps.shared * b, private=(ps.used - ps.shared) * b, free=ps.free * b)
         tb = self.talker_cache.bytes_per_block if self.talker_cache is not None else 0
-        t_used = self.talker_pool.num_usable_blocks - self.talker_pool.num_free
-        talker = TierBytes(shared=0, private=t_used * tb, free=self.talker_pool.num_free * tb)
+        talker = TierBytes(shared=0, private=self.talker_kv.num_used * tb, free=self.talker_kv.num_free * tb)
         c2w = self._code2wav_tier()
         with self._lock:
             enc = sum(s.encoder_state.nbytes for s in self._sessions.values() if s.encoder_state is not None)

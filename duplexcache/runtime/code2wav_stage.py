@@ -54,6 +54,16 @@ def code2wav_config(deploy: DeployConfig, models: ModelBundle) -> CfmConfig:
                      use_cuda_graphs=models.device.type == "cuda")
 
 
+def build_code2wav(deploy: DeployConfig, models: ModelBundle) -> BatchedCode2Wav:
+    """Code2Wav with every voice registered: each voice's prompt state is computed here, once,
+    and lives as long as the engine (shared by the voice's streams when sharing is on)."""
+    code2wav = BatchedCode2Wav(models.flow, models.hift, code2wav_config(deploy, models))
+    for v in models.voices.names():
+        voice = models.voices.get(v)
+        code2wav.register_voice(v, voice.prompt_tokens, voice.prompt_mel, voice.spk)
+    return code2wav
+
+
 def pcm16_bytes(pcm: torch.Tensor) -> bytes:
     """float PCM in [-1, 1] -> little-endian int16 bytes (clipped)."""
     x = torch.clamp(pcm.detach().float().cpu(), -1.0, 1.0) * 32767.0

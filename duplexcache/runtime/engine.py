@@ -36,7 +36,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from duplexcache.cfm.code2wav import BatchedCode2Wav
 from duplexcache.config import DeployConfig
 from duplexcache.context import EmbeddingResult, EncoderPath, SessionContextBuilder
 from duplexcache.kv.decode_graphs import PagedDecodeGraphs
@@ -44,16 +43,15 @@ from duplexcache.kv.window import WindowConfig
 from duplexcache.runtime import device_setup, turns
 from duplexcache.runtime.admission import AdmissionLedger, TickCostModel
 from duplexcache.runtime.bundle import ModelBundle, build_models
-from duplexcache.runtime.code2wav_stage import LOOKAHEAD, Code2WavStage, code2wav_config, pcm16_bytes
-from duplexcache.runtime.engine_api import (AdmissionError, AudioDelta, EngineEvent, EngineStats, ResponseDone,
-                                            SessionError, TierBytes)
+from duplexcache.runtime.code2wav_stage import LOOKAHEAD, Code2WavStage, build_code2wav, pcm16_bytes
+from duplexcache.runtime.engine_api import AdmissionError, AudioDelta, EngineEvent, EngineStats, SessionError, TierBytes
 from duplexcache.runtime.engine_session import (MAX_BUFFERED_SAMPLES, MAX_BUFFERED_SECONDS, EngineSession,
-                                                SessionInfo, SessionTable, Unit, ended)
+                                                SessionInfo, SessionTable, Unit, ended, session_info)
 from duplexcache.runtime.engine_stats import LATENCY_HISTORY, STAGES, EngineStatsRecorder
 from duplexcache.runtime.fast_forward import FastForwardRequest, FastForwardResult, fast_forward
 from duplexcache.runtime.isolation import FaultInjector
 from duplexcache.runtime.policy import ControlTokens, make_policy, text_token_ids
-from duplexcache.runtime.session_sizing import CLIENT_REFUSALS, SessionSizing, refusal, session_window
+from duplexcache.runtime.session_sizing import CLIENT_REFUSALS, SessionSizing, refusal
 from duplexcache.runtime.talker_stage import TalkerStage
 from duplexcache.runtime.thinker_stage import ThinkerStage
 from duplexcache.runtime.warmup import WarmupReport, warm_up
@@ -87,10 +85,7 @@ class DuplexEngine:
         self.reference_encodes = 0
         self.builder = SessionContextBuilder.from_config(deploy, models.tokenizer, self._embed_tokens,
                                                          self._encode_reference_audio)
-        self.code2wav = BatchedCode2Wav(models.flow, models.hift, code2wav_config(deploy, models))
-        for v in self.voices.names():
-            voice = self.voices.get(v)
-            self.code2wav.register_voice(v, voice.prompt_tokens, voice.prompt_mel, voice.spk)
+        self.code2wav = build_code2wav(deploy, models)   # every voice's prompt state computed once
         self.sizing = SessionSizing(deploy, models, self.code2wav)
         self.plan = self.sizing.plan()
         self.ledger = AdmissionLedger(self.plan)
@@ -98,8 +93,8 @@ class DuplexEngine:
         self.table = SessionTable(self.ledger)
         # Held by tick() and fast_forward(): both run models over the tick thread's state.
         self._tick_lock = threading.Lock()
-        self.recorder = EngineStatsRecorder(self.table, self.stage0, self.talker_kv, self.code2wav,
-                                            self.voices.names(), self.builder, self.plan.dynamic_bytes)
+        self.recorder = EngineStatsRecorder(self.table, self.stage0, self.talker_kv, self.talker_cache.bytes_per_block,
+                                            self.code2wav, self.voices.names(), self.builder, self.plan.dynamic_bytes)
         self.latency_history = self.recorder.latency_history   # per stage, the last LATENCY_HISTORY ticks
         self.code2wav_stage = Code2WavStage(self.code2wav, self.talker_kv, self.control, self.table, self._end,
                                             self.recorder.note_code2wav_peak)
@@ -185,9 +180,7 @@ class DuplexEngine:
         table = self.table
         with table.lock:
             table.check_free_id(sid)
-            why = self._refusal(fp) if not table.queue else (
-                "capacity_memory" if self.ledger.refusal(fp) else "capacity_compute",
-                "sessions are queued ahead of this one")
+            why = table.refusal(fp, self._refusal)
             if why is not None and not queue_if_full:
                 code, detail = why
                 logger.info("session refused (%s): %s", code, detail)
@@ -216,9 +209,8 @@ class DuplexEngine:
     def install_faults(self, faults: FaultInjector | None) -> None:
         """Test hook: make chosen stages raise for chosen sessions (runtime/isolation.py)."""
         self.faults = faults
-        self.stage0.faults = faults
-        for stage in (self.thinker_stage, self.talker_stage, self.code2wav_stage):
-            stage.faults = faults
+        for part in (self.stage0, self.thinker_stage, self.talker_stage, self.code2wav_stage):
+            part.faults = faults
 
     def push_audio(self, sid: str, pcm: np.ndarray) -> None:
         self.table.push_audio(sid, pcm)
@@ -246,14 +238,7 @@ class DuplexEngine:
 
     def session_info(self, sid: str) -> SessionInfo:
         """A snapshot of live session ``sid`` (consistent between ticks); ValueError if unknown."""
-        s = self.table.get_live(sid)
-        opened = s.opened and sid in self.stage0.sessions
-        return SessionInfo(
-            sid=sid, voice=s.voice.name, opened=opened, units=s.unit_index, turns=s.turn_index,
-            code2wav_stream=s.c2w_sid, window=session_window(s.config),
-            thinker_anchor_tokens=self.stage0.sessions[sid].prefix_len if opened else 0,
-            thinker_tokens=self.stage0.num_tokens(sid) if opened else 0,
-            talker_tokens=self.talker_kv.num_tokens(sid), talker_blocks=self.talker_kv.num_blocks(sid))
+        return session_info(self.table.get_live(sid), self.stage0, self.talker_kv)
 
     def fast_forward(self, sid: str, *, thinker_tokens: int | None = None, talker_full_turn: bool = False,
                      chunk_tokens: int = 512, seed: int = 0) -> FastForwardResult:
@@ -302,7 +287,7 @@ class DuplexEngine:
         live = set(self.table.live_ids())
         # A session closed while this tick ran gets no more events.
         events = [e for e in events if e.sid in live or isinstance(e, SessionError)]
-        self.recorder.finish_tick(lat, self.deploy.engine.tick_seconds, self._talker_block_bytes())
+        self.recorder.finish_tick(lat, self.deploy.engine.tick_seconds)
         return events
 
     def _run_units(self, units: list[Unit], lat: dict[str, float]) -> list[EngineEvent]:
@@ -335,26 +320,9 @@ class DuplexEngine:
         events: list[EngineEvent] = []
         for sess, played_ms in self.table.take_cancels():
             try:
-                events += self._cancel_reply(sess, played_ms)
+                events += self.thinker_stage.cancel_reply(sess, played_ms, self.code2wav_stage.drop_turn)
             except Exception as err:  # noqa: BLE001 - a failed rewind ends its session only
                 events.append(self._end(sess, err))
-        return events
-
-    def _cancel_reply(self, sess: EngineSession, played_ms: int | None) -> list[EngineEvent]:
-        """Drop the held codes, the Code2Wav stream and the Talker KV; rewind the Thinker to what
-        was played (turns.py); then ResponseDone(cancelled)."""
-        reply = sess.turn.reply
-        if reply is None or not sess.opened:
-            return []
-        rewind = self.thinker_stage.plan_rewind(sess, reply, played_ms)
-        self.code2wav_stage.drop_turn(sess)
-        err = self.thinker_stage.apply_rewind(sess, rewind)
-        usage = self.table.finish_reply(sess)
-        logger.info("session %s: reply cancelled after %d of %d units played (%d Thinker tokens dropped, %d appended)",
-                    sess.sid, rewind.played_units, len(reply), rewind.drop, rewind.appended)
-        events: list[EngineEvent] = [ResponseDone(sess.sid, "cancelled", usage)]
-        if err is not None:
-            events.append(self._end(sess, err))
         return events
 
     # ------------------------------------------------------------------ ending sessions
@@ -386,16 +354,14 @@ class DuplexEngine:
         self.stage0.use_decode_graphs(None)
         self.thinker_graphs = self.talker_graphs = self.talker_stage.graphs = None
         self.thinker_cache = self.talker_cache = None  # type: ignore[assignment]
+        self.recorder.talker_block_bytes = 0   # the Talker pool is gone
         logger.info("engine shut down")
 
     # ------------------------------------------------------------------ stats
 
-    def _talker_block_bytes(self) -> int:
-        return self.talker_cache.bytes_per_block if self.talker_cache is not None else 0
-
     def _refresh_pools(self) -> None:
         """Bytes per tier, computed on the tick thread (stats() only reads the snapshot)."""
-        self.recorder.refresh_pools(self._talker_block_bytes())
+        self.recorder.refresh_pools()
 
     def stats(self) -> EngineStats:
         return self.recorder.snapshot(

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from duplexcache.config import SessionRuntimeConfig
+from duplexcache.kv.talker_blocks import TalkerBlocks
 from duplexcache.kv.window import WindowConfig
 from duplexcache.models.audio_encoder import StreamingAudioEncoderState
 from duplexcache.runtime import turns
@@ -42,6 +43,8 @@ from duplexcache.runtime.engine_api import (
     SessionError,
 )
 from duplexcache.runtime.policy import ControlTokens
+from duplexcache.runtime.session_sizing import session_window
+from duplexcache.runtime.stage0 import Stage0Runner
 from duplexcache.runtime.turns import NO_REQUESTS, TurnState, UnitTurn
 from duplexcache.runtime.voices import Voice
 
@@ -122,6 +125,17 @@ class FinalChunk:
     response_done: bool  # False when only the Talker's turn was cut (position limit)
 
 
+def session_info(s: EngineSession, stage0: Stage0Runner, talker_kv: TalkerBlocks) -> SessionInfo:
+    """The snapshot of ``s``, its KV counts read from their owners."""
+    opened = s.opened and s.sid in stage0.sessions
+    return SessionInfo(
+        sid=s.sid, voice=s.voice.name, opened=opened, units=s.unit_index, turns=s.turn_index,
+        code2wav_stream=s.c2w_sid, window=session_window(s.config),
+        thinker_anchor_tokens=stage0.sessions[s.sid].prefix_len if opened else 0,
+        thinker_tokens=stage0.num_tokens(s.sid) if opened else 0,
+        talker_tokens=talker_kv.num_tokens(s.sid), talker_blocks=talker_kv.num_blocks(s.sid))
+
+
 # Ends a session the engine cannot continue; returns the event that tells its client.
 EndSession = Callable[[EngineSession, Exception], SessionError]
 
@@ -178,6 +192,14 @@ class SessionTable:
     def admit(self, sess: EngineSession) -> None:
         self.ledger.admit(sess.sid, sess.footprint)
         self.live[sess.sid] = sess
+
+    def refusal(self, fp: Footprint, refusal: Callable[[Footprint], tuple[str, str] | None]) -> tuple[str, str] | None:
+        """Why a new session cannot be admitted now (``refusal``), or None. With sessions queued
+        it waits behind them (FIFO), refused with the cause the ledger names."""
+        if not self.queue:
+            return refusal(fp)
+        return ("capacity_memory" if self.ledger.refusal(fp) else "capacity_compute",
+                "sessions are queued ahead of this one")
 
     def enqueue(self, sess: EngineSession) -> None:
         self.queue[sess.sid] = sess

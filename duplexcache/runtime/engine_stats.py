@@ -29,12 +29,13 @@ LATENCY_HISTORY = 4096
 class EngineStatsRecorder:
     """What ``DuplexEngine.stats`` reports, kept up to date by the tick thread."""
 
-    def __init__(self, table: SessionTable, stage0: Stage0Runner, talker_kv: TalkerBlocks,
+    def __init__(self, table: SessionTable, stage0: Stage0Runner, talker_kv: TalkerBlocks, talker_block_bytes: int,
                  code2wav: BatchedCode2Wav, voice_names: list[str], builder: SessionContextBuilder,
                  dynamic_bytes: int) -> None:
         self.table = table
         self.stage0 = stage0
         self.talker_kv = talker_kv
+        self.talker_block_bytes = talker_block_bytes   # 0 once the engine released the pool
         self.code2wav = code2wav
         self.voice_names = voice_names
         self.builder = builder
@@ -46,7 +47,7 @@ class EngineStatsRecorder:
         self.pools: dict[str, TierBytes] = {}
         self.code2wav_peak = TierBytes(shared=0, private=0, free=dynamic_bytes)
 
-    def finish_tick(self, lat: dict[str, float], period: float, talker_block_bytes: int) -> None:
+    def finish_tick(self, lat: dict[str, float], period: float) -> None:
         """Record one tick's per-stage seconds (0 for a stage with nothing to do) and refresh
         the pool bytes. A tick over ``period`` is late: logged and counted (back-pressure the
         operator can see)."""
@@ -56,7 +57,7 @@ class EngineStatsRecorder:
             self.late_ticks += 1
             logger.warning("tick %d ran late: %.3f s > tick_seconds %.3f s (back-pressure: %d late ticks)",
                            self.ticks + 1, lat["tick"], period, self.late_ticks)
-        self.refresh_pools(talker_block_bytes)
+        self.refresh_pools()
         with self.table.lock:
             self.last_latency = {k: (v,) for k, v in lat.items()}
             self.ticks += 1
@@ -76,12 +77,12 @@ class EngineStatsRecorder:
         if now.shared + now.private > self.code2wav_peak.shared + self.code2wav_peak.private:
             self.code2wav_peak = now
 
-    def refresh_pools(self, talker_block_bytes: int) -> None:
+    def refresh_pools(self) -> None:
         """Bytes per tier, computed on the tick thread (``snapshot`` only reads them)."""
         ps = self.stage0.pool_stats()
         b = ps.bytes_per_block
         thinker = TierBytes(shared=ps.shared * b, private=(ps.used - ps.shared) * b, free=ps.free * b)
-        tb = talker_block_bytes
+        tb = self.talker_block_bytes
         talker = TierBytes(shared=0, private=self.talker_kv.num_used * tb, free=self.talker_kv.num_free * tb)
         c2w = self.code2wav_tier()
         enc = self.table.encoder_bytes()

@@ -24,7 +24,8 @@ import torch
 from duplexcache.context import SessionContextBuilder
 from duplexcache.models.audio_encoder import AudioEncoder
 from duplexcache.runtime import turns
-from duplexcache.runtime.engine_api import INPUT_SAMPLE_RATE, EngineEvent, InvalidAudioError, SessionError, TextDelta
+from duplexcache.runtime.engine_api import (INPUT_SAMPLE_RATE, EngineEvent, InvalidAudioError, ResponseDone, SessionError,
+                                            TextDelta)
 from duplexcache.runtime.engine_session import EndSession, EngineSession, SessionTable, Unit, end_all
 from duplexcache.runtime.isolation import FaultInjector, Isolated, check_faults, precheck, run_isolated
 from duplexcache.runtime.policy import MAX_UNIT_TOKENS, ControlTokens
@@ -211,13 +212,24 @@ class ThinkerStage:
             return []
         return text
 
-    def plan_rewind(self, sess: EngineSession, reply: list[turns.ReplyUnit], played_ms: int | None) -> turns.Rewind:
-        return turns.plan_rewind(reply, played_ms, self.stage0.droppable_tail(sess.sid), self.control)
-
-    def apply_rewind(self, sess: EngineSession, rewind: turns.Rewind) -> Exception | None:
-        """Rewind the Thinker to what was played (turns.py); the session's error, if it must end."""
+    def cancel_reply(self, sess: EngineSession, played_ms: int | None,
+                     drop_turn: Callable[[EngineSession], None]) -> list[EngineEvent]:
+        """Drop the audio turn (``drop_turn``: held codes, Code2Wav stream, Talker KV); rewind the
+        Thinker to what was played (turns.py); then ResponseDone(cancelled)."""
+        reply = sess.turn.reply
+        if reply is None or not sess.opened:
+            return []
+        rewind = turns.plan_rewind(reply, played_ms, self.stage0.droppable_tail(sess.sid), self.control)
+        drop_turn(sess)
         close, listen = self.embed(torch.tensor([rewind.close_token, self.control.listen]))
-        return turns.apply_rewind(self.stage0, sess.sid, rewind, close[None], listen[None])
+        err = turns.apply_rewind(self.stage0, sess.sid, rewind, close[None], listen[None])
+        usage = self.table.finish_reply(sess)
+        logger.info("session %s: reply cancelled after %d of %d units played (%d Thinker tokens dropped, %d appended)",
+                    sess.sid, rewind.played_units, len(reply), rewind.drop, rewind.appended)
+        events: list[EngineEvent] = [ResponseDone(sess.sid, "cancelled", usage)]
+        if err is not None:
+            events.append(self.end(sess, err))
+        return events
 
 
 def _check_unit_audio(u: Unit) -> None:

@@ -41,7 +41,7 @@ from duplexcache.context import EmbeddingResult, EncoderPath, SessionContextBuil
 from duplexcache.kv.decode_graphs import PagedDecodeGraphs
 from duplexcache.kv.window import WindowConfig
 from duplexcache.runtime import device_setup, turns
-from duplexcache.runtime.admission import AdmissionLedger, TickCostModel
+from duplexcache.runtime.admission import AdmissionLedger, Footprint, TickCostModel
 from duplexcache.runtime.bundle import ModelBundle, build_models
 from duplexcache.runtime.code2wav_stage import LOOKAHEAD, Code2WavStage, build_code2wav, pcm16_bytes
 from duplexcache.runtime.engine_api import AdmissionError, AudioDelta, EngineEvent, EngineStats, SessionError, TierBytes
@@ -195,7 +195,7 @@ class DuplexEngine:
                 logger.info("session %s queued (%s): %s", sid, why[0], why[1])
         return sid
 
-    def _refusal(self, fp: Any) -> tuple[str, str] | None:
+    def _refusal(self, fp: Footprint) -> tuple[str, str] | None:
         return refusal(self.ledger, self.tick_cost, fp, len(self.table.live))
 
     def is_queued(self, sid: str) -> bool:

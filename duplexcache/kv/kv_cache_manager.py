@@ -54,15 +54,8 @@ from duplexcache.kv.block_pool import BlockPool, KVCacheBlock, OutOfBlocks
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "ContextAllocation",
-    "KVCacheManager",
-    "OutOfBlocks",
-    "PoolStats",
-    "SessionBytes",
-    "apply_block_copies_",
-    "num_blocks_for_budget",
-]
+__all__ = ["ContextAllocation", "KVCacheManager", "OutOfBlocks", "PoolStats", "SessionBytes", "apply_block_copies_",
+           "num_blocks_for_budget"]
 
 
 def num_blocks_for_budget(

@@ -47,14 +47,18 @@ letting callers tap the lm_head.
 
 A session that cannot continue is closed (its blocks freed) and its error is returned in
 ``StepResult.errors``; the other sessions of the call continue.
+
+Files: the runner's batching is here; the typed objects and the worst-case formula are in
+``stage0_types.py``, the per-session window state, compaction and truncation in
+``stage0_window.py`` (every public name is re-exported from this module).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -67,17 +71,28 @@ from duplexcache.kv.kv_cache_manager import (
 )
 from duplexcache.kv.decode_graphs import PagedDecodeGraphs
 from duplexcache.kv.paged_attention import PagedBatch, PagedKVCache, copy_blocks
-from duplexcache.kv.rope import rerotate_keys_
 from duplexcache.kv.window import ContextLengthExceeded, WindowConfig, plan_compaction
 from duplexcache.runtime.isolation import FaultInjector, check_faults, run_isolated
+from duplexcache.runtime.stage0_types import (
+    BlockBudgetTooSmall,
+    PrefillResult,
+    SessionContextInput,
+    StepResult,
+    WorstCaseBlocks,
+    session_longest_tokens,
+    session_worst_case,
+)
 from duplexcache.runtime.stage0_window import (
     SessionHistory,
-    shift_unit_starts,
+    Stage0Session,
+    compact_basic,
+    compact_rebuild,
+    drop_last_tokens,
+    droppable_tail,
     stage0_session_bytes,
 )
 
 if TYPE_CHECKING:
-    from duplexcache.kv.window import WindowPlan
     from duplexcache.models.thinker import Thinker
 
 logger = logging.getLogger(__name__)
@@ -94,144 +109,6 @@ __all__ = [
     "session_worst_case",
     "stage0_session_bytes",
 ]
-
-
-class BlockBudgetTooSmall(ValueError):
-    """The KV pool cannot hold even one session at its worst case (context + full window)."""
-
-    code = "kv_budget_too_small"
-
-
-@dataclass(frozen=True)
-class WorstCaseBlocks:
-    """Blocks one session references at its longest (``Stage0Runner.worst_case``).
-
-    ``shared_blocks`` (full context blocks + template) exist once per distinct context, not
-    once per session; ``private_blocks`` are the session's own.
-    """
-
-    table_blocks: int  # ceil(longest / block_size)
-    template_blocks: int  # 1: a reference to the context tail's copy-on-write template
-    shared_blocks: int  # full context blocks + template; 0 without sharing
-
-    @property
-    def total(self) -> int:
-        return self.table_blocks + self.template_blocks
-
-    @property
-    def private_blocks(self) -> int:
-        return self.total - self.shared_blocks
-
-
-def session_longest_tokens(prefix_len: int, window: WindowConfig, max_positions: int) -> int:
-    """The most tokens one session's table can hold: ``prefix + high`` with a window
-    (compaction runs before an append would pass it; a session whose ``prefix + high`` exceeds
-    the model's positions is refused at open), the model's positions without one."""
-    if prefix_len <= 0:
-        raise ValueError(f"prefix_len must be > 0, got {prefix_len}")
-    return prefix_len + window.high_tokens if window.enabled else max_positions
-
-
-def session_worst_case(prefix_len: int, window: WindowConfig, max_positions: int, block_size: int,
-                       share_context: bool) -> WorstCaseBlocks:
-    """Blocks one session references at its longest, split into private and shared.
-
-    The one formula for the runner (``Stage0Runner.worst_case``) and the engine's admission
-    (which needs it before any runner exists). Table blocks are ``ceil(longest / block_size)``;
-    with sharing, a context that ends mid-block adds one reference to its read-only
-    copy-on-write template (a block outside the table). Block 16, context 40, high 96, sharing on::
-
-        longest = 40 + 96 = 136 tokens -> table = ceil(136 / 16) = 9 blocks
-        table idx  0      1      | 2      3      ...  8        |
-        logical    0-15   16-31  | 32-47  48-63  ...  128-135  |  (outside the table)
-                   [full] [full] | [tail] [win]  ...  [win]    |  [template T]
-                   shared        | private                     |  shared
-        full = 40 // 16 = 2            template = (40 % 16 != 0) = 1
-        shared  = full + template = 3  (paid once per distinct context)
-        private = table - full    = 7  (the tail is a private copy of T)
-        total   = table + template = 10
-        sharing off: 9 private table blocks, no template (total 9).
-    """
-    if block_size <= 0:
-        raise ValueError(f"block_size must be > 0, got {block_size}")
-    longest = session_longest_tokens(prefix_len, window, max_positions)
-    table = -(-longest // block_size)
-    if not share_context:
-        return WorstCaseBlocks(table_blocks=table, template_blocks=0, shared_blocks=0)
-    full = prefix_len // block_size
-    template = int(prefix_len % block_size != 0)
-    return WorstCaseBlocks(table_blocks=table, template_blocks=template, shared_blocks=full + template)
-
-
-@dataclass(frozen=True)
-class SessionContextInput:
-    """The anchor of one session: its whole context, already embedded.
-
-    ``inputs_embeds`` (T, H): token embeddings with the reference-audio embeddings spliced
-    in. ``token_ids`` (T): audio positions carry a filler id, which is why ``extra_key``
-    (sha256 of the reference audio + model revision) must name the embeddings: two sessions
-    share context blocks only if token ids AND extra key are equal.
-    """
-
-    inputs_embeds: torch.Tensor
-    token_ids: Sequence[int]
-    extra_key: bytes = b""
-
-    def __post_init__(self) -> None:
-        if self.inputs_embeds.dim() != 2:
-            raise ValueError(f"context inputs_embeds must be (T, H), got {tuple(self.inputs_embeds.shape)}")
-        ids = self.token_ids.tolist() if isinstance(self.token_ids, torch.Tensor) else list(self.token_ids)
-        object.__setattr__(self, "token_ids", tuple(int(t) for t in ids))
-        if len(self.token_ids) != self.inputs_embeds.shape[0] or not self.token_ids:
-            raise ValueError(
-                f"context has {len(self.token_ids)} token ids and {self.inputs_embeds.shape[0]} "
-                "embeddings; they must be equal and non-zero"
-            )
-        if not isinstance(self.extra_key, (bytes, bytearray)):
-            raise ValueError(f"context extra_key must be bytes, got {type(self.extra_key).__name__}")
-
-    @property
-    def prefix_len(self) -> int:
-        """Anchor length: every context token is protected from the window."""
-        return len(self.token_ids)
-
-
-@dataclass
-class StepResult(Mapping):
-    """Per-session outcome of one call: logits (V,) for sessions that ran, errors for those
-    that ended. Reads like a mapping of logits; ``result[sid]`` re-raises a session's error.
-
-    ``hidden[sid]`` (H,) is the final-norm hidden state of the session's last new token: the
-    row ``lm_head`` turned into ``logits[sid]`` (same keys as ``logits``). Only that row is
-    kept; the other rows of the forward are not returned.
-    """
-
-    logits: dict[str, torch.Tensor] = field(default_factory=dict)
-    errors: dict[str, Exception] = field(default_factory=dict)
-    hidden: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    def __getitem__(self, sid: str) -> torch.Tensor:
-        if sid in self.errors:
-            raise self.errors[sid]
-        return self.logits[sid]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.logits)
-
-    def __len__(self) -> int:
-        return len(self.logits)
-
-
-@dataclass
-class _Session:
-    """Runtime state of one session; the manager owns its blocks, this owns the rest."""
-
-    sid: str
-    prefix_len: int
-    window: WindowConfig  # this session's marks (the runner's mode)
-    unit_starts: list[int] = field(default_factory=list)  # logical indices where units begin
-    history: SessionHistory | None = None  # rebuild mode only
-    num_compactions: int = 0
 
 
 @dataclass
@@ -253,15 +130,6 @@ class _Prefill:
     window: WindowConfig
     alloc: ContextAllocation | None = None  # set when it reaches the head of the queue
     cursor: int = 0                          # first context token not computed yet
-
-
-@dataclass
-class PrefillResult:
-    """What one ``Stage0Runner.prefill`` call did."""
-
-    opened: list[str] = field(default_factory=list)
-    errors: dict[str, Exception] = field(default_factory=dict)
-    computed_tokens: int = 0
 
 
 class Stage0Runner:
@@ -292,7 +160,7 @@ class Stage0Runner:
         self.share_context = share_context
         self.block_size = block_size
         self.max_positions = int(thinker.config.max_position_embeddings)
-        self.sessions: dict[str, _Session] = {}
+        self.sessions: dict[str, Stage0Session] = {}
         # One-token steps replay CUDA graphs when the engine installs them (use_decode_graphs).
         self.decode_graphs: PagedDecodeGraphs | None = None
         # Chunked opens (enqueue_open / prefill), FIFO; only the head holds blocks.
@@ -414,7 +282,7 @@ class Stage0Runner:
                 continue
             allocs[sid] = self.manager.allocate_context(sid, ctx.token_ids, ctx.extra_key, self.share_context)
             hist = SessionHistory(ctx.prefix_len) if self.window.mode == "rebuild" else None
-            self.sessions[sid] = _Session(sid, ctx.prefix_len, resolved[sid], history=hist)
+            self.sessions[sid] = Stage0Session(sid, ctx.prefix_len, resolved[sid], history=hist)
         if not allocs:
             return result
         copy_blocks(self.cache, [p for a in allocs.values() for p in a.cow_pairs])
@@ -538,7 +406,7 @@ class Stage0Runner:
         copy_blocks(self.cache, list(p.alloc.template_pairs))
         self.manager.commit_context(p.sid)
         hist = SessionHistory(p.context.prefix_len) if self.window.mode == "rebuild" else None
-        self.sessions[p.sid] = _Session(p.sid, p.context.prefix_len, p.window, history=hist)
+        self.sessions[p.sid] = Stage0Session(p.sid, p.context.prefix_len, p.window, history=hist)
         del self._prefills[p.sid]
         logger.debug("session %s opened: %d cached tokens, %d computed", p.sid, p.alloc.num_cached_tokens,
                      p.alloc.num_tokens_to_compute)
@@ -627,10 +495,10 @@ class Stage0Runner:
         num_computed = num_tokens
         if plan is not None and plan.num_dropped_blocks > 0:
             if self.window.mode == "basic":
-                self._compact_basic(sess, plan)
+                compact_basic(self.manager, self.cache.k, sess, plan, self.thinker.config.rope_theta)
                 num_computed = plan.new_num_tokens
             else:
-                embeds, num_computed = self._compact_rebuild(sess, plan, embeds)
+                embeds, num_computed = compact_rebuild(self.manager, sess, plan, embeds)
         if num_computed + embeds.shape[0] > self.max_positions:
             raise ContextLengthExceeded(
                 f"context_length_exceeded: session {sid!r} would reach {num_computed + embeds.shape[0]} "
@@ -646,43 +514,6 @@ class Stage0Runner:
             )
         self.manager.append_slots(sid, slots)
         return _Work(sid, num_computed, embeds)
-
-    def _compact_basic(self, sess: _Session, plan: WindowPlan) -> None:
-        """Drop the planned blocks and re-rotate the kept non-anchor keys by -delta, in place.
-
-        ``kept_block_range_after`` starts at ``sink_blocks``: the anchor is never in it.
-        """
-        self.manager.drop_blocks(sess.sid, plan.first_dropped_block, plan.num_dropped_blocks)
-        table = self.manager.block_table(sess.sid)
-        kept = [table[i] for i in plan.kept_block_range_after]
-        assert plan.kept_block_range_after.start >= plan.sink_blocks, "window would rotate an anchor block"
-        rerotate_keys_(self.cache.k, kept, plan.delta_tokens, self.thinker.config.rope_theta)
-        self._after_drop(sess, plan)
-
-    def _compact_rebuild(self, sess: _Session, plan: WindowPlan, embeds: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Reference mode: forget the planned tokens, release the whole kept window, and
-        return the kept tokens + ``embeds`` to prefill from scratch after the anchor.
-
-            sink 3, block 16: [anchor 0..47][dropped][kept ... partial]
-            truncate(sid, 48) -> [anchor 0..47]          (every later block released)
-            re-prefill        -> [anchor 0..47][kept + new, fresh blocks from 48]
-        """
-        assert sess.history is not None
-        self._after_drop(sess, plan)
-        start = plan.sink_blocks * self.block_size  # first logical index after the anchor blocks
-        self.manager.truncate(sess.sid, start)
-        kept = sess.history.since(start)
-        assert start + kept.shape[0] == plan.new_num_tokens, "history and plan disagree on the kept length"
-        return torch.cat((kept.to(embeds.dtype), embeds), dim=0), start
-
-    def _after_drop(self, sess: _Session, plan: WindowPlan) -> None:
-        first = plan.first_dropped_block * self.block_size
-        sess.unit_starts = shift_unit_starts(sess.unit_starts, first, plan.delta_tokens)
-        if sess.history is not None:
-            sess.history.drop(first, plan.delta_tokens)
-        sess.num_compactions += 1
-        logger.debug("session %s: window dropped %d blocks (delta %d), %d tokens left", sess.sid,
-                     plan.num_dropped_blocks, plan.delta_tokens, plan.new_num_tokens)
 
     def _forward(self, work: list[_Work]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """One ragged forward over ``work``. For each session that wants logits and computed at
@@ -719,59 +550,23 @@ class Stage0Runner:
 
     # ------------------------------------------------------------------ truncation
 
+    # ------------------------------------------------------------------ truncation
+
     def drop_last_tokens(self, sid: str, num_tokens: int) -> list[int]:
-        """Forget the last ``num_tokens`` tokens of ``sid`` (a cancelled reply's unplayed text).
-
-        The manager's ``truncate`` releases every block past the new last token (tail first, so
-        they head the free list) and resets the session's length; the next append writes from
-        there. The kept partial last block keeps stale K/V past the new length: attention reads
-        only ``< length`` and the next append overwrites those slots before anything reads them.
-        The anchor is never cut (ValueError), so every block that may be written afterwards is
-        private: shared blocks are all anchor blocks, and an anchor that ends on a block
-        boundary makes the next append take a fresh block. Window bookkeeping follows: unit
-        starts at or past the cut are forgotten; in ``rebuild`` mode the input history too::
-
-            block 16, anchor 40, 75 tokens, drop_last_tokens(sid, 20) -> 55 tokens kept:
-            table idx   0       1        2                 3             4
-            logical     0..15   16..31   32..39 | 40..47   48..54 55..63 64..74
-                        anchor  anchor   anchor | window   kept   stale  released
-            block 3 keeps 48..54; its slots 55..63 are written by the next append.
-
-        Returns the released block ids (table order)."""
-        if sid not in self.sessions:
-            raise ValueError(f"unknown session {sid!r}")
-        sess = self.sessions[sid]
-        have = self.manager.num_tokens(sid)
-        if not 0 <= num_tokens <= have - sess.prefix_len:
-            raise ValueError(
-                f"session {sid!r}: cannot drop {num_tokens} of its {have} tokens: only the "
-                f"{have - sess.prefix_len} tokens after the {sess.prefix_len}-token anchor may be dropped"
-            )
-        keep = have - num_tokens
-        released = self.manager.truncate(sid, keep)
-        if keep % self.block_size:
-            tail = self.manager.pool.blocks[self.manager.block_table(sid)[-1]]
-            assert tail.block_hash is None and tail.ref_cnt == 1, f"session {sid}: next write would hit a shared block"
-        sess.unit_starts = [s for s in sess.unit_starts if s < keep]
-        if sess.history is not None:
-            sess.history.keep_before(keep)
-        logger.debug("session %s: dropped its last %d tokens (%d blocks released), %d left", sid, num_tokens,
-                     len(released), keep)
-        return released
+        """Forget the last ``num_tokens`` tokens of ``sid`` (a cancelled reply's unplayed text);
+        the anchor is never cut (ValueError). Returns the released block ids (table order);
+        the layout and why the next write is private: ``stage0_window.drop_last_tokens``."""
+        return drop_last_tokens(self.manager, self._session(sid), num_tokens)
 
     def droppable_tail(self, sid: str) -> int:
-        """How many of ``sid``'s last tokens are contiguous since they were appended (what
-        ``drop_last_tokens`` may take back as one span): every token after the anchor until the
-        window first compacts; after that, the tokens from the first block past the anchor on,
-        since the kept window starts there and tokens before it in the anchor's last block are
-        older than the window's cut."""
+        """How many of ``sid``'s last tokens ``drop_last_tokens`` may take back as one span
+        (``stage0_window.droppable_tail``)."""
+        return droppable_tail(self.manager, self._session(sid))
+
+    def _session(self, sid: str) -> Stage0Session:
         if sid not in self.sessions:
             raise ValueError(f"unknown session {sid!r}")
-        sess = self.sessions[sid]
-        have = self.manager.num_tokens(sid)
-        if sess.num_compactions == 0:
-            return have - sess.prefix_len
-        return max(0, have - self.manager.num_context_blocks(sid) * self.block_size)
+        return self.sessions[sid]
 
     # ------------------------------------------------------------------ accounting
 

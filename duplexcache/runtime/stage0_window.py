@@ -2,6 +2,9 @@
 
 What lives here:
 
+* ``Stage0Session``: one session's window state (its marks, unit starts, history, compactions).
+* ``compact_basic`` / ``compact_rebuild``: one compaction, as ``Stage0Runner`` applies it
+  before an append; ``drop_last_tokens`` / ``droppable_tail``: a cancelled reply's cut.
 * ``SessionHistory``: the per-session token history the ``rebuild`` reference mode
   re-prefills from (inputs_embeds after the anchor prefix, plus unit starts).
 * ``stage0_session_bytes``: pure-shape accounting of one session's KV bytes, used by
@@ -23,11 +26,16 @@ tokens the manager dropped, so ``history[i]`` stays the token at logical index `
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
-from duplexcache.kv.kv_cache_manager import SessionBytes
+from duplexcache.kv.kv_cache_manager import KVCacheManager, SessionBytes
+from duplexcache.kv.rope import rerotate_keys_
+from duplexcache.kv.window import WindowConfig, WindowPlan
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -130,3 +138,117 @@ def stage0_session_bytes(
     full = context_tokens // block_size
     template = int(context_tokens % block_size != 0)
     return SessionBytes(private=(table_blocks - full) * per_block, shared=(full + template) * per_block)
+
+
+# ------------------------------------------------------------------ per-session window state
+
+
+@dataclass
+class Stage0Session:
+    """Window state of one Stage 0 session; the manager owns its blocks, this owns the rest."""
+
+    sid: str
+    prefix_len: int
+    window: WindowConfig  # this session's marks (the runner's mode)
+    unit_starts: list[int] = field(default_factory=list)  # logical indices where units begin
+    history: SessionHistory | None = None  # rebuild mode only
+    num_compactions: int = 0
+
+
+# ------------------------------------------------------------------ compaction (``Stage0Runner`` calls these)
+
+
+def compact_basic(manager: KVCacheManager, k_cache: torch.Tensor, sess: Stage0Session, plan: WindowPlan,
+                  rope_theta: float) -> None:
+    """Drop the planned blocks and re-rotate the kept non-anchor keys by -delta, in place.
+
+    ``kept_block_range_after`` starts at ``sink_blocks``: the anchor is never in it.
+    """
+    manager.drop_blocks(sess.sid, plan.first_dropped_block, plan.num_dropped_blocks)
+    table = manager.block_table(sess.sid)
+    kept = [table[i] for i in plan.kept_block_range_after]
+    assert plan.kept_block_range_after.start >= plan.sink_blocks, "window would rotate an anchor block"
+    rerotate_keys_(k_cache, kept, plan.delta_tokens, rope_theta)
+    after_drop(sess, plan, manager.block_size)
+
+
+def compact_rebuild(manager: KVCacheManager, sess: Stage0Session, plan: WindowPlan,
+                    embeds: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Reference mode: forget the planned tokens, release the whole kept window, and
+    return the kept tokens + ``embeds`` to prefill from scratch after the anchor.
+
+        sink 3, block 16: [anchor 0..47][dropped][kept ... partial]
+        truncate(sid, 48) -> [anchor 0..47]          (every later block released)
+        re-prefill        -> [anchor 0..47][kept + new, fresh blocks from 48]
+    """
+    assert sess.history is not None
+    after_drop(sess, plan, manager.block_size)
+    start = plan.sink_blocks * manager.block_size  # first logical index after the anchor blocks
+    manager.truncate(sess.sid, start)
+    kept = sess.history.since(start)
+    assert start + kept.shape[0] == plan.new_num_tokens, "history and plan disagree on the kept length"
+    return torch.cat((kept.to(embeds.dtype), embeds), dim=0), start
+
+
+def after_drop(sess: Stage0Session, plan: WindowPlan, block_size: int) -> None:
+    first = plan.first_dropped_block * block_size
+    sess.unit_starts = shift_unit_starts(sess.unit_starts, first, plan.delta_tokens)
+    if sess.history is not None:
+        sess.history.drop(first, plan.delta_tokens)
+    sess.num_compactions += 1
+    logger.debug("session %s: window dropped %d blocks (delta %d), %d tokens left", sess.sid,
+                 plan.num_dropped_blocks, plan.delta_tokens, plan.new_num_tokens)
+
+
+# ------------------------------------------------------------------ truncation (a cancelled reply)
+
+
+def drop_last_tokens(manager: KVCacheManager, sess: Stage0Session, num_tokens: int) -> list[int]:
+    """Forget the last ``num_tokens`` tokens of ``sess`` (a cancelled reply's unplayed text).
+
+    The manager's ``truncate`` releases every block past the new last token (tail first, so
+    they head the free list) and resets the session's length; the next append writes from
+    there. The kept partial last block keeps stale K/V past the new length: attention reads
+    only ``< length`` and the next append overwrites those slots before anything reads them.
+    The anchor is never cut (ValueError), so every block that may be written afterwards is
+    private: shared blocks are all anchor blocks, and an anchor that ends on a block
+    boundary makes the next append take a fresh block. Window bookkeeping follows: unit
+    starts at or past the cut are forgotten; in ``rebuild`` mode the input history too::
+
+        block 16, anchor 40, 75 tokens, drop_last_tokens(sid, 20) -> 55 tokens kept:
+        table idx   0       1        2                 3             4
+        logical     0..15   16..31   32..39 | 40..47   48..54 55..63 64..74
+                    anchor  anchor   anchor | window   kept   stale  released
+        block 3 keeps 48..54; its slots 55..63 are written by the next append.
+
+    Returns the released block ids (table order)."""
+    sid = sess.sid
+    have = manager.num_tokens(sid)
+    if not 0 <= num_tokens <= have - sess.prefix_len:
+        raise ValueError(
+            f"session {sid!r}: cannot drop {num_tokens} of its {have} tokens: only the "
+            f"{have - sess.prefix_len} tokens after the {sess.prefix_len}-token anchor may be dropped"
+        )
+    keep = have - num_tokens
+    released = manager.truncate(sid, keep)
+    if keep % manager.block_size:
+        tail = manager.pool.blocks[manager.block_table(sid)[-1]]
+        assert tail.block_hash is None and tail.ref_cnt == 1, f"session {sid}: next write would hit a shared block"
+    sess.unit_starts = [s for s in sess.unit_starts if s < keep]
+    if sess.history is not None:
+        sess.history.keep_before(keep)
+    logger.debug("session %s: dropped its last %d tokens (%d blocks released), %d left", sid, num_tokens,
+                 len(released), keep)
+    return released
+
+
+def droppable_tail(manager: KVCacheManager, sess: Stage0Session) -> int:
+    """How many of ``sess``'s last tokens are contiguous since they were appended (what
+    ``drop_last_tokens`` may take back as one span): every token after the anchor until the
+    window first compacts; after that, the tokens from the first block past the anchor on,
+    since the kept window starts there and tokens before it in the anchor's last block are
+    older than the window's cut."""
+    have = manager.num_tokens(sess.sid)
+    if sess.num_compactions == 0:
+        return have - sess.prefix_len
+    return max(0, have - manager.num_context_blocks(sess.sid) * manager.block_size)

@@ -43,6 +43,7 @@ import torch
 from duplexcache.cfm.graph_grid import replay_tiers
 from duplexcache.kv.decode_graphs import width_classes
 from duplexcache.kv.paged_attention import NULL_BLOCK_ID, PagedBatch, PagedKVCache
+from duplexcache.runtime.code2wav_stage import LOOKAHEAD
 
 if TYPE_CHECKING:
     from duplexcache.runtime.engine import DuplexEngine
@@ -76,7 +77,8 @@ class WarmupReport:
 
 def thinker_width_bound(engine: DuplexEngine) -> int:
     """Blocks of the longest Thinker table a reference session (any voice) can hold."""
-    fps = [engine._footprint(engine._default_config(v), engine.voices.get(v)) for v in engine.voices.names()]
+    sizing = engine.sizing
+    fps = [sizing.footprint(sizing.default_config(v), engine.voices.get(v)) for v in engine.voices.names()]
     return max(fp.thinker_private_blocks + fp.thinker_shared_blocks for fp in fps)
 
 
@@ -94,8 +96,6 @@ def decode_keys(engine: DuplexEngine) -> dict[str, list[tuple[int, int]]]:
 def code2wav_chunk_widths(engine: DuplexEngine) -> tuple[int, ...]:
     """Frames of the chunks the engine sends: non-final (25 codes + lookahead, the lookahead
     consumed by the conformer) and final (25 codes, nothing held back)."""
-    from duplexcache.runtime.engine import LOOKAHEAD   # the engine's own constant
-
     cfg = engine.code2wav.config
     per_unit = engine.models.talker.config.tokens_per_unit
     non_final = (per_unit + LOOKAHEAD - cfg.pre_lookahead_len) * cfg.up_rate

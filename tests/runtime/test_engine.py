@@ -149,17 +149,17 @@ def test_talker_is_conditioned_on_the_rows_lm_head_consumed(tmp_path, monkeypatc
     """The Talker's condition rows are the Thinker hidden states that produced each text/end
     token: row j equals (torch.equal) the lm_head input of the session in decode call j,
     captured here independently with a pre-hook (the engine itself reads StepResult.hidden)."""
-    import duplexcache.runtime.engine as engine_mod
+    import duplexcache.runtime.talker_stage as talker_mod
 
     eng = engine(tmp_path, "cond")
     reqs = []
-    real = engine_mod.generate_unit
+    real = talker_mod.generate_unit
 
     def recording(model, cache, requests, **kw):
         reqs.extend(requests)
         return real(model, cache, requests, **kw)
 
-    monkeypatch.setattr(engine_mod, "generate_unit", recording)
+    monkeypatch.setattr(talker_mod, "generate_unit", recording)
     sids = [eng.open_session({"voice": v}) for v in ("default", "alt")]
     eng.tick()                                    # opens both in Stage 0
     for i, sid in enumerate(sids):

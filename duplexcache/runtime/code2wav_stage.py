@@ -1,0 +1,185 @@
+"""The tick's Code2Wav stage: a session's audio turn, from the Talker's codes to PCM.
+
+Lookahead: a unit's 25 codes are held back (``EngineSession.held``) until the next speaking
+unit of the same turn, whose first 3 codes are the lookahead (chunk of 28, not final). When the
+turn ends the held codes go out as the final chunk (25 codes, ``last``) in the same tick::
+
+    unit        u1        u2             u3 (turn_eos)
+    Talker      c1        c2             c3
+    Code2Wav    -         c1 + c2[:3]    c2 + c3[:3], then c3 (final)
+
+Each turn is one Code2Wav stream (``"<sid>#<turn>"``, prompt state from the voice, caches
+reset), as in the reference's per-response ``Token2wav.stream``; its noise is seeded by the
+session's admission ordinal and the turn number, never by the server's wire ids.
+
+Ownership: ``BatchedCode2Wav`` owns the streams; this stage owns the session's turn fields
+(``c2w_sid``, ``held``, ``turn_index``) and ends a turn as a whole: stream, held codes and the
+Talker KV of the turn (through ``TalkerBlocks``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import zlib
+from collections.abc import Callable
+
+import torch
+
+from duplexcache.cfm.code2wav import BatchedCode2Wav
+from duplexcache.cfm.config import Code2WavConfig as CfmConfig
+from duplexcache.cfm.config import Code2WavShape
+from duplexcache.config import DeployConfig
+from duplexcache.kv.talker_blocks import TalkerBlocks
+from duplexcache.runtime import turns
+from duplexcache.runtime.bundle import ModelBundle
+from duplexcache.runtime.engine_api import AudioDelta, EngineEvent, ResponseDone, SessionError
+from duplexcache.runtime.engine_session import EndSession, EngineSession, FinalChunk, SessionTable, Unit, ended
+from duplexcache.runtime.isolation import FaultInjector, precheck
+from duplexcache.runtime.policy import ControlTokens
+
+logger = logging.getLogger(__name__)
+
+LOOKAHEAD = 3
+
+
+def code2wav_config(deploy: DeployConfig, models: ModelBundle) -> CfmConfig:
+    """Code2Wav's config for the deploy's switches, its arena sized for the longest voice prompt."""
+    c = deploy.code2wav
+    prompt = max(models.voices.get(v).prompt_frames for v in models.voices.names())
+    return CfmConfig(shape=Code2WavShape.from_flow(models.flow), max_num_seqs=c.max_num_seqs,
+                     prompt_att_sharing=c.cfm_prompt_att_sharing,
+                     arena_rows_from_graph_grid=c.cfm_arena_rows_from_graph_grid,
+                     graph_grid=c.graph_grid or (), max_prompt_frames=max(prompt, 100),
+                     use_cuda_graphs=models.device.type == "cuda")
+
+
+def build_code2wav(deploy: DeployConfig, models: ModelBundle) -> BatchedCode2Wav:
+    """Code2Wav with every voice registered: each voice's prompt state is computed here, once,
+    and lives as long as the engine (shared by the voice's streams when sharing is on)."""
+    code2wav = BatchedCode2Wav(models.flow, models.hift, code2wav_config(deploy, models))
+    for v in models.voices.names():
+        voice = models.voices.get(v)
+        code2wav.register_voice(v, voice.prompt_tokens, voice.prompt_mel, voice.spk)
+    return code2wav
+
+
+def pcm16_bytes(pcm: torch.Tensor) -> bytes:
+    """float PCM in [-1, 1] -> little-endian int16 bytes (clipped)."""
+    x = torch.clamp(pcm.detach().float().cpu(), -1.0, 1.0) * 32767.0
+    return torch.round(x).to(torch.int16).numpy().astype("<i2").tobytes()
+
+
+class Code2WavStage:
+    """Audio turns over one ``BatchedCode2Wav``."""
+
+    def __init__(self, code2wav: BatchedCode2Wav, talker_kv: TalkerBlocks, control: ControlTokens,
+                 table: SessionTable, end: EndSession, on_step: Callable[[], None]) -> None:
+        self.code2wav = code2wav
+        self.talker_kv = talker_kv
+        self.control = control
+        self.table = table
+        self.end = end
+        self.on_step = on_step          # after the steps, while the tick's streams are all open
+        self.faults: FaultInjector | None = None
+
+    # ------------------------------------------------------------------ turns
+
+    def close_turn(self, s: EngineSession, finals: dict[str, FinalChunk], response_done: bool = True) -> None:
+        """End the audio turn: its held codes become the final chunk; the Talker KV resets."""
+        assert s.c2w_sid is not None
+        if s.held is not None:
+            finals[s.c2w_sid] = FinalChunk(s, s.held, response_done)
+        else:
+            self.code2wav.remove_session(s.c2w_sid)
+        s.held, s.c2w_sid = None, None
+        self.talker_kv.free(s.sid)
+
+    def drop_turn(self, s: EngineSession) -> None:
+        """Forget the current audio turn without a final chunk (a cancel, or the session ends):
+        its stream, its held codes and its Talker KV."""
+        if s.c2w_sid is not None:
+            self.code2wav.remove_session(s.c2w_sid)
+            s.c2w_sid, s.held = None, None
+        self.talker_kv.free(s.sid)
+
+    def drop_ended_finals(self, finals: dict[str, FinalChunk], gone: set[str]) -> dict[str, FinalChunk]:
+        """Remove the closed-turn streams of sessions this tick ended (ending a session only
+        knows its current turn's stream); returns the finals of the others."""
+        for csid, f in finals.items():
+            if f.session.sid in gone:
+                with contextlib.suppress(ValueError):   # already removed (unknown stream)
+                    self.code2wav.remove_session(csid)
+        return {csid: f for csid, f in finals.items() if f.session.sid not in gone}
+
+    # ------------------------------------------------------------------ the stage
+
+    def run(self, units: list[Unit], finals: dict[str, FinalChunk]) -> list[EngineEvent]:
+        """Non-final chunks (held codes + lookahead) in one batched step, then the final chunks
+        of every turn that ended in this tick in a second one."""
+        chunks: dict[str, torch.Tensor] = {}
+        owner = {csid: f.session for csid, f in finals.items()}
+        for u in units:
+            s = u.session
+            if u.codes is None:
+                continue
+            if s.c2w_sid is None:
+                s.turn_index += 1
+                s.c2w_sid = f"{s.sid}#{s.turn_index}"
+                seed = zlib.crc32(f"{s.seed_name}#{s.turn_index}".encode())
+                self.code2wav.add_session(s.c2w_sid, s.voice.name, seed=seed)
+            owner[s.c2w_sid] = s
+            if s.held is not None:
+                chunks[s.c2w_sid] = torch.cat([s.held, u.codes[:LOOKAHEAD]])
+            s.held = u.codes
+            if u.tokens and u.tokens[-1] == self.control.turn_eos:
+                self.close_turn(s, finals)
+        events: list[EngineEvent] = []
+        final_chunks = {csid: f.codes for csid, f in finals.items()}
+        for batch, last in ((chunks, False), (final_chunks, True)):
+            gone = ended(events)   # a session ended by the first step has no final chunk
+            batch = {csid: codes for csid, codes in batch.items() if owner[csid].sid not in gone}
+            if batch:
+                events += self._step(batch, last, owner)
+        self.on_step()
+        for csid, f in self.drop_ended_finals(finals, ended(events)).items():
+            self.code2wav.remove_session(csid)
+            if f.response_done:
+                events.append(ResponseDone(f.session.sid, "completed", self.table.finish_reply(f.session)))
+        return events
+
+    def _step(self, batch: dict[str, torch.Tensor], last: bool, owner: dict[str, EngineSession]) -> list[EngineEvent]:
+        """One Code2Wav step. A chunk that fails its check (the injected fault, or
+        ``BatchedCode2Wav``'s own per-session validation) ends its session only. Code2Wav
+        mutates every stream's caches group by group, so a batch that raises anyway cannot be
+        re-run: that step's sessions skip this unit's audio (non-fatal ``audio_skipped``, their
+        turn's stream restarts at the next speaking unit); the tick's other work is kept."""
+        events: list[EngineEvent] = []
+        kept, errors = precheck(self.faults, "code2wav", list(batch), lambda csid: owner[csid].sid)
+        for csid, err in ((c, errors[owner[c].sid]) for c in batch if owner[c].sid in errors):
+            events.append(self.end(owner[csid], err))
+        batch = {csid: batch[csid] for csid in kept}
+        if not batch:
+            return events
+        try:
+            out = self.code2wav.step(batch, {sid: last for sid in batch})
+        except Exception as err:  # noqa: BLE001 - see the docstring: the unit is skipped
+            logger.error("Code2Wav step over %d streams failed; their audio for this unit is skipped: %r",
+                         len(batch), err)
+            for csid in batch:
+                s = owner[csid]
+                if s.c2w_sid == csid:
+                    self.code2wav.remove_session(csid)
+                    s.c2w_sid, s.held = None, None
+                turns.note_audio(s.turn, 0)
+                events.append(SessionError(s.sid, "audio_skipped", "this unit's audio could not be produced",
+                                           fatal=False))
+            return events
+        for csid, err in out.errors.items():
+            logger.error("Code2Wav refused %s: %s", csid, err)
+            turns.note_audio(owner[csid].turn, 0)
+            events.append(self.end(owner[csid], err))
+        for csid, pcm in out.items():
+            events.append(AudioDelta(owner[csid].sid, pcm16_bytes(pcm)))
+            turns.note_audio(owner[csid].turn, int(pcm.numel()))
+        return events

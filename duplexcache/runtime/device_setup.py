@@ -1,0 +1,112 @@
+"""Device setup of one engine: numerics pinning, the KV pools, the attention backend, decode graphs.
+
+Everything here runs once, while the engine is built; nothing is per session or per tick.
+
+Ownership of what ``build_kv_pools`` returns (``KVPools``):
+
+* ``thinker_cache`` (``PagedKVCache``) holds the Thinker's K/V; ``thinker_manager``
+  (``KVCacheManager`` over its own ``BlockPool``) owns its block tables and ref counts;
+  ``stage0`` (``Stage0Runner``) owns the Stage 0 sessions and is the only caller of the manager.
+* ``talker_cache`` holds the Talker's K/V; ``talker_kv`` (``TalkerBlocks`` over its own
+  ``BlockPool``) owns the per-turn tables and is the only caller of that pool.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from duplexcache.config import Stage0Config
+from duplexcache.kv.block_pool import BlockPool
+from duplexcache.kv.decode_graphs import PagedDecodeGraphs
+from duplexcache.kv.kv_cache_manager import KVCacheManager
+from duplexcache.kv.paged_attention import PagedKVCache
+from duplexcache.kv.talker_blocks import TalkerBlocks
+from duplexcache.kv.window import WindowConfig
+from duplexcache.runtime.admission import MemoryPlan
+from duplexcache.runtime.bundle import ModelBundle
+from duplexcache.runtime.stage0 import Stage0Runner
+
+logger = logging.getLogger(__name__)
+
+
+def pin_cuda_numerics(device: torch.device) -> None:
+    """Sharing must be bit-exact, so the same work must give the same bits in every engine:
+    cuDNN may otherwise pick a different convolution algorithm (and TF32) depending on free
+    workspace, which changed Code2Wav's output between two engines of one process on an H200.
+    Stage 2 runs float32 as the reference does, so TF32 convolutions are off too. These are
+    process-wide torch settings: every engine in the process (and anything else) shares them."""
+    if device.type != "cuda":
+        return
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+
+def select_attention_backend(cache: PagedKVCache) -> None:
+    """On CUDA, decode batches read KV blocks in place with the Triton kernel (SPEC §5: the
+    gather-then-SDPA path moves the KV twice, 3.4x slower on an H200); elsewhere the reference."""
+    if cache.device.type != "cuda":
+        return
+    try:
+        cache.set_decode_backend("triton")
+    except (ImportError, ValueError) as exc:
+        logger.warning("paged decode uses the gather+SDPA reference path on %s: %s", cache.device, exc)
+
+
+@dataclass(frozen=True)
+class KVPools:
+    """The two paged KV pools of an engine and the objects that own their blocks."""
+
+    thinker_cache: PagedKVCache
+    thinker_manager: KVCacheManager
+    stage0: Stage0Runner
+    talker_cache: PagedKVCache
+    talker_kv: TalkerBlocks
+
+
+def build_kv_pools(models: ModelBundle, plan: MemoryPlan, stage0_cfg: Stage0Config, window: WindowConfig) -> KVPools:
+    """Allocate the Thinker and Talker pools at the plan's sizes and pick their attention paths."""
+    bs, dev, dt = stage0_cfg.block_size, models.device, models.dtype
+    thinker_cache = models.thinker.make_kv_cache(plan.thinker_blocks, bs, dt, dev)
+    thinker_manager = KVCacheManager(BlockPool(plan.thinker_blocks), bs, thinker_cache.bytes_per_block)
+    stage0 = Stage0Runner(models.thinker, thinker_manager, thinker_cache, window,
+                          share_context=stage0_cfg.shared_anchor_blocks, block_size=bs)
+    tc = models.talker.config
+    talker_cache = PagedKVCache(tc.num_hidden_layers, plan.talker_blocks, bs, tc.num_key_value_heads,
+                                tc.head_dim, dt, dev)
+    talker_kv = TalkerBlocks(BlockPool(plan.talker_blocks), bs)
+    for cache in (thinker_cache, talker_cache):
+        select_attention_backend(cache)
+        cache.ragged_steps_in_kernel = stage0_cfg.ragged_kernel
+    return KVPools(thinker_cache, thinker_manager, stage0, talker_cache, talker_kv)
+
+
+def decode_graphs_supported(device: torch.device, caches: tuple[PagedKVCache, ...]) -> bool:
+    """Whether one-token steps can be captured as CUDA graphs here (logged when not)."""
+    if device.type != "cuda":
+        logger.info("engine.decode_cuda_graphs applies to CUDA devices; decode on %s runs eagerly", device)
+        return False
+    if any(c.decode_backend != "triton" for c in caches):
+        logger.warning("engine.decode_cuda_graphs needs the Triton decode kernel; decode runs eagerly")
+        return False
+    return True
+
+
+def make_decode_graphs(models: ModelBundle, kv: KVPools, max_batch: int,
+                       capture: bool) -> tuple[PagedDecodeGraphs, PagedDecodeGraphs]:
+    """CUDA graphs for the one-token steps of the Thinker and the Talker: batch buckets up to
+    ``max_batch``, block-table widths up to the longest table a session can hold (the
+    Thinker's model positions, the Talker's turn)."""
+    bs = kv.stage0.block_size
+    thinker = PagedDecodeGraphs("thinker", models.thinker.forward_paged, kv.thinker_cache,
+                                models.thinker.config.hidden_size, models.dtype, max_batch=max_batch,
+                                max_blocks_per_seq=-(-kv.stage0.max_positions // bs), capture=capture)
+    tc = models.talker.config
+    talker = PagedDecodeGraphs("talker", models.talker.forward_paged, kv.talker_cache, tc.hidden_size, models.dtype,
+                               max_batch=max_batch, max_blocks_per_seq=-(-tc.max_position_embeddings // bs),
+                               capture=capture)
+    return thinker, talker

@@ -1,0 +1,154 @@
+"""Session sizing: what a session would cost, from shapes only, and the engine's memory plan.
+
+Admission must answer before any model runs (``DuplexEngine.open_session`` holds no tick), so
+every size here comes from shapes: the context length from the context builder's own layout
+with zero-width stand-in embeddings, the Thinker blocks from Stage 0's worst-case formula,
+the Talker's from a full turn, the dynamic bytes from Code2Wav's and the encoder's shapes.
+
+"Can I admit?" lives here (``refusal``); the engine's session table does the admitting.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from duplexcache.cfm.code2wav import BatchedCode2Wav, code2wav_session_bytes
+from duplexcache.config import DeployConfig, SessionConfigError, SessionRuntimeConfig, build_runtime_config
+from duplexcache.context import EmbeddingResult, EncoderPath, SessionContext, build_session_context
+from duplexcache.kv.window import WindowConfig
+from duplexcache.runtime import memory_budget
+from duplexcache.runtime.admission import AdmissionLedger, Footprint, MemoryPlan, TickCostModel, plan_memory
+from duplexcache.runtime.bundle import ModelBundle
+from duplexcache.runtime.engine_api import AdmissionError
+from duplexcache.runtime.stage0 import session_worst_case
+from duplexcache.runtime.voices import Voice
+
+logger = logging.getLogger(__name__)
+
+# What a refused client reads (AdmissionError.reason): no pool sizes; the numbers go to the log.
+CLIENT_REFUSALS = {
+    "capacity_memory": "capacity_memory: the server has no memory for another session now; try again later",
+    "capacity_compute": "capacity_compute: one more session would make the server miss its real-time "
+                        "deadline; try again later",
+}
+
+
+def refusal(ledger: AdmissionLedger, tick_cost: TickCostModel, fp: Footprint,
+            live_sessions: int) -> tuple[str, str] | None:
+    """(code, detail for the logs) when ``fp`` cannot be admitted now, memory first; None
+    when it can. Compute: the measured per-session tick cost (none yet: memory only)."""
+    reason = ledger.refusal(fp)
+    if reason is not None:
+        return "capacity_memory", reason
+    reason = tick_cost.refusal(live_sessions)
+    if reason is not None:
+        return "capacity_compute", reason
+    return None
+
+
+def session_window(cfg: SessionRuntimeConfig) -> WindowConfig:
+    """The session's Stage 0 window: the server's mode with the client's marks (config.py
+    already refused marks above the server's, or any marks when overrides are off)."""
+    return WindowConfig(mode=cfg.window_mode, high_tokens=cfg.window_high_tokens, low_tokens=cfg.window_low_tokens)
+
+
+def kv_block_bytes(config: Any, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one paged K+V block of a decoder with ``config``'s shapes."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * elem
+
+
+class SessionSizing:
+    """Shape-only sizes for one engine's models and voices."""
+
+    def __init__(self, deploy: DeployConfig, models: ModelBundle, code2wav: BatchedCode2Wav) -> None:
+        self.deploy = deploy
+        self.models = models
+        self.voices = models.voices
+        self.code2wav = code2wav
+        self.block_size = deploy.stage0.block_size
+        # Reference-audio embedding counts per voice: the only model run sizing needs, once.
+        self.ref_embeddings = {v: self._count_ref_embeddings(self.voices.get(v)) for v in self.voices.names()}
+
+    def _count_ref_embeddings(self, voice: Voice) -> int:
+        with torch.no_grad():
+            return int(self.models.audio_encoder.embed_audio(voice.ref_audio).shape[0])
+
+    # ------------------------------------------------------------------ session configs
+
+    def default_config(self, voice: str) -> SessionRuntimeConfig:
+        return build_runtime_config(self.deploy, {"voice": voice})
+
+    def check_session(self, client_session: Mapping[str, Any]) -> tuple[SessionRuntimeConfig, Voice]:
+        """A client's ``session.update`` object as a runtime config and its voice;
+        ``SessionConfigError`` names the problem."""
+        cfg = build_runtime_config(self.deploy, client_session)
+        if cfg.voice not in self.voices:
+            raise SessionConfigError(f"unknown voice {cfg.voice!r} (known: {', '.join(self.voices.names())})")
+        return cfg, self.voices.get(cfg.voice)
+
+    def context_layout(self, cfg: SessionRuntimeConfig, voice: Voice) -> SessionContext:
+        r = self.ref_embeddings[voice.name]
+        return build_session_context(
+            self.models.tokenizer, lambda ids: torch.zeros(len(ids), 1),
+            lambda a, s: EmbeddingResult(torch.zeros(r, 1), EncoderPath.WHOLE_CLIP),
+            cfg.instructions, voice.ref_audio, cfg.initial_user_text, model_revision=cfg.model_revision)
+
+    # ------------------------------------------------------------------ footprints
+
+    def footprint(self, cfg: SessionRuntimeConfig, voice: Voice) -> Footprint:
+        """Worst-case footprint from shapes only: the context length comes from the context
+        builder's own layout with zero-width stand-in embeddings (no model runs)."""
+        ctx = self.context_layout(cfg, voice)
+        max_pos = self.models.thinker.config.max_position_embeddings
+        window = session_window(cfg)
+        limit = self.deploy.server.max_context_tokens
+        if ctx.total > limit:
+            raise AdmissionError(
+                f"context_length_exceeded: the session context (instructions, reference audio, initial "
+                f"text) is {ctx.total} tokens; this server allows at most {limit}",
+                code="context_length_exceeded")
+        if window.enabled and ctx.total + window.high_tokens > max_pos:
+            raise AdmissionError(
+                f"context_length_exceeded: context of {ctx.total} tokens + window high {window.high_tokens} "
+                f"exceeds the model's {max_pos} positions", code="context_length_exceeded")
+        share = self.deploy.stage0.shared_anchor_blocks
+        # The runner's own formula (Stage0Runner.worst_case), with this session's marks.
+        wc = session_worst_case(ctx.total, window, max_pos, self.block_size, share)
+        talker_blocks = -(-self.models.talker.config.max_position_embeddings // self.block_size)
+        cfm = self.code2wav.config
+        sharing = cfm.prompt_att_sharing
+        setup = code2wav_session_bytes(cfm, voice.prompt_frames, sharing, "setup")
+        steady = code2wav_session_bytes(cfm, voice.prompt_frames, sharing, "steady")
+        encoder = self.models.audio_encoder.cfg.kv_bytes_per_session(self.models.dtype)
+        dynamic = max(setup.private, steady.private) + encoder
+        # What a stream shares (setup.shared / steady.shared) is the voice's prompt state, which
+        # plan() already counts as fixed: a session reserves nothing for it.
+        return Footprint(wc.private_blocks, wc.shared_blocks, ctx.extra_key if share else None, talker_blocks,
+                         dynamic, voice.name, 0)
+
+    # ------------------------------------------------------------------ the memory plan
+
+    def thinker_block_bytes(self) -> int:
+        return kv_block_bytes(self.models.thinker.config, self.block_size, self.models.dtype)
+
+    def talker_block_bytes(self) -> int:
+        return kv_block_bytes(self.models.talker.config, self.block_size, self.models.dtype)
+
+    def plan(self) -> MemoryPlan:
+        """The pools' sizes for the budget left after what is already allocated."""
+        e = self.deploy.engine
+        names = self.voices.names()
+        # The voices' Code2Wav prompt states were computed by register_voice and live as long as
+        # the engine: fixed, once per voice (sharing on or off), never per session.
+        fixed = (self.code2wav.arena.nbytes() + sum(self.voices.get(v).nbytes() for v in names)
+                 + sum(self.code2wav.voice_bytes(v) for v in names))
+        # The arena and the voices are already allocated: free memory is measured after them.
+        budget = memory_budget.resolve_memory_budget(e, fixed, memory_budget.device_free_bytes(self.models.device),
+                                                     where=str(self.models.device)) - e.activation_reserve
+        refs = [self.footprint(self.default_config(v), self.voices.get(v)) for v in names]
+        return plan_memory(budget, fixed, refs, self.thinker_block_bytes(), self.talker_block_bytes())

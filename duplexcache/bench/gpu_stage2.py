@@ -42,28 +42,26 @@ from duplexcache.cfm import (
 )
 from duplexcache.cfm.graph_grid import arena_rows, replay_groups
 from duplexcache.models.flow import FlowConfig, build_flow
-from duplexcache.models.vocoder import VocoderConfig, build_vocoder
+from duplexcache.models.presets import PRESETS, build_random_models
 
 logger = logging.getLogger(__name__)
 MIB = 2 ** 20
 CHUNK_TOKENS, LOOKAHEAD = 25, 3
-PRESETS = {"minicpmo45": (FlowConfig.minicpmo45, VocoderConfig.minicpmo45), "tiny": (FlowConfig.tiny, VocoderConfig.tiny)}
 
 
 # ---- set-up ------------------------------------------------------------------------------
-def build_models(preset: str, device: torch.device, seed: int):
-    """Our flow + HiFT with seeded random weights that exercise every path (verify's recipe)."""
+def stage2_models(preset: str, device: torch.device, seed: int):
+    """Our flow + HiFT from the package's random-model builder, then verify's recipe on top:
+    every flow weight redrawn so every path is exercised, and a voiced HiFT F0 predictor."""
     from duplexcache.verify.flow import (  # torch-only module
         randomize_flow_,
         randomize_hift_,
     )
 
-    flow_cfg, voc_cfg = (f() for f in PRESETS[preset])
-    torch.manual_seed(seed)
-    flow, hift = build_flow(flow_cfg, device), build_vocoder(voc_cfg, device)
-    randomize_flow_(flow, seed)
-    randomize_hift_(hift, seed + 1)
-    return flow_cfg, voc_cfg, flow, hift
+    m = build_random_models(preset, device, torch.float32, seed, parts=("flow", "hift"))
+    randomize_flow_(m.flow, seed)
+    randomize_hift_(m.hift, seed + 1)
+    return m.flow_config, m.vocoder_config, m.flow, m.hift
 
 
 def voice(prompt_frames: int, seed: int, vocab: int):
@@ -339,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    flow_cfg, voc_cfg, flow, hift = build_models(args.preset, device, args.seed)
+    flow_cfg, voc_cfg, flow, hift = stage2_models(args.preset, device, args.seed)
     prompt = voice(args.prompt_frames, args.seed + 7, flow.vocab_size)
     res = {"hardware": hardware(device), "preset": args.preset, "prompt_frames": args.prompt_frames,
            "warmup": args.warmup, "chunks": args.chunks, "grid": list(args.grid), "modes": []}

@@ -46,7 +46,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from duplexcache.bench.components import default_dtype
 from duplexcache.config import DeployConfig
 from duplexcache.context.builder import (
     EmbeddingResult,
@@ -58,8 +57,9 @@ from duplexcache.context.tokenizer import ByteTokenizer
 from duplexcache.kv.block_pool import BlockPool
 from duplexcache.kv.kv_cache_manager import KVCacheManager
 from duplexcache.kv.window import WindowConfig
-from duplexcache.models.audio_encoder import AudioEncoder, AudioEncoderConfig
-from duplexcache.models.thinker import Thinker, ThinkerConfig
+from duplexcache.models.audio_encoder import AudioEncoder
+from duplexcache.models.presets import build_random_models
+from duplexcache.models.thinker import Thinker
 from duplexcache.runtime.stage0 import SessionContextInput, Stage0Runner
 
 logger = logging.getLogger(__name__)
@@ -130,33 +130,6 @@ BASELINE = COMBINATIONS[0]
 
 
 # ----------------------------------------------------------------------------- models
-
-
-def preset_model_configs(preset: str) -> tuple[ThinkerConfig, AudioEncoderConfig]:
-    """Thinker and audio-encoder configs whose widths line up (encoder out_dim = Thinker hidden)."""
-    if preset == "minicpmo45":
-        thinker, encoder = ThinkerConfig.minicpmo45(), AudioEncoderConfig.minicpmo45()
-    elif preset == "tiny":
-        thinker = ThinkerConfig.tiny()
-        encoder = AudioEncoderConfig.tiny(out_dim=thinker.hidden_size)
-    else:
-        raise ValueError(f"unknown preset {preset!r} (known: tiny, minicpmo45)")
-    if encoder.out_dim != thinker.hidden_size:
-        raise ValueError(f"{preset}: audio encoder out_dim {encoder.out_dim} != Thinker hidden {thinker.hidden_size}")
-    return thinker, encoder
-
-
-def build_models(preset: str, device: str | torch.device, dtype: torch.dtype,
-                 seed: int = 0) -> tuple[Thinker, AudioEncoder]:
-    """Random-weight Thinker + audio encoder, parameters created directly on ``device``
-    (``meta`` gives shapes only). No CPU copy of the big preset is ever made."""
-    tcfg, ecfg = preset_model_configs(preset)
-    torch.manual_seed(seed)
-    with torch.device(device), default_dtype(dtype):
-        thinker = Thinker(tcfg).eval()
-        encoder = AudioEncoder(ecfg).eval()
-    # LogMel pins its small float32 buffers to CPU at construction; move them along.
-    return thinker, encoder.to(device)
 
 
 class CountingModels:
@@ -516,9 +489,9 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None or cfg.device == "cpu":
         torch.set_num_threads(args.threads or 1)
     t0 = time.perf_counter()
-    thinker, encoder = build_models(cfg.preset, cfg.device, cfg.dtype, cfg.seed)
+    m = build_random_models(cfg.preset, cfg.device, cfg.dtype, cfg.seed, parts=("thinker", "audio_encoder"))
     logger.info("built %s models on %s in %.1f s", cfg.preset, cfg.device, time.perf_counter() - t0)
-    report = SessionSetupBench(cfg, thinker, encoder).run()
+    report = SessionSetupBench(cfg, m.thinker, m.audio_encoder).run()
     report["meta"]["command"] = (
         f"python -m duplexcache.bench.session_setup --preset {cfg.preset} --device {cfg.device} "
         f"--sessions {cfg.sessions} --repeats {cfg.repeats} --instructions-tokens {cfg.instructions_tokens} "

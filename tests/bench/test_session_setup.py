@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from duplexcache.bench import session_setup as ss
+from duplexcache.cli import main as cli_main
 from duplexcache.context.tokenizer import SPECIAL_TOKEN_IDS
 from duplexcache.models.presets import build_random_models
 from duplexcache.models.thinker import num_parameters
@@ -174,7 +175,7 @@ def test_minicpmo45_shapes_on_meta():
 
 
 def test_cli_writes_json_and_markdown(tmp_path):
-    rc = ss.main(["--sessions", "2", "--repeats", "1", "--instructions-tokens", "20", "--ref-seconds", "0.5",
+    rc = cli_main(["bench", "setup", "--sessions", "2", "--repeats", "1", "--instructions-tokens", "20", "--ref-seconds", "0.5",
                   "--out", str(tmp_path)])
     assert rc == 0
     data = json.loads((tmp_path / "session_setup.json").read_text())

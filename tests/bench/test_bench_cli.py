@@ -101,3 +101,21 @@ def test_kernels_says_it_needs_cuda(tmp_path, capsys):
     assert cli_main(["bench", "kernels", "--out", str(tmp_path), "--quick"]) == 1
     assert "needs CUDA" in capsys.readouterr().err
     assert cli_main(["bench", "kernels", "--out", str(tmp_path), "--repeats", "3"]) == 2
+
+
+def test_gpu_bench_script_commands_parse():
+    """Every `duplexcache bench` step of scripts/gpu_bench.sh names a benchmark and options it has
+    (the script runs on a GPU machine only, where a typo would cost a run)."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    script = (Path(__file__).parents[2] / "scripts" / "gpu_bench.sh").read_text().replace("\\\n", " ")
+    shell_vars = {"out": "/tmp/out", "port": "8000", "sessions": "4", "duration": "10", "REPLY_LATENCY_S": "3.5",
+                  "name": "step"}
+    commands = re.findall(r"python3 -m duplexcache\.cli (bench [^\n]*)", script)
+    assert len(commands) >= 15
+    for line in commands:
+        line = re.sub(r"\$\{?(\w+)\}?", lambda m: shell_vars[m.group(1)], line.split(" >")[0].split(";;")[0])
+        args = build_parser().parse_args(shlex.split(line))
+        assert args.benchmark in BENCHMARKS, line

@@ -41,6 +41,8 @@ DEFAULT = "memory"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from duplexcache.cli import add_module_parser
 
+    parser.epilog = (f"`duplexcache bench [options]` with no BENCHMARK runs {DEFAULT}; "
+                     "`duplexcache bench BENCHMARK --help` lists a benchmark's options.")
     sub = parser.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     for name, (module, help_text) in BENCHMARKS.items():
         add_module_parser(sub, name, module, help_text)

@@ -62,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     from duplexcache.bench.cli import with_default_benchmark
 
     parser = build_parser()
-    args = parser.parse_args(with_default_benchmark(list(sys.argv[1:] if argv is None else argv)))
+    args, unknown = parser.parse_known_args(with_default_benchmark(list(sys.argv[1:] if argv is None else argv)))
+    if unknown and getattr(args, "_import_error", None) is None:   # an unavailable command knows no options
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -119,3 +119,17 @@ def test_gpu_bench_script_commands_parse():
         line = re.sub(r"\$\{?(\w+)\}?", lambda m: shell_vars[m.group(1)], line.split(" >")[0].split(";;")[0])
         args = build_parser().parse_args(shlex.split(line))
         assert args.benchmark in BENCHMARKS, line
+
+
+def test_gpu_benchmarks_dispatch_without_the_config_stack(tmp_path):
+    """The GPU image has torch and triton but no pydantic: `duplexcache bench kernels|stage2` must
+    still reach their modules (the benchmarks that need the config are listed as unavailable)."""
+    code = ("import sys; sys.modules['pydantic'] = None\n"
+            "from duplexcache.cli import main\n"
+            f"sys.exit(main(['bench', 'kernels', '--quick', '--out', {str(tmp_path)!r}]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == (0 if torch.cuda.is_available() else 1), out.stderr
+    assert torch.cuda.is_available() or "needs CUDA" in out.stderr
+    code = code.replace("'kernels', '--quick'", "'ticks', '--ticks', '1'")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 2 and "unavailable" in out.stderr and "pydantic" in out.stderr

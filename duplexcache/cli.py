@@ -24,12 +24,14 @@ VERIFY_TARGETS = {
 COMMANDS = {
     "demo": ("duplexcache.runtime.demo", "run many tiny sessions on CPU and print what they shared"),
     "serve": ("duplexcache.server.cli", "serve the realtime WebSocket API"),
-    "bench": ("duplexcache.bench.cli", "measure memory per session and concurrency, A/B per switch"),
+    "bench": ("duplexcache.bench.cli", "run a benchmark: memory, ticks, serve, setup, prefill, warm-start, kernels, "
+                                       "stage2, stage0-bytes"),
 }
 
 
-def _add_module_parser(subparsers, name: str, module: str, help_text: str) -> None:
-    parser = subparsers.add_parser(name, help=help_text)
+def add_module_parser(subparsers, name: str, module: str, help_text: str) -> None:
+    """A subcommand whose options and action come from ``module`` (``add_arguments``, ``run``)."""
+    parser = subparsers.add_parser(name, help=help_text, description=help_text)
     try:
         mod = importlib.import_module(module)
     except ModuleNotFoundError as exc:
@@ -46,19 +48,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in COMMANDS.items():
-        _add_module_parser(sub, name, module, help_text)
+        add_module_parser(sub, name, module, help_text)
     verify = sub.add_parser("verify", help="compare a stage against its reference implementation")
     vsub = verify.add_subparsers(dest="target", required=True)
     for name, module in VERIFY_TARGETS.items():
-        _add_module_parser(vsub, name, module, f"verify the {name} against its reference")
+        add_module_parser(vsub, name, module, f"verify the {name} against its reference")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     # cuBLAS picks deterministic reductions only with a fixed workspace, read at its first use.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    from duplexcache.bench.cli import with_default_benchmark
+
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(with_default_benchmark(list(sys.argv[1:] if argv is None else argv)))
+    if unknown and getattr(args, "_import_error", None) is None:   # an unavailable command knows no options
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -6,6 +6,7 @@
 # ticks, ticks_continuous, ticks_steady, ticks_ragged, ticks_eager, ticks_conversation, serve_conversation, warm_start,
 # serve_ready, stage0,
 # stage2: the minicpmo45 figures (random weights), each a few minutes on an H200 (each fits one 10-minute call).
+# Every step is a `duplexcache bench BENCHMARK` command (run as `python3 -m duplexcache.cli`, so no install is needed).
 # Needs torch with CUDA, triton, numpy, pyyaml, safetensors, pydantic, tqdm, matplotlib; the serve modes also
 # fastapi, uvicorn, websockets, prometheus-client, httpx.
 set -uo pipefail
@@ -89,32 +90,32 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "cuda", torc
 for mode in "${@:-smoke}"; do
 case "$mode" in
   smoke)
-    step smoke_bench 120 python3 -m duplexcache.cli bench --preset tiny --device cuda --sessions 1,2 --out "$out/smoke_bench"
-    step smoke_ticks 120 python3 -m duplexcache.bench.engine_ticks --preset tiny --device cuda --sessions 1,2 --ticks 2 --out "$out/smoke_ticks"
-    step smoke_setup 120 python3 -m duplexcache.bench.session_setup --preset tiny --device cuda --sessions 3 --repeats 1 --out "$out/smoke_setup"
+    step smoke_bench 120 python3 -m duplexcache.cli bench memory --preset tiny --device cuda --sessions 1,2 --out "$out/smoke_bench"
+    step smoke_ticks 120 python3 -m duplexcache.cli bench ticks --preset tiny --device cuda --sessions 1,2 --ticks 2 --out "$out/smoke_ticks"
+    step smoke_setup 120 python3 -m duplexcache.cli bench setup --preset tiny --device cuda --sessions 3 --repeats 1 --out "$out/smoke_setup"
     serve_conversation smoke_serve duplexcache/configs/tiny.yaml 2 16   # 16 s: every caller reaches its first reply
     step gpu_tests 240 python3 -m pytest -q -x tests/cfm/test_graphs.py tests/kv/test_paged_attention.py tests/kv/test_decode_graphs.py tests/runtime/test_warmup.py -p no:cacheprovider ;;
   bench)  # issue 6: memory per session A/B per switch, 80 GiB budget as on an 80 GB card
-    step bench 480 python3 -m duplexcache.cli bench --preset minicpmo45 --device cuda --sessions 1,2,4,8 --memory-budget 80GiB --out "$out/bench" ;;
+    step bench 480 python3 -m duplexcache.cli bench memory --preset minicpmo45 --device cuda --sessions 1,2,4,8 --memory-budget 80GiB --out "$out/bench" ;;
   setup)  # issue 4: setup time / private bytes of later sessions, context cache x shared anchors
-    step session_setup 120 python3 -m duplexcache.bench.session_setup --preset minicpmo45 --device cuda --sessions 4 --repeats 2 --out "$out/session_setup" ;;
+    step session_setup 120 python3 -m duplexcache.cli bench setup --preset minicpmo45 --device cuda --sessions 4 --repeats 2 --out "$out/session_setup" ;;
   ticks)  # issue 5: per-stage tick latency and the largest real-time session count (100 GiB: 32 sessions fit)
-    step engine_ticks 260 python3 -m duplexcache.bench.engine_ticks --preset minicpmo45 --device cuda --sessions 1,8,16,32 --ticks 4 --max-seconds 200 --memory-budget 100GiB --out "$out/engine_ticks" ;;
+    step engine_ticks 260 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 1,8,16,32 --ticks 4 --max-seconds 200 --memory-budget 100GiB --out "$out/engine_ticks" ;;
   ticks_continuous)  # every session speaks every unit in one endless turn: one Code2Wav chunk per tick, no turn-end bursts;
     # 8 warm-up ticks: Code2Wav's cache reaches its steady P + 100 frames after 1 + ceil(300 / 50) = 7 units (before
     # that, every tick grows it to a new width and captures a graph for it)
-    step engine_ticks_continuous 250 python3 -m duplexcache.bench.engine_ticks --preset minicpmo45 --device cuda --sessions 1,8,16,32 --ticks 4 --warmup-ticks 8 --max-seconds 210 --memory-budget 100GiB --speak-k 1000 --turn-units 1000 --out "$out/engine_ticks_continuous" ;;
+    step engine_ticks_continuous 250 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 1,8,16,32 --ticks 4 --warmup-ticks 8 --max-seconds 210 --memory-budget 100GiB --speak-k 1000 --turn-units 1000 --out "$out/engine_ticks_continuous" ;;
   ticks_steady)  # as ticks_continuous, with every Thinker window filled to (low + high) / 2 = 7000 tokens first
-    step engine_ticks_steady 220 python3 -m duplexcache.bench.engine_ticks --preset minicpmo45 --device cuda --sessions 1,8,16,32 --ticks 4 --warmup-ticks 8 --max-seconds 180 --memory-budget 100GiB --speak-k 1000 --turn-units 1000 --steady-window --out "$out/engine_ticks_steady" ;;
+    step engine_ticks_steady 220 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 1,8,16,32 --ticks 4 --warmup-ticks 8 --max-seconds 180 --memory-budget 100GiB --speak-k 1000 --turn-units 1000 --steady-window --out "$out/engine_ticks_steady" ;;
   ticks_ragged)  # A/B of stage0.ragged_kernel (default on): ticks_steady with the short ragged steps off the paged kernel
-    step engine_ticks_ragged 220 python3 -m duplexcache.bench.engine_ticks --preset minicpmo45 --device cuda --sessions 1,8,16,32 --ticks 4 --warmup-ticks 8 --max-seconds 180 --memory-budget 100GiB --speak-k 1000 --turn-units 1000 --steady-window --ragged-kernel off --out "$out/engine_ticks_ragged" ;;
+    step engine_ticks_ragged 220 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 1,8,16,32 --ticks 4 --warmup-ticks 8 --max-seconds 180 --memory-budget 100GiB --speak-k 1000 --turn-units 1000 --steady-window --ragged-kernel off --out "$out/engine_ticks_ragged" ;;
   ticks_eager)  # A/B of engine.decode_cuda_graphs: the ticks sweep with eager decode steps
-    step engine_ticks_eager 140 python3 -m duplexcache.bench.engine_ticks --preset minicpmo45 --device cuda --sessions 1,8 --ticks 4 --max-seconds 100 --memory-budget 100GiB --decode-cuda-graphs off --out "$out/engine_ticks_eager" ;;
+    step engine_ticks_eager 140 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 1,8 --ticks 4 --max-seconds 100 --memory-budget 100GiB --decode-cuda-graphs off --out "$out/engine_ticks_eager" ;;
   ticks_conversation)  # issue 10: conversation workload (reply policy, user turns 2-6 s, replies 2-8 s, random phases,
     # 3 voices), every sharing switch on, Thinker windows filled to 7000 tokens; the auto budget (0.9 x free) admits 40-48 sessions if they
     # fit at all (a refusal is recorded and larger counts skipped). Expected wall time ~6-8 min (build ~1 min, then per
     # count: open + 8 warm-up + fill + 1 + 12 recorded ticks at 1-3 s each).
-    step engine_ticks_conversation 560 python3 -m duplexcache.bench.engine_ticks --preset minicpmo45 --device cuda --sessions 16,32,40,48 --workload conversation --steady-window --all-switches on --ticks 12 --warmup-ticks 8 --max-seconds 480 --memory-budget auto --out "$out/engine_ticks_conversation" ;;
+    step engine_ticks_conversation 560 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 16,32,40,48 --workload conversation --steady-window --all-switches on --ticks 12 --warmup-ticks 8 --max-seconds 480 --memory-budget auto --out "$out/engine_ticks_conversation" ;;
   serve_conversation)  # issue 10: the real server from a fresh process, 32 callers over WebSockets for 60 s.
     # The example config with engine.speak_policy.mode: reply (the conversation's replies come from the server's
     # policy). Expected wall time ~4 min: server start + warm-up <= 4 min (bounded), 5 s ramp + 60 s + drain.
@@ -123,21 +124,21 @@ case "$mode" in
     serve_conversation serve_switch_5ms examples/minicpmo45-shared.yaml 32 "${SERVE_DURATION:-60}" none
     serve_conversation serve_switch_0.5ms examples/minicpmo45-shared.yaml 32 "${SERVE_DURATION:-60}" 0.5 ;;
   ticks_conversation_large)  # ticks_conversation at 40 and 48 sessions only, with the shared graph grid warm
-    step engine_ticks_conversation_large 560 python3 -m duplexcache.bench.engine_ticks --preset minicpmo45 --device cuda --sessions 40,48 --workload conversation --steady-window --all-switches on --ticks 8 --warmup-ticks 8 --max-seconds 420 --memory-budget auto --graph-grid 1,4,8,16 --out "$out/engine_ticks_conversation_large" ;;
+    step engine_ticks_conversation_large 560 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 40,48 --workload conversation --steady-window --all-switches on --ticks 8 --warmup-ticks 8 --max-seconds 420 --memory-budget auto --graph-grid 1,4,8,16 --out "$out/engine_ticks_conversation_large" ;;
   prefill)  # issue 11: the longest allowed context (16384 tokens) opening beside 32 live sessions, plus the attention A/B
     step prefill_attention 120 python3 scripts/prefill_attention_ab.py --out "$out/prefill_attention"
-    step prefill_isolation 400 python3 -m duplexcache.bench.prefill_isolation --preset minicpmo45 --device cuda --sessions 32 --memory-budget 100GiB --out "$out/prefill_isolation" ;;
+    step prefill_isolation 400 python3 -m duplexcache.cli bench prefill --preset minicpmo45 --device cuda --sessions 32 --memory-budget 100GiB --out "$out/prefill_isolation" ;;
   prefill_512)  # prefill with engine.prefill_chunk_tokens 512 (the 16384-token context opens in 32 ticks)
-    step prefill_isolation_512 400 python3 -m duplexcache.bench.prefill_isolation --preset minicpmo45 --device cuda --sessions 32 --memory-budget 100GiB --prefill-chunk-tokens 512 --out "$out/prefill_isolation_512" ;;
+    step prefill_isolation_512 400 python3 -m duplexcache.cli bench prefill --preset minicpmo45 --device cuda --sessions 32 --memory-budget 100GiB --prefill-chunk-tokens 512 --out "$out/prefill_isolation_512" ;;
   warm_start)  # issue 10: warm-up time and graphs, then 24 sessions at once: captures per tick (0) and first audio; --no-warmup is the cold A/B
-    step warm_start 420 python3 -m duplexcache.bench.warm_start --config examples/minicpmo45-shared.yaml --sessions 24 --ticks 4 --out "$out/warm_start"
-    step cold_start 420 python3 -m duplexcache.bench.warm_start --config examples/minicpmo45-shared.yaml --sessions 24 --ticks 4 --no-warmup --out "$out/cold_start" ;;
+    step warm_start 420 python3 -m duplexcache.cli bench warm-start --config examples/minicpmo45-shared.yaml --sessions 24 --ticks 4 --out "$out/warm_start"
+    step cold_start 420 python3 -m duplexcache.cli bench warm-start --config examples/minicpmo45-shared.yaml --sessions 24 --ticks 4 --no-warmup --out "$out/cold_start" ;;
   serve_ready)  # issue 10: `duplexcache serve` from launch to /health 200, then the graph-capture counters on /metrics
     step serve_ready 480 python3 scripts/serve_ready.py --config examples/minicpmo45-shared.yaml --port 8765 ;;
   stage0)
-    step gpu_stage0 120 python3 -m duplexcache.bench.gpu_stage0 --out "$out/gpu_stage0" ;;
+    step gpu_stage0 120 python3 -m duplexcache.cli bench kernels --out "$out/gpu_stage0" ;;
   stage2)
-    step gpu_stage2 300 python3 -m duplexcache.bench.gpu_stage2 --out "$out/gpu_stage2" --batches 1,8,32 ;;
+    step gpu_stage2 300 python3 -m duplexcache.cli bench stage2 --out "$out/gpu_stage2" --batches 1,8,32 ;;
   *) echo "unknown mode $mode (smoke|bench|setup|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|ticks_conversation|ticks_conversation_large|serve_conversation|serve_switch|prefill|prefill_512|warm_start|serve_ready|stage0|stage2)"; exit 2 ;;
 esac
 done

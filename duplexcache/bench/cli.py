@@ -1,242 +1,65 @@
-"""``duplexcache bench``: memory per session and concurrency, A/B per switch, in one run.
+"""``duplexcache bench BENCHMARK [options]``: every benchmark of the package behind one command.
 
-    duplexcache bench [--preset tiny|minicpmo45] [--device cpu|cuda] [--sessions 1,2,4,8]
-                      [--memory-budget 80GiB] [--realtime] [--out DIR]
-    duplexcache bench serve --url ws://HOST:PORT/v1/realtime [...]   (bench/serve.py: a load
-                      generator against a running server over WebSockets)
+    duplexcache bench memory        memory per session and the ceiling, A/B per switch
+    duplexcache bench ticks         per-stage tick latency, largest real-time session count
+    duplexcache bench serve         real-time callers over WebSockets against a running server
+    duplexcache bench setup         setup time and private bytes of later same-context sessions
+    duplexcache bench prefill       what a longest-context session's prefill adds to live ticks
+    duplexcache bench warm-start    time to ready, graph captures of the first ticks
+    duplexcache bench kernels       Stage 0 GPU kernels: paged decode, key re-rotation (CUDA)
+    duplexcache bench stage2        batched Code2Wav with CUDA graphs, prompt sharing on vs off
+    duplexcache bench stage0-bytes  Stage 0 KV bytes per session from shapes alone
 
-Writes DIR/report.json (schema: docs/benchmarks.md), DIR/memory.png and prints a table.
-The measured target is the serving engine (``--target engine``, default) or the stages wired
-directly (``--target components``).
-Needs torch, numpy, pydantic, pyyaml, tqdm and matplotlib; no web library.
+Each benchmark is a module exposing ``add_arguments(parser)`` and ``run(args) -> int`` (the table
+below), imported when the parser is built. ``duplexcache bench`` with options and no benchmark
+name is ``duplexcache bench memory`` (what the command meant before it had benchmarks), so the
+commands recorded with earlier results still run. ``python -m duplexcache.bench.<module>`` is an
+alias of its subcommand (bench/common.py ``alias_main``).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
-import sys
-import time
-from dataclasses import dataclass
-from pathlib import Path
 
-import torch
-
-from duplexcache.bench.components import BenchModels, ComponentTarget
-from duplexcache.bench.floor import SessionFloor, session_floor
-from duplexcache.bench.matrix import config_matrix
-from duplexcache.bench.report import RunMeta, build_report, format_table, write_report
-from duplexcache.bench.runner import run_sweep
-from duplexcache.cfm.config import Code2WavShape
-from duplexcache.config import DeployConfig, parse_bytes
-
-logger = logging.getLogger(__name__)
-
-DEFAULT_SESSIONS = {"tiny": "1,2,4,8", "minicpmo45": "1,2,4,8"}
-FF_CHUNK = {"tiny": 1024, "minicpmo45": 2048}
-# The tiny preset (without --config) fills a smaller window so a CPU run stays within minutes
-# (the fast-forward prefill is quadratic in the window); the report states the window it used.
-TINY_WINDOW = (2048, 1536)
-
-
-def parse_sessions(text: str) -> list[int]:
-    """``"1,2,4,8"`` -> [1, 2, 4, 8]: positive, strictly increasing, at least two counts."""
-    try:
-        counts = [int(p) for p in text.split(",") if p.strip()]
-    except ValueError:
-        raise ValueError(f"--sessions must be comma-separated ints like '1,2,4,8', got {text!r}") from None
-    if len(counts) < 2 or any(n <= 0 for n in counts) or counts != sorted(set(counts)):
-        raise ValueError(f"--sessions needs >= 2 positive, strictly increasing counts, got {text!r}")
-    return counts
+# benchmark -> (module exposing add_arguments(parser) and run(args) -> int, help)
+BENCHMARKS = {
+    "memory": ("duplexcache.bench.memory_sweep", "memory per session and the concurrency ceiling, A/B per switch"),
+    "ticks": ("duplexcache.bench.engine_ticks", "per-stage tick latency and the largest real-time session count"),
+    "serve": ("duplexcache.bench.serve", "drive a running server over WebSockets at real-time pace"),
+    "setup": ("duplexcache.bench.session_setup",
+              "setup time and private bytes of later sessions with the same context"),
+    "prefill": ("duplexcache.bench.prefill_isolation",
+                "what opening a session with the longest context adds to the live sessions' ticks"),
+    "warm-start": ("duplexcache.bench.warm_start", "time to ready, warm-up graphs, captures in the first ticks"),
+    "kernels": ("duplexcache.bench.gpu_stage0", "Stage 0 GPU kernels: paged decode attention, key re-rotation"),
+    "stage2": ("duplexcache.bench.gpu_stage2", "batched Code2Wav with CUDA graphs, prompt sharing on vs off"),
+    "stage0-bytes": ("duplexcache.bench.stage0_bytes", "Stage 0 KV bytes per session from shapes alone"),
+}
+DEFAULT = "memory"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", choices=("tiny", "minicpmo45"), default=None,
-                        help="model shapes (default: --config's model.preset, else tiny)")
-    parser.add_argument("--config", type=Path, default=None,
-                        help="deploy YAML to start from (default: the preset's packaged config)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                        help="default: the deploy config's model.device")
-    parser.add_argument("--sessions", default=None, help="session counts, e.g. 1,2,4,8,16,32")
-    parser.add_argument("--memory-budget", default=None,
-                        help="device memory for weights + sessions used for the ceiling, e.g. 80GiB "
-                             "(default: the GPU's total memory on cuda, else engine.memory_budget, "
-                             "which excludes weights)")
-    parser.add_argument("--realtime", action="store_true",
-                        help="also report the ceiling that keeps every tick under 1 s")
-    parser.add_argument("--units", type=int, default=None,
-                        help="units (ticks) per session before steady state (default: until Code2Wav "
-                             "owns P private frames; 7 ticks for P = 300 on the engine)")
-    parser.add_argument("--window-high", type=int, default=None,
-                        help=f"override stage0.window.high_tokens (tiny default: {TINY_WINDOW[0]})")
-    parser.add_argument("--window-low", type=int, default=None,
-                        help=f"override stage0.window.low_tokens (tiny default: {TINY_WINDOW[1]})")
-    parser.add_argument("--target", choices=("engine", "components"), default="engine",
-                        help="engine: the serving engine (default); components: the stages wired directly")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("bench-out"))
-    # Optional subcommand: without one, ``duplexcache bench`` is the memory benchmark above.
-    sub = parser.add_subparsers(dest="bench_command", metavar="{serve}")
-    from duplexcache.bench import serve
+    from duplexcache.cli import add_module_parser
 
-    serve.add_arguments(sub.add_parser("serve", help="drive a running server over WebSockets at real-time pace",
-                                       description="Drive a running server over WebSockets at real-time pace "
-                                       "(see duplexcache/bench/serve.py)."))
-
-
-def load_deploy(args: argparse.Namespace) -> DeployConfig:
-    if args.config:
-        base = DeployConfig.from_yaml(args.config)
-        args.preset = args.preset or base.model.preset
-    else:
-        args.preset = args.preset or "tiny"
-        base = DeployConfig.from_packaged_yaml(args.preset)
-    data = base.to_dict()
-    data["model"]["preset"] = args.preset
-    if args.device:
-        data["model"]["device"] = args.device
-    high, low = args.window_high, args.window_low
-    if args.preset == "tiny" and not args.config and high is None and low is None:
-        high, low = TINY_WINDOW
-    if high is not None:
-        data["stage0"]["window"]["high_tokens"] = high
-    if low is not None:
-        data["stage0"]["window"]["low_tokens"] = low
-    return DeployConfig.from_dict(data, environ={})
-
-
-@dataclass
-class _Setup:
-    """What the chosen target contributes to the run: how to build it and what it measures."""
-
-    configs: list
-    target: str
-    make_target: object
-    weight_bytes: int
-    floor: SessionFloor
-    units: int
-    prompt_frames: int
-    notes: dict
-
-
-def _fit_engine_budget(deploy: DeployConfig, configs, device: torch.device):
-    """The engine preallocates its pools from engine.memory_budget and refuses a budget above
-    the memory left after the weights; on a smaller GPU the bench lowers it (and logs it)."""
-    if deploy.engine.memory_budget == "auto":   # sized from the free memory at start-up: it fits
-        return configs
-    free, _ = torch.cuda.mem_get_info(device)
-    limit = int(free * 0.9) // 2**20 * 2**20
-    if deploy.engine.memory_budget <= limit:
-        return configs
-    logger.warning("engine.memory_budget %d MiB > 90%% of the %d MiB free after weights; the bench uses %d MiB",
-                   deploy.engine.memory_budget // 2**20, free // 2**20, limit // 2**20)
-    data = deploy.to_dict()
-    data["engine"]["memory_budget"] = limit
-    return config_matrix(DeployConfig.from_dict(data, environ={}))
-
-
-def _engine_setup(deploy: DeployConfig, configs, args) -> _Setup:
-    from duplexcache.bench.engine_target import ALWAYS_SPEAK_K, EngineTarget
-    from duplexcache.runtime.bundle import build_models
-
-    models = build_models(configs[0].deploy, seed=args.seed)
-    if models.device.type == "cuda":
-        configs = _fit_engine_budget(deploy, configs, models.device)
-    p = models.voices.get("default").prompt_frames
-    floor = session_floor(models.thinker.config, deploy.stage0.window.high_tokens,
-                          Code2WavShape.from_flow(models.flow), p, models.audio_encoder.cfg, deploy.model.dtype)
-    notes = {
-        "speak_policy": f"engine.speak_policy every_k_units k={ALWAYS_SPEAK_K} turn_units={ALWAYS_SPEAK_K} in "
-                        "the deploy config: every unit speaks, one turn spans the run",
-        "fast_forward": "DuplexEngine.fast_forward per session: Thinker window filled to prefix + high_tokens "
-                        "through the serving append path (embeddings of seeded random text ids); Talker "
-                        "blocks held for a full turn (max_position_embeddings tokens), not computed; "
-                        "Code2Wav reaches P private frames by real units; encoder cache allocated whole",
-        "setup_sample": "after the tick that produced each session's first audio chunk (tick 2: speech "
-                        "lags text by one unit)",
-    }
-    return _Setup(configs, "engine", lambda cfg, n: EngineTarget(models, cfg.deploy, n), models.weight_bytes(), floor,
-                  args.units or EngineTarget.units_to_steady(p), p, notes)
-
-
-def _components_setup(deploy: DeployConfig, configs, args) -> _Setup:
-    models = BenchModels.build(args.preset, deploy.model.device, getattr(torch, deploy.model.dtype), seed=args.seed)
-    floor = session_floor(models.thinker.config, deploy.stage0.window.high_tokens,
-                          Code2WavShape.from_flow(models.flow), models.prompt_frames, models.encoder.cfg,
-                          deploy.model.dtype)
-    notes = {
-        "fast_forward": "Thinker window filled to prefix + high_tokens by appending real token embeddings of "
-                        "seeded random ids in batched chunks (no decode); Code2Wav reaches P private frames "
-                        "by real units; the encoder cache is allocated whole",
-        "talker": "not in the component target: speech tokens are the top-28 Thinker logits mod 6561",
-        "text_tokens_per_unit": 2,
-    }
-    return _Setup(configs, "components", lambda cfg, n: ComponentTarget(models, cfg.deploy, n), models.weight_bytes(),
-                  floor, args.units or models.units_to_steady(), models.prompt_frames, notes)
+    parser.epilog = (f"`duplexcache bench [options]` with no BENCHMARK runs {DEFAULT}; "
+                     "`duplexcache bench BENCHMARK --help` lists a benchmark's options.")
+    sub = parser.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+    for name, (module, help_text) in BENCHMARKS.items():
+        add_module_parser(sub, name, module, help_text)
 
 
 def run(args: argparse.Namespace) -> int:
-    if getattr(args, "bench_command", None) == "serve":
-        from duplexcache.bench import serve
-
-        return serve.run(args)
-    from tqdm import tqdm
-
-    start = time.perf_counter()
-    if args.memory_budget is not None:
-        parse_bytes(args.memory_budget)  # a typo fails now, not after the sweep
-    deploy = load_deploy(args)
-    sessions = parse_sessions(args.sessions or DEFAULT_SESSIONS[args.preset])
-    device = torch.device(deploy.model.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("duplexcache bench: --device cuda but torch sees no CUDA device")
-    configs = config_matrix(deploy)
-    setup = (_engine_setup if args.target == "engine" else _components_setup)(deploy, configs, args)
-    configs = setup.configs
-    with tqdm(total=len(configs) * len(sessions), desc="bench", file=sys.stderr, unit="run") as bar:
-        results = run_sweep(configs, sessions, setup.make_target, setup.units, device,
-                            FF_CHUNK[args.preset], progress=bar)
-    report = build_report(results, _run_meta(args, deploy, configs, device, sessions, setup))
-    report["wall_s"] = round(time.perf_counter() - start, 1)
-    out = Path(args.out)
-    path = write_report(report, out)
-    from duplexcache.bench.plot import plot_memory
-
-    plot_memory(report, out / "memory.png")
-    print(format_table(report))
-    print(f"wrote {path} and {out / 'memory.png'} in {report['wall_s']} s")
-    return 0 if report["all_equal"] else 1
+    """Never reached through ``duplexcache bench``: the benchmark's parser sets its own ``run``."""
+    raise SystemExit(f"duplexcache bench: no benchmark named (one of {', '.join(BENCHMARKS)})")
 
 
-def _run_meta(args, deploy: DeployConfig, configs, device: torch.device, sessions: list[int],
-              setup: _Setup) -> RunMeta:
-    w = deploy.stage0.window
-    source = "component accounting of tensor storage (KV pool blocks, caches, arena)"
-    if device.type == "cuda":
-        source += "; plus torch.cuda allocator deltas (memory_allocated, max_memory_allocated, memory_reserved)"
-    workload = {
-        "sessions": sessions,
-        "units_before_steady": setup.units,
-        "chunks_compared": "every audio chunk and text delta of units 1.." + str(setup.units + 1),
-        "same_context_all_sessions": True,
-        "voice_prompt_frames": setup.prompt_frames,
-        "window": {"mode": w.mode, "high_tokens": w.high_tokens, "low_tokens": w.low_tokens},
-        "graph_grid": list(configs[0].deploy.code2wav.graph_grid or ()),
-        "thinker_dtype": deploy.model.dtype,
-        "code2wav_dtype": "float32",
-        "seed": args.seed,
-        **setup.notes,
-    }
-    if args.memory_budget is not None:
-        budget, includes_weights = parse_bytes(args.memory_budget), True
-    elif device.type == "cuda":
-        budget, includes_weights = torch.cuda.get_device_properties(device).total_memory, True
-    else:
-        budget, includes_weights = configs[0].deploy.engine.memory_budget, False
-        if budget == "auto":   # a host device: what the engine resolves auto to
-            from duplexcache.runtime.memory_budget import resolve_memory_budget
-            budget = resolve_memory_budget(configs[0].deploy.engine, 0, None)
-    return RunMeta(preset=args.preset, device=str(device), target=setup.target, memory_source=source,
-                   memory_budget=budget, activation_reserve=deploy.engine.activation_reserve,
-                   weight_bytes=setup.weight_bytes, floor=setup.floor, workload=workload,
-                   realtime=args.realtime, budget_includes_weights=includes_weights)
+def with_default_benchmark(argv: list[str]) -> list[str]:
+    """``duplexcache [-v] bench [options]`` -> ``... bench memory [options]``: when the token after
+    ``bench`` is an option (not -h/--help) or there is none, the memory benchmark is meant."""
+    i = next((k for k, a in enumerate(argv) if not a.startswith("-")), None)
+    if i is None or argv[i] != "bench":
+        return argv
+    rest = argv[i + 1:]
+    if not rest or (rest[0].startswith("-") and rest[0] not in ("-h", "--help")):
+        return [*argv[:i + 1], DEFAULT, *rest]
+    return argv

@@ -21,11 +21,8 @@ of the Stage-0 state and the equality check covers both stages.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -40,10 +37,9 @@ from duplexcache.context.tokenizer import ByteTokenizer
 from duplexcache.kv.block_pool import BlockPool
 from duplexcache.kv.kv_cache_manager import KVCacheManager
 from duplexcache.kv.window import WindowConfig
-from duplexcache.models.audio_encoder import AudioEncoder, AudioEncoderConfig
-from duplexcache.models.flow import FlowConfig, build_flow
-from duplexcache.models.thinker import Thinker, ThinkerConfig
-from duplexcache.models.vocoder import VocoderConfig, build_vocoder
+from duplexcache.models.audio_encoder import AudioEncoder
+from duplexcache.models.presets import build_random_models
+from duplexcache.models.thinker import Thinker
 from duplexcache.runtime.stage0 import SessionContextInput, Stage0Runner
 
 logger = logging.getLogger(__name__)
@@ -56,27 +52,6 @@ CACHE_TAIL = 100
 FRAMES_PER_UNIT = 50            # 25 speech tokens, x2 upsampling
 INSTRUCTIONS = "You are a helpful voice assistant. Answer briefly."
 REF_AUDIO_SECONDS = 2.0
-
-
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """Build modules with ``dtype`` parameters (set and restore torch's default dtype)."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
-def _randomize(module: torch.nn.Module, seed: int) -> None:
-    """Seeded random weights everywhere (the flow zero-inits adaLN and output layers, which
-    would make every output trivially equal)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            std = 0.5 / math.sqrt(p.shape[-1]) if p.dim() >= 2 else 0.1
-            p.copy_((torch.randn(p.shape, generator=gen) * std).to(p.dtype))
 
 
 @dataclass
@@ -98,28 +73,15 @@ class BenchModels:
               prompt_frames: int = PROMPT_FRAMES, cache_tail: int = CACHE_TAIL) -> BenchModels:
         """Seeded random weights of ``preset``; a voice prompt of ``prompt_frames`` mel frames
         (even, >= ``cache_tail``; tests shrink both to keep CPU runs short)."""
-        if preset not in ("tiny", "minicpmo45"):
-            raise ValueError(f"unknown preset {preset!r} (known: tiny, minicpmo45)")
         if prompt_frames % 2 or prompt_frames < cache_tail or cache_tail < 1:
             raise ValueError(f"prompt_frames ({prompt_frames}) must be even and >= cache_tail ({cache_tail}) >= 1")
-        big = preset == "minicpmo45"
-        tcfg = ThinkerConfig.minicpmo45() if big else ThinkerConfig.tiny()
-        ecfg = AudioEncoderConfig.minicpmo45() if big else AudioEncoderConfig.tiny(out_dim=tcfg.hidden_size)
-        torch.manual_seed(seed)
-        with torch.device(device), default_dtype(dtype):
-            thinker = Thinker(tcfg).eval()
-            encoder = AudioEncoder(ecfg).eval()
-        flow = build_flow(FlowConfig.minicpmo45() if big else FlowConfig.tiny())
-        hift = build_vocoder(VocoderConfig.minicpmo45() if big else VocoderConfig.tiny())
-        _randomize(flow, seed + 1)
-        _randomize(hift, seed + 2)
-        # Stage 2 runs in float32, as the reference demo does (SPEC section 5).
-        flow, hift = flow.to(device).eval(), hift.to(device).eval()
+        # Stage 2 is float32 whatever ``dtype`` is, as the reference demo runs it (SPEC section 5).
+        m = build_random_models(preset, device, dtype, seed, parts=("thinker", "audio_encoder", "flow", "hift"))
         gen = torch.Generator().manual_seed(seed + 3)
         voice = (torch.randint(0, SPEECH_VOCAB, (prompt_frames // 2,), generator=gen),
                  torch.randn(prompt_frames, 80, generator=gen), torch.randn(192, generator=gen))
         ref_audio = 0.1 * torch.randn(int(16000 * REF_AUDIO_SECONDS), generator=gen)
-        return cls(preset, thinker, encoder, flow, hift, voice, ref_audio, prompt_frames, cache_tail)
+        return cls(preset, m.thinker, m.audio_encoder, m.flow, m.hift, voice, ref_audio, prompt_frames, cache_tail)
 
     def units_to_steady(self) -> int:
         """Units (the first included) until every session owns P private estimator frames and

@@ -1,6 +1,6 @@
 """Engine tick benchmark: per-stage tick latency of the duplex engine at several session counts.
 
-    python -m duplexcache.bench.engine_ticks [--preset tiny|minicpmo45] [--device cpu|cuda]
+    duplexcache bench ticks [--preset tiny|minicpmo45] [--device cpu|cuda]
         [--sessions 1,8,16,32] [--ticks 6] [--warmup-ticks 2] [--memory-budget 80GiB]
         [--all-switches on|off] [--steady-window] [--decode-cuda-graphs on|off] [--ragged-kernel on|off]
         [--workload turns|continuous|conversation] [--speak-k 2] [--turn-units 2]
@@ -69,7 +69,6 @@ import dataclasses
 import gc
 import logging
 import math
-import platform
 import sys
 import time
 from dataclasses import dataclass, field
@@ -80,11 +79,17 @@ import numpy as np
 import torch
 
 from duplexcache.bench import workload as wl
-from duplexcache.bench.engine_ticks_report import STAGES, markdown, write_report
-from duplexcache.config import AUTO, DeployConfig, format_bytes, parse_budget, parse_bytes
+from duplexcache.bench.common import alias_main, hardware_line, sync, usage_error, write_results
+from duplexcache.bench.engine_ticks_config import (  # noqa: F401  (add_arguments: the CLI's options)
+    TickBenchConfig,
+    add_arguments,
+    config_from_args,
+    make_deploy,
+)
+from duplexcache.bench.engine_ticks_report import STAGES, markdown
+from duplexcache.config import DeployConfig, format_bytes
 from duplexcache.runtime.bundle import ModelBundle, build_models
 from duplexcache.runtime.engine import DuplexEngine
-from duplexcache.runtime.voices import VoiceRegistry
 from duplexcache.runtime.engine_api import (
     INPUT_SAMPLE_RATE,
     AdmissionError,
@@ -92,134 +97,15 @@ from duplexcache.runtime.engine_api import (
     SessionError,
     TextDelta,
 )
+from duplexcache.runtime.voices import VoiceRegistry
 
 logger = logging.getLogger(__name__)
 
 REALTIME_S = 1.0  # one tick is one 1-second unit: slower than this falls behind the audio
-CONTINUOUS_K = 1_000_000   # every_k_units block longer than any run: one endless turn
 VOICES = ("default", "alt")
 INSTRUCTIONS = "You are a friendly voice assistant. Keep every answer short."
-# minicpmo45 on an H200: weights take ~18 GiB of the 140; 80 GiB of pools leaves room for
-# activations. tiny keeps its preset budget (the pools are preallocated, also on the CPU).
-DEFAULT_BUDGET = {"minicpmo45": "80GiB"}
-# The three sharing switches of the Two-Tier Omni Cache. cfm_arena_rows_from_graph_grid is left
-# at its default: it needs a graph grid, and setting one changes what Code2Wav captures.
-SWITCHES = {"stage0": ("shared_anchor_blocks",), "context_cache": ("duplex_context_caching",),
-            "code2wav": ("cfm_prompt_att_sharing",)}
 
 EngineFactory = Callable[[DeployConfig, ModelBundle], DuplexEngine]
-
-
-# --------------------------------------------------------------------------------------------
-# Configuration
-# --------------------------------------------------------------------------------------------
-
-@dataclass
-class TickBenchConfig:
-    preset: str = "tiny"
-    device: str = "cpu"
-    sessions: tuple[int, ...] = (1, 8, 16, 32)
-    ticks: int = 6
-    warmup_ticks: int = 2
-    memory_budget: str | None = None   # None: DEFAULT_BUDGET or the preset's own
-    all_switches: bool = True
-    max_seconds: float = 420.0
-    speak_k: int = 2
-    seed: int = 0
-    steady_window: bool = False   # fill each Thinker window to (low + high) // 2 after the warm-up
-    decode_cuda_graphs: bool = True   # engine.decode_cuda_graphs (CUDA only)
-    turn_units: int = 2   # scripted policy: the last min(turn_units, k) units of every k speak, as one turn
-    ragged_kernel: bool = True    # stage0.ragged_kernel (CUDA only; off is the A/B reference)
-    workload: str = "turns"   # turns | continuous | conversation (bench/workload.py)
-    warm_up: bool = True      # DuplexEngine.warmup() before the first tick, as `duplexcache serve` does
-    graph_grid: tuple[int, ...] | None = None   # code2wav.graph_grid (+ arena rows from it); None: the preset's
-
-    def __post_init__(self) -> None:
-        if self.workload not in wl.WORKLOADS:
-            raise ValueError(f"unknown workload {self.workload!r} (known: {', '.join(wl.WORKLOADS)})")
-        if self.workload == "conversation" and self.preset == "minicpmo45" and not self.steady_window:
-            logger.info("conversation workload on minicpmo45: Thinker windows are filled to (low + high) / 2 "
-                        "before the recorded ticks (--steady-window)")
-            self.steady_window = True
-        if self.preset not in ("tiny", "minicpmo45"):
-            raise ValueError(f"unknown preset {self.preset!r} (known: tiny, minicpmo45)")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
-        if self.preset == "minicpmo45" and self.device != "cuda":
-            raise ValueError("the minicpmo45 preset (8B parameters) needs --device cuda")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda but torch sees no CUDA device")
-        if not self.sessions or any(not isinstance(n, int) or n < 1 for n in self.sessions):
-            raise ValueError(f"sessions must be positive ints, got {self.sessions!r}")
-        self.sessions = tuple(sorted(set(self.sessions)))
-        if self.ticks < 1 or self.warmup_ticks < 0:
-            raise ValueError(f"need ticks >= 1 and warmup_ticks >= 0, got {self.ticks}, {self.warmup_ticks}")
-        if self.max_seconds <= 0:
-            raise ValueError(f"max_seconds must be positive, got {self.max_seconds}")
-        if self.speak_k < 1 or self.turn_units < 1:
-            raise ValueError(f"speak_k and turn_units must be >= 1, got {self.speak_k}, {self.turn_units}")
-        if self.memory_budget is not None:
-            parse_budget(self.memory_budget)   # "auto" or a size; raises ValueError naming a bad one
-        if self.warmup_ticks < 2:
-            logger.warning("warmup_ticks=%d: the first Code2Wav step (graph capture on CUDA) "
-                           "falls in a recorded tick", self.warmup_ticks)
-
-    @property
-    def every_unit_speaks(self) -> bool:
-        if self.workload == "conversation":
-            return False
-        return self.workload == "continuous" or self.turn_units >= self.speak_k
-
-    def speak_policy(self) -> dict[str, Any]:
-        """``engine.speak_policy`` of the workload."""
-        if self.workload == "conversation":
-            shape = wl.ConversationShape()
-            return {"mode": "reply", "reply_min_units": shape.reply_min_units,
-                    "reply_max_units": shape.reply_max_units}
-        if self.workload == "continuous":
-            return {"mode": "every_k_units", "k": CONTINUOUS_K, "turn_units": CONTINUOUS_K}
-        return {"mode": "every_k_units", "k": self.speak_k, "turn_units": self.turn_units}
-
-    def describe_policy(self) -> str:
-        p = self.speak_policy()
-        if p["mode"] == "reply":
-            return f"reply (conversation) {p['reply_min_units']}..{p['reply_max_units']} units"
-        return f"every_k_units k={p['k']} turn_units={min(p['turn_units'], p['k'])}"
-
-    def script(self, index: int, sid: str, units: int) -> wl.SessionScript:
-        """What session ``index`` says and when it is scheduled to speak."""
-        if self.workload == "conversation":
-            return wl.conversation_script(index, sid, units, self.seed)
-        if self.workload == "continuous":
-            return wl.continuous_script(sid, units)
-        return wl.turns_script(sid, units, self.speak_k, self.turn_units)
-
-    def budget(self) -> str | None:
-        return self.memory_budget or DEFAULT_BUDGET.get(self.preset)
-
-
-def make_deploy(cfg: TickBenchConfig) -> DeployConfig:
-    """The preset's defaults with the bench's device, budget, switches and scripted policy."""
-    raw = DeployConfig.default(cfg.preset).to_dict()
-    raw["model"]["device"] = cfg.device
-    if cfg.device == "cpu":
-        raw["model"]["dtype"] = "float32"
-    budget = cfg.budget()
-    if budget is not None:
-        raw["engine"]["memory_budget"] = budget
-        reserve = parse_bytes(raw["engine"]["activation_reserve"])
-        if budget != AUTO and reserve >= parse_bytes(budget):   # e.g. a small test budget under the 8 GiB reserve
-            raw["engine"]["activation_reserve"] = format_bytes(parse_bytes(budget) // 8)
-    for section, keys in SWITCHES.items():
-        for key in keys:
-            raw[section][key] = cfg.all_switches
-    raw["engine"]["speak_policy"] = cfg.speak_policy()
-    raw["engine"]["decode_cuda_graphs"] = cfg.decode_cuda_graphs
-    raw["stage0"]["ragged_kernel"] = cfg.ragged_kernel
-    if cfg.graph_grid is not None:
-        raw["code2wav"]["graph_grid"] = list(cfg.graph_grid)
-        raw["code2wav"]["cfm_arena_rows_from_graph_grid"] = True
-    return DeployConfig.from_dict(raw, environ={})
 
 
 # --------------------------------------------------------------------------------------------
@@ -243,11 +129,6 @@ def summarize(values: list[float]) -> dict[str, float | int | None]:
         return {"p50": None, "p99": None, "max": None, "n": 0}
     return {"p50": float(np.percentile(ran, 50)), "p99": float(np.percentile(ran, 99)),
             "max": float(ran.max()), "n": int(ran.size)}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # --------------------------------------------------------------------------------------------
@@ -369,10 +250,10 @@ class _Feed:
 def _run_tick(eng: DuplexEngine, feed: _Feed, res: RunResult, device: torch.device) -> tuple[list, float, set[str]]:
     """Feed one unit, tick (synchronised wall clock around ``tick()`` only), check the schedule."""
     scheduled = feed.push(eng)
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     events = eng.tick()
-    _sync(device)
+    sync(device)
     wall = time.perf_counter() - t0
     res.session_errors += sum(isinstance(e, SessionError) for e in events)
     spoke = {e.sid for e in events if isinstance(e, TextDelta)}
@@ -504,15 +385,6 @@ def _close(eng: DuplexEngine, sids: list[str]) -> None:
 # The sweep
 # --------------------------------------------------------------------------------------------
 
-def hardware_line(device: torch.device) -> str:
-    torch_line = f"torch {torch.__version__}"
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        return (f"{props.name}, {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB; "
-                f"{torch_line}, CUDA {torch.version.cuda}")
-    return f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads; {torch_line}"
-
-
 def largest_realtime(rows: list[RunResult]) -> int | None:
     """The largest session count tried whose every recorded tick ran under 1 s."""
     ok = [r.sessions for r in rows if r.all_under_1s]
@@ -541,7 +413,7 @@ def run_benchmark(cfg: TickBenchConfig, out: Path | None = None, models: ModelBu
     if models is None:
         logger.info("building %s models on %s (%s)", cfg.preset, cfg.device, deploy.model.dtype)
         models = build_models(deploy, seed=cfg.seed)
-        _sync(models.device)
+        sync(models.device)
     if cfg.workload == "conversation" and len(models.voices) < wl.MIN_VOICES:
         # A copy of the registry: the caller's bundle keeps its voices (and its memory plan).
         voices = VoiceRegistry([models.voices.get(v) for v in models.voices.names()])
@@ -568,10 +440,10 @@ def run_benchmark(cfg: TickBenchConfig, out: Path | None = None, models: ModelBu
                     _fmt(wall["p50"]), _fmt(wall["max"]), res.all_under_1s, res.note)
         results = _results(cfg, deploy, models, rows, build_s, weights_alloc, deadline)
         if out is not None:
-            write_report(results, out)
+            write_results(out, results, markdown(results))
     results = _results(cfg, deploy, models, rows, build_s, weights_alloc, deadline)
     if out is not None:
-        write_report(results, out)
+        write_results(out, results, markdown(results))
     return results
 
 
@@ -614,73 +486,19 @@ def _results(cfg: TickBenchConfig, deploy: DeployConfig, models: ModelBundle, ro
 
 
 # --------------------------------------------------------------------------------------------
-# Command line
+# Command line: duplexcache bench ticks (options: engine_ticks_config.add_arguments)
 # --------------------------------------------------------------------------------------------
 
-def _session_list(text: str) -> tuple[int, ...]:
+def run(args: argparse.Namespace) -> int:
     try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--sessions wants comma-separated ints, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"--sessions wants positive ints, got {text!r}")
-    return values
-
-
-def parse_args(argv: list[str] | None) -> tuple[TickBenchConfig, Path]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--preset", choices=("tiny", "minicpmo45"), default="tiny")
-    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                   help="default: cuda for minicpmo45, cpu for tiny")
-    p.add_argument("--sessions", type=_session_list, default=(1, 8, 16, 32))
-    p.add_argument("--ticks", type=int, default=6)
-    p.add_argument("--warmup-ticks", type=int, default=2)
-    p.add_argument("--memory-budget", default=None,
-                   help="engine.memory_budget (default: 80GiB for minicpmo45, the preset's for tiny)")
-    p.add_argument("--all-switches", choices=("on", "off"), default="on",
-                   help="shared_anchor_blocks, duplex_context_caching, cfm_prompt_att_sharing")
-    p.add_argument("--speak-k", type=int, default=2,
-                   help="scripted policy: speak in the last min(turn_units, k) of every k units")
-    p.add_argument("--turn-units", type=int, default=2,
-                   help="scripted policy: units per turn (k=2 with 2: two-unit turns; k=turn=1000: one turn)")
-    p.add_argument("--workload", choices=wl.WORKLOADS, default="turns",
-                   help="turns: --speak-k/--turn-units lockstep; continuous: one endless turn; conversation: "
-                        "user turns and replies (reply policy, >= 3 voices; implies --steady-window on minicpmo45)")
-    p.add_argument("--steady-window", action="store_true",
-                   help="before the recorded ticks, fill each Thinker window to (low + high) / 2 tokens")
-    p.add_argument("--decode-cuda-graphs", choices=("on", "off"), default="on",
-                   help="engine.decode_cuda_graphs: replay the Thinker/Talker decode steps from CUDA graphs")
-    p.add_argument("--ragged-kernel", choices=("on", "off"), default="on",
-                   help="stage0.ragged_kernel: short ragged steps through the in-place paged kernel")
-    p.add_argument("--warm-up", choices=("on", "off"), default="on",
-                   help="CUDA: DuplexEngine.warmup() before the first tick (as `duplexcache serve`); off: graphs "
-                        "are captured inside ticks (the cold A/B)")
-    p.add_argument("--graph-grid", type=_session_list, default=None,
-                   help="code2wav.graph_grid, e.g. 1,4,8,16 (arena rows from the grid); default: the preset's")
-    p.add_argument("--max-seconds", type=float, default=420.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("out/engine_ticks"))
-    a = p.parse_args(argv)
-    device = a.device or ("cuda" if a.preset == "minicpmo45" else "cpu")
-    try:
-        cfg = TickBenchConfig(a.preset, device, a.sessions, a.ticks, a.warmup_ticks, a.memory_budget,
-                              a.all_switches == "on", a.max_seconds, a.speak_k, a.seed, a.steady_window,
-                              a.decode_cuda_graphs == "on", a.turn_units, a.ragged_kernel == "on", a.workload,
-                              a.warm_up == "on", a.graph_grid)
+        cfg = config_from_args(args)
     except ValueError as exc:
-        p.error(str(exc))
-    return cfg, a.out
-
-
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg, out = parse_args(argv)
-    results = run_benchmark(cfg, out)
+        return usage_error("ticks", exc)
+    results = run_benchmark(cfg, args.out)
     print(markdown(results), flush=True)
-    logger.info("wrote %s and %s", out / "results.json", out / "results.md")
+    logger.info("wrote %s and %s", args.out / "results.json", args.out / "results.md")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(alias_main("ticks"))

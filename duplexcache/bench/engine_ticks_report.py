@@ -1,4 +1,4 @@
-"""The engine tick benchmark's Markdown report (results.md) and the files it writes.
+"""The engine tick benchmark's Markdown report (results.md).
 
 Split out of engine_ticks.py; reads only the JSON-able results dict that
 ``engine_ticks.run_benchmark`` returns.
@@ -6,8 +6,6 @@ Split out of engine_ticks.py; reads only the JSON-able results dict that
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 STAGES = ("encoder", "thinker", "talker", "code2wav", "tick")   # the engine's stages, in tick order
@@ -61,9 +59,3 @@ def markdown(results: dict[str, Any]) -> str:
         lines += ["", "Notes:", *notes]
     lines.append("")
     return "\n".join(lines)
-
-
-def write_report(results: dict[str, Any], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2))
-    (out / "results.md").write_text(markdown(results))

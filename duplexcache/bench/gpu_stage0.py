@@ -1,6 +1,6 @@
 """Stage 0 GPU micro-benchmark: decode attention and key re-rotation on Qwen3-8B shapes.
 
-    python -m duplexcache.bench.gpu_stage0 --out DIR [--quick]
+    duplexcache bench kernels --out DIR [--quick]
 
 Measures one decode step (all layers) for B sessions of T cached tokens each:
   (a) dense SDPA over contiguous (B, Hkv, T, D) K/V (the SPEC §5 anchor, 23.7 ms on an H200);
@@ -22,9 +22,9 @@ Only torch, triton and numpy are needed (the kernels are in duplexcache.kv.trito
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +33,8 @@ from typing import Callable
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from duplexcache.bench.common import alias_main, hardware_line, usage_error, write_results
 
 logger = logging.getLogger(__name__)
 PAGE = 16
@@ -412,14 +414,6 @@ def bench_rerotate(s: Shapes, args, results: dict) -> None:
 
 
 # ----------------------------------------------------------------------------- report
-def hardware_line() -> str:
-    import triton
-
-    p = torch.cuda.get_device_properties(0)
-    return (f"{p.name}, {p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB; "
-            f"torch {torch.__version__}, CUDA {torch.version.cuda}, triton {triton.__version__}")
-
-
 def markdown(results: dict, s: Shapes) -> str:
     lines = [f"# Stage 0 GPU bench\n", f"hardware: {results['hardware']}  ",
              f"copy bandwidth (read+write): {results['copy_bandwidth_gbs']:.0f} GB/s  ",
@@ -444,8 +438,7 @@ def markdown(results: dict, s: Shapes) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
@@ -454,16 +447,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--distinct-layers", type=int, default=4)
     p.add_argument("--quick", action="store_true", help="two kernel configs instead of 17")
     p.add_argument("--skip-decode", action="store_true")
-    args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     if args.repeats < 20 or args.rerotate_repeats < 20:
-        p.error("--repeats and --rerotate-repeats must be >= 20")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+        return usage_error("kernels", "--repeats and --rerotate-repeats must be >= 20")
     if not torch.cuda.is_available():
-        raise SystemExit("gpu_stage0 needs CUDA")
+        print("duplexcache bench kernels: needs CUDA (the Triton kernels run on the GPU)", file=sys.stderr)
+        return 1
+    import triton
+
     s = Shapes(distinct_layers=args.distinct_layers)
-    args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    results: dict = {"hardware": hardware_line(), "shapes": s.__dict__,
+    results: dict = {"hardware": hardware_line("cuda:0", f"triton {triton.__version__}"), "shapes": s.__dict__,
                      "copy_bandwidth_gbs": copy_bandwidth_gbs(), "repeats": args.repeats,
                      "warmup": args.warmup}
     if not args.skip_decode:
@@ -471,12 +467,11 @@ def main(argv: list[str] | None = None) -> int:
     # Second, so the sub-millisecond kernel is timed on a card already at its working clocks.
     bench_rerotate(s, args, results)
     results["wall_s"] = time.time() - t0
-    (args.out / "results.json").write_text(json.dumps(results, indent=2))
     md = markdown(results, s)
-    (args.out / "results.md").write_text(md)
+    write_results(args.out, results, md)
     print(md)  # CLI output
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(alias_main("kernels"))

@@ -1,6 +1,6 @@
 """Stage 2 GPU benchmark: batched streaming Code2Wav with CUDA graphs, prompt sharing on vs off.
 
-    python -m duplexcache.bench.gpu_stage2 --out DIR [--batches 1,8,32] [--chunks 10]
+    duplexcache bench stage2 --out DIR [--batches 1,8,32] [--chunks 10]
 
 On the minicpmo45 flow + HiFT shapes (random weights, float32, as the reference runs):
   (a) milliseconds per 1 s chunk (25 tokens + 3 lookahead) for B sessions at steady cache
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import platform
 import time
@@ -33,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from duplexcache.bench.common import alias_main, hardware_line, int_list, sync, usage_error, write_results
 from duplexcache.cfm import (
     BatchedCode2Wav,
     Code2WavConfig,
@@ -42,28 +42,26 @@ from duplexcache.cfm import (
 )
 from duplexcache.cfm.graph_grid import arena_rows, replay_groups
 from duplexcache.models.flow import FlowConfig, build_flow
-from duplexcache.models.vocoder import VocoderConfig, build_vocoder
+from duplexcache.models.presets import PRESETS, build_random_models
 
 logger = logging.getLogger(__name__)
 MIB = 2 ** 20
 CHUNK_TOKENS, LOOKAHEAD = 25, 3
-PRESETS = {"minicpmo45": (FlowConfig.minicpmo45, VocoderConfig.minicpmo45), "tiny": (FlowConfig.tiny, VocoderConfig.tiny)}
 
 
 # ---- set-up ------------------------------------------------------------------------------
-def build_models(preset: str, device: torch.device, seed: int):
-    """Our flow + HiFT with seeded random weights that exercise every path (verify's recipe)."""
+def stage2_models(preset: str, device: torch.device, seed: int):
+    """Our flow + HiFT from the package's random-model builder, then verify's recipe on top:
+    every flow weight redrawn so every path is exercised, and a voiced HiFT F0 predictor."""
     from duplexcache.verify.flow import (  # torch-only module
         randomize_flow_,
         randomize_hift_,
     )
 
-    flow_cfg, voc_cfg = (f() for f in PRESETS[preset])
-    torch.manual_seed(seed)
-    flow, hift = build_flow(flow_cfg, device), build_vocoder(voc_cfg, device)
-    randomize_flow_(flow, seed)
-    randomize_hift_(hift, seed + 1)
-    return flow_cfg, voc_cfg, flow, hift
+    m = build_random_models(preset, device, torch.float32, seed, parts=("flow", "hift"))
+    randomize_flow_(m.flow, seed)
+    randomize_hift_(m.hift, seed + 1)
+    return m.flow_config, m.vocoder_config, m.flow, m.hift
 
 
 def voice(prompt_frames: int, seed: int, vocab: int):
@@ -76,11 +74,6 @@ def chunk_tokens(sid: int, tick: int, vocab: int) -> torch.Tensor:
     """Session `sid`'s chunk at `tick`: the same stream whatever the batch or the sharing mode."""
     gen = torch.Generator().manual_seed(1_000_003 * sid + tick)
     return torch.randint(0, vocab, (CHUNK_TOKENS + LOOKAHEAD,), generator=gen)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def allocated(device: torch.device) -> int | None:
@@ -245,9 +238,9 @@ def reference_times(flow, hift, flow_cfg, voc_cfg, args, device) -> dict:
 
 # ---- report --------------------------------------------------------------------------------
 def hardware(device: torch.device) -> str:
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    return (f"{gpu}; torch {torch.__version__}; CUDA {torch.version.cuda}; python {platform.python_version()}; "
-            f"tf32 matmul {torch.backends.cuda.matmul.allow_tf32}, cudnn {torch.backends.cudnn.allow_tf32} (defaults)")
+    return hardware_line(device, f"python {platform.python_version()}",
+                         f"tf32 matmul {torch.backends.cuda.matmul.allow_tf32}, cudnn {torch.backends.cudnn.allow_tf32} "
+                         "(defaults)")
 
 
 def markdown(res: dict) -> str:
@@ -308,47 +301,45 @@ def guarded(fn) -> dict:
         return {"available": False, "error": f"{type(exc).__name__}: {exc}"}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--batches", default="1,8,32")
+def _sorted_ints(option: str):
+    parse = int_list(option)
+    return lambda text: sorted(set(parse(text)))
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--batches", type=_sorted_ints("--batches"), default="1,8,32")
     ap.add_argument("--chunks", type=int, default=10, help="timed chunks per batch (>= 10 for a report)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed chunks first (2 reach the P + 100 cache)")
     ap.add_argument("--ref-chunks", type=int, default=20)
     ap.add_argument("--prompt-frames", type=int, default=300)
-    ap.add_argument("--grid", default="1,4,8,16,32", help="graph tiers for (a); (c) always uses 1,4,8,16")
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="minicpmo45")
+    ap.add_argument("--grid", type=lambda text: tuple(_sorted_ints("--grid")(text)), default="1,4,8,16,32",
+                    help="graph tiers for (a); (c) always uses 1,4,8,16")
+    ap.add_argument("--preset", choices=PRESETS, default="minicpmo45")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--compare-sessions", type=int, default=4, help="sessions per batch whose mel is compared")
     ap.add_argument("--no-grid-run", action="store_true")
     ap.add_argument("--no-reference", action="store_true")
-    args = ap.parse_args(argv)
-    args.batches = sorted({int(b) for b in args.batches.split(",")})
-    args.grid = tuple(sorted({int(t) for t in args.grid.split(",")}))
+
+
+def run(args: argparse.Namespace) -> int:
     if args.warmup < 2:
-        ap.error("--warmup must be >= 2 (the cache reaches P + 100 after two chunks)")
-    if min(args.batches) < 1 or args.chunks < 1:
-        ap.error("--batches and --chunks must be positive")
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    args = parse_args(argv)
+        return usage_error("stage2", "--warmup must be >= 2 (the cache reaches P + 100 after two chunks)")
+    if args.chunks < 1:
+        return usage_error("stage2", "--chunks must be positive")
     device = torch.device(args.device)
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    flow_cfg, voc_cfg, flow, hift = build_models(args.preset, device, args.seed)
+    out_dir = args.out
+    flow_cfg, voc_cfg, flow, hift = stage2_models(args.preset, device, args.seed)
     prompt = voice(args.prompt_frames, args.seed + 7, flow.vocab_size)
     res = {"hardware": hardware(device), "preset": args.preset, "prompt_frames": args.prompt_frames,
            "warmup": args.warmup, "chunks": args.chunks, "grid": list(args.grid), "modes": []}
-    dump = lambda: (out_dir / "results.json").write_text(json.dumps(res, indent=1))
+    dump = lambda: write_results(out_dir, res)   # partial results survive a later failure or a time limit
     mels: dict[bool, dict] = {False: {}, True: {}}
     for sharing in (False, True):
         logger.info("timing sharing=%s batches=%s", sharing, args.batches)
         res["modes"].append(run_mode(flow, hift, sharing, args, device, prompt, mels[sharing]))
-        dump()   # partial results survive a later failure or a time limit
+        dump()
     keys = sorted(mels[False])
     equal = [torch.equal(mels[False][k], mels[True][k]) for k in keys]
     res["equality"] = {"compared": len(keys), "chunks_per_session": args.warmup + args.chunks,
@@ -366,10 +357,10 @@ def main(argv: list[str] | None = None) -> int:
         guarded(lambda: reference_times(flow, hift, flow_cfg, voc_cfg, args, device))
     dump()
     md = markdown(res)
-    (out_dir / "results.md").write_text(md)
+    write_results(out_dir, res, md)
     print(md)
     return 0 if res["equality"]["all_equal"] else 1
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(alias_main("stage2"))

@@ -1,7 +1,7 @@
 """Prefill isolation bench: what opening a session with the longest allowed context adds to the
 tick of the sessions already live.
 
-    python -m duplexcache.bench.prefill_isolation [--preset tiny|minicpmo45] [--device cpu|cuda]
+    duplexcache bench prefill [--preset tiny|minicpmo45] [--device cpu|cuda]
         [--sessions 32] [--warmup-ticks 8] [--baseline-ticks 6] [--prefill-chunk-tokens N]
         [--max-context-tokens N] [--memory-budget 80GiB] [--threshold-ms 100] [--out DIR]
 
@@ -22,16 +22,16 @@ whatever their measured cost. Results go to ``DIR/results.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from duplexcache.bench.engine_ticks import TickBenchConfig, make_deploy, session_audio
+from duplexcache.bench.common import alias_main, default_device, sync, usage_error, write_results
+from duplexcache.bench.engine_ticks import session_audio
+from duplexcache.bench.engine_ticks_config import TickBenchConfig, make_deploy
 from duplexcache.config import DeployConfig
 from duplexcache.runtime.bundle import build_models
 from duplexcache.runtime.engine import DuplexEngine
@@ -42,13 +42,11 @@ logger = logging.getLogger(__name__)
 CONTINUOUS = 1000
 
 
-def _timed_tick(eng: DuplexEngine, cuda: bool) -> tuple[float, list]:
-    if cuda:
-        torch.cuda.synchronize()
+def _timed_tick(eng: DuplexEngine) -> tuple[float, list]:
+    sync(eng.models.device)
     t = time.perf_counter()
     events = eng.tick()
-    if cuda:
-        torch.cuda.synchronize()
+    sync(eng.models.device)
     return time.perf_counter() - t, events
 
 
@@ -68,11 +66,10 @@ def _instructions(eng: DuplexEngine, voice: str, tokens: int) -> str:
     return text
 
 
-def run(deploy: DeployConfig, sessions: int, warmup: int, baseline_ticks: int, seed: int) -> dict:
+def measure(deploy: DeployConfig, sessions: int, warmup: int, baseline_ticks: int, seed: int) -> dict:
     models = build_models(deploy, seed=seed)
     eng = DuplexEngine(deploy, models)
     eng.warmup()   # as `duplexcache serve` does: no graph capture inside the timed ticks
-    cuda = models.device.type == "cuda"
     enc = models.audio_encoder.cfg
     total_units = warmup + baseline_ticks + 200
     sids = [eng.open_session({"voice": ("default", "alt")[i % 2]}) for i in range(sessions)]
@@ -88,17 +85,17 @@ def run(deploy: DeployConfig, sessions: int, warmup: int, baseline_ticks: int, s
 
     for _ in range(warmup):
         feed()
-        _timed_tick(eng, cuda)
+        _timed_tick(eng)
     base = []
     for _ in range(baseline_ticks):
         feed()
-        base.append(_timed_tick(eng, cuda)[0])
+        base.append(_timed_tick(eng)[0])
     limit = deploy.server.max_context_tokens
     long_sid = eng.open_session({"voice": "default", "instructions": _instructions(eng, "default", limit)})
     prefill, spoke = [], []
     while not eng.session_info(long_sid).opened:
         feed()
-        wall, events = _timed_tick(eng, cuda)
+        wall, events = _timed_tick(eng)
         prefill.append(wall)
         spoke.append(len({e.sid for e in events if e.sid in cursor}))
         if len(prefill) > 10 * (limit // deploy.engine.prefill_chunk_tokens + 2):
@@ -112,8 +109,7 @@ def run(deploy: DeployConfig, sessions: int, warmup: int, baseline_ticks: int, s
             "sessions_with_events_per_prefill_tick": spoke, "added_ms": 1e3 * added}
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=("tiny", "minicpmo45"), default="tiny")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="default: cuda for minicpmo45, cpu for tiny")
@@ -127,18 +123,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threshold-ms", type=float, default=100.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("out/prefill_isolation"))
-    return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    a = parse_args(argv)
-    device = a.device or ("cuda" if a.preset == "minicpmo45" else "cpu")
+def run(a: argparse.Namespace) -> int:
+    if a.baseline_ticks < 1:
+        return usage_error("prefill", "--baseline-ticks must be >= 1")
     # The live sessions speak without pause (one endless turn): every baseline tick does the same
     # work, so "added" compares like with like (two-unit turns alternate ~0.3 s and ~1 s ticks).
-    cfg = TickBenchConfig(preset=a.preset, device=device, sessions=(a.sessions,), memory_budget=a.memory_budget,
-                          warmup_ticks=a.warmup_ticks, seed=a.seed, speak_k=CONTINUOUS, turn_units=CONTINUOUS)
+    try:
+        cfg = TickBenchConfig(preset=a.preset, device=default_device(a.preset, a.device), sessions=(a.sessions,),
+                              memory_budget=a.memory_budget, warmup_ticks=a.warmup_ticks, seed=a.seed,
+                              speak_k=CONTINUOUS, turn_units=CONTINUOUS)
+    except ValueError as exc:
+        return usage_error("prefill", exc)
     raw = make_deploy(cfg).to_dict()
     raw["engine"]["tick_headroom"] = 1e9   # the bench measures; it must not refuse by time
     if a.prefill_chunk_tokens is not None:
@@ -146,11 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.max_context_tokens is not None:
         raw["server"]["max_context_tokens"] = a.max_context_tokens
     deploy = DeployConfig.from_dict(raw, environ={})
-    result = run(deploy, a.sessions, a.warmup_ticks, a.baseline_ticks, a.seed)
+    result = measure(deploy, a.sessions, a.warmup_ticks, a.baseline_ticks, a.seed)
     result["threshold_ms"] = a.threshold_ms
     result["ok"] = result["added_ms"] <= a.threshold_ms
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "results.json").write_text(json.dumps(result, indent=2))
+    write_results(a.out, result)
     print(f"{a.sessions} live sessions, context {result['max_context_tokens']} tokens in chunks of "
           f"{result['prefill_chunk_tokens']}: baseline tick p50 {result['baseline_ms']['p50']:.1f} ms, "
           f"ticks while prefilling p50 {result['prefill_ms']['p50']:.1f} / max {result['prefill_ms']['max']:.1f} ms "
@@ -160,4 +156,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(alias_main("prefill"))

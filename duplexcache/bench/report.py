@@ -6,16 +6,13 @@ the fitted ceiling, whose method the report states next to it.
 
 from __future__ import annotations
 
-import json
-import platform
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from duplexcache.bench.common import hardware_info, write_results
 from duplexcache.bench.floor import SessionFloor
 from duplexcache.bench.memory import (
     MIB,
@@ -67,16 +64,6 @@ class RunMeta:
         if self.budget_includes_weights:
             return "memory_budget - weight_bytes - activation_reserve"
         return "engine.memory_budget - activation_reserve (engine.memory_budget excludes the weights)"
-
-
-def hardware_info(device: str) -> dict[str, Any]:
-    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
-                            "torch": torch.__version__, "cpu": platform.processor() or platform.machine()}
-    if device.startswith("cuda") and torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(torch.device(device))
-        info.update(gpu=props.name, gpu_memory_bytes=props.total_memory,
-                    cuda=torch.version.cuda)
-    return info
 
 
 def _tick_stats(ticks: Sequence[float]) -> dict[str, float]:
@@ -201,7 +188,4 @@ def format_table(report: dict[str, Any]) -> str:
 
 def write_report(report: dict[str, Any], out_dir: Path) -> Path:
     validate_report(report)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "report.json"
-    path.write_text(json.dumps(report, indent=2, sort_keys=False) + "\n")
-    return path
+    return write_results(out_dir, report, stem="report")

@@ -31,9 +31,7 @@ import argparse
 import asyncio
 import logging
 import math
-import platform
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,6 +41,7 @@ from urllib.parse import urlsplit, urlunsplit
 import numpy as np
 
 from duplexcache.bench import workload as wl
+from duplexcache.bench.common import hardware_line, int_list, write_results
 from duplexcache.bench.plot import pyplot, save_figure
 from duplexcache.bench.serve_client import GAP_S, Caller, SessionTrace, session_row
 
@@ -55,16 +54,6 @@ MAX_DURATION_S = 3600.0
 MAX_RAMP_S = 600.0
 INSTRUCTIONS = "You are a friendly voice assistant. Keep every answer short."
 IDLE_WAIT_S = 30.0      # between steps: at most this long for the server to free the last step's sessions
-
-
-def _sessions(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--sessions wants an int or a comma list, got {text!r}") from None
-    if not values or min(values) < 1 or max(values) > MAX_SESSIONS or len(values) > MAX_STEPS:
-        raise argparse.ArgumentTypeError(f"--sessions wants 1..{MAX_STEPS} counts in 1..{MAX_SESSIONS}, got {text!r}")
-    return values
 
 
 def _unit_range(text: str) -> tuple[int, int]:
@@ -91,7 +80,7 @@ def _bounded(name: str, lo: float, hi: float):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", required=True, help="the server's realtime WebSocket, e.g. ws://127.0.0.1:8000/v1/realtime")
-    parser.add_argument("--sessions", type=_sessions, default=(8,), help="a count, or a comma list for a sweep")
+    parser.add_argument("--sessions", type=int_list("--sessions", MAX_SESSIONS, MAX_STEPS), default=(8,), help="a count, or a comma list for a sweep")
     parser.add_argument("--workload", choices=SERVE_WORKLOADS, default="conversation")
     parser.add_argument("--duration", type=_bounded("--duration", 1, MAX_DURATION_S), default=60.0,
                         help="seconds of audio each session streams")
@@ -259,17 +248,6 @@ async def _progress(bar: Any, seconds: float) -> None:
 
 # ------------------------------------------------------------------------------ the sweep
 
-def hardware_line() -> str:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=10, check=True).stdout.strip()
-        if out:
-            return "; ".join(line.strip() for line in out.splitlines()) + f"; client {platform.node()}"
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return f"CPU {platform.processor() or platform.machine()}; {platform.platform()}"
-
-
 def criterion(args: argparse.Namespace) -> dict[str, Any]:
     return {"every_session_received_audio": True, "late_ticks": 0,
             "reply_latency_p99_max_s": args.max_reply_latency if args.workload == "conversation" else None,
@@ -286,7 +264,7 @@ def largest_realtime(steps: list[dict[str, Any]]) -> int | None:
 def _results(args: argparse.Namespace, argv: list[str], steps: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "command": "duplexcache bench serve " + shlex.join(argv),
-        "hardware": args.hardware or hardware_line(),
+        "hardware": args.hardware or hardware_line(None),
         "url": args.url,
         "config": {"sessions": list(args.sessions), "workload": args.workload, "duration_s": args.duration,
                    "ramp_s": args.ramp, "seed": args.seed, "voices": [v for v in args.voices.split(",") if v.strip()],
@@ -320,15 +298,8 @@ async def run_sweep(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]
                 logger.info("%d sessions: audio %d/%d, reply latency p50 %s p99 %s s, late ticks %s, real-time %s",
                             n, step["sessions_with_audio"], n, lat["p50"], lat["p99"], step["late_ticks"],
                             step["realtime"])
-                write_results(_results(args, argv, steps), args.out)   # a killed sweep keeps its steps
+                write_results(args.out, _results(args, argv, steps))   # a killed sweep keeps its steps
     return _results(args, argv, steps)
-
-
-def write_results(results: dict[str, Any], out: Path) -> None:
-    import json
-
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2))
 
 
 def plot_latency(results: dict[str, Any], path: Path) -> Path:
@@ -367,7 +338,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     if argv is None:   # what followed ``serve`` on the command line, for the report
         argv = sys.argv[sys.argv.index("serve") + 1:] if "serve" in sys.argv else sys.argv[1:]
     results = asyncio.run(run_sweep(args, argv))
-    write_results(results, args.out)
+    write_results(args.out, results)
     plot_latency(results, args.out / "reply_latency.png")
     for s in results["steps"]:
         lat = s["reply_latency_s"]

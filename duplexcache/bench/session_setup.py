@@ -1,7 +1,7 @@
 """Session setup benchmark: time and private KV bytes of the 2nd and later sessions that open
 with the SAME context, context cache on/off x shared anchor blocks on/off.
 
-    python -m duplexcache.bench.session_setup [--preset tiny|minicpmo45] [--device cpu|cuda]
+    duplexcache bench setup [--preset tiny|minicpmo45] [--device cpu|cuda]
         [--sessions 8] [--repeats 5] [--instructions-tokens 96] [--ref-seconds 6] [--out DIR]
 
 Session setup = (1) building the session context with ``SessionContextBuilder`` (token embedding
@@ -33,10 +33,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import logging
-import os
-import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -46,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from duplexcache.bench.components import default_dtype
+from duplexcache.bench.common import alias_main, hardware_line, sync, usage_error, write_results
 from duplexcache.config import DeployConfig
 from duplexcache.context.builder import (
     EmbeddingResult,
@@ -58,8 +55,9 @@ from duplexcache.context.tokenizer import ByteTokenizer
 from duplexcache.kv.block_pool import BlockPool
 from duplexcache.kv.kv_cache_manager import KVCacheManager
 from duplexcache.kv.window import WindowConfig
-from duplexcache.models.audio_encoder import AudioEncoder, AudioEncoderConfig
-from duplexcache.models.thinker import Thinker, ThinkerConfig
+from duplexcache.models.audio_encoder import AudioEncoder
+from duplexcache.models.presets import build_random_models
+from duplexcache.models.thinker import Thinker
 from duplexcache.runtime.stage0 import SessionContextInput, Stage0Runner
 
 logger = logging.getLogger(__name__)
@@ -130,33 +128,6 @@ BASELINE = COMBINATIONS[0]
 
 
 # ----------------------------------------------------------------------------- models
-
-
-def preset_model_configs(preset: str) -> tuple[ThinkerConfig, AudioEncoderConfig]:
-    """Thinker and audio-encoder configs whose widths line up (encoder out_dim = Thinker hidden)."""
-    if preset == "minicpmo45":
-        thinker, encoder = ThinkerConfig.minicpmo45(), AudioEncoderConfig.minicpmo45()
-    elif preset == "tiny":
-        thinker = ThinkerConfig.tiny()
-        encoder = AudioEncoderConfig.tiny(out_dim=thinker.hidden_size)
-    else:
-        raise ValueError(f"unknown preset {preset!r} (known: tiny, minicpmo45)")
-    if encoder.out_dim != thinker.hidden_size:
-        raise ValueError(f"{preset}: audio encoder out_dim {encoder.out_dim} != Thinker hidden {thinker.hidden_size}")
-    return thinker, encoder
-
-
-def build_models(preset: str, device: str | torch.device, dtype: torch.dtype,
-                 seed: int = 0) -> tuple[Thinker, AudioEncoder]:
-    """Random-weight Thinker + audio encoder, parameters created directly on ``device``
-    (``meta`` gives shapes only). No CPU copy of the big preset is ever made."""
-    tcfg, ecfg = preset_model_configs(preset)
-    torch.manual_seed(seed)
-    with torch.device(device), default_dtype(dtype):
-        thinker = Thinker(tcfg).eval()
-        encoder = AudioEncoder(ecfg).eval()
-    # LogMel pins its small float32 buffers to CPU at construction; move them along.
-    return thinker, encoder.to(device)
 
 
 class CountingModels:
@@ -286,19 +257,15 @@ class SessionSetupBench:
         return Stage0Runner(self.models.thinker, mgr, self.cache, self.window,
                             share_context=deploy.stage0.shared_anchor_blocks, block_size=self.block_size)
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     def _open_one(self, builder: SessionContextBuilder, runner: Stage0Runner, sid: str) -> SessionSample:
         enc0, emb0 = self.models.encoder_calls, self.models.embed_calls
-        self._sync()
+        sync(self.device)
         t0 = time.perf_counter()
         ctx = builder.build(self.instructions, self.ref_audio)
-        self._sync()
+        sync(self.device)
         t1 = time.perf_counter()
         runner.open_session(sid, SessionContextInput(ctx.inputs_embeds, ctx.token_ids, ctx.extra_key))
-        self._sync()
+        sync(self.device)
         t2 = time.perf_counter()
         b = runner.session_bytes(sid)
         return SessionSample(t1 - t0, t2 - t1, b.private, b.shared, self.models.encoder_calls - enc0,
@@ -349,7 +316,7 @@ class SessionSetupBench:
             "benchmark": "session_setup",
             "meta": {
                 "preset": cfg.preset, "device": cfg.device, "dtype": str(cfg.dtype).replace("torch.", ""),
-                "hardware": hardware(self.device), "date": _dt.date.today().isoformat(),
+                "hardware": hardware_line(self.device), "date": _dt.date.today().isoformat(),
                 "torch": torch.__version__, "threads": torch.get_num_threads(),
                 "sessions": cfg.sessions, "repeats": cfg.repeats, "seed": cfg.seed,
                 "context": {"text_tokens": self.context_len - self.audio_embeddings,
@@ -424,12 +391,6 @@ def equality_report(results: dict[Combination, list[RepeatResult]]) -> dict[str,
         "finite": bool(torch.isfinite(ref).all()),
         "per_combination": per_combo,
     }
-
-
-def hardware(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}"
-    return f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores"
 
 
 def _kib(value: int | dict[str, int]) -> str:
@@ -511,25 +472,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = SetupBenchConfig(args.preset, args.device, args.sessions, args.repeats, args.instructions_tokens,
-                           args.ref_seconds, args.seed)
+    try:
+        cfg = SetupBenchConfig(args.preset, args.device, args.sessions, args.repeats, args.instructions_tokens,
+                               args.ref_seconds, args.seed)
+    except ValueError as err:   # bad settings: a usage error, not a traceback
+        return usage_error("setup", err)
+    # The builder is rebuilt per repeat; its "cache on" notice would repeat 4 x repeats times.
+    logging.getLogger("duplexcache.context").setLevel(logging.WARNING)
     if args.threads is not None or cfg.device == "cpu":
         torch.set_num_threads(args.threads or 1)
     t0 = time.perf_counter()
-    thinker, encoder = build_models(cfg.preset, cfg.device, cfg.dtype, cfg.seed)
+    m = build_random_models(cfg.preset, cfg.device, cfg.dtype, cfg.seed, parts=("thinker", "audio_encoder"))
     logger.info("built %s models on %s in %.1f s", cfg.preset, cfg.device, time.perf_counter() - t0)
-    report = SessionSetupBench(cfg, thinker, encoder).run()
+    report = SessionSetupBench(cfg, m.thinker, m.audio_encoder).run()
     report["meta"]["command"] = (
-        f"python -m duplexcache.bench.session_setup --preset {cfg.preset} --device {cfg.device} "
+        f"duplexcache bench setup --preset {cfg.preset} --device {cfg.device} "
         f"--sessions {cfg.sessions} --repeats {cfg.repeats} --instructions-tokens {cfg.instructions_tokens} "
         f"--ref-seconds {cfg.ref_seconds:g}")
     report["meta"]["wall_s"] = round(time.perf_counter() - t0, 2)
     table = format_markdown(report)
     print(table)
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "session_setup.json").write_text(json.dumps(report, indent=2) + "\n")
-        (args.out / "session_setup.md").write_text(table)
+        write_results(args.out, report, table, stem="session_setup")
         logger.info("wrote %s", args.out / "session_setup.json")
     if not report["equality"]["all_equal"]:
         logger.error("logits differ across combinations: %s", report["equality"]["per_combination"])
@@ -537,18 +501,5 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m duplexcache.bench.session_setup", description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    # The builder is rebuilt per repeat; its "cache on" notice would repeat 4 x repeats times.
-    logging.getLogger("duplexcache.context").setLevel(logging.WARNING)
-    try:
-        return run(args)
-    except ValueError as err:  # bad settings: a usage error, not a traceback
-        parser.error(str(err))  # exits with status 2
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(alias_main("setup"))

@@ -1,7 +1,7 @@
 """Per-session Stage 0 KV bytes from shapes alone (no weights, no KV tensors; runs on CPU).
 
-    python -m duplexcache.bench.stage0_bytes                 # minicpmo45, bf16, the docs table
-    python -m duplexcache.bench.stage0_bytes --contexts 96 400 --high 8000
+    duplexcache bench stage0-bytes                 # minicpmo45, bf16, the docs table
+    duplexcache bench stage0-bytes --contexts 96 400 --high 8000
 
 For each context length, at session start (window empty) and at a full window (context +
 ``high`` tokens, the most a session holds: compaction runs before an append would pass it),
@@ -17,6 +17,7 @@ import logging
 
 import torch
 
+from duplexcache.bench.common import alias_main
 from duplexcache.kv.block_pool import BlockPool
 from duplexcache.kv.kv_cache_manager import KVCacheManager, SessionBytes
 from duplexcache.kv.paged_attention import bytes_per_block
@@ -94,11 +95,5 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args())
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(alias_main("stage0-bytes"))

@@ -1,6 +1,6 @@
 """Warm start of one engine: time to ready, graphs captured, and captures inside the first ticks.
 
-    python -m duplexcache.bench.warm_start --config examples/minicpmo45-shared.yaml \\
+    duplexcache bench warm-start --config examples/minicpmo45-shared.yaml \\
         [--sessions 24] [--ticks 4] [--no-warmup] [--out DIR]
 
 Builds the config's models and engine (``engine.memory_budget`` as configured, ``auto`` by
@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from duplexcache.bench.common import alias_main, usage_error, write_results
 from duplexcache.config import DeployConfig
 from duplexcache.runtime.bundle import build_models
 from duplexcache.runtime.engine import DuplexEngine
@@ -38,7 +39,7 @@ def _audio(seed: int, units: int) -> np.ndarray:
     return np.random.default_rng(seed).uniform(-0.3, 0.3, n).astype(np.float32)
 
 
-def run(deploy: DeployConfig, sessions: int, ticks: int, warmup: bool) -> dict[str, Any]:
+def measure(deploy: DeployConfig, sessions: int, ticks: int, warmup: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
     models = build_models(deploy)
     t_models = time.perf_counter() - t0
@@ -82,25 +83,23 @@ def run(deploy: DeployConfig, sessions: int, ticks: int, warmup: bool) -> dict[s
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m duplexcache.bench.warm_start", description=__doc__.split("\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="deploy YAML")
     p.add_argument("--sessions", type=int, default=24)
     p.add_argument("--ticks", type=int, default=4)
     p.add_argument("--no-warmup", action="store_true", help="the cold A/B: capture lazily inside ticks")
     p.add_argument("--out", type=Path, help="directory for warm_start.json")
-    a = p.parse_args(argv)
+
+
+def run(a: argparse.Namespace) -> int:
     if a.sessions < 1 or a.ticks < 1:
-        p.error("--sessions and --ticks must be >= 1")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    result = run(DeployConfig.from_yaml(a.config), a.sessions, a.ticks, not a.no_warmup)
-    text = json.dumps(result, indent=2)
-    print(text)
+        return usage_error("warm-start", "--sessions and --ticks must be >= 1")
+    result = measure(DeployConfig.from_yaml(a.config), a.sessions, a.ticks, not a.no_warmup)
+    print(json.dumps(result, indent=2))
     if a.out is not None:
-        a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / "warm_start.json").write_text(text + "\n")
+        write_results(a.out, result, stem="warm_start")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(alias_main("warm-start"))

@@ -1,13 +1,7 @@
 """The models one engine serves, built for a preset with random weights or loaded from a checkpoint.
 
-Shapes come from each model's ``tiny()`` / ``minicpmo45()`` config. The tiny configs are aligned
-here so the stages connect: the audio encoder's output width and the Talker's ``llm_dim`` are the
-Thinker's hidden size, and the Talker's text embedding covers the Thinker's vocabulary (the
-Talker embeds the Thinker's text ids).
-
-Random weights: every model keeps its own init (seeded by ``seed``), except the flow, whose
-reference zero-inits the adaLN and output layers; with those zeros the estimator would output
-zeros and Code2Wav would do no real work, so the flow is re-drawn from a seeded normal.
+Random weights come from ``models/presets.py`` (``build_random_models``, the package's one
+builder of random-weight models: shapes per preset, stages aligned, the flow re-drawn).
 
 Checkpoint (``model.checkpoint_dir``): the Thinker (``llm.``), Talker (``tts.``) and audio encoder
 (``apm.`` + ``audio_projection_layer.``) load strictly from the directory; Stage 2 loads
@@ -18,7 +12,6 @@ when present (see runtime/voices.py). Checkpoint loading is untested here (no we
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,10 +20,11 @@ from torch import nn
 
 from duplexcache.config import DeployConfig
 from duplexcache.context.tokenizer import Tokenizer, load_tokenizer
-from duplexcache.models.audio_encoder import AudioEncoder, AudioEncoderConfig
+from duplexcache.models.audio_encoder import AudioEncoder
 from duplexcache.models.flow import FlowConfig, build_flow
-from duplexcache.models.talker import Talker, TalkerConfig
-from duplexcache.models.thinker import Thinker, ThinkerConfig
+from duplexcache.models.presets import build_random_models, preset_configs
+from duplexcache.models.talker import Talker
+from duplexcache.models.thinker import Thinker
 from duplexcache.models.vocoder import (
     VocoderConfig,
     build_vocoder,
@@ -66,52 +60,20 @@ class ModelBundle:
         return sum(p.numel() * p.element_size() for m in mods for p in m.parameters())
 
 
-def preset_configs(preset: str) -> tuple[ThinkerConfig, TalkerConfig, AudioEncoderConfig, FlowConfig, VocoderConfig]:
-    """The five model configs of a preset, aligned so the stages connect."""
-    if preset == "minicpmo45":
-        return (ThinkerConfig.minicpmo45(), TalkerConfig.minicpmo45(), AudioEncoderConfig.minicpmo45(),
-                FlowConfig.minicpmo45(), VocoderConfig.minicpmo45())
-    if preset == "tiny":
-        thinker = ThinkerConfig.tiny()
-        talker = TalkerConfig.tiny(llm_dim=thinker.hidden_size, num_text_tokens=thinker.vocab_size)
-        encoder = AudioEncoderConfig.tiny(out_dim=thinker.hidden_size)
-        return thinker, talker, encoder, FlowConfig.tiny(), VocoderConfig.tiny()
-    raise ValueError(f"unknown preset {preset!r} (known: tiny, minicpmo45)")
-
-
-def randomize_(module: nn.Module, seed: int) -> None:
-    """Seeded normal weights everywhere (std 0.5/sqrt(fan_in) for matrices, 0.1 otherwise)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            std = 0.5 / math.sqrt(p.shape[-1]) if p.dim() >= 2 else 0.1
-            p.copy_((torch.randn(p.shape, generator=gen) * std).to(p.dtype))
-
-
 def build_models(deploy: DeployConfig, seed: int = 0) -> ModelBundle:
     """Build (random weights) or load (``checkpoint_dir``) the preset's models on the config's device."""
     m = deploy.model
     dtype, device = DTYPES[m.dtype], torch.device(m.device)
     if device.type == "meta":
         raise ValueError("model.device 'meta' builds shapes only; the engine needs real weights")
-    tk_cfg, tl_cfg, enc_cfg, flow_cfg, voc_cfg = preset_configs(m.preset)
     if m.checkpoint_dir is not None:
+        _, _, _, flow_cfg, voc_cfg = preset_configs(m.preset)
         return _load_models(deploy, dtype, device, flow_cfg, voc_cfg)
-    torch.manual_seed(seed)
-    # Construct on the target device: the minicpmo45 Thinker built on the host first would need
-    # 32 GB of host memory and minutes of CPU init before the copy.
-    with device:
-        thinker = Thinker(tk_cfg).to(dtype=dtype).eval()
-        talker = Talker(tl_cfg).to(dtype=dtype).eval()
-        encoder = AudioEncoder(enc_cfg).to(dtype=dtype).eval()
-    flow = build_flow(flow_cfg)
-    randomize_(flow, seed + 1)
-    flow = flow.to(device).eval()
-    hift = build_vocoder(voc_cfg, device)
+    r = build_random_models(m.preset, device, dtype, seed)
     ref_s, prompt_s = VOICE_SECONDS[m.preset]
-    voices = VoiceRegistry([synthetic_voice(n, ref_s, prompt_s, flow_cfg.vocab_size) for n in DEFAULT_VOICES])
+    voices = VoiceRegistry([synthetic_voice(n, ref_s, prompt_s, r.flow_config.vocab_size) for n in DEFAULT_VOICES])
     logger.info("built %s models with random weights on %s (%s)", m.preset, device, m.dtype)
-    return ModelBundle(thinker, talker, encoder, flow, hift, load_tokenizer(None), voices, dtype, device)
+    return ModelBundle(r.thinker, r.talker, r.audio_encoder, r.flow, r.hift, load_tokenizer(None), voices, dtype, device)
 
 
 def _load_models(deploy: DeployConfig, dtype: torch.dtype, device: torch.device,

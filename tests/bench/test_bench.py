@@ -7,13 +7,13 @@ CLI) and through the components wired directly (P = 24, tail 8).
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 import torch
 
-from duplexcache.bench import cli as bench_cli
+from duplexcache.bench import memory_sweep as bench_cli
+from duplexcache.cli import main as cli_main
 from duplexcache.bench.components import BenchModels, ComponentTarget
 from duplexcache.bench.floor import session_floor
 from duplexcache.bench.matrix import (
@@ -214,12 +214,8 @@ def test_cli_runs_reduced_components(tmp_path, monkeypatch, models):
     monkeypatch.setattr(BenchModels, "build", classmethod(lambda cls, *a, **k: models))
     config = tmp_path / "deploy.yaml"
     config.write_text(_small_base().to_yaml())
-    parser = argparse.ArgumentParser()
-    bench_cli.add_arguments(parser)
-    args = parser.parse_args(["--preset", "tiny", "--target", "components", "--config", str(config),
-                              "--sessions", "1,2", "--window-high", "64", "--window-low", "48",
-                              "--out", str(tmp_path)])
-    assert bench_cli.run(args) == 0
+    assert cli_main(["bench", "memory", "--preset", "tiny", "--target", "components", "--config", str(config),
+                     "--sessions", "1,2", "--window-high", "64", "--window-low", "48", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "memory.png").stat().st_size > 0
     report = json.loads((tmp_path / "report.json").read_text())
     validate_report(report)
@@ -227,10 +223,8 @@ def test_cli_runs_reduced_components(tmp_path, monkeypatch, models):
 
 
 def test_cli_rejects_bad_budget_before_running():
-    parser = argparse.ArgumentParser()
-    bench_cli.add_arguments(parser)
     with pytest.raises(ValueError, match="byte"):
-        bench_cli.run(parser.parse_args(["--memory-budget", "80 parsecs"]))
+        cli_main(["bench", "memory", "--memory-budget", "80 parsecs"])
 
 
 # ----------------------------------------------------------------------------- through the engine
@@ -244,17 +238,15 @@ def engine_models():
 
 
 def test_cli_runs_reduced_engine(tmp_path, monkeypatch, engine_models):
-    """The default command path (the engine): the three outputs, schema, PASS, savings."""
+    """The default command path (the engine), as ``duplexcache bench`` with no benchmark named
+    (the memory benchmark): the three outputs, schema, PASS, savings."""
     from duplexcache.runtime import bundle
 
     monkeypatch.setattr(bundle, "build_models", lambda deploy, seed=0: engine_models)
     config = tmp_path / "deploy.yaml"
     config.write_text(_small_base().to_yaml())
-    parser = argparse.ArgumentParser()
-    bench_cli.add_arguments(parser)
-    args = parser.parse_args(["--preset", "tiny", "--config", str(config), "--sessions", "1,2",
-                              "--memory-budget", "1GiB", "--realtime", "--out", str(tmp_path)])
-    assert bench_cli.run(args) == 0
+    assert cli_main(["bench", "--preset", "tiny", "--config", str(config), "--sessions", "1,2",
+                     "--memory-budget", "1GiB", "--realtime", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "memory.png").stat().st_size > 0
     report = json.loads((tmp_path / "report.json").read_text())
     validate_report(report)

@@ -21,12 +21,21 @@ import pytest
 import torch
 
 from duplexcache.bench import engine_ticks as et
+from duplexcache.bench.engine_ticks_config import CONTINUOUS_K, config_from_args
+from duplexcache.cli import build_parser
+from duplexcache.cli import main as cli_main
 from duplexcache.config import DeployConfig
 from duplexcache.runtime.bundle import build_models
 from duplexcache.runtime.engine import DuplexEngine
 
 torch.set_num_threads(1)  # 2 shared cores
 TICKS, WARMUP = 2, 2
+
+
+def parse_args(argv: list[str]):
+    """The settings and output folder of ``duplexcache bench ticks ARGV``, through the real parser."""
+    args = build_parser().parse_args(["bench", "ticks", *argv])
+    return config_from_args(args), args.out
 
 
 class TrackedEngine(DuplexEngine):
@@ -187,7 +196,7 @@ def restore_logging():
 
 
 def test_cli_writes_report_when_budget_is_spent(tmp_path, capsys, restore_logging):
-    assert et.main(["--sessions", "1,8", "--max-seconds", "0.001", "--out", str(tmp_path)]) == 0
+    assert cli_main(["bench", "ticks", "--sessions", "1,8", "--max-seconds", "0.001", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     assert [r["status"] for r in results["runs"]] == ["skipped", "skipped"]
     assert "wall-clock budget" in results["runs"][0]["note"]
@@ -204,7 +213,7 @@ def test_deploy_switches_policy_and_bad_input():
     assert on.engine.memory_budget == 256 * 2**20 and on.model.dtype == "float32"
     assert off.engine.speak_policy.mode == "every_k_units" and off.engine.speak_policy.k == 3
     # the speed switches and the turn length reach the deploy config from the command line
-    cfg, _ = et.parse_args(["--decode-cuda-graphs", "off", "--ragged-kernel", "off", "--speak-k", "9",
+    cfg, _ = parse_args(["--decode-cuda-graphs", "off", "--ragged-kernel", "off", "--speak-k", "9",
                             "--turn-units", "9"])
     fast = et.make_deploy(cfg)
     assert fast.engine.decode_cuda_graphs is False and fast.stage0.ragged_kernel is False
@@ -219,7 +228,7 @@ def test_deploy_switches_policy_and_bad_input():
     with pytest.raises(ValueError):
         et.TickBenchConfig(memory_budget="lots")
     with pytest.raises(SystemExit):
-        et.parse_args(["--sessions", "1,x"])
+        parse_args(["--sessions", "1,x"])
 
 
 def test_session_audio_lengths_and_seeding():
@@ -255,7 +264,7 @@ def test_steady_window_fills_to_the_middle_of_the_marks(models, tmp_path, restor
     run = results["runs"][0]
     assert run["status"] == "ok" and results["config"]["steady_window"] is True
     assert "filled to (low + high) / 2" in (tmp_path / "results.md").read_text()
-    assert et.parse_args(["--steady-window"])[0].steady_window is True
+    assert parse_args(["--steady-window"])[0].steady_window is True
 
 
 # ------------------------------------------------------------------ long runs and workloads
@@ -303,12 +312,12 @@ def test_conversation_workload_follows_its_script(models):
 
 
 def test_workload_flag_reaches_the_policy():
-    cfg, _ = et.parse_args(["--workload", "conversation"])
+    cfg, _ = parse_args(["--workload", "conversation"])
     sp = et.make_deploy(cfg).engine.speak_policy
     assert (sp.mode, sp.reply_min_units, sp.reply_max_units) == ("reply", 2, 8)
-    cfg, _ = et.parse_args(["--workload", "continuous"])
+    cfg, _ = parse_args(["--workload", "continuous"])
     sp = et.make_deploy(cfg).engine.speak_policy
-    assert sp.mode == "every_k_units" and sp.k == sp.turn_units == et.CONTINUOUS_K and cfg.every_unit_speaks
+    assert sp.mode == "every_k_units" and sp.k == sp.turn_units == CONTINUOUS_K and cfg.every_unit_speaks
     with pytest.raises(ValueError, match="unknown workload"):
         et.TickBenchConfig(workload="chatter")
 
@@ -316,13 +325,13 @@ def test_workload_flag_reaches_the_policy():
 def test_warm_up_and_graph_grid_reach_the_engine(models):
     """--warm-up runs DuplexEngine.warmup() before the first tick (off: never); --graph-grid
     becomes code2wav.graph_grid with the arena sized from it."""
-    cfg, _ = et.parse_args(["--graph-grid", "1,4", "--sessions", "1", "--ticks", "1", "--warmup-ticks", "2"])
+    cfg, _ = parse_args(["--graph-grid", "1,4", "--sessions", "1", "--ticks", "1", "--warmup-ticks", "2"])
     deploy = et.make_deploy(cfg)
     assert deploy.code2wav.graph_grid == (1, 4) and deploy.code2wav.cfm_arena_rows_from_graph_grid
     assert deploy.code2wav.arena_rows == 4
     assert et.make_deploy(et.TickBenchConfig()).code2wav.graph_grid is None   # the preset's
     for flag in ("on", "off"):
-        cfg, _ = et.parse_args(["--warm-up", flag, "--sessions", "1", "--ticks", "1", "--warmup-ticks", "2"])
+        cfg, _ = parse_args(["--warm-up", flag, "--sessions", "1", "--ticks", "1", "--warmup-ticks", "2"])
         calls = []
 
         class Counting(DuplexEngine):

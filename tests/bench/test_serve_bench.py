@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from duplexcache.bench import serve
+from duplexcache.cli import main as cli_main
 from duplexcache.bench.serve_client import SessionTrace, Wire, playback_gaps, session_row, split_replies
 from duplexcache.bench.workload import continuous_script
 from duplexcache.config import DeployConfig
@@ -48,7 +49,7 @@ def sweep(tmp_path_factory):
         # a refused session is an error row, not a hang or a crash
         bad = ["--url", srv.ws_url(REALTIME_PATH), "--sessions", "1", "--duration", "2", "--voices", "nope",
                "--out", str(out / "refused")]
-        assert serve.run(parser.parse_args(bad), bad) == 0
+        assert cli_main(["bench", "serve", *bad]) == 0   # through the command line
     return rc, out, argv
 
 
@@ -139,16 +140,6 @@ def test_url_and_arguments_are_checked():
                 ["--user-units", "3,2"]):
         with pytest.raises(SystemExit):
             parser.parse_args(["--url", "ws://127.0.0.1:9/v1/realtime", *bad])
-
-
-def test_bench_cli_keeps_the_memory_benchmark_and_adds_serve():
-    from duplexcache.cli import build_parser
-
-    parser = build_parser()
-    mem = parser.parse_args(["bench", "--preset", "tiny", "--sessions", "1,2"])
-    assert mem.bench_command is None and mem.sessions == "1,2"
-    srv = parser.parse_args(["bench", "serve", "--url", "ws://127.0.0.1:9/v1/realtime", "--sessions", "4,8"])
-    assert srv.bench_command == "serve" and srv.sessions == (4, 8) and srv.workload == "conversation"
 
 
 def test_rate_limited_callers_are_counted_and_named(caplog):

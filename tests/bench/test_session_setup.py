@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from duplexcache.bench import session_setup as ss
+from duplexcache.cli import main as cli_main
 from duplexcache.context.tokenizer import SPECIAL_TOKEN_IDS
+from duplexcache.models.presets import build_random_models
 from duplexcache.models.thinker import num_parameters
 
 SESSIONS, REPEATS, TEXT_TOKENS, REF_SECONDS = 3, 2, 40, 1.0
@@ -27,7 +29,8 @@ BS = 16
 @pytest.fixture(scope="module")
 def bench() -> ss.SessionSetupBench:
     cfg = ss.SetupBenchConfig("tiny", "cpu", SESSIONS, REPEATS, TEXT_TOKENS, REF_SECONDS, seed=0)
-    thinker, encoder = ss.build_models(cfg.preset, cfg.device, cfg.dtype, cfg.seed)
+    m = build_random_models(cfg.preset, cfg.device, cfg.dtype, cfg.seed, parts=("thinker", "audio_encoder"))
+    thinker, encoder = m.thinker, m.audio_encoder
     return ss.SessionSetupBench(cfg, thinker, encoder)
 
 
@@ -159,7 +162,8 @@ def test_bad_settings(kwargs, match):
 
 def test_minicpmo45_shapes_on_meta():
     """The big preset's widths line up and its size is what the GPU run will hold (no weights)."""
-    thinker, encoder = ss.build_models("minicpmo45", "meta", torch.bfloat16)
+    m = build_random_models("minicpmo45", "meta", torch.bfloat16, parts=("thinker", "audio_encoder"))
+    thinker, encoder = m.thinker, m.audio_encoder
     assert encoder.cfg.out_dim == thinker.config.hidden_size == 4096
     params = list(thinker.parameters()) + list(encoder.parameters())
     assert all(p.device.type == "meta" and p.dtype == torch.bfloat16 for p in params)
@@ -171,7 +175,7 @@ def test_minicpmo45_shapes_on_meta():
 
 
 def test_cli_writes_json_and_markdown(tmp_path):
-    rc = ss.main(["--sessions", "2", "--repeats", "1", "--instructions-tokens", "20", "--ref-seconds", "0.5",
+    rc = cli_main(["bench", "setup", "--sessions", "2", "--repeats", "1", "--instructions-tokens", "20", "--ref-seconds", "0.5",
                   "--out", str(tmp_path)])
     assert rc == 0
     data = json.loads((tmp_path / "session_setup.json").read_text())

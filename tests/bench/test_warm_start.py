@@ -1,16 +1,16 @@
-"""bench/warm_start.py on CPU (tiny, small budget): the report's shape and counters."""
+"""`duplexcache bench warm-start` (bench/warm_start.py) on CPU (tiny, small budget): the report's shape and counters."""
 import json
 
 import yaml
 
-from duplexcache.bench import warm_start
+from duplexcache.cli import main as cli_main
 
 
 def test_warm_start_report(tmp_path, capsys):
     cfg = tmp_path / "small.yaml"
     cfg.write_text(yaml.safe_dump({"engine": {"memory_budget": "128MiB", "activation_reserve": "16MiB"},
                                    "stage0": {"window": {"high_tokens": 400, "low_tokens": 200}}}))
-    assert warm_start.main(["--config", str(cfg), "--sessions", "2", "--ticks", "1", "--out", str(tmp_path)]) == 0
+    assert cli_main(["bench", "warm-start", "--config", str(cfg), "--sessions", "2", "--ticks", "1", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "warm_start.json").read_text())
     assert result == json.loads(capsys.readouterr().out)
     assert result["config"]["sessions"] == 2 and result["config"]["planned_sessions"] == 3   # 128 MiB less the voices' prompt states

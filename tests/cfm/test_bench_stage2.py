@@ -2,7 +2,7 @@
 import subprocess
 import sys
 
-from duplexcache.bench.gpu_stage2 import arena_bytes, parse_args
+from duplexcache.bench.gpu_stage2 import arena_bytes
 from duplexcache.cfm import Code2WavConfig
 from duplexcache.models.flow import FlowConfig
 
@@ -29,5 +29,7 @@ def test_bench_imports_neither_config_nor_web_libraries():
 
 
 def test_args():
-    a = parse_args(["--out", "x", "--batches", "32,1,8"])
+    from duplexcache.cli import build_parser
+
+    a = build_parser().parse_args(["bench", "stage2", "--out", "x", "--batches", "32,1,8"])
     assert a.batches == [1, 8, 32] and a.grid == (1, 4, 8, 16, 32)

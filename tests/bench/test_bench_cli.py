@@ -1,0 +1,135 @@
+"""``duplexcache bench BENCHMARK``: every benchmark is a subcommand that reaches its own module.
+
+The dispatch test fails for a subcommand wired to the wrong module (or to none); the runs below
+drive the benchmarks that no other test runs through the command line, briefly, on tiny/CPU
+(memory, ticks, setup, warm-start and serve run through it in their own test files).
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from duplexcache.bench.cli import BENCHMARKS, with_default_benchmark
+from duplexcache.cli import build_parser
+from duplexcache.cli import main as cli_main
+
+# The smallest arguments each benchmark's parser accepts.
+REQUIRED = {"serve": ["--url", "ws://127.0.0.1:9/v1/realtime"], "warm-start": ["--config", "x.yaml"],
+            "kernels": ["--out", "x"], "stage2": ["--out", "x"]}
+
+
+def test_every_benchmark_is_a_subcommand():
+    assert list(BENCHMARKS) == ["memory", "ticks", "serve", "setup", "prefill", "warm-start", "kernels", "stage2",
+                                "stage0-bytes"]
+
+
+@pytest.mark.parametrize("name", list(BENCHMARKS))
+def test_subcommand_reaches_its_module(name):
+    module = importlib.import_module(BENCHMARKS[name][0])
+    args = build_parser().parse_args(["bench", name, *REQUIRED.get(name, [])])
+    assert args.command == "bench" and args.benchmark == name
+    assert args._run is module.run
+
+
+def test_no_benchmark_named_is_memory():
+    """The command as it was before it had benchmarks (the commands recorded with older results)."""
+    assert with_default_benchmark(["bench", "--preset", "tiny"]) == ["bench", "memory", "--preset", "tiny"]
+    assert with_default_benchmark(["-v", "bench"]) == ["-v", "bench", "memory"]
+    for unchanged in (["bench", "ticks", "--ticks", "1"], ["bench", "--help"], ["serve", "--config", "bench"],
+                      ["-v", "demo"], []):
+        assert with_default_benchmark(unchanged) == unchanged
+    args = build_parser().parse_args(with_default_benchmark(["bench", "--preset", "tiny", "--sessions", "1,2"]))
+    assert args.benchmark == "memory" and args.sessions == "1,2"
+    assert args._run is importlib.import_module(BENCHMARKS["memory"][0]).run
+
+
+def test_python_dash_m_is_an_alias_of_the_subcommand():
+    """``python -m duplexcache.bench.<module>`` runs the subcommand that names that module."""
+    for name, (module, _) in BENCHMARKS.items():
+        source = importlib.import_module(module).__file__
+        text = open(source).read()
+        if '__name__ == "__main__"' in text:
+            assert f'alias_main("{name}")' in text, module
+    out = subprocess.run([sys.executable, "-m", "duplexcache.bench.stage0_bytes", "--preset", "tiny",
+                          "--contexts", "40", "--high", "64", "--dtype", "float32"],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    assert "Stage 0 KV per session, preset tiny, float32" in out.stdout
+    assert out.stdout.count("\n| 40 |") == 2   # start and full window
+
+
+def test_stage0_bytes(capsys):
+    assert cli_main(["bench", "stage0-bytes", "--preset", "tiny", "--contexts", "40", "100", "--high", "64"]) == 0
+    assert capsys.readouterr().out.count("| full window (+64) |") == 2
+
+
+def test_prefill(tmp_path):
+    """A context of 300 tokens in chunks of 128 opens after ceil(300 / 128) ticks, and the live
+    sessions speak in every one of them."""
+    torch.set_num_threads(1)
+    rc = cli_main(["bench", "prefill", "--sessions", "2", "--warmup-ticks", "1", "--baseline-ticks", "1",
+                   "--max-context-tokens", "300", "--prefill-chunk-tokens", "128", "--memory-budget", "256MiB",
+                   "--threshold-ms", "1e9", "--out", str(tmp_path)])
+    assert rc == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["max_context_tokens"] == 300 and result["ok"] is True
+    assert len(result["prefill_ms"]["ticks"]) == math.ceil(300 / 128)
+    assert result["sessions_with_events_per_prefill_tick"] == [2] * math.ceil(300 / 128)
+    assert cli_main(["bench", "prefill", "--baseline-ticks", "0"]) == 2
+
+
+def test_stage2_tiny_on_cpu(tmp_path, capsys):
+    rc = cli_main(["bench", "stage2", "--preset", "tiny", "--device", "cpu", "--batches", "1", "--chunks", "1",
+                   "--warmup", "2", "--grid", "1", "--prompt-frames", "100", "--no-grid-run", "--no-reference",
+                   "--out", str(tmp_path)])
+    assert rc == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert [m["sharing"] for m in res["modes"]] == [False, True]
+    assert res["equality"]["all_equal"] and res["equality"]["compared"] == 3   # 1 session x (2 + 1) chunks
+    assert (tmp_path / "results.md").read_text() in capsys.readouterr().out
+    assert cli_main(["bench", "stage2", "--out", str(tmp_path), "--warmup", "1"]) == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernels bench runs for minutes")
+def test_kernels_says_it_needs_cuda(tmp_path, capsys):
+    assert cli_main(["bench", "kernels", "--out", str(tmp_path), "--quick"]) == 1
+    assert "needs CUDA" in capsys.readouterr().err
+    assert cli_main(["bench", "kernels", "--out", str(tmp_path), "--repeats", "3"]) == 2
+
+
+def test_gpu_bench_script_commands_parse():
+    """Every `duplexcache bench` step of scripts/gpu_bench.sh names a benchmark and options it has
+    (the script runs on a GPU machine only, where a typo would cost a run)."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    script = (Path(__file__).parents[2] / "scripts" / "gpu_bench.sh").read_text().replace("\\\n", " ")
+    shell_vars = {"out": "/tmp/out", "port": "8000", "sessions": "4", "duration": "10", "REPLY_LATENCY_S": "3.5",
+                  "name": "step"}
+    commands = re.findall(r"python3 -m duplexcache\.cli (bench [^\n]*)", script)
+    assert len(commands) >= 15
+    for line in commands:
+        line = re.sub(r"\$\{?(\w+)\}?", lambda m: shell_vars[m.group(1)], line.split(" >")[0].split(";;")[0])
+        args = build_parser().parse_args(shlex.split(line))
+        assert args.benchmark in BENCHMARKS, line
+
+
+def test_gpu_benchmarks_dispatch_without_the_config_stack(tmp_path):
+    """The GPU image has torch and triton but no pydantic: `duplexcache bench kernels|stage2` must
+    still reach their modules (the benchmarks that need the config are listed as unavailable)."""
+    code = ("import sys; sys.modules['pydantic'] = None\n"
+            "from duplexcache.cli import main\n"
+            f"sys.exit(main(['bench', 'kernels', '--quick', '--out', {str(tmp_path)!r}]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == (0 if torch.cuda.is_available() else 1), out.stderr
+    assert torch.cuda.is_available() or "needs CUDA" in out.stderr
+    code = code.replace("'kernels', '--quick'", "'ticks', '--ticks', '1'")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 2 and "unavailable" in out.stderr and "pydantic" in out.stderr

@@ -2,7 +2,7 @@
 # Runs the GPU measurements of docs/benchmarks.md on one CUDA machine, one step per mode given
 # (a failing step is logged and the next one still runs). Usage:
 #   OUT=/path/to/results bash scripts/gpu_bench.sh MODE [MODE ...]
-# smoke: every benchmark on the tiny preset (catches device bugs in seconds); bench, setup,
+# smoke: every benchmark on the tiny preset (catches device bugs in seconds); suite (the whole pytest suite); bench, setup,
 # ticks, ticks_continuous, ticks_steady, ticks_ragged, ticks_eager, ticks_conversation, serve_conversation, warm_start,
 # serve_ready, stage0,
 # stage2: the minicpmo45 figures (random weights), each a few minutes on an H200 (each fits one 10-minute call).
@@ -95,6 +95,8 @@ case "$mode" in
     step smoke_setup 120 python3 -m duplexcache.cli bench setup --preset tiny --device cuda --sessions 3 --repeats 1 --out "$out/smoke_setup"
     serve_conversation smoke_serve duplexcache/configs/tiny.yaml 2 16   # 16 s: every caller reaches its first reply
     step gpu_tests 240 python3 -m pytest -q -x tests/cfm/test_graphs.py tests/kv/test_paged_attention.py tests/kv/test_decode_graphs.py tests/runtime/test_warmup.py -p no:cacheprovider ;;
+  suite)  # issue 14: the whole test suite on the GPU machine (CUDA tests run, interpreter tests skip; -q comes from pyproject)
+    step suite 420 python3 -m pytest -rs -n 4 --dist loadfile --timeout 300 -p no:cacheprovider tests ;;
   bench)  # issue 6: memory per session A/B per switch, 80 GiB budget as on an 80 GB card
     step bench 480 python3 -m duplexcache.cli bench memory --preset minicpmo45 --device cuda --sessions 1,2,4,8 --memory-budget 80GiB --out "$out/bench" ;;
   setup)  # issue 4: setup time / private bytes of later sessions, context cache x shared anchors

@@ -2,12 +2,12 @@
 from duplexcache.cfm.arena import EulerArena
 from duplexcache.cfm.code2wav import BatchedCode2Wav, SessionBytes, StepOutput, code2wav_session_bytes
 from duplexcache.cfm.config import Code2WavConfig, Code2WavShape
-from duplexcache.cfm.graph_grid import GraphGridError, arena_rows, grid_from_env, parse_graph_grid, replay_groups
+from duplexcache.cfm.graph_grid import GraphGridError, arena_rows, replay_groups
 from duplexcache.cfm.prompt_cache import PlainAttCache, SharedPromptAttCache
 from duplexcache.cfm.prompt_registry import PromptRegistry, PromptState, VoicePrompt
 
 __all__ = [
     "BatchedCode2Wav", "Code2WavConfig", "Code2WavShape", "EulerArena", "GraphGridError", "PlainAttCache",
     "PromptRegistry", "PromptState", "SessionBytes", "SharedPromptAttCache", "StepOutput", "VoicePrompt",
-    "arena_rows", "code2wav_session_bytes", "grid_from_env", "parse_graph_grid", "replay_groups",
+    "arena_rows", "code2wav_session_bytes", "replay_groups",
 ]

@@ -64,7 +64,7 @@ class Code2WavConfig:
 
     `prompt_att_sharing` is the deploy switch `cfm_prompt_att_sharing`;
     `arena_rows_from_graph_grid` is `cfm_arena_rows_from_graph_grid`; `graph_grid` is the
-    parsed `DUPLEXCACHE_CFM_GRAPH_GRID` (see `graph_grid.parse_graph_grid`).
+    parsed `DUPLEXCACHE_CFM_GRAPH_GRID` (see `duplexcache.config_values.parse_graph_grid`).
     """
 
     shape: Code2WavShape = field(default_factory=Code2WavShape)

@@ -1,45 +1,21 @@
 """Graph tiers of the whole-Euler arena (`DUPLEXCACHE_CFM_GRAPH_GRID`).
 
-The grid is parsed once at start-up (`grid_from_env`), never on the hot path, so a bad value
-fails the start-up with a message naming it instead of failing a solve mid-call.
+The grid is parsed once, with the deploy config (`duplexcache.config_values.parse_graph_grid`,
+which also reads the environment variable), never on the hot path, so a bad value fails the
+start-up with a message naming it instead of failing a solve mid-call.
 """
 from __future__ import annotations
 
 import logging
-import os
-from typing import Mapping, NamedTuple
+from typing import NamedTuple
+
+from duplexcache.config_values import GRAPH_GRID_ENV
 
 logger = logging.getLogger(__name__)
-
-GRAPH_GRID_ENV = "DUPLEXCACHE_CFM_GRAPH_GRID"
 
 
 class GraphGridError(ValueError):
     """A graph-grid setting that is malformed or would silently change nothing."""
-
-
-def parse_graph_grid(text: str | None) -> tuple[int, ...]:
-    """"1,4,8,16" -> (1, 4, 8, 16). Empty or unset -> (). Duplicates are dropped; order is sorted."""
-    if text is None or not text.strip():
-        return ()
-    tiers = set()
-    for item in text.split(","):
-        item = item.strip()
-        try:
-            tier = int(item)
-        except ValueError:
-            raise GraphGridError(
-                f"{GRAPH_GRID_ENV}={text!r}: {item!r} is not an integer tier") from None
-        if tier < 1:
-            raise GraphGridError(f"{GRAPH_GRID_ENV}={text!r}: tier {tier} must be >= 1")
-        tiers.add(tier)
-    return tuple(sorted(tiers))
-
-
-def grid_from_env(environ: Mapping[str, str] | None = None) -> tuple[int, ...]:
-    """Read and parse the grid once; call at start-up and keep the tuple."""
-    env = os.environ if environ is None else environ
-    return parse_graph_grid(env.get(GRAPH_GRID_ENV))
 
 
 def arena_rows(max_num_seqs: int, grid: tuple[int, ...], rows_from_graph_grid: bool) -> int:

@@ -2,25 +2,26 @@ import logging
 
 import pytest
 
-from duplexcache.cfm.graph_grid import (GraphGridError, ReplayGroup, arena_rows, grid_from_env,
-                                        parse_graph_grid, replay_groups)
+from duplexcache.cfm.graph_grid import GraphGridError, ReplayGroup, arena_rows, replay_groups
+from duplexcache.config import DeployConfig
+from duplexcache.config_values import parse_graph_grid
 
 
 def test_parse():
     assert parse_graph_grid("1,4,8,16") == (1, 4, 8, 16)
     assert parse_graph_grid(" 16, 1,4 ,4") == (1, 4, 16)
-    assert parse_graph_grid("") == () and parse_graph_grid(None) == ()
-    assert grid_from_env({"DUPLEXCACHE_CFM_GRAPH_GRID": "2,8"}) == (2, 8)
-    assert grid_from_env({}) == ()
+    assert parse_graph_grid([8, 1, 8]) == (1, 8) and parse_graph_grid(None) is None
+    # The environment variable is read by the deploy config, through the same parser.
+    env = {"DUPLEXCACHE_CFM_GRAPH_GRID": "8, 2"}
+    assert DeployConfig.default("tiny", environ=env).code2wav.graph_grid == (2, 8)
 
 
 @pytest.mark.parametrize("text,bad", [("1,x,8", "'x'"), ("1,,8", "''"), ("4,0", "tier 0"), ("-2", "tier -2"),
-                                      ("1.5", "'1.5'")])
+                                      ("1.5", "'1.5'"), (" ", "empty")])
 def test_parse_errors_name_the_value(text, bad):
-    with pytest.raises(GraphGridError, match=bad) as err:
+    with pytest.raises(ValueError, match=bad) as err:
         parse_graph_grid(text)
     assert "DUPLEXCACHE_CFM_GRAPH_GRID" in str(err.value)
-    assert isinstance(err.value, ValueError)
 
 
 def test_arena_rows(caplog):

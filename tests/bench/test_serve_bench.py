@@ -29,6 +29,8 @@ def _deploy() -> DeployConfig:
     deploy.engine.speak_policy.mode = "reply"
     deploy.engine.speak_policy.reply_min_units, deploy.engine.speak_policy.reply_max_units = REPLY
     deploy.engine.tick_seconds = 0.25
+    # admission by time measures this machine's ticks: a busy CI box must not refuse a session here
+    deploy.engine.tick_headroom = 1e9
     return deploy
 
 
@@ -81,7 +83,7 @@ def test_results_schema_and_every_session_got_its_reply(sweep):
         assert isinstance(step["late_ticks"], float)          # the server exports duplexcache_late_ticks
         assert step["graph_captures"] is None or step["graph_captures"] >= 0
         assert len(step["per_session"]) == n and step["sessions_with_audio"] == n
-        assert step["sessions_with_errors"] == 0
+        assert step["sessions_with_errors"] == 0, [row["errors"] for row in step["per_session"]]
         for row in step["per_session"]:
             assert row["got_audio"] and row["errors"] == [] and row["units_sent"] == DURATION
             # one user turn of 2 units then quiet: exactly one reply, as long as the server's

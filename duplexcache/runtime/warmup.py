@@ -22,6 +22,9 @@ the first seconds saw first audio after 13-16 s, and 11 of them none within 16 s
   split count is a compile-time constant) and the fused key re-rotation (window ``basic``).
   Graphs off (``engine.decode_cuda_graphs: false``, the A/B reference): eager decode steps of
   arbitrary batch sizes may still compile split variants inside ticks.
+* a context prefill of two ``engine.prefill_chunk_tokens`` chunks through Stage 0
+  (``run_prefill_once``): the first chunk of the first long context otherwise pays ~600 ms of
+  first-use costs inside a tick.
 
 Nothing here touches a session or the pools' accounting: decode captures use padding rows (slot 0
 of the null block, as a padded replay does), Code2Wav captures use padded arena rows (scratch
@@ -44,6 +47,7 @@ from duplexcache.cfm.graph_grid import replay_tiers
 from duplexcache.kv.decode_graphs import width_classes
 from duplexcache.kv.paged_attention import NULL_BLOCK_ID, PagedBatch, PagedKVCache
 from duplexcache.runtime.code2wav_stage import LOOKAHEAD
+from duplexcache.runtime.stage0_types import SessionContextInput
 
 if TYPE_CHECKING:
     from duplexcache.runtime.engine import DuplexEngine
@@ -212,6 +216,47 @@ def _ragged_split_variants(engine: DuplexEngine) -> list[str]:
     return ran
 
 
+# ------------------------------------------------------------------------------ context prefill
+
+# Not a valid id of any context: the warm-up's throwaway context never matches a real one.
+PREFILL_WARMUP_SID = "__warmup_prefill__"
+PREFILL_WARMUP_KEY = b"duplexcache-warmup-prefill"
+
+
+@torch.no_grad()
+def run_prefill_once(engine: DuplexEngine) -> int:
+    """Prefill a throwaway context of two ``engine.prefill_chunk_tokens`` chunks through Stage 0
+    (the path a long context takes) and free it; returns the tokens prefilled.
+
+    Why: the first chunk of the first long context paid ~600 ms on an H200 (first use of the
+    chunk's GEMM shapes and of SDPA with a lower-right causal bias: lazy kernel loads, allocator
+    growth) inside the tick of 32 live sessions; later chunks cost 43-73 ms. Two chunks: the
+    first has no computed context, the second does. The blocks go back to the pool; the ones the
+    context hashed stay as evictable cached blocks under a key no session uses."""
+    chunk = engine.deploy.engine.prefill_chunk_tokens
+    stage0 = engine.stage0
+    limit = engine.models.thinker.config.max_position_embeddings - 1
+    tokens = min(2 * chunk, limit, engine.window.high_tokens if engine.window.mode != "off" else limit)
+    if tokens < 1:
+        return 0
+    m = engine.models
+    embeds = torch.zeros(tokens, m.thinker.config.hidden_size, dtype=m.dtype, device=m.device)
+    context = SessionContextInput(embeds, [0] * tokens, PREFILL_WARMUP_KEY)
+    stage0.enqueue_open(PREFILL_WARMUP_SID, context, engine.window)
+    try:
+        for _ in range(tokens // chunk + 2):
+            result = stage0.prefill(chunk)
+            if result.errors:
+                raise RuntimeError(f"warm-up prefill failed: {result.errors[PREFILL_WARMUP_SID]}")
+            if result.opened:
+                break
+    finally:
+        stage0.close_session(PREFILL_WARMUP_SID)
+    if m.device.type == "cuda":
+        torch.cuda.synchronize(m.device)
+    return tokens
+
+
 # ------------------------------------------------------------------------------ the warm-up
 
 def _never() -> bool:
@@ -245,6 +290,8 @@ def warm_up(engine: DuplexEngine, should_stop: Callable[[], bool] = _never) -> W
         cancelled = True
     else:
         kernels = run_kernels_once(engine)
+        if engine.models.device.type == "cuda":
+            kernels += (f"thinker:prefill_{run_prefill_once(engine)}_tokens",)
     report = WarmupReport(time.perf_counter() - start, decode, c2w, kernels, cancelled)
     logger.info("engine %s%s", report.describe(), " (cancelled)" if cancelled else "")
     return report

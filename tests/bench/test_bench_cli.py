@@ -81,6 +81,8 @@ def test_prefill(tmp_path):
     assert result["max_context_tokens"] == 300 and result["ok"] is True
     assert len(result["prefill_ms"]["ticks"]) == math.ceil(300 / 128)
     assert result["sessions_with_events_per_prefill_tick"] == [2] * math.ceil(300 / 128)
+    worst, base = max(result["prefill_ms"]["ticks"]), max(result["baseline_ms"]["ticks"])
+    assert result["added_ms"] == pytest.approx(1e3 * (worst - base))    # like with like: max vs max
     assert cli_main(["bench", "prefill", "--baseline-ticks", "0"]) == 2
 
 

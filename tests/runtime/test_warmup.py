@@ -184,3 +184,19 @@ def test_cuda_warmup_captures_and_ticks_capture_nothing(tmp_path):
     serve_units(eng)
     assert eng.stats().graph_captures == {"warmup": at_start + report.graphs, "tick": 0}
     eng.shutdown()
+
+
+def test_the_prefill_warm_up_opens_and_frees_a_throwaway_context(tmp_path):
+    """run_prefill_once (CUDA warm-ups call it) prefills two chunks through Stage 0 and gives
+    every block back: no session left, the pool's free count as before."""
+    eng = engine(tmp_path, "prefill_warmup", {"engine": {"prefill_chunk_tokens": 48}})
+    pool = eng.stage0.manager.pool
+    free_before = pool.num_free
+    calls = []
+    real = eng.stage0.prefill
+    eng.stage0.prefill = lambda chunk: calls.append(chunk) or real(chunk)
+    assert W.run_prefill_once(eng) == 96
+    assert calls == [48, 48]                      # two chunks, one call each
+    assert not eng.stage0.is_prefilling(W.PREFILL_WARMUP_SID) and W.PREFILL_WARMUP_SID not in eng.stage0.sessions
+    assert pool.num_free == free_before
+    eng.shutdown()

@@ -252,6 +252,19 @@ class ServerConfig(_Strict):
     switch_interval_ms: float | None = Field(None, gt=0, le=100)
 
 
+class ClusterConfig(_Strict):
+    """Replicas on Ray Serve (``duplexcache serve --replicas N``, cluster/); ignored by one-engine serve."""
+
+    replicas: int = Field(1, ge=1)                  # engines, one per GPU on CUDA
+    # Replicas may grow to this many on live-session utilisation (None: a fixed count).
+    max_replicas: int | None = Field(None, ge=1)
+    target_utilisation: float = Field(0.75, gt=0, le=1)   # live / admissible sessions the autoscaler aims at
+    # A replica being scaled down or redeployed takes no new sessions; its live ones may go on
+    # for this long, then are closed with 1001 (going away).
+    drain_timeout_s: float = Field(300.0, ge=0)
+    routing_stats_period_s: float = Field(1.0, gt=0)     # how often replicas report room and contexts
+
+
 # Preset-specific values that differ from the field defaults above (the YAML files say the same).
 _PRESET_OVERRIDES: dict[str, dict[str, Any]] = {
     "tiny": {"model": {"preset": "tiny"}},
@@ -273,6 +286,7 @@ class DeployConfig(_Strict):
     code2wav: Code2WavConfig = Field(default_factory=Code2WavConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> "DeployConfig":

@@ -44,6 +44,7 @@ from duplexcache.bench import workload as wl
 from duplexcache.bench.common import hardware_line, int_list, write_results
 from duplexcache.bench.plot import pyplot, save_figure
 from duplexcache.bench.serve_client import GAP_S, Caller, SessionTrace, session_row
+from duplexcache.server.protocol import PLACEMENT_HEADER
 
 logger = logging.getLogger(__name__)
 
@@ -137,11 +138,32 @@ async def _get(client: Any, url: str) -> Any:
 
 
 async def scrape(client: Any, base: str) -> dict[str, float | None]:
+    """The server's counters; behind a cluster (``duplexcache serve --replicas``, whose ``/health``
+    lists the replicas) the sum over every replica's own ``/metrics`` (docs/deploy.md)."""
     try:
-        return counters((await _get(client, base + "/metrics")).text)
+        replicas = await _cluster_replicas(client, base)
+        if not replicas:
+            return counters((await _get(client, base + "/metrics")).text)
+        total: dict[str, float | None] = {"late_ticks": None, "graph_captures": None}
+        for replica in replicas:
+            pin = {PLACEMENT_HEADER: f"replica:{replica}"}   # the router sends it to that replica
+            response = await client.get(base + "/metrics", timeout=10.0, headers=pin)
+            response.raise_for_status()
+            for key, value in counters(response.text).items():
+                if value is not None:
+                    total[key] = (total[key] or 0.0) + value
+        return total
     except Exception as exc:  # noqa: BLE001 - a server without /metrics gives nulls, not a failed run
         logger.warning("could not read %s/metrics: %s", base, exc)
         return {"late_ticks": None, "graph_captures": None}
+
+
+async def _cluster_replicas(client: Any, base: str) -> list[str]:
+    try:
+        body = (await _get(client, base + "/health")).json()
+    except Exception:  # noqa: BLE001 - no /health: a plain server
+        return []
+    return sorted(body.get("cluster", {}).get("replicas", {})) if isinstance(body, dict) else []
 
 
 async def wait_idle(client: Any, base: str, timeout: float = IDLE_WAIT_S) -> None:
@@ -151,7 +173,9 @@ async def wait_idle(client: Any, base: str, timeout: float = IDLE_WAIT_S) -> Non
     while loop.time() < deadline:
         try:
             body = (await client.get(base + "/health", timeout=5.0)).json()
-            if body.get("live_sessions", 0) == 0 and body.get("queued_sessions", 0) == 0:
+            # behind a cluster, the summary's count over every replica (a report period old)
+            live = body.get("cluster", {}).get("live_sessions", body.get("live_sessions", 0))
+            if live == 0 and body.get("live_sessions", 0) == 0 and body.get("queued_sessions", 0) == 0:
                 return
         except Exception as exc:  # noqa: BLE001
             logger.debug("health: %s", exc)

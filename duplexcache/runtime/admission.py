@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections import deque
 
 import logging
+import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -290,3 +291,23 @@ class TickCostModel:
         return (f"predicted tick {predicted * 1e3:.1f} ms with {live_sessions + 1} sessions (fixed "
                 f"{self.fixed_s * 1e3:.1f} ms + {self.per_unit_s * 1e3:.1f} ms per session) exceeds "  # type: ignore[operator]
                 f"tick_seconds x tick_headroom = {self.limit_s * 1e3:.1f} ms")
+
+
+@dataclass(frozen=True)
+class Headroom:
+    """How many more reference sessions an engine could admit now, and what limits it."""
+
+    sessions: int
+    limit: str               # "memory" or "compute"
+
+
+def headroom(plan: MemoryPlan, tick_cost: TickCostModel, live_sessions: int) -> Headroom:
+    """Free reference-session slots: the plan's count less the live sessions (each reserves at
+    most a reference session's worst case), or fewer when the measured tick cost says so."""
+    memory = max(0, plan.planned_sessions - live_sessions)
+    if tick_cost.per_unit_s is None or live_sessions == 0:
+        return Headroom(memory, "memory")
+    # the fitted line is float arithmetic: 0.7 / 0.1 must count 7 sessions, not 6.999...
+    fits = math.floor((tick_cost.limit_s - tick_cost.fixed_s) / tick_cost.per_unit_s + 1e-6)
+    compute = max(0, fits - live_sessions)
+    return Headroom(compute, "compute") if compute < memory else Headroom(memory, "memory")

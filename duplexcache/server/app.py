@@ -60,6 +60,7 @@ LATE_SLACK = 0.1
 _CLIENT_ERROR_CODES = frozenset({"invalid_audio", "context_length_exceeded", "invalid_reference_audio"})
 # The core session calls every engine has (engine_api.EngineAPI less the turn-control members).
 _CORE_METHODS = ("open_session", "is_queued", "push_audio", "close_session", "tick", "stats", "shutdown")
+MAX_PLACEMENT_KEY = 128   # characters of the placement header kept
 # Longest pause of the housekeeping loop (idle/duration limits, queue notices).
 HOUSEKEEPING_PERIOD_S = 0.5
 
@@ -87,6 +88,8 @@ class RealtimeServer:
         self.warm_state = "warming"            # -> "ready" | "warmup_failed"
         self.warmup_error: str | None = None
         self._saved_switch_interval: float | None = None  # Python's, while ours is set
+        self.failed_ticks_in_a_row = 0         # a cluster replica reports itself unhealthy on a run
+        self.last_tick_error: str | None = None
 
     @property
     def num_connections(self) -> int:
@@ -99,6 +102,24 @@ class RealtimeServer:
     def engine_sid(self, session_id: str) -> str | None:
         """The engine's id of the session with wire id ``session_id`` (None until the engine session opens)."""
         return next((s.sid for s in self._sessions if s.id == session_id), None)
+
+    def session_contexts(self) -> list[tuple[str, str | None]]:
+        """(instructions, voice) of every session the engine holds or is opening (cluster placement)."""
+        return [(s.settings.instructions, s.settings.voice) for s in self._sessions
+                if s.sid is not None or s.opening]
+
+    def placement_keys(self) -> list[str]:
+        """The context keys clients named in their handshake (cluster/placement.py), opened or not."""
+        return [s.placement_key for s in self._sessions if s.placement_key]
+
+    def close_all(self, code: str, message: str, close_code: int) -> int:
+        """Send every connection an ``error`` event naming why, then close it with ``close_code``
+        (a cluster replica that failed: 1011; one whose drain ran out: 1001). Returns how many."""
+        sessions = [s for s in self._sessions if not s.conn.closing]
+        for session in sessions:
+            session.error(code, message, error_type=proto.SERVER_ERROR)
+            session.conn.close(close_code, code)
+        return len(sessions)
 
     def connections_of(self, client: str) -> int:
         return sum(s.client == client for s in self._sessions) + self._pending_clients.get(client, 0)
@@ -189,10 +210,14 @@ class RealtimeServer:
         start = loop.time()
         try:
             events = await asyncio.to_thread(self.engine.tick)
-        except Exception:  # noqa: BLE001 - an engine bug must not kill the server loop
+        except Exception as exc:  # noqa: BLE001 - an engine bug must not kill the server loop
             logger.exception("engine tick failed")
             self.metrics.tick_errors.inc()
+            self.failed_ticks_in_a_row += 1
+            self.last_tick_error = f"{type(exc).__name__}: {exc}"
             events = []
+        else:
+            self.failed_ticks_in_a_row = 0
         self.metrics.tick_duration.observe(loop.time() - start)
         await self._route(events)
         try:
@@ -304,6 +329,8 @@ class RealtimeServer:
         conn = Connection(ws)
         conn.start()
         session = RealtimeSession(self, conn, verdict, client, ws.query_params.get("model"))
+        # the context key a cluster router placed this connection by (cluster/placement.py)
+        session.placement_key = ws.headers.get(proto.PLACEMENT_HEADER, "")[:MAX_PLACEMENT_KEY]
         self._sessions.add(session)
         self.metrics.connections.set(len(self._sessions))
         session.announce()
@@ -383,9 +410,9 @@ async def _refuse_unready(ws: WebSocket, server: RealtimeServer) -> None:
         await ws.close(code=proto.CLOSE_TRY_AGAIN, reason=code)
 
 
-def create_app(engine: EngineAPI, config: DeployConfig) -> FastAPI:
+def create_app(engine: EngineAPI, config: DeployConfig, metrics: ServerMetrics | None = None) -> FastAPI:
     """The ASGI app; its lifespan starts the tick loop and shuts everything down on exit."""
-    server = RealtimeServer(engine, config)
+    server = RealtimeServer(engine, config, metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -397,6 +424,7 @@ def create_app(engine: EngineAPI, config: DeployConfig) -> FastAPI:
 
     app = FastAPI(title="duplexcache realtime", lifespan=lifespan)
     app.state.server = server
+    app.state.health_extras = []   # async callables returning more /health fields
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -410,6 +438,8 @@ def create_app(engine: EngineAPI, config: DeployConfig) -> FastAPI:
         stopping = server.stopping
         body = {"status": "stopping" if stopping else "ok", "live_sessions": stats.live_sessions,
                 "queued_sessions": stats.queued_sessions, "connections": server.num_connections}
+        for extra in app.state.health_extras:   # e.g. the cluster summary of a Ray Serve replica
+            body.update(await extra())
         return JSONResponse(body, status_code=503 if stopping else 200)
 
     @app.get("/metrics")

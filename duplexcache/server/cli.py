@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import logging
 import sys
 
@@ -30,6 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allowed-origins", metavar="ORIGIN[,ORIGIN...]",
                         help="browser Origins accepted besides the server's own (overrides server.allowed_origins; "
                         "'*' = any)")
+    parser.add_argument("--device", help="model device (overrides model.device, e.g. cpu)")
+    parser.add_argument("--replicas", type=int, metavar="N",
+                        help="serve N engines behind Ray Serve (overrides cluster.replicas; needs "
+                        "pip install duplexcache[cluster]; docs/deploy.md). Without it: one engine, no Ray")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                         help="uvicorn log level")
 
@@ -47,6 +52,10 @@ def load_deploy_config(args: argparse.Namespace) -> DeployConfig:
             deploy.server.port = args.port
         if getattr(args, "api_key", None) is not None:
             deploy.server.api_key = args.api_key
+        if getattr(args, "device", None) is not None:
+            deploy.model.device = args.device
+        if getattr(args, "replicas", None) is not None:
+            deploy.cluster.replicas = args.replicas
         if getattr(args, "allowed_origins", None) is not None:
             deploy.server.allowed_origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()]
     except ValueError as exc:
@@ -75,6 +84,14 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, OSError) as exc:
         print(f"duplexcache serve: {exc}", file=sys.stderr)
         return 2
+    if getattr(args, "replicas", None) is not None:
+        if importlib.util.find_spec("ray") is None:
+            print("duplexcache serve --replicas: ray is not installed; pip install 'duplexcache[cluster]' "
+                  "(or leave --replicas out to serve one engine without Ray)", file=sys.stderr)
+            return 2
+        from duplexcache.cluster.launch import serve_replicas
+
+        return serve_replicas(deploy)
     try:
         engine = build_engine(deploy)
     except RuntimeError as exc:

@@ -28,8 +28,9 @@ GRAPH_CAPTURE_PLACES = ("warmup", "tick")
 
 
 class ServerMetrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+    def __init__(self, target_info: dict[str, str] | None = None) -> None:
+        # target_info: labels naming this server (a Ray Serve replica's id), exported as target_info
+        self.registry = CollectorRegistry(auto_describe=True, target_info=target_info)
         r = self.registry
         self.live_sessions = Gauge(PREFIX + "live_sessions", "Sessions admitted and running", registry=r)
         self.queued_sessions = Gauge(PREFIX + "queued_sessions", "Sessions waiting for admission", registry=r)

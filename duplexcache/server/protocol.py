@@ -20,10 +20,15 @@ SERVER_ERROR = "server_error"
 RATE_LIMIT = "rate_limit_error"
 
 # Close codes (RFC 6455)
+# The handshake header a cluster router places a session by (Ray Serve's proxy hands it to the
+# router as the multiplexed model id; cluster/placement.py).
+PLACEMENT_HEADER = "serve_multiplexed_model_id"
+
 CLOSE_NORMAL = 1000
 CLOSE_GOING_AWAY = 1001
 CLOSE_POLICY = 1008
 CLOSE_TOO_BIG = 1009
+CLOSE_INTERNAL_ERROR = 1011
 CLOSE_TRY_AGAIN = 1013
 
 CLIENT_EVENT_TYPES = (

@@ -65,6 +65,7 @@ class RealtimeSession:
         self.client = client              # the peer address the per-client caps count by
         self.model = model
         self.id = proto.new_id("sess")    # the wire id; the engine's id is self.sid
+        self.placement_key = ""           # the context key a cluster router placed it by
         conn.label = self.id
         self.settings = SessionSettings()
         self.openai_client = handshake.openai_client

@@ -113,14 +113,23 @@ class DuplexReplica:
         (``replica_draining``) and close 1001. Ray's own kill comes SHUTDOWN_MARGIN_S later."""
         try:
             controller = ray.get_actor(CONTROLLER_ACTOR, namespace=SERVE_NAMESPACE)
-            while True:
-                await asyncio.sleep(DRAIN_POLL_S)
-                details = await controller.get_serve_instance_details.remote()
-                if (_replica_state(details, self.replica_id) or "").rsplit(".", 1)[-1] == "STOPPING":
-                    break
-        except Exception:  # noqa: BLE001 - no controller (a test harness): Ray's own drain only
-            logger.exception("replica %s: cannot watch for a drain; sessions last until Ray stops it", self.replica_id)
+        except ValueError:  # no Serve controller (a test harness): Ray's own drain only
+            logger.warning("replica %s: no Serve controller to watch; sessions last until Ray stops the replica",
+                           self.replica_id)
             return
+        failures = 0
+        while True:
+            await asyncio.sleep(DRAIN_POLL_S)
+            try:
+                details = await controller.get_serve_instance_details.remote()
+            except Exception as exc:  # noqa: BLE001 - a controller restart: keep watching
+                failures += 1
+                if failures == 1 or failures % 30 == 0:
+                    logger.warning("replica %s: reading its state from the controller failed (%d times): %s",
+                                   self.replica_id, failures, exc)
+                continue
+            if (_replica_state(details, self.replica_id) or "").rsplit(".", 1)[-1] == "STOPPING":
+                break
         self.draining = True
         limit = self.deploy.cluster.drain_timeout_s
         logger.info("replica %s is draining: %d connection(s) may go on for up to %.0f s (cluster.drain_timeout_s)",

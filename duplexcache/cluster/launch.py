@@ -20,10 +20,13 @@ def serve_replicas(deploy: DeployConfig) -> int:
     from ray import serve
 
     from duplexcache.cluster.app import build_app
+    from duplexcache.cluster.proxy import proxy_env
     from duplexcache.cluster.summary import start_summary, stop_summary
 
     # a CUDA replica holds one GPU; on CPU the replicas take no CPU reservation (torch's threads)
-    ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, configure_logging=False)
+    # proxy_env: Serve's proxies wrap themselves in cluster/proxy.py (replica_lost to the client)
+    ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, configure_logging=False,
+             runtime_env={"env_vars": proxy_env()})
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

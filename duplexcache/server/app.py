@@ -53,7 +53,7 @@ from duplexcache.server.realtime_session import RealtimeSession
 
 logger = logging.getLogger(__name__)
 
-REALTIME_PATH = "/v1/realtime"
+REALTIME_PATH = proto.REALTIME_PATH
 # A tick is late when it ends more than this fraction of a period after its deadline.
 LATE_SLACK = 0.1
 # Engine-reported error codes that describe the client's input rather than a server fault.

@@ -20,6 +20,8 @@ SERVER_ERROR = "server_error"
 RATE_LIMIT = "rate_limit_error"
 
 # Close codes (RFC 6455)
+REALTIME_PATH = "/v1/realtime"   # where the realtime WebSocket is served
+
 # The handshake header a cluster router places a session by (Ray Serve's proxy hands it to the
 # router as the multiplexed model id; cluster/placement.py).
 PLACEMENT_HEADER = "serve_multiplexed_model_id"

@@ -22,6 +22,7 @@ from websockets.exceptions import ConnectionClosed  # noqa: E402
 
 from duplexcache.cluster.app import DEPLOYMENT_NAME, build_app  # noqa: E402
 from duplexcache.cluster.placement import CONTEXT_HEADER, context_key  # noqa: E402
+from duplexcache.cluster.proxy import proxy_env  # noqa: E402
 from duplexcache.cluster.summary import start_summary, stop_summary  # noqa: E402
 from duplexcache.config import DeployConfig  # noqa: E402
 
@@ -47,7 +48,8 @@ def _deploy(replicas: int = 2, drain_s: float = 60.0) -> DeployConfig:
 @pytest.fixture(scope="module")
 def cluster():
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             runtime_env={"env_vars": proxy_env()})
     start_summary()
     port = 18000 + os.getpid() % 1000
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -220,9 +222,9 @@ def test_a_killed_replica_closes_its_sessions_and_the_other_carries_on(cluster):
     late, victim = asyncio.run(run())
     on_victim = [c for c in calls if c.key == calls[0].key]
     others = [c for c in calls if c.key != calls[0].key]
-    # Ray's proxy drops the victim's connections without a close frame (1006): a killed process
-    # sends nothing (an engine failure inside a live replica is an error event + 1011, below)
-    assert all(c.close_code == 1006 and c.done == 0 for c in on_victim), on_victim
+    # the dead process sends nothing; the proxy's middleware (cluster/proxy.py) tells the client
+    assert all(c.close_code == 1011 and [e["code"] for e in c.errors] == ["replica_lost"] for c in on_victim), \
+        on_victim
     assert all(c.audio_after_mark > 0 and not c.errors and c.close_code == 1000 for c in others), others
     survivor = next(rid for rid in _replicas(base) if rid != victim)
     assert late.audio_bytes > 0 and not late.errors, late

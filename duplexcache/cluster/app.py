@@ -40,7 +40,8 @@ def deployment_options(deploy: DeployConfig) -> dict[str, Any]:
             request_router_class="duplexcache.cluster.router:CacheAffinityRouter",
             request_routing_stats_period_s=cluster.routing_stats_period_s,
             request_routing_stats_timeout_s=max(5.0, 2 * cluster.routing_stats_period_s),
-            request_router_kwargs={"sent_ttl_s": 3 * cluster.routing_stats_period_s + 1.0}),
+            # a send counts until the replica surely reported it (report + controller push + slack)
+            request_router_kwargs={"sent_ttl_s": max(5.0, 4 * cluster.routing_stats_period_s + 2.0)}),
     }
     if cluster.max_replicas is None:
         options["num_replicas"] = cluster.replicas

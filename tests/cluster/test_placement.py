@@ -95,7 +95,7 @@ def test_the_cluster_section_reaches_the_ray_deployment(tmp_path):
     assert opts["num_replicas"] == 2 and "autoscaling_config" not in opts
     assert opts["graceful_shutdown_timeout_s"] == 42 + SHUTDOWN_MARGIN_S
     router = opts["request_router_config"]
-    assert router.request_routing_stats_period_s == 0.5 and router.request_router_kwargs["sent_ttl_s"] == 2.5
+    assert router.request_routing_stats_period_s == 0.5 and router.request_router_kwargs["sent_ttl_s"] == 5.0
     assert opts["ray_actor_options"]["num_gpus"] == 0
     path.write_text("cluster:\n  replicas: 2\n  max_replicas: 6\n  target_utilisation: 0.5\n"
                     "model:\n  device: cuda\n")

@@ -5,8 +5,9 @@ the request's multiplexed model id, which is what this router sees before the fi
 replicas report their room and the contexts they hold as routing stats
 (``DuplexReplica.record_routing_stats``, every ``cluster.routing_stats_period_s``). The decision
 itself is :func:`duplexcache.cluster.placement.place`. A header ``replica:<id>`` pins a request
-to one replica (scraping each replica's ``/metrics``); a header naming no replica that is running
-is an error of the request (HTTP 500 from the proxy), never a silent move.
+to one replica (scraping each replica's ``/metrics``); if that replica takes no requests (gone,
+draining) another one answers, and its ``/health`` (``replica``) and ``/metrics``
+(``target_info``) say which.
 
 A WebSocket stays on its replica for its whole life (it is one long request), so placement is
 sticky by construction. Stats are seconds old while a burst of sessions is placed in
@@ -67,9 +68,12 @@ class CacheAffinityRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         if key.startswith(PIN_PREFIX):
             pinned = by_id.get(key[len(PIN_PREFIX):])
-            if pinned is None:
-                raise ValueError(f"no running replica {key[len(PIN_PREFIX):]!r} (running: {sorted(by_id)})")
-            return [[pinned]]
+            if pinned is not None:
+                return [[pinned]]
+            # gone or draining: answer from another one (its /health and /metrics name it), not hang
+            logger.warning("request pinned to replica %r, which takes no requests (running: %s)",
+                           key[len(PIN_PREFIX):], sorted(by_id))
+            return [candidate_replicas]
         loads = [load for load in map(replica_load, candidate_replicas) if load is not None]
         if not loads:  # nobody has reported yet: any replica (its own admission decides)
             return [candidate_replicas]

@@ -142,10 +142,11 @@ def test_malformed_input_gets_errors_while_another_session_streams(serve):
     async def bystander():
         async with _connect(srv) as ws:
             await _create(ws)
-            bystander_in.set()
             for i in range(3):
                 await send(ws, {"type": "input_audio_buffer.append", "audio": pcm16_b64(np.zeros(16000, np.int16))})
                 await recv_type(ws, "response.output_audio.delta")
+                # the engine session opens at the first append: only now does it count as open
+                bystander_in.set()
                 await asyncio.sleep(0.02)
             return True
 

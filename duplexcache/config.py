@@ -250,6 +250,11 @@ class ServerConfig(_Strict):
     # decoding) then holds it for up to one interval before the tick thread may go on, so a busy
     # server stretches every tick by (syncs per tick) x (interval). None = Python's default, 5 ms.
     switch_interval_ms: float | None = Field(None, gt=0, le=100)
+    # Each tick takes one unit per session, so a tick that runs over its period leaves every
+    # session that much further behind, for good: the next on-time ticks take one unit per
+    # second again. With catch-up, a session holding a whole unit more than the next tick
+    # takes gets one extra tick before the next deadline (at most one per period).
+    catch_up_ticks: bool = True
 
 
 class ClusterConfig(_Strict):

@@ -3,7 +3,8 @@
 # (a failing step is logged and the next one still runs). Usage:
 #   OUT=/path/to/results bash scripts/gpu_bench.sh MODE [MODE ...]
 # smoke: every benchmark on the tiny preset (catches device bugs in seconds); suite (the whole pytest suite); bench, setup,
-# ticks, ticks_continuous, ticks_steady, ticks_ragged, ticks_eager, ticks_conversation, serve_conversation, warm_start,
+# ticks, ticks_continuous, ticks_steady, ticks_ragged, ticks_eager, ticks_conversation, serve_conversation, serve_switch,
+# serve_catch_up, warm_start,
 # serve_ready, stage0,
 # stage2: the minicpmo45 figures (random weights), each a few minutes on an H200 (each fits one 10-minute call).
 # Every step is a `duplexcache bench BENCHMARK` command (run as `python3 -m duplexcache.cli`, so no install is needed).
@@ -29,17 +30,20 @@ step() {  # step NAME SECONDS CMD...
 # audio comes ~2 units + the tick after the user stopped; 1.5 s (issue 10) is below that floor.
 REPLY_LATENCY_S=${REPLY_LATENCY_S:-3.5}
 
-serve_conversation() {  # NAME BASE_YAML SESSIONS DURATION [SWITCH_MS]: start `duplexcache serve` with the reply policy,
-  # wait for /health 200, run `bench serve --workload conversation`, stop the server. SWITCH_MS: server.switch_interval_ms
-  # ("none": Python's 5 ms; default: the config's)
-  local name=$1 base=$2 sessions=$3 duration=$4 switch_ms=${5:-} port=${SERVE_PORT:-8000}
+serve_conversation() {  # NAME BASE_YAML SESSIONS DURATION [OVERRIDES]: start `duplexcache serve` with the reply policy,
+  # wait for /health 200, run `bench serve --workload conversation`, stop the server. OVERRIDES: space-separated
+  # SECTION.KEY=VALUE (a YAML value), e.g. "server.switch_interval_ms=0.5 server.catch_up_ticks=false"
+  local name=$1 base=$2 sessions=$3 duration=$4 overrides=${5:-} port=${SERVE_PORT:-8000}
   local cfg="$out/$name.yaml"
-  python3 - "$cfg" "$base" "$switch_ms" <<'PY' || return 1
+  python3 - "$cfg" "$base" $overrides <<'PY' || return 1
 import sys
+import yaml
 from duplexcache.config import DeployConfig
 deploy = DeployConfig.from_yaml(sys.argv[2])
-if sys.argv[3]:
-    deploy.server.switch_interval_ms = None if sys.argv[3] == "none" else float(sys.argv[3])
+for item in sys.argv[3:]:
+    key, _, value = item.partition("=")
+    section, _, field = key.partition(".")
+    setattr(getattr(deploy, section), field, yaml.safe_load(value))
 deploy.engine.speak_policy.mode = "reply"
 deploy.server.host = "127.0.0.1"
 # every caller of the load generator comes from 127.0.0.1: lift the per-address caps above the load
@@ -73,7 +77,7 @@ PY
     # the server's own counters after the run: graph captures inside ticks (0 after a warm-up), late ticks
     python3 -c 'import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=30).read().decode())' \
       "http://127.0.0.1:$port/metrics" >"$out/${name}_metrics.txt" 2>&1
-    grep -E '^duplexcache_(graph_captures_total|warmup_seconds|cfm_prompt_passes_total|late_ticks|tick_errors|tick_duration_seconds_(count|sum))' "$out/${name}_metrics.txt"
+    grep -E '^duplexcache_(graph_captures_total|warmup_seconds|cfm_prompt_passes_total|late_ticks|catch_up_ticks|tick_errors|tick_duration_seconds_(count|sum))' "$out/${name}_metrics.txt"
   else
     echo "=== $name: the server exited or was not healthy within 240 s ==="
   fi
@@ -123,8 +127,14 @@ case "$mode" in
     # policy). Expected wall time ~4 min: server start + warm-up <= 4 min (bounded), 5 s ramp + 60 s + drain.
     serve_conversation serve_conversation examples/minicpmo45-shared.yaml 32 60 ;;
   serve_switch)  # A/B of server.switch_interval_ms: serve_conversation with Python's 5 ms, then with 0.5 ms
-    serve_conversation serve_switch_5ms examples/minicpmo45-shared.yaml 32 "${SERVE_DURATION:-60}" none
-    serve_conversation serve_switch_0.5ms examples/minicpmo45-shared.yaml 32 "${SERVE_DURATION:-60}" 0.5 ;;
+    serve_conversation serve_switch_5ms examples/minicpmo45-shared.yaml 32 "${SERVE_DURATION:-60}" server.switch_interval_ms=null
+    serve_conversation serve_switch_0.5ms examples/minicpmo45-shared.yaml 32 "${SERVE_DURATION:-60}" server.switch_interval_ms=0.5 ;;
+  serve_catch_up)  # A/B of server.catch_up_ticks, a fresh server per arm (off first). SERVE_BASE / SERVE_SESSIONS pick the
+    # config and callers (default: the minicpmo45 example, 32); e.g. SERVE_BASE=duplexcache/configs/tiny.yaml on a CPU
+    for arm in false true; do
+      serve_conversation "serve_catch_up_$arm" "${SERVE_BASE:-examples/minicpmo45-shared.yaml}" "${SERVE_SESSIONS:-32}" \
+        "${SERVE_DURATION:-60}" "server.catch_up_ticks=$arm"
+    done ;;
   ticks_conversation_large)  # ticks_conversation at 40 and 48 sessions only, with the shared graph grid warm
     step engine_ticks_conversation_large 560 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 40,48 --workload conversation --steady-window --all-switches on --ticks 8 --warmup-ticks 8 --max-seconds 420 --memory-budget auto --graph-grid 1,4,8,16 --out "$out/engine_ticks_conversation_large" ;;
   prefill)  # issue 11: the longest allowed context (16384 tokens) opening beside 32 live sessions, plus the attention A/B
@@ -141,6 +151,6 @@ case "$mode" in
     step gpu_stage0 120 python3 -m duplexcache.cli bench kernels --out "$out/gpu_stage0" ;;
   stage2)
     step gpu_stage2 300 python3 -m duplexcache.cli bench stage2 --out "$out/gpu_stage2" --batches 1,8,32 ;;
-  *) echo "unknown mode $mode (smoke|bench|setup|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|ticks_conversation|ticks_conversation_large|serve_conversation|serve_switch|prefill|prefill_512|warm_start|serve_ready|stage0|stage2)"; exit 2 ;;
+  *) echo "unknown mode $mode (smoke|bench|setup|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|ticks_conversation|ticks_conversation_large|serve_conversation|serve_switch|serve_catch_up|prefill|prefill_512|warm_start|serve_ready|stage0|stage2)"; exit 2 ;;
 esac
 done

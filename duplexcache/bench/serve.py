@@ -116,14 +116,22 @@ def http_base(url: str) -> str:
     return urlunsplit(("http" if parts.scheme == "ws" else "https", parts.netloc, "", "", ""))
 
 
+# The server counters a step reports (their differences over the step), by a part of the family name.
+COUNTERS = {"late_ticks": "late_tick", "graph_captures": "graph_capture", "catch_up_ticks": "catch_up_tick"}
+
+
+def _no_counters() -> dict[str, float | None]:
+    return dict.fromkeys(COUNTERS)
+
+
 def counters(metrics_text: str) -> dict[str, float | None]:
-    """Sums of the ``late_ticks``-like and ``graph_capture``-like counters (None: none exported)."""
+    """Sums of the ``late_ticks``-, ``graph_capture``- and ``catch_up_tick``-like counters
+    (None: none exported)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    found: dict[str, float | None] = {"late_ticks": None, "graph_captures": None}
+    found = _no_counters()
     for family in text_string_to_metric_families(metrics_text):
-        key = "late_ticks" if "late_tick" in family.name else "graph_captures" if "graph_capture" in family.name \
-            else None
+        key = next((k for k, part in COUNTERS.items() if part in family.name), None)
         if key is None:
             continue
         total = sum(s.value for s in family.samples if s.name in (family.name, family.name + "_total"))
@@ -144,7 +152,7 @@ async def scrape(client: Any, base: str) -> dict[str, float | None]:
         replicas = await _cluster_replicas(client, base)
         if not replicas:
             return counters((await _get(client, base + "/metrics")).text)
-        total: dict[str, float | None] = {"late_ticks": None, "graph_captures": None}
+        total = _no_counters()
         for replica in replicas:
             pin = {PLACEMENT_HEADER: f"replica:{replica}"}   # the router sends it to that replica
             response = await client.get(base + "/metrics", timeout=10.0, headers=pin)
@@ -155,7 +163,7 @@ async def scrape(client: Any, base: str) -> dict[str, float | None]:
         return total
     except Exception as exc:  # noqa: BLE001 - a server without /metrics gives nulls, not a failed run
         logger.warning("could not read %s/metrics: %s", base, exc)
-        return {"late_ticks": None, "graph_captures": None}
+        return _no_counters()
 
 
 async def _cluster_replicas(client: Any, base: str) -> list[str]:
@@ -203,6 +211,9 @@ def summarize_step(n: int, rows: list[dict[str, Any]], before: dict, after: dict
     ratios = [r["audio_received_ratio"] for r in rows if r["audio_received_ratio"] is not None]
     late = _delta(after["late_ticks"], before["late_ticks"])
     lat = percentiles(latencies)
+    # A server that falls behind real time and never catches up adds the same delay to every
+    # later reply: the last reply of a session is then later than its first.
+    growth = [r["reply_latency_s"][-1] - r["reply_latency_s"][0] for r in rows if len(r["reply_latency_s"]) >= 2]
     all_audio = all(r["got_audio"] for r in rows)
     if workload == "conversation":
         latency_ok = lat["p99"] is not None and lat["p99"] <= max_latency
@@ -218,6 +229,7 @@ def summarize_step(n: int, rows: list[dict[str, Any]], before: dict, after: dict
     return {
         "sessions": n, "wall_s": round(wall_s, 3),
         "reply_latency_s": lat,
+        "reply_latency_growth_s": percentiles(growth),
         "sessions_rate_limited": capped,
         "max_gap_s": percentiles([r["max_gap_s"] for r in rows]),
         "audio_received_ratio": percentiles(ratios),
@@ -227,6 +239,7 @@ def summarize_step(n: int, rows: list[dict[str, Any]], before: dict, after: dict
         "replies_scheduled": sum(r["replies_scheduled"] for r in rows),
         "replies_done": sum(r["replies_done"] for r in rows),
         "late_ticks": late, "graph_captures": _delta(after["graph_captures"], before["graph_captures"]),
+        "catch_up_ticks": _delta(after["catch_up_ticks"], before["catch_up_ticks"]),
         "realtime": bool(all_audio and late == 0 and latency_ok),
         "per_session": rows,
     }
@@ -367,8 +380,9 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     for s in results["steps"]:
         lat = s["reply_latency_s"]
         print(f"{s['sessions']:>4} sessions: audio {s['sessions_with_audio']}/{s['sessions']}, reply latency "
-              f"p50/p95/p99 {lat['p50']}/{lat['p95']}/{lat['p99']} s, gaps > 200 ms {s['gaps_over_200ms']}, "
-              f"late ticks {s['late_ticks']}, errors in {s['sessions_with_errors']} sessions, "
+              f"p50/p95/p99 {lat['p50']}/{lat['p95']}/{lat['p99']} s (last - first reply of a session: p50 "
+              f"{s['reply_latency_growth_s']['p50']} s), gaps > 200 ms {s['gaps_over_200ms']}, "
+              f"late ticks {s['late_ticks']} (catch-up ticks {s['catch_up_ticks']}), errors in {s['sessions_with_errors']} sessions, "
               f"real-time {s['realtime']}")
     print(f"largest real-time step: {results['largest_realtime_sessions']} ({results['criterion']['text']})")
     print(f"wrote {args.out / 'results.json'} and {args.out / 'reply_latency.png'}")

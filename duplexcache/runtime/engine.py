@@ -112,7 +112,7 @@ class DuplexEngine:
         # Fault injection for tests (runtime/isolation.py); None when serving: no YAML key or
         # client message reaches it, only ``install_faults``.
         self.faults: FaultInjector | None = None
-        self._refresh_pools()
+        self.recorder.refresh_pools()
         logger.info("engine ready: %s", self.plan.describe())
 
     def _build_pools(self) -> None:
@@ -252,7 +252,7 @@ class DuplexEngine:
             result = fast_forward(self.table.get_live(sid), req, self.stage0, self.talker_kv,
                                   self.models.talker.config.max_position_embeddings, self._text_ids,
                                   self._embed_tokens, self._end)
-            self._refresh_pools()
+            self.recorder.refresh_pools()
         return result
 
     # ------------------------------------------------------------------ the tick
@@ -289,6 +289,11 @@ class DuplexEngine:
         events = [e for e in events if e.sid in live or isinstance(e, SessionError)]
         self.recorder.finish_tick(lat, self.deploy.engine.tick_seconds)
         return events
+
+    def sessions_behind(self) -> int:
+        """Live sessions holding a whole unit more than the next tick takes (server/app.py ticks early)."""
+        enc = self.models.audio_encoder
+        return self.table.count_with(lambda s: enc.expected_chunk_samples(s.encoder_state) + enc.cfg.chunk_samples)
 
     def _run_units(self, units: list[Unit], lat: dict[str, float]) -> list[EngineEvent]:
         events: list[EngineEvent] = []
@@ -356,12 +361,6 @@ class DuplexEngine:
         self.thinker_cache = self.talker_cache = None  # type: ignore[assignment]
         self.recorder.talker_block_bytes = 0   # the Talker pool is gone
         logger.info("engine shut down")
-
-    # ------------------------------------------------------------------ stats
-
-    def _refresh_pools(self) -> None:
-        """Bytes per tier, computed on the tick thread (stats() only reads the snapshot)."""
-        self.recorder.refresh_pools()
 
     def stats(self) -> EngineStats:
         return self.recorder.snapshot(

@@ -321,6 +321,11 @@ class SessionTable:
                 sess.buffered = int(audio.size)
         return drop
 
+    def count_with(self, samples_needed: Callable[[EngineSession], int]) -> int:
+        """Opened sessions with at least ``samples_needed(session)`` samples buffered."""
+        with self.lock:
+            return sum(1 for s in self.live.values() if s.opened and s.buffered >= samples_needed(s))
+
     def take_units(self, samples_needed: Callable[[EngineSession], int], behind: int) -> list[Unit]:
         """One unit for every opened session with enough audio buffered
         (``samples_needed(session)``); a session ``behind`` samples past that is logged."""

@@ -191,6 +191,7 @@ class RealtimeServer:
         loop = asyncio.get_running_loop()
         period = self.config.engine.tick_seconds
         deadline = loop.time() + period
+        caught_up_at = None   # the deadline of the period that already had its extra tick
         while not self._stopping.is_set():
             await self._tick_once()
             now = loop.time()
@@ -199,11 +200,30 @@ class RealtimeServer:
                 # debug only: the engine logs the warning for each late tick (one line, not two)
                 logger.debug("tick ran late: ended %.3f s past its deadline (tick_seconds %.3f); "
                              "the next tick starts now", now - deadline, period)
-                deadline = now  # no catch-up burst
+                deadline = now  # the grid restarts here: no burst of ticks for the missed deadlines
+            elif caught_up_at != deadline and self._sessions_behind() > 0:
+                # The sessions behind real time get one extra tick now, before the deadline
+                # (docs/engine.md, "Pacing"); the deadline stays where it was.
+                self.metrics.catch_up_ticks.inc()
+                caught_up_at = deadline
+                await asyncio.sleep(0)   # let the event loop take the frames that arrived meanwhile
+                continue
             else:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._stopping.wait(), max(0.0, deadline - now))
             deadline += period
+
+    def _sessions_behind(self) -> int:
+        """Sessions holding a whole unit more than the next tick takes; 0 with
+        ``server.catch_up_ticks`` off or an engine that cannot tell."""
+        behind = getattr(self.engine, "sessions_behind", None)
+        if not self.config.server.catch_up_ticks or behind is None:
+            return 0
+        try:
+            return int(behind())
+        except Exception:  # noqa: BLE001 - pacing must not kill the tick loop
+            logger.exception("engine.sessions_behind failed")
+            return 0
 
     async def _tick_once(self) -> None:
         loop = asyncio.get_running_loop()

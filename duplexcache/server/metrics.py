@@ -45,6 +45,8 @@ class ServerMetrics:
                                      "Prompt-state rows that diverged and fell back to per-session tensors",
                                      registry=r)
         self.late_ticks = Counter(PREFIX + "late_ticks", "Ticks that started after their deadline", registry=r)
+        self.catch_up_ticks = Counter(PREFIX + "catch_up_ticks", "Extra ticks run for sessions behind real time "
+                                      "(server.catch_up_ticks)", registry=r)
         self.tick_errors = Counter(PREFIX + "tick_errors", "Ticks that raised an exception", registry=r)
         self.protocol_errors = Counter(PREFIX + "protocol_errors", "Error events sent to clients",
                                        ["code"], registry=r)

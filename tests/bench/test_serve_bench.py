@@ -82,6 +82,8 @@ def test_results_schema_and_every_session_got_its_reply(sweep):
             assert set(step[key]) == {"p50", "p95", "p99", "max", "n"}
         assert isinstance(step["late_ticks"], float)          # the server exports duplexcache_late_ticks
         assert step["graph_captures"] is None or step["graph_captures"] >= 0
+        assert isinstance(step["catch_up_ticks"], float) and step["catch_up_ticks"] >= 0
+        assert set(step["reply_latency_growth_s"]) == {"p50", "p95", "p99", "max", "n"}
         assert len(step["per_session"]) == n and step["sessions_with_audio"] == n
         assert step["sessions_with_errors"] == 0, [row["errors"] for row in step["per_session"]]
         for row in step["per_session"]:
@@ -123,9 +125,10 @@ def test_counters_from_prometheus_text():
             "# TYPE duplexcache_graph_captures counter\n"
             "duplexcache_graph_captures_total{model=\"thinker\"} 2.0\n"
             "duplexcache_graph_captures_total{model=\"talker\"} 5.0\n"
+            "# TYPE duplexcache_catch_up_ticks counter\nduplexcache_catch_up_ticks_total 4.0\n"
             "# TYPE duplexcache_live_sessions gauge\nduplexcache_live_sessions 4.0\n")
-    assert serve.counters(text) == {"late_ticks": 3.0, "graph_captures": 7.0}
-    assert serve.counters("# TYPE x counter\nx_total 1.0\n") == {"late_ticks": None, "graph_captures": None}
+    assert serve.counters(text) == {"late_ticks": 3.0, "graph_captures": 7.0, "catch_up_ticks": 4.0}
+    assert serve.counters("# TYPE x counter\nx_total 1.0\n") == dict.fromkeys(serve.COUNTERS)
 
 
 def test_url_and_arguments_are_checked():
@@ -151,10 +154,25 @@ def test_rate_limited_callers_are_counted_and_named(caplog):
         return {"reply_latency_s": [], "audio_received_ratio": None, "max_gap_s": 0.0, "gaps_over_200ms": 0,
                 "got_audio": not errors, "errors": errors, "replies_scheduled": 0, "replies_done": 0}
 
-    counters = {"late_ticks": 0.0, "graph_captures": 0.0}
+    counters = {"late_ticks": 0.0, "graph_captures": 0.0, "catch_up_ticks": 0.0}
     rows = [row([]), row(["rate_limit_exceeded: too many sessions from this client address"])]
     with caplog.at_level("WARNING", logger="duplexcache.bench.serve"):
         step = serve.summarize_step(2, rows, counters, counters, 1.0, 3.5, "conversation")
     assert step["sessions_rate_limited"] == 1 and step["realtime"] is False
     assert "max_sessions_per_client" in caplog.text
     assert serve.summarize_step(1, rows[:1], counters, counters, 1.0, 3.5, "conversation")["sessions_rate_limited"] == 0
+
+
+def test_latency_growth_is_the_last_reply_less_the_first_per_session():
+    """A server that falls behind and never catches up makes every later reply later (issue 10)."""
+    def row(latencies):
+        return {"reply_latency_s": latencies, "audio_received_ratio": 1.0, "max_gap_s": 0.0, "gaps_over_200ms": 0,
+                "got_audio": True, "errors": [], "replies_scheduled": len(latencies), "replies_done": len(latencies)}
+
+    before = {"late_ticks": 1.0, "graph_captures": 0.0, "catch_up_ticks": 2.0}
+    after = {"late_ticks": 4.0, "graph_captures": 0.0, "catch_up_ticks": 7.0}
+    step = serve.summarize_step(3, [row([3.0, 4.0, 6.5]), row([3.5, 3.0]), row([2.0])], before, after, 1.0, 3.5,
+                                "conversation")
+    assert step["reply_latency_growth_s"]["n"] == 2       # a single reply has no growth
+    assert step["reply_latency_growth_s"]["max"] == 3.5 and step["reply_latency_growth_s"]["p50"] == 1.5
+    assert step["catch_up_ticks"] == 5.0 and step["late_ticks"] == 3.0

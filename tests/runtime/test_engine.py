@@ -211,3 +211,19 @@ def test_a_caller_named_session_hears_what_the_engine_numbered_one_hears(tmp_pat
             got.setdefault(sid, []).extend(d["audio"])
     for i, sid in enumerate(sids):
         assert got[sid] == off[VOICES[i] + str(i)]["audio"], sid
+
+
+def test_sessions_behind_counts_sessions_holding_a_whole_extra_unit(tmp_path):
+    eng = engine(tmp_path, "behind")
+    late, on_time = eng.open_session({"voice": "default"}), eng.open_session({"voice": "alt"})
+    eng.push_audio(late, audio(0, 3))      # three units: the next tick takes one, two stay
+    eng.push_audio(on_time, audio(1, 1))
+    assert eng.sessions_behind() == 0      # not opened yet: the first tick prefills their contexts
+    eng.tick()
+    assert eng.sessions_behind() == 1      # `late` still holds two whole units
+    eng.push_audio(on_time, audio(2, 2)[:16000])   # one unit: what the next tick takes, no more
+    assert eng.sessions_behind() == 1
+    eng.tick()
+    assert eng.sessions_behind() == 0      # `late` caught up by one tick; `on_time` never was behind
+    for sid in (late, on_time):
+        eng.close_session(sid)

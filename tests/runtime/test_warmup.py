@@ -101,7 +101,7 @@ def test_warmup_touches_no_session_state(tmp_path, monkeypatch):
     blocks = eng.stage0.block_table(sid)
     k_before = eng.thinker_cache.k[:, blocks].clone()
     eng.warmup()
-    eng._refresh_pools()
+    eng.recorder.refresh_pools()
     after = (eng.stats().pools, eng.thinker_manager.pool.num_free, eng.talker_pool.num_free,
              eng.ledger.thinker_reserved, eng.ledger.talker_reserved, eng.ledger.dynamic_reserved,
              eng.session_info(sid), sorted(eng.code2wav.sessions))

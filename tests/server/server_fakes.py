@@ -56,6 +56,8 @@ class FakeEngine:
         self.capacity = capacity
         self.done_after_units = done_after_units
         self.tick_delay = tick_delay
+        self.behind = 0          # what sessions_behind() reports (server catch-up ticks)
+        self.behind_asked = 0
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self.live: dict[str, _FakeSession] = {}
@@ -180,6 +182,11 @@ class FakeEngine:
             self.ticks += 1
             self.ticks_in_flight -= 1
         return events
+
+    def sessions_behind(self) -> int:
+        with self._lock:
+            self.behind_asked += 1
+            return self.behind
 
     def stats(self) -> EngineStats:
         with self._lock:

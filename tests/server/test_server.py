@@ -28,9 +28,10 @@ MAX_FRAME = 256 * 1024
 def serve():
     servers = []
 
-    def _start(capacity: int = 16, **engine_kwargs):
+    def _start(capacity: int = 16, catch_up_ticks: bool = True, **engine_kwargs):
         deploy = DeployConfig.default("tiny")
         deploy.engine.tick_seconds = TICK
+        deploy.server.catch_up_ticks = catch_up_ticks
         deploy.server.max_frame_bytes = MAX_FRAME
         deploy.server.max_sessions_per_client = 16  # every test client comes from 127.0.0.1
         engine = FakeEngine(deploy, capacity=capacity, **engine_kwargs)
@@ -353,6 +354,28 @@ def test_slow_ticks_are_counted_never_overlap_and_leave_the_loop_free(serve):
                for s in fam.samples}
     assert samples["duplexcache_late_ticks_total"] >= 1
     assert engine.max_ticks_in_flight == 1
+
+
+@pytest.mark.parametrize("catch_up", [True, False])
+def test_sessions_behind_get_one_extra_tick_per_period_when_catch_up_is_on(serve, catch_up):
+    engine, srv = serve(catch_up_ticks=catch_up)
+    engine.behind = 3   # as after a tick that ran over: three sessions hold a whole unit extra
+    wait_for(lambda: engine.ticks >= 12, timeout=60, what="twelve ticks")
+    samples = {s.name: s.value for fam in text_string_to_metric_families(httpx.get(srv.http_url("/metrics")).text)
+               for s in fam.samples}
+    extra, ticks = samples["duplexcache_catch_up_ticks_total"], engine.ticks
+    if catch_up:
+        # every extra tick follows a tick on the grid (the counter may be one tick ahead)
+        assert 1 <= extra and 2 * extra <= ticks + 1
+    else:
+        assert extra == 0 and engine.behind_asked == 0
+    engine.behind = 0
+    before = httpx.get(srv.http_url("/metrics")).text
+    wait_for(lambda: engine.ticks >= ticks + 6, timeout=60, what="six more ticks")
+    after = httpx.get(srv.http_url("/metrics")).text
+    count = [next(s.value for fam in text_string_to_metric_families(t) for s in fam.samples
+                  if s.name == "duplexcache_catch_up_ticks_total") for t in (before, after)]
+    assert count[1] - count[0] <= 1   # nobody behind: only a tick already decided may still come
 
 
 def test_fatal_engine_error_ends_session(serve):

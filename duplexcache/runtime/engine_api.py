@@ -33,6 +33,14 @@ OUTPUT_SAMPLE_RATE = 24_000  # pcm16 in AudioDelta
 TIERS = ("shared", "private", "free")
 
 
+class ServerBehindError(ValueError):
+    """``push_audio`` refused a chunk because the session's input buffer is full while its client
+    sends in real time: the server is behind, not the client (a ``ValueError`` like every other
+    refused chunk, with ``code`` ``server_behind`` instead of the client's ``invalid_audio``)."""
+
+    code = "server_behind"
+
+
 class AdmissionError(Exception):
     """A session that cannot be admitted now; ``reason`` says why (e.g. which memory ran out).
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from duplexcache.runtime.engine_api import (
     EngineEvent,
     InvalidAudioError,
     ResponseUsage,
+    ServerBehindError,
     SessionAdmitted,
     SessionError,
 )
@@ -66,6 +68,8 @@ class EngineSession:
     footprint: Footprint
     audio: list[np.ndarray] = field(default_factory=list)
     buffered: int = 0
+    received: int = 0             # samples accepted since the first push, and when that was:
+    first_push_s: float | None = None   # how far ahead of real time the client sends
     encoder_state: StreamingAudioEncoderState | None = None
     opened: bool = False          # Stage 0 session exists
     unit_index: int = 0
@@ -177,6 +181,7 @@ class SessionTable:
         self.queue: OrderedDict[str, EngineSession] = OrderedDict()
         self.closing: list[EngineSession] = []   # closed; their memory is freed by the next tick
         self._ids = itertools.count(1)
+        self.clock: Callable[[], float] = time.monotonic   # tests set their own
 
     # ------------------------------------------------------------------ membership (lock held)
 
@@ -301,15 +306,25 @@ class SessionTable:
             if sess is None:
                 what = "queued" if sid in self.queue else "unknown"
                 raise ValueError(f"cannot push audio to {what} session {sid!r}")
+            now = self.clock()
+            if sess.first_push_s is None:
+                sess.first_push_s = now
             if sess.buffered + pcm.size > MAX_BUFFERED_SAMPLES:
-                # A client sending faster than real time would otherwise grow the buffer
-                # without bound; the chunk is refused and the session goes on.
-                raise ValueError(
-                    f"audio buffer of session {sid!r} is full: {sess.buffered / INPUT_SAMPLE_RATE:.2f} s "
-                    f"buffered + {pcm.size / INPUT_SAMPLE_RATE:.2f} s in this chunk > at most "
-                    f"{MAX_BUFFERED_SECONDS} s; send audio in real time")
+                # The buffer would otherwise grow without bound; the chunk is refused and the
+                # session goes on. Whose fault it is decides the error: a client more than half
+                # the buffer ahead of real time sends too fast; one that is not is waiting for
+                # a server that runs behind (late ticks), and must not be told to slow down.
+                ahead_s = (sess.received + pcm.size) / INPUT_SAMPLE_RATE - (now - sess.first_push_s)
+                full = (f"audio buffer of session {sid!r} is full: {sess.buffered / INPUT_SAMPLE_RATE:.2f} s "
+                        f"buffered + {pcm.size / INPUT_SAMPLE_RATE:.2f} s in this chunk > at most "
+                        f"{MAX_BUFFERED_SECONDS} s")
+                if ahead_s > MAX_BUFFERED_SECONDS / 2:
+                    raise ValueError(f"{full}; send audio in real time (this client is {ahead_s:.1f} s ahead)")
+                raise ServerBehindError(f"{full}: the server is running behind real time and dropped this "
+                                        f"chunk; your audio arrives in real time")
             sess.audio.append(pcm.copy())
             sess.buffered += pcm.size
+            sess.received += pcm.size
 
     def trim_audio(self, sess: EngineSession, keep: int) -> int:
         """Drop the oldest buffered samples of ``sess`` beyond ``keep``; returns how many."""

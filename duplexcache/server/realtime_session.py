@@ -25,7 +25,7 @@ import numpy as np
 
 from duplexcache.config import PrivateConfigKeyError, SessionConfigError, build_runtime_config
 from duplexcache.context.builder import ReferenceAudioError
-from duplexcache.runtime.engine_api import AdmissionError, ResponseUsage
+from duplexcache.runtime.engine_api import AdmissionError, ResponseUsage, ServerBehindError
 from duplexcache.server import protocol as proto
 from duplexcache.server.audio_io import AudioError, InputAudio
 from duplexcache.server.auth import Handshake
@@ -168,6 +168,9 @@ class RealtimeSession:
         if pcm.size:
             try:
                 await asyncio.to_thread(self.engine.push_audio, self.sid, pcm)
+            except ServerBehindError as exc:
+                # the server's fault: said as a server error, so clients do not slow down for it
+                raise proto.ProtocolError(exc.code, str(exc), ev.event_id, error_type=proto.SERVER_ERROR) from None
             except ValueError as exc:
                 raise proto.ProtocolError("invalid_audio", str(exc), ev.event_id) from None
             if self.settings.turn.type == "server_vad":

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import audio, collect, engine, tiny_models
 
 from duplexcache.models.thinker import Thinker
-from duplexcache.runtime.engine_api import EngineAPI, SessionAdmitted
+from duplexcache.runtime.engine_api import EngineAPI, ServerBehindError, SessionAdmitted
 
 SHARING_ON = {"stage0": {"shared_anchor_blocks": True},
               "context_cache": {"duplex_context_caching": True},
@@ -187,10 +187,30 @@ def test_audio_faster_than_real_time_is_refused_without_losing_the_session(tmp_p
     second = np.zeros(16000, dtype=np.float32)
     for _ in range(MAX_BUFFERED_SAMPLES // second.size):
         eng.push_audio(sid, second)
-    with pytest.raises(ValueError, match="buffer of session .* is full"):
+    with pytest.raises(ValueError, match="buffer of session .* is full.*send audio in real time") as refused:
         eng.push_audio(sid, second[:1])
+    assert not isinstance(refused.value, ServerBehindError)   # 10 s sent at once: the client's fault
     eng.tick()  # consumes a unit, which makes room again
     eng.push_audio(sid, second)
+    eng.shutdown()
+
+
+def test_a_full_buffer_of_a_real_time_client_is_the_servers_fault(tmp_path):
+    """Audio sent in real time piles up only when the ticks fall behind: the refusal must say
+    so (server_behind), not tell a real-time client to slow down (issue 11)."""
+    from duplexcache.runtime.engine import MAX_BUFFERED_SAMPLES
+
+    eng = engine(tmp_path, "behind_client")
+    now = [100.0]
+    eng.table.clock = lambda: now[0]
+    sid = eng.open_session({"voice": "default"})
+    second = np.zeros(16000, dtype=np.float32)
+    for _ in range(MAX_BUFFERED_SAMPLES // second.size):   # one second per second, no tick runs
+        eng.push_audio(sid, second)
+        now[0] += 1.0
+    with pytest.raises(ServerBehindError, match="server is running behind real time") as refused:
+        eng.push_audio(sid, second)
+    assert refused.value.code == "server_behind"
     eng.shutdown()
 
 

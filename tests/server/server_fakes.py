@@ -57,6 +57,7 @@ class FakeEngine:
         self.done_after_units = done_after_units
         self.tick_delay = tick_delay
         self.behind = 0          # what sessions_behind() reports (server catch-up ticks)
+        self.push_error: Exception | None = None   # raised by every push_audio while set
         self.behind_asked = 0
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -157,6 +158,8 @@ class FakeEngine:
             session = self.live.get(sid)
             if session is None:
                 raise ValueError(f"unknown or queued session {sid!r}")
+            if self.push_error is not None:
+                raise self.push_error
             session.buffered += pcm.size
             session.received.append(pcm.copy())
 

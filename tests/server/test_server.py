@@ -378,6 +378,36 @@ def test_sessions_behind_get_one_extra_tick_per_period_when_catch_up_is_on(serve
     assert count[1] - count[0] <= 1   # nobody behind: only a tick already decided may still come
 
 
+def test_a_chunk_refused_because_the_server_is_behind_is_a_server_error_and_the_session_goes_on(serve):
+    from duplexcache.runtime.engine_api import ServerBehindError
+
+    engine, srv = serve()
+    append = {"type": "input_audio_buffer.append", "audio": pcm16_b64(np.zeros(16000, np.int16))}
+
+    async def main():
+        async with _connect(srv) as ws:
+            await _create(ws)
+            await send(ws, append)
+            await recv_type(ws, "response.output_audio.delta")
+            engine.push_error = ServerBehindError("audio buffer of session 'x' is full: the server is running "
+                                                  "behind real time and dropped this chunk")
+            await send(ws, {**append, "event_id": "late1"})
+            reply, _ = await recv_type(ws, "error")   # the first reply's text and audio may come between
+            assert reply["error"]["code"] == "server_behind" and reply["error"]["event_id"] == "late1"
+            engine.push_error = None
+            await send(ws, append)
+            delta, skipped = await recv_type(ws, "response.output_audio.delta")
+            return reply, skipped
+
+    reply, skipped = asyncio.run(main())
+    assert reply["error"]["type"] == "server_error" and "behind real time" in reply["error"]["message"]
+    assert not [e for e in skipped if e["type"] == "error"]
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(httpx.get(srv.http_url("/metrics")).text)
+               for s in fam.samples}
+    assert samples[("duplexcache_protocol_errors_total", (("code", "server_behind"),))] == 1
+
+
 def test_fatal_engine_error_ends_session(serve):
     engine, srv = serve()
 

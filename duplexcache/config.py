@@ -255,6 +255,10 @@ class ServerConfig(_Strict):
     # second again. With catch-up, a session holding a whole unit more than the next tick
     # takes gets one extra tick before the next deadline (at most one per period).
     catch_up_ticks: bool = True
+    # Prefill chunks of opening sessions run in the time left before the next tick, when their
+    # measured time fits (runtime/pacing.py), instead of inside the tick of every live session;
+    # a tick with no chunk run before it still runs one itself.
+    prefill_between_ticks: bool = True
 
 
 class ClusterConfig(_Strict):

@@ -142,6 +142,8 @@ case "$mode" in
   prefill)  # issue 11: the longest allowed context (16384 tokens) opening beside 32 live sessions, plus the attention A/B
     step prefill_attention 120 python3 scripts/prefill_attention_ab.py --out "$out/prefill_attention"
     step prefill_isolation 400 python3 -m duplexcache.cli bench prefill --preset minicpmo45 --device cuda --sessions 32 --memory-budget 100GiB --out "$out/prefill_isolation" ;;
+  prefill_between)  # issue 11: the same with server.prefill_between_ticks emulated (chunks in each period's slack)
+    step prefill_isolation_between 400 python3 -m duplexcache.cli bench prefill --preset minicpmo45 --device cuda --sessions 32 --memory-budget 100GiB --between-ticks --out "$out/prefill_isolation_between" ;;
   prefill_512)  # prefill with engine.prefill_chunk_tokens 512 (the 16384-token context opens in 32 ticks)
     step prefill_isolation_512 400 python3 -m duplexcache.cli bench prefill --preset minicpmo45 --device cuda --sessions 32 --memory-budget 100GiB --prefill-chunk-tokens 512 --out "$out/prefill_isolation_512" ;;
   warm_start)  # issue 10: warm-up time and graphs, then 24 sessions at once: captures per tick (0) and first audio; --no-warmup is the cold A/B
@@ -153,6 +155,6 @@ case "$mode" in
     step gpu_stage0 120 python3 -m duplexcache.cli bench kernels --out "$out/gpu_stage0" ;;
   stage2)
     step gpu_stage2 300 python3 -m duplexcache.cli bench stage2 --out "$out/gpu_stage2" --batches 1,8,32 ;;
-  *) echo "unknown mode $mode (smoke|bench|setup|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|ticks_conversation|ticks_conversation_large|serve_conversation|serve_switch|serve_catch_up|serve_profile|prefill|prefill_512|warm_start|serve_ready|stage0|stage2)"; exit 2 ;;
+  *) echo "unknown mode $mode (smoke|bench|setup|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|ticks_conversation|ticks_conversation_large|serve_conversation|serve_switch|serve_catch_up|serve_profile|prefill|prefill_between|prefill_512|warm_start|serve_ready|stage0|stage2)"; exit 2 ;;
 esac
 done

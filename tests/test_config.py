@@ -39,7 +39,8 @@ NON_DEFAULT = {
     "server": {"host": "0.0.0.0", "port": 9001, "max_frame_bytes": "1MiB", "api_key": "sk-test",
                "allowed_origins": ["https://app.example"], "idle_timeout_s": 30.0, "max_session_s": 600.0,
                "max_connections_per_client": 3, "max_sessions_per_client": 2, "queue_notice_s": 0.5, "max_context_tokens": 4096,
-               "switch_interval_ms": 0.5, "catch_up_ticks": False},
+               "switch_interval_ms": 0.5, "catch_up_ticks": False,
+               "prefill_between_ticks": False},
     "cluster": {"replicas": 2, "max_replicas": 4, "target_utilisation": 0.5, "drain_timeout_s": 60.0,
                 "routing_stats_period_s": 0.5},
 }

@@ -3,7 +3,8 @@ tick of the sessions already live.
 
     duplexcache bench prefill [--preset tiny|minicpmo45] [--device cpu|cuda]
         [--sessions 32] [--warmup-ticks 8] [--baseline-ticks 16] [--prefill-chunk-tokens N]
-        [--max-context-tokens N] [--memory-budget 80GiB] [--threshold-ms 100] [--out DIR]
+        [--max-context-tokens N] [--memory-budget 80GiB] [--threshold-ms 100]
+        [--between-ticks] [--tick-seconds S] [--out DIR]
 
 ``--sessions`` sessions (the engine_ticks bench's deploy: all sharing switches on, scripted policy
 with every unit spoken in one endless turn, so every baseline tick does the same work) are opened and fed one unit of audio per tick. After ``--warmup-ticks``,
@@ -22,6 +23,12 @@ baseline ticks' own spread, ~60-90 ms on the H200, as added time; it is kept as
 ``added_max_over_baseline_p50_ms``.) Admission by
 time is switched off for the bench (``tick_headroom`` 1e9), so the live sessions are admitted
 whatever their measured cost. Results go to ``DIR/results.json``.
+
+``--between-ticks`` emulates the server with ``server.prefill_between_ticks``: after each timed
+tick, prefill chunks run while their measured time fits what is left of the period
+(runtime/pacing.py), so the ticks of the live sessions carry no chunk while the slack has room;
+reported besides: each period's chunk times and ``periods_overrun`` (tick + chunks > period: the
+next tick would have started late).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from duplexcache.bench.engine_ticks_config import TickBenchConfig, make_deploy
 from duplexcache.config import DeployConfig
 from duplexcache.runtime.bundle import build_models
 from duplexcache.runtime.engine import DuplexEngine
+from duplexcache.runtime.pacing import prefill_fits
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +79,24 @@ def _instructions(eng: DuplexEngine, voice: str, tokens: int) -> str:
     return text
 
 
-def measure(deploy: DeployConfig, sessions: int, warmup: int, baseline_ticks: int, seed: int) -> dict:
+def _between_ticks(eng: DuplexEngine, slack_s: float, period_s: float) -> list[float]:
+    """The server's rule (server/app.py, runtime/pacing.py) in the emulated slack: chunks while
+    their predicted time fits what is left of the period; returns each chunk's wall time."""
+    walls = []
+    while eng.prefill_pending() and prefill_fits(slack_s - sum(walls), eng.predicted_prefill_s(), period_s):
+        sync(eng.models.device)
+        t = time.perf_counter()
+        eng.prefill_step()
+        walls.append(time.perf_counter() - t)
+    return walls
+
+
+def measure(deploy: DeployConfig, sessions: int, warmup: int, baseline_ticks: int, seed: int,
+            between: bool = False) -> dict:
     models = build_models(deploy, seed=seed)
     eng = DuplexEngine(deploy, models)
     eng.warmup()   # as `duplexcache serve` does: no graph capture inside the timed ticks
+    eng.set_prefill_between_ticks(between)   # as the server does with server.prefill_between_ticks
     enc = models.audio_encoder.cfg
     total_units = warmup + baseline_ticks + 200
     sids = [eng.open_session({"voice": ("default", "alt")[i % 2]}) for i in range(sessions)]
@@ -97,21 +119,29 @@ def measure(deploy: DeployConfig, sessions: int, warmup: int, baseline_ticks: in
         base.append(_timed_tick(eng)[0])
     limit = deploy.server.max_context_tokens
     long_sid = eng.open_session({"voice": "default", "instructions": _instructions(eng, "default", limit)})
-    prefill, spoke = [], []
+    prefill, spoke, slack_chunks = [], [], []
+    period = deploy.engine.tick_seconds
     while not eng.session_info(long_sid).opened:
         feed()
         wall, events = _timed_tick(eng)
         prefill.append(wall)
         spoke.append(len({e.sid for e in events if e.sid in cursor}))
+        if between:
+            slack_chunks.append(_between_ticks(eng, period - wall, period))
         if len(prefill) > 10 * (limit // deploy.engine.prefill_chunk_tokens + 2):
             raise RuntimeError("the long session did not open")
     eng.shutdown()
     base_p50, pre_p50 = float(np.median(base)), float(np.median(prefill))
     return {"sessions": sessions, "max_context_tokens": limit,
             "prefill_chunk_tokens": deploy.engine.prefill_chunk_tokens, "device": str(models.device),
-            "baseline_ms": {"p50": 1e3 * base_p50, "max": 1e3 * max(base), "ticks": base},
-            "prefill_ms": {"p50": 1e3 * pre_p50, "max": 1e3 * max(prefill), "ticks": prefill},
+            "baseline_ms": {"p50": 1e3 * base_p50, "max": 1e3 * max(base), "ticks": [1e3 * t for t in base]},
+            "prefill_ms": {"p50": 1e3 * pre_p50, "max": 1e3 * max(prefill), "ticks": [1e3 * t for t in prefill]},
             "sessions_with_events_per_prefill_tick": spoke,
+            # --between-ticks: the chunks run after each prefill tick, and the periods whose tick
+            # and chunks together ran past the period (the next tick would have started late)
+            "prefill_between_ticks": between,
+            "between_ticks_chunk_ms": [[1e3 * c for c in cs] for cs in slack_chunks],
+            "periods_overrun": sum(w + sum(cs) > period for w, cs in zip(prefill, slack_chunks)),
             # like with like: the worst tick with the prefill against the worst without it
             "added_ms": 1e3 * (max(prefill) - max(base)),
             "added_p50_ms": 1e3 * (pre_p50 - base_p50),
@@ -131,6 +161,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-context-tokens", type=int, default=None, help="default: the preset's")
     p.add_argument("--memory-budget", default=None)
     p.add_argument("--threshold-ms", type=float, default=100.0)
+    p.add_argument("--tick-seconds", type=float, default=None,
+                   help="the period whose slack --between-ticks uses (default: engine.tick_seconds, 1 s)")
+    p.add_argument("--between-ticks", action="store_true",
+                   help="run prefill chunks in each period's slack as the server does with "
+                        "server.prefill_between_ticks (default: inside the ticks, the engine alone)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("out/prefill_isolation"))
 
@@ -152,8 +187,10 @@ def run(a: argparse.Namespace) -> int:
         raw["engine"]["prefill_chunk_tokens"] = a.prefill_chunk_tokens
     if a.max_context_tokens is not None:
         raw["server"]["max_context_tokens"] = a.max_context_tokens
+    if a.tick_seconds is not None:
+        raw["engine"]["tick_seconds"] = a.tick_seconds
     deploy = DeployConfig.from_dict(raw, environ={})
-    result = measure(deploy, a.sessions, a.warmup_ticks, a.baseline_ticks, a.seed)
+    result = measure(deploy, a.sessions, a.warmup_ticks, a.baseline_ticks, a.seed, between=a.between_ticks)
     result["threshold_ms"] = a.threshold_ms
     result["ok"] = result["added_ms"] <= a.threshold_ms
     write_results(a.out, result)
@@ -162,7 +199,9 @@ def run(a: argparse.Namespace) -> int:
           f"ticks while prefilling p50 {result['prefill_ms']['p50']:.1f} / max {result['prefill_ms']['max']:.1f} ms "
           f"({len(result['prefill_ms']['ticks'])} ticks), baseline max {result['baseline_ms']['max']:.1f} ms: added "
           f"{result['added_ms']:.1f} ms max-vs-max, {result['added_p50_ms']:.1f} ms p50-vs-p50 "
-          f"(threshold {a.threshold_ms:.0f} ms: {'ok' if result['ok'] else 'OVER'})", flush=True)
+          f"(threshold {a.threshold_ms:.0f} ms: {'ok' if result['ok'] else 'OVER'})"
+          + (f"; between ticks: {sum(map(len, result['between_ticks_chunk_ms']))} chunks, "
+             f"{result['periods_overrun']} periods overrun" if a.between_ticks else ""), flush=True)
     return 0 if result["ok"] else 1
 
 

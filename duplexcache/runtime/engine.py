@@ -50,6 +50,7 @@ from duplexcache.runtime.engine_session import (MAX_BUFFERED_SAMPLES, MAX_BUFFER
 from duplexcache.runtime.engine_stats import LATENCY_HISTORY, STAGES, EngineStatsRecorder
 from duplexcache.runtime.fast_forward import FastForwardRequest, FastForwardResult, fast_forward
 from duplexcache.runtime.isolation import FaultInjector
+from duplexcache.runtime.pacing import PrefillTimes
 from duplexcache.runtime.policy import ControlTokens, make_policy, text_token_ids
 from duplexcache.runtime.session_sizing import CLIENT_REFUSALS, SessionSizing, refusal
 from duplexcache.runtime.talker_stage import TalkerStage
@@ -103,6 +104,7 @@ class DuplexEngine:
         self.thinker_stage = ThinkerStage(self.stage0, models.audio_encoder, self.builder, models.tokenizer,
                                           self.control, policy, self._embed_tokens, self.table, self._end)
         self._closed = False
+        self.prefill_times = PrefillTimes(models.device)   # chunks the server ran between ticks
         # Graphs captured while the engine was built (each voice's Code2Wav prompt pass at
         # register_voice) were captured before serving: they count with the warm-up's.
         self._warmup_captures = self._graph_captures_total()
@@ -270,11 +272,10 @@ class DuplexEngine:
         for sess in self.table.take_closing():
             self._free(sess)
         events += self.table.admit_queued(self._refusal)
-        pending = self.table.pending()
         prefill_s = 0.0
-        if pending:
+        if self.prefill_times.chunk_in_tick(self.table.pending()):
             t = time.perf_counter()
-            events += self.thinker_stage.open_pending(pending, self._ticks, self.deploy.engine.prefill_chunk_tokens)
+            events += self._prefill_chunk()
             prefill_s = time.perf_counter() - t
         events += self._apply_cancels()
         enc = self.models.audio_encoder
@@ -284,11 +285,39 @@ class DuplexEngine:
         lat["tick"] = time.perf_counter() - start
         # The cost model learns the unit work only: prefill is bounded separately (one chunk).
         self.tick_cost.observe(lat["tick"] - prefill_s, len(units))
-        live = set(self.table.live_ids())
-        # A session closed while this tick ran gets no more events.
-        events = [e for e in events if e.sid in live or isinstance(e, SessionError)]
+        self.table.note_tick_for_pending()
         self.recorder.finish_tick(lat, self.deploy.engine.tick_seconds)
-        return events
+        return self._for_live(events)
+
+    def _for_live(self, events: list[EngineEvent]) -> list[EngineEvent]:
+        """A session closed while the tick thread worked gets no more events (errors excepted)."""
+        live = set(self.table.live_ids())
+        return [e for e in events if e.sid in live or isinstance(e, SessionError)]
+
+    def _prefill_chunk(self) -> list[EngineEvent]:
+        pending = self.table.pending()
+        return self.thinker_stage.open_pending(pending, self._ticks, self.deploy.engine.prefill_chunk_tokens) \
+            if pending else []
+
+    def prefill_pending(self) -> bool:
+        """Whether a session waits for its context to be built or prefilled."""
+        return bool(self.table.pending())
+
+    def prefill_step(self) -> list[EngineEvent]:
+        """One prefill chunk between ticks (runtime/pacing.py: the server runs it when
+        ``predicted_prefill_s()`` fits before the next tick); the next tick then runs none."""
+        with self._tick_lock:
+            if self._closed:
+                raise RuntimeError("engine is shut down")
+            return self._for_live(self.prefill_times.run(self._prefill_chunk))
+
+    def predicted_prefill_s(self) -> float | None:
+        return self.prefill_times.predicted_s()
+
+    def set_prefill_between_ticks(self, enabled: bool) -> None:
+        """Called by a server that runs ``prefill_step`` in its slack: a tick then leaves a session
+        that became pending since the last tick to that slack (runtime/pacing.py)."""
+        self.prefill_times.between_ticks = enabled
 
     def sessions_behind(self) -> int:
         """Live sessions holding a whole unit more than the next tick takes (server/app.py ticks early)."""

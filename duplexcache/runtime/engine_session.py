@@ -72,6 +72,7 @@ class EngineSession:
     first_push_s: float | None = None   # how far ahead of real time the client sends
     encoder_state: StreamingAudioEncoderState | None = None
     opened: bool = False          # Stage 0 session exists
+    ticks_pending: int = 0        # ticks that ended while it was not open yet
     unit_index: int = 0
     turn_index: int = 0
     c2w_sid: str | None = None    # Code2Wav stream of the current turn
@@ -278,6 +279,12 @@ class SessionTable:
         """Live sessions not open in Stage 0 yet."""
         with self.lock:
             return [s for s in self.live.values() if not s.opened]
+
+    def note_tick_for_pending(self) -> None:
+        with self.lock:
+            for s in self.live.values():
+                if not s.opened:
+                    s.ticks_pending += 1
 
     def is_queued(self, sid: str) -> bool:
         with self.lock:

@@ -45,6 +45,7 @@ from duplexcache.config import DeployConfig
 from duplexcache.runtime.engine_api import (
     TURN_CONTROL_METHODS, AudioDelta, EngineAPI, EngineEvent, ResponseDone, SessionAdmitted, SessionError, TextDelta,
 )
+from duplexcache.runtime.pacing import prefill_fits
 from duplexcache.server import protocol as proto
 from duplexcache.server.auth import Refusal, bearer_ok, check_handshake
 from duplexcache.server.connection import Connection
@@ -63,6 +64,9 @@ _CORE_METHODS = ("open_session", "is_queued", "push_audio", "close_session", "ti
 MAX_PLACEMENT_KEY = 128   # characters of the placement header kept
 # Longest pause of the housekeeping loop (idle/duration limits, queue notices).
 HOUSEKEEPING_PERIOD_S = 0.5
+# How often the wait for the next tick looks for a session that started opening, whose prefill
+# chunks may then run in the rest of the period (server.prefill_between_ticks).
+PREFILL_POLL_S = 0.05
 
 
 class RealtimeServer:
@@ -190,6 +194,9 @@ class RealtimeServer:
     async def _tick_loop(self) -> None:
         loop = asyncio.get_running_loop()
         period = self.config.engine.tick_seconds
+        pace = getattr(self.engine, "set_prefill_between_ticks", None)   # optional (docs/design.md)
+        if pace is not None:
+            pace(self._pacing_prefill())
         deadline = loop.time() + period
         caught_up_at = None   # the deadline of the period that already had its extra tick
         while not self._stopping.is_set():
@@ -209,9 +216,39 @@ class RealtimeServer:
                 await asyncio.sleep(0)   # let the event loop take the frames that arrived meanwhile
                 continue
             else:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._stopping.wait(), max(0.0, deadline - now))
+                await self._wait_for(deadline, period)
             deadline += period
+
+    def _pacing_prefill(self) -> bool:
+        return self.config.server.prefill_between_ticks and callable(getattr(self.engine, "prefill_step", None))
+
+    async def _wait_for(self, deadline: float, period: float) -> None:
+        """Until ``deadline`` (or shutdown). With ``server.prefill_between_ticks``, prefill chunks
+        of opening sessions run meanwhile while their measured time fits (runtime/pacing.py), and
+        the wait wakes every ``PREFILL_POLL_S`` to see whether a session started opening."""
+        loop = asyncio.get_running_loop()
+        pacing = self._pacing_prefill()
+        while not self._stopping.is_set():
+            if pacing:
+                await self._prefill_in_slack(deadline, period)
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), min(left, PREFILL_POLL_S) if pacing else left)
+
+    async def _prefill_in_slack(self, deadline: float, period: float) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._stopping.is_set() and self.engine.prefill_pending():
+            if not prefill_fits(deadline - loop.time(), self.engine.predicted_prefill_s(), period):
+                return
+            try:
+                events = await asyncio.to_thread(self.engine.prefill_step)
+            except Exception:  # noqa: BLE001 - the tick will prefill instead
+                logger.exception("prefill between ticks failed")
+                return
+            self.metrics.prefill_chunks_between_ticks.inc()
+            await self._route(events)
 
     def _sessions_behind(self) -> int:
         """Sessions holding a whole unit more than the next tick takes; 0 with

@@ -47,6 +47,9 @@ class ServerMetrics:
         self.late_ticks = Counter(PREFIX + "late_ticks", "Ticks that started after their deadline", registry=r)
         self.catch_up_ticks = Counter(PREFIX + "catch_up_ticks", "Extra ticks run for sessions behind real time "
                                       "(server.catch_up_ticks)", registry=r)
+        self.prefill_chunks_between_ticks = Counter(
+            PREFIX + "prefill_chunks_between_ticks", "Prefill chunks run before a tick instead of inside it "
+            "(server.prefill_between_ticks)", registry=r)
         self.tick_errors = Counter(PREFIX + "tick_errors", "Ticks that raised an exception", registry=r)
         self.protocol_errors = Counter(PREFIX + "protocol_errors", "Error events sent to clients",
                                        ["code"], registry=r)

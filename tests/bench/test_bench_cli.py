@@ -82,8 +82,24 @@ def test_prefill(tmp_path):
     assert len(result["prefill_ms"]["ticks"]) == math.ceil(300 / 128)
     assert result["sessions_with_events_per_prefill_tick"] == [2] * math.ceil(300 / 128)
     worst, base = max(result["prefill_ms"]["ticks"]), max(result["baseline_ms"]["ticks"])
-    assert result["added_ms"] == pytest.approx(1e3 * (worst - base))    # like with like: max vs max
+    assert result["added_ms"] == pytest.approx(worst - base)    # like with like: max vs max (ms)
     assert cli_main(["bench", "prefill", "--baseline-ticks", "0"]) == 2
+
+
+def test_prefill_between_ticks(tmp_path):
+    """--between-ticks: the server's pacing emulated; the live sessions' ticks run no chunk
+    while the slack has room (a 1000 s period leaves plenty), and every chunk is counted."""
+    torch.set_num_threads(1)
+    rc = cli_main(["bench", "prefill", "--sessions", "2", "--warmup-ticks", "1", "--baseline-ticks", "1",
+                   "--max-context-tokens", "300", "--prefill-chunk-tokens", "128", "--memory-budget", "256MiB",
+                   "--threshold-ms", "1e9", "--between-ticks", "--tick-seconds", "1000", "--out", str(tmp_path)])
+    assert rc == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["prefill_between_ticks"] is True
+    # the first tick leaves the new session to the slack, which then runs every chunk
+    assert len(result["prefill_ms"]["ticks"]) == 1
+    assert [len(c) for c in result["between_ticks_chunk_ms"]] == [math.ceil(300 / 128)]
+    assert result["periods_overrun"] == 0
 
 
 def test_stage2_tiny_on_cpu(tmp_path, capsys):

@@ -247,3 +247,49 @@ def test_sessions_behind_counts_sessions_holding_a_whole_extra_unit(tmp_path):
     assert eng.sessions_behind() == 0      # `late` caught up by one tick; `on_time` never was behind
     for sid in (late, on_time):
         eng.close_session(sid)
+
+
+def test_prefill_between_ticks_keeps_chunks_out_of_the_tick_and_changes_no_byte(tmp_path):
+    """server.prefill_between_ticks: the server runs the chunks with ``prefill_step`` before the
+    tick, the tick then runs none, and the session hears and says exactly what it does when its
+    context prefills inside ticks (the same chunks, the same KV)."""
+    sections = {"engine": {"prefill_chunk_tokens": 32}}
+    session = {"voice": "default", "instructions": "speak slowly and kindly " * 12}
+
+    def run(between: bool) -> tuple[dict, dict]:
+        eng = engine(tmp_path, f"between_{between}", sections)
+        chunks = {"tick": 0, "between": 0}
+        where = ["tick"]
+        real = eng.thinker_stage.open_pending
+
+        def counted(*args, **kwargs):   # called only when a session is pending
+            chunks[where[0]] += 1
+            return real(*args, **kwargs)
+
+        eng.thinker_stage.open_pending = counted
+        sid = eng.open_session(session)
+        while eng.prefill_pending():
+            assert sum(chunks.values()) < 100
+            if between:   # as the server does: a chunk in the slack, then the tick
+                where[0] = "between"
+                assert eng.prefill_step() == []
+                where[0] = "tick"
+            eng.tick()
+        assert eng.session_info(sid).opened
+        assert (eng.predicted_prefill_s() is not None) == between
+        eng.push_audio(sid, audio(3, 3))
+        got = {"audio": [], "text": []}
+        for _ in range(3):
+            d = collect(eng.tick()).get(sid, {"audio": [], "text": [], "errors": []})
+            assert not d["errors"]
+            got["audio"] += d["audio"]
+            got["text"] += d["text"]
+        eng.shutdown()
+        return got, chunks
+
+    inside, inside_chunks = run(between=False)
+    between, between_chunks = run(between=True)
+    assert inside_chunks["tick"] >= 3 and inside_chunks["between"] == 0   # several 32-token chunks
+    assert between_chunks == {"tick": 0, "between": inside_chunks["tick"]}  # the same chunks, before the ticks
+    assert between["audio"] and between["audio"] == inside["audio"]
+    assert between["text"] == inside["text"]

@@ -58,6 +58,12 @@ class FakeEngine:
         self.tick_delay = tick_delay
         self.behind = 0          # what sessions_behind() reports (server catch-up ticks)
         self.push_error: Exception | None = None   # raised by every push_audio while set
+        self.pending_chunks = 0                    # prefill chunks of opening sessions still to run
+        self.prefill_cost: float | None = None     # what predicted_prefill_s() reports
+        self.chunks_in_ticks = 0
+        self.chunks_between_ticks = 0
+        self._ran_between = False
+        self.pacing_prefill: bool | None = None    # what the server told set_prefill_between_ticks
         self.behind_asked = 0
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -176,6 +182,10 @@ class FakeEngine:
             time.sleep(self.tick_delay)
         events: list[EngineEvent] = []
         with self._lock:
+            if self.pending_chunks > 0 and not self._ran_between:   # the real engine's rule (less deferral)
+                self.pending_chunks -= 1
+                self.chunks_in_ticks += 1
+            self._ran_between = False
             while self.queued and len(self.live) < self.capacity:
                 sid = next(iter(self.queued))
                 self._admit(sid, self.queued.pop(sid))
@@ -185,6 +195,24 @@ class FakeEngine:
             self.ticks += 1
             self.ticks_in_flight -= 1
         return events
+
+    def prefill_pending(self) -> bool:
+        with self._lock:
+            return self.pending_chunks > 0
+
+    def prefill_step(self) -> list[EngineEvent]:
+        with self._lock:
+            if self.pending_chunks > 0:
+                self.pending_chunks -= 1
+                self.chunks_between_ticks += 1
+            self._ran_between = True
+        return []
+
+    def predicted_prefill_s(self) -> float | None:
+        return self.prefill_cost
+
+    def set_prefill_between_ticks(self, enabled: bool) -> None:
+        self.pacing_prefill = enabled
 
     def sessions_behind(self) -> int:
         with self._lock:

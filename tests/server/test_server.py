@@ -28,10 +28,11 @@ MAX_FRAME = 256 * 1024
 def serve():
     servers = []
 
-    def _start(capacity: int = 16, catch_up_ticks: bool = True, **engine_kwargs):
+    def _start(capacity: int = 16, catch_up_ticks: bool = True, prefill_between_ticks: bool = True, **engine_kwargs):
         deploy = DeployConfig.default("tiny")
         deploy.engine.tick_seconds = TICK
         deploy.server.catch_up_ticks = catch_up_ticks
+        deploy.server.prefill_between_ticks = prefill_between_ticks
         deploy.server.max_frame_bytes = MAX_FRAME
         deploy.server.max_sessions_per_client = 16  # every test client comes from 127.0.0.1
         engine = FakeEngine(deploy, capacity=capacity, **engine_kwargs)
@@ -376,6 +377,26 @@ def test_sessions_behind_get_one_extra_tick_per_period_when_catch_up_is_on(serve
     count = [next(s.value for fam in text_string_to_metric_families(t) for s in fam.samples
                   if s.name == "duplexcache_catch_up_ticks_total") for t in (before, after)]
     assert count[1] - count[0] <= 1   # nobody behind: only a tick already decided may still come
+
+
+@pytest.mark.parametrize("between, cost", [(True, None), (True, 0.001), (True, 1.0), (False, None)])
+def test_prefill_chunks_run_before_the_tick_when_they_fit(serve, between, cost):
+    engine, srv = serve(prefill_between_ticks=between)
+    engine.prefill_cost = cost
+    engine.pending_chunks = 12
+    wait_for(lambda: not engine.prefill_pending(), timeout=60, what="every prefill chunk")
+    moved = engine.chunks_between_ticks
+    samples = {s.name: s.value for fam in text_string_to_metric_families(httpx.get(srv.http_url("/metrics")).text)
+               for s in fam.samples}
+    assert samples["duplexcache_prefill_chunks_between_ticks_total"] == moved
+    assert engine.pacing_prefill is between
+    assert moved + engine.chunks_in_ticks == 12
+    if between and (cost is None or cost < TICK):
+        # unmeasured: half a period free is enough; 1 ms: several fit in one 50 ms period (on an
+        # idle machine all 12 move; a busy one leaves some to the ticks)
+        assert moved >= 1
+    else:
+        assert moved == 0      # switched off, or a chunk longer than the period: the ticks run them
 
 
 def test_a_chunk_refused_because_the_server_is_behind_is_a_server_error_and_the_session_goes_on(serve):

@@ -1,0 +1,74 @@
+"""Pacing decisions the server's tick loop makes between ticks (docs/engine.md, "Pacing").
+
+Two kinds of extra work may run between two ticks on the grid of ``engine.tick_seconds``:
+
+* a **catch-up tick** for sessions a late tick left a whole unit behind (``server.catch_up_ticks``);
+* **prefill chunks** of sessions that are opening (``server.prefill_between_ticks``): a chunk run in
+  the time left before the next tick adds nothing to any tick, where a chunk inside the tick adds
+  its whole cost to the tick of every live session (issue 11). When no chunk fits, the tick runs
+  one itself, as without the switch, so an opening session always progresses.
+
+``PrefillTimes`` keeps the measured cost of recent between-tick chunks; ``prefill_fits`` is the rule.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+# A chunk runs between ticks only if the time left is this many times its predicted cost.
+PREFILL_MARGIN = 1.25
+# Before any chunk was measured: only with at least this fraction of a period left.
+UNMEASURED_FRACTION = 0.5
+RECENT_CHUNKS = 4
+
+
+def prefill_fits(slack_s: float, chunk_s: float | None, period_s: float) -> bool:
+    """Whether one prefill chunk predicted to take ``chunk_s`` (None: never measured) fits the
+    ``slack_s`` seconds left before the next tick of a ``period_s`` grid."""
+    if chunk_s is None:
+        return slack_s >= UNMEASURED_FRACTION * period_s
+    return slack_s >= PREFILL_MARGIN * chunk_s
+
+
+class PrefillTimes:
+    """Wall time of the recent prefill chunks run between ticks (synchronised on CUDA, so the
+    time is the chunk's, not its launch's), and whether one ran since the last tick."""
+
+    def __init__(self, device: torch.device, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.device = device
+        self.clock = clock
+        self._recent: deque[float] = deque(maxlen=RECENT_CHUNKS)
+        self.ran_since_tick = False
+        self.between_ticks = False   # a server runs chunks in its slack (set_prefill_between_ticks)
+
+    def run(self, chunk: Callable[[], T]) -> T:
+        start = self.clock()
+        result = chunk()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._recent.append(self.clock() - start)
+        self.ran_since_tick = True
+        return result
+
+    def predicted_s(self) -> float | None:
+        """The largest of the recent chunk times (later chunks attend over a longer context and
+        cost more), None before the first."""
+        return max(self._recent) if self._recent else None
+
+    def chunk_in_tick(self, pending: Sequence[Any]) -> bool:
+        """Whether this tick runs a prefill chunk itself (called once per tick; it resets the
+        "ran since the last tick" mark). Not when a chunk ran in the slack before it; with a
+        server pacing chunks between ticks, not for sessions that only became pending since the
+        last tick either (the slack after this tick takes them): only a session that has waited
+        a whole tick (``ticks_pending`` >= 1) without a chunk gets one inside the tick."""
+        ran, self.ran_since_tick = self.ran_since_tick, False
+        if ran or not pending:
+            return False
+        return not self.between_ticks or any(s.ticks_pending > 0 for s in pending)

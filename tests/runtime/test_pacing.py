@@ -1,0 +1,44 @@
+"""Pacing rules of the server's tick loop (runtime/pacing.py)."""
+from __future__ import annotations
+
+import torch
+
+from duplexcache.runtime.pacing import PREFILL_MARGIN, RECENT_CHUNKS, PrefillTimes, prefill_fits
+
+
+def test_a_chunk_fits_with_its_margin_and_an_unmeasured_one_needs_half_a_period():
+    assert prefill_fits(0.5, None, 1.0) and not prefill_fits(0.49, None, 1.0)
+    assert prefill_fits(PREFILL_MARGIN * 0.1, 0.1, 1.0)
+    assert not prefill_fits(PREFILL_MARGIN * 0.1 - 1e-6, 0.1, 1.0)
+    assert not prefill_fits(-0.2, 0.001, 1.0)          # past the deadline: nothing fits
+
+
+def test_prefill_times_predicts_the_largest_recent_chunk_and_says_once_that_one_ran():
+    clock = iter([0.0, 0.3, 1.0, 1.1] + [2.0, 2.05] * RECENT_CHUNKS)
+    times = PrefillTimes(torch.device("cpu"), clock=lambda: next(clock))
+    assert times.predicted_s() is None
+    assert times.run(lambda: "chunk") == "chunk"
+    times.run(lambda: None)
+    assert abs(times.predicted_s() - 0.3) < 1e-9   # the larger of 0.3 and 0.1
+    assert times.ran_since_tick
+    for _ in range(RECENT_CHUNKS):                   # the 0.3 s chunk leaves the window
+        times.run(lambda: None)
+    assert abs(times.predicted_s() - 0.05) < 1e-9
+
+
+class _Pending:
+    def __init__(self, ticks_pending: int) -> None:
+        self.ticks_pending = ticks_pending
+
+
+def test_the_tick_runs_a_chunk_only_when_none_ran_before_it_and_the_slack_had_its_chance():
+    times = PrefillTimes(torch.device("cpu"))
+    new, waited = [_Pending(0)], [_Pending(0), _Pending(1)]
+    assert not times.chunk_in_tick([])                         # nothing to prefill
+    assert times.chunk_in_tick(new)                            # the engine alone: as before
+    times.between_ticks = True                                 # a server paces chunks in its slack
+    assert not times.chunk_in_tick(new)                        # pending since the last tick: the slack's
+    assert times.chunk_in_tick(waited)                         # waited a whole tick: the tick runs one
+    times.run(lambda: None)
+    assert not times.chunk_in_tick(waited)                     # one ran in the slack: none in the tick
+    assert times.chunk_in_tick(waited)                         # ...and the mark is reset

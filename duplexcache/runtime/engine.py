@@ -309,6 +309,8 @@ class DuplexEngine:
         with self._tick_lock:
             if self._closed:
                 raise RuntimeError("engine is shut down")
+            for sess in self.table.take_closing():   # as a tick does: no chunk for a closed session
+                self._free(sess)
             return self._for_live(self.prefill_times.run(self._prefill_chunk))
 
     def predicted_prefill_s(self) -> float | None:

@@ -40,12 +40,17 @@ def _pools(eng) -> tuple:
             eng.ledger.thinker_reserved, eng.ledger.talker_reserved, eng.ledger.dynamic_reserved)
 
 
-def test_chaos_sixteen_sessions(tmp_path):
+@pytest.mark.parametrize("between_ticks", [False, True])
+def test_chaos_sixteen_sessions(tmp_path, between_ticks):
+    """``between_ticks``: as behind a server with server.prefill_between_ticks, 0-2 prefill
+    chunks run before each tick (``prefill_step``), faults in the open stage included."""
     rng = np.random.default_rng(1234)
     eng = engine(tmp_path, "chaos", SECTIONS)
+    eng.set_prefill_between_ticks(between_ticks)
     fresh = _pools(engine(tmp_path, "fresh", SECTIONS))
     faults = FaultInjector()
     eng.install_faults(faults)
+    between_chunks = 0
     pushed: dict[str, int] = {}
     closed_mid_prefill = closed_mid_reply = bad_pushes = refused = 0
 
@@ -85,7 +90,12 @@ def test_chaos_sixteen_sessions(tmp_path):
         except AdmissionError as err:
             assert err.code == "context_length_exceeded"
             refused += 1
-        events = eng.tick()
+        events = []
+        for _ in range(int(rng.integers(0, 3)) if between_ticks else 0):
+            if eng.prefill_pending():
+                events += eng.prefill_step()
+                between_chunks += 1
+        events += eng.tick()
         hit = {sid for _, sid, _ in faults.fired}
         for e in events:
             if isinstance(e, SessionError):
@@ -100,6 +110,7 @@ def test_chaos_sixteen_sessions(tmp_path):
     print("chaos:", CHAOS_TICKS, "ticks, fired", len(faults.fired), "closed mid-prefill", closed_mid_prefill,
           "mid-reply", closed_mid_reply, "bad pushes", bad_pushes, "refused", refused)
     assert closed_mid_prefill and closed_mid_reply and bad_pushes and refused == CHAOS_TICKS
+    assert (between_chunks > 0) == between_ticks
     faults.disarm()
     for sid in live:
         eng.close_session(sid)

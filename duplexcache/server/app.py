@@ -230,25 +230,28 @@ class RealtimeServer:
         pacing = self._pacing_prefill()
         while not self._stopping.is_set():
             if pacing:
-                await self._prefill_in_slack(deadline, period)
+                pacing = await self._prefill_in_slack(deadline, period)
             left = deadline - loop.time()
             if left <= 0:
                 return
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), min(left, PREFILL_POLL_S) if pacing else left)
 
-    async def _prefill_in_slack(self, deadline: float, period: float) -> None:
+    async def _prefill_in_slack(self, deadline: float, period: float) -> bool:
+        """Chunks while they fit; False when ``prefill_step`` failed (the tick prefills instead,
+        and this wait tries no more: one logged failure per period, not one per poll)."""
         loop = asyncio.get_running_loop()
         while not self._stopping.is_set() and self.engine.prefill_pending():
             if not prefill_fits(deadline - loop.time(), self.engine.predicted_prefill_s(), period):
-                return
+                return True
             try:
                 events = await asyncio.to_thread(self.engine.prefill_step)
-            except Exception:  # noqa: BLE001 - the tick will prefill instead
-                logger.exception("prefill between ticks failed")
-                return
+            except Exception:  # noqa: BLE001 - an engine bug must not stop the tick loop
+                logger.exception("prefill between ticks failed; the next tick prefills instead")
+                return False
             self.metrics.prefill_chunks_between_ticks.inc()
             await self._route(events)
+        return True
 
     def _sessions_behind(self) -> int:
         """Sessions holding a whole unit more than the next tick takes; 0 with

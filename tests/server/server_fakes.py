@@ -61,6 +61,8 @@ class FakeEngine:
         self.pending_chunks = 0                    # prefill chunks of opening sessions still to run
         self.prefill_cost: float | None = None     # what predicted_prefill_s() reports
         self.chunks_in_ticks = 0
+        self.prefill_error: Exception | None = None   # raised by every prefill_step while set
+        self.prefill_failures = 0
         self.chunks_between_ticks = 0
         self._ran_between = False
         self.pacing_prefill: bool | None = None    # what the server told set_prefill_between_ticks
@@ -201,6 +203,9 @@ class FakeEngine:
             return self.pending_chunks > 0
 
     def prefill_step(self) -> list[EngineEvent]:
+        if self.prefill_error is not None:
+            self.prefill_failures += 1
+            raise self.prefill_error
         with self._lock:
             if self.pending_chunks > 0:
                 self.pending_chunks -= 1

@@ -399,6 +399,19 @@ def test_prefill_chunks_run_before_the_tick_when_they_fit(serve, between, cost):
         assert moved == 0      # switched off, or a chunk longer than the period: the ticks run them
 
 
+def test_a_failing_prefill_step_leaves_the_chunks_to_the_ticks(serve, caplog):
+    engine, srv = serve()
+    engine.prefill_error = RuntimeError("engine bug")
+    engine.pending_chunks = 5
+    with caplog.at_level("ERROR", logger="duplexcache.server.app"):
+        wait_for(lambda: not engine.prefill_pending(), timeout=60, what="the ticks to run every chunk")
+    assert engine.chunks_in_ticks == 5 and engine.chunks_between_ticks == 0
+    # at most one attempt per period (a tick runs between two): no retry every poll
+    assert 1 <= engine.prefill_failures <= engine.ticks + 1
+    assert "the next tick prefills instead" in caplog.text
+    assert httpx.get(srv.http_url("/health")).status_code == 200
+
+
 def test_a_chunk_refused_because_the_server_is_behind_is_a_server_error_and_the_session_goes_on(serve):
     from duplexcache.runtime.engine_api import ServerBehindError
 

@@ -159,6 +159,9 @@ def test_per_address_connection_and_session_caps(serve):
         error, _ = await recv_type(c, "error")
         await a.close()
         wait_for(lambda: len(engine.closed) == 1, what="a's session closed")
+        # the server counts a's connection until its clean-up ends, just after the engine close
+        wait_for(lambda: httpx.get(srv.http_url("/health")).json()["connections"] == 2,
+                 what="a's connection gone")
         async with _connect(srv) as d:  # room again for a connection ...
             assert (await recv(d))["type"] == "session.created"
         await send(c, append)  # ... and for c's session

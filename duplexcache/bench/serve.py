@@ -117,7 +117,8 @@ def http_base(url: str) -> str:
 
 
 # The server counters a step reports (their differences over the step), by a part of the family name.
-COUNTERS = {"late_ticks": "late_tick", "graph_captures": "graph_capture", "catch_up_ticks": "catch_up_tick"}
+COUNTERS = {"late_ticks": "late_tick", "graph_captures": "graph_capture", "catch_up_ticks": "catch_up_tick",
+            "prefill_chunks_between_ticks": "prefill_chunks_between"}
 
 
 def _no_counters() -> dict[str, float | None]:
@@ -238,8 +239,7 @@ def summarize_step(n: int, rows: list[dict[str, Any]], before: dict, after: dict
         "sessions_with_errors": sum(bool(r["errors"]) for r in rows),
         "replies_scheduled": sum(r["replies_scheduled"] for r in rows),
         "replies_done": sum(r["replies_done"] for r in rows),
-        "late_ticks": late, "graph_captures": _delta(after["graph_captures"], before["graph_captures"]),
-        "catch_up_ticks": _delta(after["catch_up_ticks"], before["catch_up_ticks"]),
+        **{key: _delta(after.get(key), before.get(key)) for key in COUNTERS},   # late_ticks, catch_up_ticks, ...
         "realtime": bool(all_audio and late == 0 and latency_ok),
         "per_session": rows,
     }

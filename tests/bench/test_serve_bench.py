@@ -83,6 +83,8 @@ def test_results_schema_and_every_session_got_its_reply(sweep):
         assert isinstance(step["late_ticks"], float)          # the server exports duplexcache_late_ticks
         assert step["graph_captures"] is None or step["graph_captures"] >= 0
         assert isinstance(step["catch_up_ticks"], float) and step["catch_up_ticks"] >= 0
+        # each short context is one chunk, run in the slack (or by a tick that had none: a busy machine)
+        assert 0 <= step["prefill_chunks_between_ticks"] <= n
         assert set(step["reply_latency_growth_s"]) == {"p50", "p95", "p99", "max", "n"}
         assert len(step["per_session"]) == n and step["sessions_with_audio"] == n
         assert step["sessions_with_errors"] == 0, [row["errors"] for row in step["per_session"]]
@@ -127,7 +129,8 @@ def test_counters_from_prometheus_text():
             "duplexcache_graph_captures_total{model=\"talker\"} 5.0\n"
             "# TYPE duplexcache_catch_up_ticks counter\nduplexcache_catch_up_ticks_total 4.0\n"
             "# TYPE duplexcache_live_sessions gauge\nduplexcache_live_sessions 4.0\n")
-    assert serve.counters(text) == {"late_ticks": 3.0, "graph_captures": 7.0, "catch_up_ticks": 4.0}
+    assert serve.counters(text) == {"late_ticks": 3.0, "graph_captures": 7.0, "catch_up_ticks": 4.0,
+                                    "prefill_chunks_between_ticks": None}
     assert serve.counters("# TYPE x counter\nx_total 1.0\n") == dict.fromkeys(serve.COUNTERS)
 
 

@@ -137,8 +137,10 @@ case "$mode" in
     done ;;
   ticks_conversation_large)  # ticks_conversation at 40 and 48 sessions only, with the shared graph grid warm
     step engine_ticks_conversation_large 560 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 40,48 --workload conversation --steady-window --all-switches on --ticks 8 --warmup-ticks 8 --max-seconds 420 --memory-budget auto --graph-grid 1,4,8,16 --out "$out/engine_ticks_conversation_large" ;;
-  serve_profile)  # issue 10: who holds the GIL in a fresh server under 32 callers (needs py-spy: carry its wheel)
-    step serve_profile 420 python3 scripts/serve_profile.py --config examples/minicpmo45-shared.yaml --sessions 32 --duration 60 --out "$out/serve_profile" ;;
+  serve_profile)  # issue 10: who holds the GIL in a fresh server under 32 callers (needs py-spy on PATH: carry its
+    # wheel; installed with --target DIR it is DIR/bin/py-spy). SERVE_BASE / SERVE_SESSIONS as for serve_catch_up
+    step serve_profile 420 python3 scripts/serve_profile.py --config "${SERVE_BASE:-examples/minicpmo45-shared.yaml}" \
+      --sessions "${SERVE_SESSIONS:-32}" --duration "${SERVE_DURATION:-60}" --out "$out/serve_profile" ;;
   prefill)  # issue 11: the longest allowed context (16384 tokens) opening beside 32 live sessions, plus the attention A/B
     step prefill_attention 120 python3 scripts/prefill_attention_ab.py --out "$out/prefill_attention"
     step prefill_isolation 400 python3 -m duplexcache.cli bench prefill --preset minicpmo45 --device cuda --sessions 32 --memory-budget 100GiB --out "$out/prefill_isolation" ;;

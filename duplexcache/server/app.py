@@ -59,6 +59,8 @@ REALTIME_PATH = proto.REALTIME_PATH
 LATE_SLACK = 0.1
 # Engine-reported error codes that describe the client's input rather than a server fault.
 _CLIENT_ERROR_CODES = frozenset({"invalid_audio", "context_length_exceeded", "invalid_reference_audio"})
+# What an engine needs for server.prefill_between_ticks (optional members, docs/design.md).
+_PREFILL_METHODS = ("prefill_pending", "prefill_step", "predicted_prefill_s")
 # The core session calls every engine has (engine_api.EngineAPI less the turn-control members).
 _CORE_METHODS = ("open_session", "is_queued", "push_audio", "close_session", "tick", "stats", "shutdown")
 MAX_PLACEMENT_KEY = 128   # characters of the placement header kept
@@ -220,7 +222,8 @@ class RealtimeServer:
             deadline += period
 
     def _pacing_prefill(self) -> bool:
-        return self.config.server.prefill_between_ticks and callable(getattr(self.engine, "prefill_step", None))
+        return self.config.server.prefill_between_ticks and all(
+            callable(getattr(self.engine, name, None)) for name in _PREFILL_METHODS)
 
     async def _wait_for(self, deadline: float, period: float) -> None:
         """Until ``deadline`` (or shutdown). With ``server.prefill_between_ticks``, prefill chunks
@@ -241,16 +244,16 @@ class RealtimeServer:
         """Chunks while they fit; False when ``prefill_step`` failed (the tick prefills instead,
         and this wait tries no more: one logged failure per period, not one per poll)."""
         loop = asyncio.get_running_loop()
-        while not self._stopping.is_set() and self.engine.prefill_pending():
-            if not prefill_fits(deadline - loop.time(), self.engine.predicted_prefill_s(), period):
-                return True
-            try:
+        try:
+            while not self._stopping.is_set() and self.engine.prefill_pending():
+                if not prefill_fits(deadline - loop.time(), self.engine.predicted_prefill_s(), period):
+                    return True
                 events = await asyncio.to_thread(self.engine.prefill_step)
-            except Exception:  # noqa: BLE001 - an engine bug must not stop the tick loop
-                logger.exception("prefill between ticks failed; the next tick prefills instead")
-                return False
-            self.metrics.prefill_chunks_between_ticks.inc()
-            await self._route(events)
+                self.metrics.prefill_chunks_between_ticks.inc()
+                await self._route(events)
+        except Exception:  # noqa: BLE001 - an engine bug must not stop the tick loop
+            logger.exception("prefill between ticks failed; the next tick prefills instead")
+            return False
         return True
 
     def _sessions_behind(self) -> int:

@@ -4,7 +4,7 @@
 #   OUT=/path/to/results bash scripts/gpu_bench.sh MODE [MODE ...]
 # smoke: every benchmark on the tiny preset (catches device bugs in seconds); suite (the whole pytest suite); bench, setup,
 # ticks, ticks_continuous, ticks_steady, ticks_ragged, ticks_eager, ticks_conversation, serve_conversation, serve_switch,
-# serve_catch_up, serve_profile, warm_start,
+# serve_catch_up, serve_prefill_between, serve_profile, warm_start,
 # serve_ready, stage0,
 # stage2: the minicpmo45 figures (random weights), each a few minutes on an H200 (each fits one 10-minute call).
 # Every step is a `duplexcache bench BENCHMARK` command (run as `python3 -m duplexcache.cli`, so no install is needed).
@@ -77,7 +77,7 @@ PY
     # the server's own counters after the run: graph captures inside ticks (0 after a warm-up), late ticks
     python3 -c 'import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=30).read().decode())' \
       "http://127.0.0.1:$port/metrics" >"$out/${name}_metrics.txt" 2>&1
-    grep -E '^duplexcache_(graph_captures_total|warmup_seconds|cfm_prompt_passes_total|late_ticks|catch_up_ticks|tick_errors|tick_duration_seconds_(count|sum))' "$out/${name}_metrics.txt"
+    grep -E '^duplexcache_(graph_captures_total|warmup_seconds|cfm_prompt_passes_total|late_ticks|catch_up_ticks|prefill_chunks_between_ticks|tick_errors|tick_duration_seconds_(count|sum))' "$out/${name}_metrics.txt"
   else
     echo "=== $name: the server exited or was not healthy within 240 s ==="
   fi
@@ -137,6 +137,12 @@ case "$mode" in
     done ;;
   ticks_conversation_large)  # ticks_conversation at 40 and 48 sessions only, with the shared graph grid warm
     step engine_ticks_conversation_large 560 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 40,48 --workload conversation --steady-window --all-switches on --ticks 8 --warmup-ticks 8 --max-seconds 420 --memory-budget auto --graph-grid 1,4,8,16 --out "$out/engine_ticks_conversation_large" ;;
+  serve_prefill_between)  # A/B of server.prefill_between_ticks over the wire, a fresh server per arm (off first);
+    # SERVE_BASE / SERVE_SESSIONS / SERVE_DURATION as for serve_catch_up
+    for arm in false true; do
+      serve_conversation "serve_prefill_between_$arm" "${SERVE_BASE:-examples/minicpmo45-shared.yaml}" \
+        "${SERVE_SESSIONS:-32}" "${SERVE_DURATION:-60}" "server.prefill_between_ticks=$arm"
+    done ;;
   serve_profile)  # issue 10: who holds the GIL in a fresh server under 32 callers (needs py-spy on PATH: carry its
     # wheel; installed with --target DIR it is DIR/bin/py-spy). SERVE_BASE / SERVE_SESSIONS as for serve_catch_up
     step serve_profile 420 python3 scripts/serve_profile.py --config "${SERVE_BASE:-examples/minicpmo45-shared.yaml}" \
@@ -157,6 +163,6 @@ case "$mode" in
     step gpu_stage0 120 python3 -m duplexcache.cli bench kernels --out "$out/gpu_stage0" ;;
   stage2)
     step gpu_stage2 300 python3 -m duplexcache.cli bench stage2 --out "$out/gpu_stage2" --batches 1,8,32 ;;
-  *) echo "unknown mode $mode (smoke|bench|setup|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|ticks_conversation|ticks_conversation_large|serve_conversation|serve_switch|serve_catch_up|serve_profile|prefill|prefill_between|prefill_512|warm_start|serve_ready|stage0|stage2)"; exit 2 ;;
+  *) echo "unknown mode $mode (smoke|bench|setup|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|ticks_conversation|ticks_conversation_large|serve_conversation|serve_switch|serve_catch_up|serve_prefill_between|serve_profile|prefill|prefill_between|prefill_512|warm_start|serve_ready|stage0|stage2)"; exit 2 ;;
 esac
 done

@@ -273,9 +273,10 @@ class DuplexEngine:
             self._free(sess)
         events += self.table.admit_queued(self._refusal)
         prefill_s = 0.0
-        if self.prefill_times.chunk_in_tick(self.table.pending()):
+        pending = self.table.pending()
+        if self.prefill_times.chunk_in_tick(pending):
             t = time.perf_counter()
-            events += self._prefill_chunk()
+            events += self._prefill_chunk(pending)
             prefill_s = time.perf_counter() - t
         events += self._apply_cancels()
         enc = self.models.audio_encoder
@@ -294,8 +295,8 @@ class DuplexEngine:
         live = set(self.table.live_ids())
         return [e for e in events if e.sid in live or isinstance(e, SessionError)]
 
-    def _prefill_chunk(self) -> list[EngineEvent]:
-        pending = self.table.pending()
+    def _prefill_chunk(self, pending: list[EngineSession] | None = None) -> list[EngineEvent]:
+        pending = self.table.pending() if pending is None else pending
         return self.thinker_stage.open_pending(pending, self._ticks, self.deploy.engine.prefill_chunk_tokens) \
             if pending else []
 

@@ -68,8 +68,10 @@ class EngineSession:
     footprint: Footprint
     audio: list[np.ndarray] = field(default_factory=list)
     buffered: int = 0
-    received: int = 0             # samples accepted since the first push, and when that was:
-    first_push_s: float | None = None   # how far ahead of real time the client sends
+    # Samples accepted since the first push and when that was (SessionTable.clock): how far
+    # ahead of real time the client sends, when its buffer is full.
+    received: int = 0
+    first_push_s: float | None = None
     encoder_state: StreamingAudioEncoderState | None = None
     opened: bool = False          # Stage 0 session exists
     ticks_pending: int = 0        # ticks that ended while it was not open yet

@@ -19,13 +19,13 @@ INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
 RATE_LIMIT = "rate_limit_error"
 
-# Close codes (RFC 6455)
 REALTIME_PATH = "/v1/realtime"   # where the realtime WebSocket is served
 
 # The handshake header a cluster router places a session by (Ray Serve's proxy hands it to the
 # router as the multiplexed model id; cluster/placement.py).
 PLACEMENT_HEADER = "serve_multiplexed_model_id"
 
+# Close codes (RFC 6455)
 CLOSE_NORMAL = 1000
 CLOSE_GOING_AWAY = 1001
 CLOSE_POLICY = 1008

@@ -21,6 +21,7 @@ from duplexcache.server.app import REALTIME_PATH, create_app
 from duplexcache.server.loopback import LoopbackServer
 
 TICK = 0.05
+PACED_TICK = 0.2   # the prefill pacing tests: periods with room for slack on a busy machine
 MAX_FRAME = 256 * 1024
 
 
@@ -28,9 +29,10 @@ MAX_FRAME = 256 * 1024
 def serve():
     servers = []
 
-    def _start(capacity: int = 16, catch_up_ticks: bool = True, prefill_between_ticks: bool = True, **engine_kwargs):
+    def _start(capacity: int = 16, catch_up_ticks: bool = True, prefill_between_ticks: bool = True,
+               tick_seconds: float = TICK, **engine_kwargs):
         deploy = DeployConfig.default("tiny")
-        deploy.engine.tick_seconds = TICK
+        deploy.engine.tick_seconds = tick_seconds
         deploy.server.catch_up_ticks = catch_up_ticks
         deploy.server.prefill_between_ticks = prefill_between_ticks
         deploy.server.max_frame_bytes = MAX_FRAME
@@ -121,6 +123,13 @@ def test_eight_sessions_stream_concurrently(serve):
         assert np.array_equal(np.concatenate(engine.received[sid]), expected)
     wait_for(lambda: len(engine.closed) == 8, what="all sessions closed")
     assert engine.live == {} and engine.max_ticks_in_flight == 1
+
+
+def _metric(srv, name: str, **labels: str) -> float:
+    """One sample of the server's /metrics (``name`` with exactly ``labels``)."""
+    text = httpx.get(srv.http_url("/metrics")).text
+    return next(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+                if s.name == name and s.labels == labels)
 
 
 async def _expect_error(ws, event, code: str, event_id: str | None = None) -> dict:
@@ -351,9 +360,7 @@ def test_slow_ticks_are_counted_never_overlap_and_leave_the_loop_free(serve):
         release.set()
         engine.tick = real_tick
     wait_for(lambda: engine.ticks >= 2, timeout=60, what="two slow ticks")
-    samples = {s.name: s.value for fam in text_string_to_metric_families(httpx.get(srv.http_url("/metrics")).text)
-               for s in fam.samples}
-    assert samples["duplexcache_late_ticks_total"] >= 1
+    assert _metric(srv, "duplexcache_late_ticks_total") >= 1
     assert engine.max_ticks_in_flight == 1
 
 
@@ -362,53 +369,48 @@ def test_sessions_behind_get_one_extra_tick_per_period_when_catch_up_is_on(serve
     engine, srv = serve(catch_up_ticks=catch_up)
     engine.behind = 3   # as after a tick that ran over: three sessions hold a whole unit extra
     wait_for(lambda: engine.ticks >= 12, timeout=60, what="twelve ticks")
-    samples = {s.name: s.value for fam in text_string_to_metric_families(httpx.get(srv.http_url("/metrics")).text)
-               for s in fam.samples}
-    extra, ticks = samples["duplexcache_catch_up_ticks_total"], engine.ticks
+    extra, ticks = _metric(srv, "duplexcache_catch_up_ticks_total"), engine.ticks
     if catch_up:
         # every extra tick follows a tick on the grid (the counter may be one tick ahead)
         assert 1 <= extra and 2 * extra <= ticks + 1
     else:
         assert extra == 0 and engine.behind_asked == 0
     engine.behind = 0
-    before = httpx.get(srv.http_url("/metrics")).text
+    before = _metric(srv, "duplexcache_catch_up_ticks_total")
     wait_for(lambda: engine.ticks >= ticks + 6, timeout=60, what="six more ticks")
-    after = httpx.get(srv.http_url("/metrics")).text
-    count = [next(s.value for fam in text_string_to_metric_families(t) for s in fam.samples
-                  if s.name == "duplexcache_catch_up_ticks_total") for t in (before, after)]
-    assert count[1] - count[0] <= 1   # nobody behind: only a tick already decided may still come
+    # nobody behind: only a tick already decided may still come
+    assert _metric(srv, "duplexcache_catch_up_ticks_total") - before <= 1
 
 
 # (an unmeasured chunk needs half a period: tests/runtime/test_pacing.py; here every cost is
 # given, so a busy machine's slow loop cannot make the slack look too short)
 @pytest.mark.parametrize("between, cost", [(True, 0.0001), (True, 1.0), (False, 0.0001)])
 def test_prefill_chunks_run_before_the_tick_when_they_fit(serve, between, cost):
-    engine, srv = serve(prefill_between_ticks=between)
+    # 0.2 s periods: a busy machine's slow loop (late ticks leave no slack) cannot eat them all
+    engine, srv = serve(prefill_between_ticks=between, tick_seconds=PACED_TICK)
     engine.prefill_cost = cost
     engine.pending_chunks = 12
     wait_for(lambda: not engine.prefill_pending(), timeout=60, what="every prefill chunk")
     moved = engine.chunks_between_ticks
-    samples = {s.name: s.value for fam in text_string_to_metric_families(httpx.get(srv.http_url("/metrics")).text)
-               for s in fam.samples}
-    assert samples["duplexcache_prefill_chunks_between_ticks_total"] == moved
+    assert _metric(srv, "duplexcache_prefill_chunks_between_ticks_total") == moved
     assert engine.pacing_prefill is between
     assert moved + engine.chunks_in_ticks == 12
-    if between and cost < TICK:
-        # 0.1 ms: many fit in one 50 ms period (on an idle machine all 12 move; a busy one, whose
-        # late ticks leave no slack, leaves some to the ticks)
+    if between and cost < PACED_TICK:
+        # 0.1 ms: many fit in one period (on an idle machine all 12 move; a busy one, whose late
+        # ticks leave no slack, leaves some to the ticks)
         assert moved >= 1
     else:
         assert moved == 0      # switched off, or a chunk longer than the period: the ticks run them
 
 
 def test_a_failing_prefill_step_leaves_the_chunks_to_the_ticks(serve, caplog):
-    engine, srv = serve()
+    engine, srv = serve(tick_seconds=PACED_TICK)
     engine.prefill_cost = 0.0001   # fits any slack: the server tries every period that has one
     engine.prefill_error = RuntimeError("engine bug")
-    engine.pending_chunks = 5
+    engine.pending_chunks = 8
     with caplog.at_level("ERROR", logger="duplexcache.server.app"):
         wait_for(lambda: not engine.prefill_pending(), timeout=60, what="the ticks to run every chunk")
-    assert engine.chunks_in_ticks == 5 and engine.chunks_between_ticks == 0
+    assert engine.chunks_in_ticks == 8 and engine.chunks_between_ticks == 0
     # at most one attempt per period (a tick runs between two): no retry every poll
     assert 1 <= engine.prefill_failures <= engine.ticks + 1
     assert "the next tick prefills instead" in caplog.text
@@ -439,10 +441,7 @@ def test_a_chunk_refused_because_the_server_is_behind_is_a_server_error_and_the_
     reply, skipped = asyncio.run(main())
     assert reply["error"]["type"] == "server_error" and "behind real time" in reply["error"]["message"]
     assert not [e for e in skipped if e["type"] == "error"]
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for fam in text_string_to_metric_families(httpx.get(srv.http_url("/metrics")).text)
-               for s in fam.samples}
-    assert samples[("duplexcache_protocol_errors_total", (("code", "server_behind"),))] == 1
+    assert _metric(srv, "duplexcache_protocol_errors_total", code="server_behind") == 1
 
 
 def test_fatal_engine_error_ends_session(serve):

@@ -229,17 +229,22 @@ class TickCostModel:
         predicted(n) = fixed + per_unit * n
 
     On a GPU a batched tick has a large part that does not grow with the batch (launches, graph
-    replays, the Code2Wav solve of a tier): at minicpmo45 shapes one session costs ~100 ms and
-    each further one ~20 ms, so a line through the origin (tick / units) would refuse a ninth
-    session that the card runs in real time. The line needs ticks at two unit counts, which a
-    server meets as sessions join; until then (one count seen) it is the line through the origin
-    (``fixed`` 0: the pessimistic guess), and a fitted slope <= 0 (noise between close counts)
-    is replaced by the same guess.
+    replays, the Code2Wav solve of a tier): at minicpmo45 shapes 32 sessions tick in ~700 ms and
+    each further one adds ~20 ms, so a line through the origin (tick / units) read from the first
+    ticks of a few sessions predicts ~70 ms per session and refuses the eleventh caller of a card
+    that runs 32 in real time (seen twice on an H200, docs/benchmarks.md). A slope is therefore
+    trusted only when the ticks seen span at least ``MIN_SPAN_UNITS`` unit counts (a slope read
+    from neighbouring counts is mostly noise times a long lever) and it is positive. Until then,
+    and when the fitted slope is <= 0, the prediction is flat: the mean tick at the largest unit
+    count seen (``per_unit`` 0), so a session is refused only when measured ticks already run
+    over the limit, never on an extrapolation the data cannot support.
 
     One more session is admitted while ``predicted(live + 1) <= tick_seconds * tick_headroom``
     (every live session may run a unit in one tick). Before the first tick with units there is
     no measurement and admission is by memory only.
     """
+
+    MIN_SPAN_UNITS = 4
 
     def __init__(self, tick_seconds: float, headroom: float, window: int = 128) -> None:
         if tick_seconds <= 0 or headroom <= 0 or window < 2:
@@ -259,20 +264,24 @@ class TickCostModel:
         self._fit()
 
     def _fit(self) -> None:
-        with_units = [(n, t) for n, t in self._points if n > 0]
-        if not with_units:
+        # Idle ticks are not points of the line: a tick without units skips every stage, so it
+        # costs ~0 where one unit already pays the whole fixed part; with them the intercept
+        # would be pulled to 0 (the line through the origin again).
+        points = [(n, t) for n, t in self._points if n > 0]
+        if not points:
             return
-        xs = [n for n, _ in self._points]
-        if len(set(xs)) >= 2:
+        xs = [n for n, _ in points]
+        if max(xs) - min(xs) >= self.MIN_SPAN_UNITS:
             mx = sum(xs) / len(xs)
-            my = sum(t for _, t in self._points) / len(self._points)
+            my = sum(t for _, t in points) / len(points)
             sxx = sum((n - mx) ** 2 for n in xs)
-            slope = sum((n - mx) * (t - my) for n, t in self._points) / sxx
+            slope = sum((n - mx) * (t - my) for n, t in points) / sxx
             if slope > 0:
                 self.per_unit_s, self.fixed_s = slope, max(0.0, my - slope * mx)
                 return
-        self.fixed_s = 0.0
-        self.per_unit_s = sum(t / n for n, t in with_units) / len(with_units)
+        top = max(xs)
+        at_top = [t for n, t in points if n == top]
+        self.per_unit_s, self.fixed_s = 0.0, sum(at_top) / len(at_top)
 
     def predicted_s(self, sessions: int) -> float | None:
         """The predicted tick with ``sessions`` units, None before any measurement."""
@@ -307,7 +316,10 @@ def headroom(plan: MemoryPlan, tick_cost: TickCostModel, live_sessions: int) -> 
     memory = max(0, plan.planned_sessions - live_sessions)
     if tick_cost.per_unit_s is None or live_sessions == 0:
         return Headroom(memory, "memory")
-    # the fitted line is float arithmetic: 0.7 / 0.1 must count 7 sessions, not 6.999...
-    fits = math.floor((tick_cost.limit_s - tick_cost.fixed_s) / tick_cost.per_unit_s + 1e-6)
-    compute = max(0, fits - live_sessions)
+    if tick_cost.per_unit_s == 0:   # a flat prediction: room while the measured tick fits
+        compute = memory if tick_cost.fixed_s <= tick_cost.limit_s else 0
+    else:
+        # the fitted line is float arithmetic: 0.7 / 0.1 must count 7 sessions, not 6.999...
+        fits = math.floor((tick_cost.limit_s - tick_cost.fixed_s) / tick_cost.per_unit_s + 1e-6)
+        compute = max(0, fits - live_sessions)
     return Headroom(compute, "compute") if compute < memory else Headroom(memory, "memory")

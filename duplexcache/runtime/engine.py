@@ -276,7 +276,10 @@ class DuplexEngine:
         pending = self.table.pending()
         if self.prefill_times.chunk_in_tick(pending):
             t = time.perf_counter()
-            events += self._prefill_chunk(pending)
+            if self.prefill_times.between_ticks:   # timed (synchronised) so the slack can take the next one
+                events += self.prefill_times.measure(lambda: self._prefill_chunk(pending))
+            else:
+                events += self._prefill_chunk(pending)
             prefill_s = time.perf_counter() - t
         events += self._apply_cancels()
         enc = self.models.audio_encoder

@@ -293,3 +293,18 @@ def test_prefill_between_ticks_keeps_chunks_out_of_the_tick_and_changes_no_byte(
     assert between_chunks == {"tick": 0, "between": inside_chunks["tick"]}  # the same chunks, before the ticks
     assert between["audio"] and between["audio"] == inside["audio"]
     assert between["text"] == inside["text"]
+
+
+def test_a_paced_engine_times_the_chunks_its_ticks_run(tmp_path):
+    """With a server pacing chunks, a chunk the tick runs itself (the slack was too short) is
+    timed, so the next one can be predicted and placed in the slack; it does not count as a chunk
+    run between ticks."""
+    eng = engine(tmp_path, "paced_tick_chunk", {"engine": {"prefill_chunk_tokens": 32}})
+    eng.set_prefill_between_ticks(True)
+    eng.open_session({"voice": "default", "instructions": "speak slowly and kindly " * 12})
+    eng.tick()                                    # pending since this tick: left to the slack
+    assert eng.predicted_prefill_s() is None and eng.prefill_pending()
+    eng.tick()                                    # waited a whole tick: the tick runs a chunk
+    assert eng.predicted_prefill_s() is not None
+    assert not eng.prefill_times.ran_since_tick
+    eng.shutdown()

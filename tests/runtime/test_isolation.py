@@ -220,7 +220,7 @@ def test_admission_by_time_refuses_with_capacity_compute_once_measured(tmp_path)
     second = eng.open_session({"voice": "default"})           # no measurement yet: admitted
     eng.push_audio(first, audio(0, 1))
     eng.tick()
-    assert eng.tick_cost.per_unit_s is not None and eng.tick_cost.per_unit_s > 0
+    assert eng.tick_cost.predicted_s(2) is not None and eng.tick_cost.predicted_s(2) > 0
     with pytest.raises(AdmissionError) as info:
         eng.open_session({"voice": "default"})
     assert info.value.code == "capacity_compute" and "blocks" not in info.value.reason
@@ -261,24 +261,46 @@ def test_tick_cost_model_formula():
     m = TickCostModel(tick_seconds=1.0, headroom=0.8, window=4)
     assert m.refusal(100) is None                  # no measurement: memory decides
     assert m.refusal(0) is None                    # nobody live: always admit one
-    m.observe(0.4, 2)                              # one unit count seen: the line through the origin
-    assert (m.fixed_s, m.per_unit_s) == (0.0, pytest.approx(0.2))
-    assert m.refusal(3) is None and m.refusal(4) is not None       # 0.8 s at 4, 1.0 s at 5
-    m.observe(0.5, 4)                              # two counts: fixed 0.3 s + 0.05 s per session
-    assert m.fixed_s == pytest.approx(0.3) and m.per_unit_s == pytest.approx(0.05)
-    assert m.predicted_s(10) == pytest.approx(0.8)
-    assert m.refusal(9) is None and m.refusal(10) is not None and "tick_headroom" in m.refusal(10)
-    m.observe(0.3, 0)                              # an idle tick is a point of the line too
-    assert m.fixed_s == pytest.approx(0.3) and m.per_unit_s == pytest.approx(0.05)
-    for _ in range(3):                             # the window forgets: three ticks at 4 units, one idle
-        m.observe(0.9, 4)
-    assert m.fixed_s == pytest.approx(0.3) and m.per_unit_s == pytest.approx(0.15)
+    m.observe(0.4, 2)                              # one unit count: flat, no extrapolation
+    assert (m.fixed_s, m.per_unit_s) == (pytest.approx(0.4), 0.0)
+    assert m.refusal(100) is None
+    m.observe(0.5, 4)                              # counts 2..4 span less than MIN_SPAN_UNITS: flat at the top
+    assert (m.fixed_s, m.per_unit_s) == (pytest.approx(0.5), 0.0)
+    m.observe(0.9, 6)                              # span 4: the line 0.1 s + 0.125 s per session
+    assert m.fixed_s == pytest.approx(0.1) and m.per_unit_s == pytest.approx(0.125)
+    assert m.predicted_s(5) == pytest.approx(0.725)
+    assert m.refusal(4) is None and m.refusal(5) is not None and "tick_headroom" in m.refusal(5)
+    m.observe(0.0, 0)                              # an idle tick is no point of the line
+    assert m.fixed_s == pytest.approx(0.1) and m.per_unit_s == pytest.approx(0.125)
+    for _ in range(3):                             # the window forgets: (6, 0.9) and three ticks at 8 units
+        m.observe(1.0, 8)
+    assert (m.fixed_s, m.per_unit_s) == (pytest.approx(1.0), 0.0)   # span 2: flat, and over the limit
+    assert m.refusal(1) is not None
     m2 = TickCostModel(1.0, 1.0)
-    m2.observe(0.6, 3)
-    m2.observe(0.5, 4)                             # noise: slower with fewer units -> no negative slope
-    assert m2.fixed_s == 0.0 and m2.per_unit_s == pytest.approx((0.2 + 0.125) / 2)
+    m2.observe(0.6, 1)
+    m2.observe(0.5, 5)                             # noise: slower with fewer units -> flat, not a negative slope
+    assert (m2.fixed_s, m2.per_unit_s) == (pytest.approx(0.5), 0.0)
     with pytest.raises(ValueError):
         TickCostModel(1.0, 0.0)
+
+
+def test_tick_cost_model_admits_a_gpu_ramp_that_the_origin_line_refused():
+    # H200, `bench serve` with 32 callers (2026-12-04): idle ticks while the server waited, then a
+    # first tick of one session at 73 ms. The line through the origin predicted 804 ms at 11
+    # sessions and refused callers of a card that ticks 32 in ~700 ms.
+    from duplexcache.runtime.admission import TickCostModel
+
+    m = TickCostModel(tick_seconds=1.0, headroom=0.8)
+    for _ in range(7):
+        m.observe(0.001, 0)
+    m.observe(0.073, 1)
+    assert m.refusal(10) is None and m.refusal(31) is None
+    for units in (4, 10, 16, 24):                  # then the card's line: 0.3 s + 0.02 s per session
+        m.observe(0.3 + 0.02 * units, units)
+    # the cheap 1-unit tick still tilts the line (0.17 s + 0.027 s per session): 23 of the 25 that
+    # fit are admitted until the window forgets it, where the origin line stopped at 10
+    assert 0.02 < m.per_unit_s < 0.03
+    assert m.refusal(22) is None and m.refusal(30) is not None
 
 
 def test_refused_sessions_change_nobody_s_output(tmp_path):

@@ -195,8 +195,10 @@ def test_the_prefill_warm_up_opens_and_frees_a_throwaway_context(tmp_path):
     calls = []
     real = eng.stage0.prefill
     eng.stage0.prefill = lambda chunk: calls.append(chunk) or real(chunk)
+    assert eng.predicted_prefill_s() is None
     assert W.run_prefill_once(eng) == 96
     assert calls == [48, 48]                      # two chunks, one call each
+    assert eng.predicted_prefill_s() is not None  # the second is timed for the server's pacing
     assert not eng.stage0.is_prefilling(W.PREFILL_WARMUP_SID) and W.PREFILL_WARMUP_SID not in eng.stage0.sessions
     assert pool.num_free == free_before
     eng.shutdown()

@@ -54,3 +54,15 @@ def test_a_measured_chunk_informs_the_prediction_without_claiming_the_slack():
     times.record(0.08)
     assert abs(times.predicted_s() - 0.08) < 1e-9
     assert prefill_fits(0.3, times.predicted_s(), 1.0) and not prefill_fits(0.3, None, 1.0)
+
+
+def test_a_chunk_on_cuda_is_timed_between_two_synchronisations(monkeypatch):
+    # work queued before the chunk must not count as the chunk's (the warm-up launches its first
+    # chunk asynchronously, then times the second)
+    trace = []
+    ticks = iter([1.0, 1.05])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: trace.append("sync"))
+    times = PrefillTimes(torch.device("cuda"), clock=lambda: trace.append("clock") or next(ticks))
+    times.measure(lambda: trace.append("chunk"))
+    assert trace == ["sync", "clock", "chunk", "sync", "clock"]
+    assert abs(times.predicted_s() - 0.05) < 1e-9

@@ -4,7 +4,7 @@
 #   OUT=/path/to/results bash scripts/gpu_bench.sh MODE [MODE ...]
 # smoke: every benchmark on the tiny preset (catches device bugs in seconds); suite (the whole pytest suite); bench, setup,
 # ticks, ticks_continuous, ticks_steady, ticks_ragged, ticks_eager, ticks_conversation, serve_conversation, serve_switch,
-# serve_catch_up, serve_prefill_between, serve_profile, warm_start,
+# serve_catch_up, serve_prefill_between, serve_long_context, serve_profile, warm_start,
 # serve_ready, stage0,
 # stage2: the minicpmo45 figures (random weights), each a few minutes on an H200 (each fits one 10-minute call).
 # Every step is a `duplexcache bench BENCHMARK` command (run as `python3 -m duplexcache.cli`, so no install is needed).
@@ -73,7 +73,8 @@ sys.exit(1)
 PY
   then
     step "$name" 300 python3 -m duplexcache.cli bench serve --url "ws://127.0.0.1:$port/v1/realtime" \
-      --workload conversation --sessions "$sessions" --ramp 5 --duration "$duration" --max-reply-latency "$REPLY_LATENCY_S" --out "$out/$name"
+      --workload conversation --sessions "$sessions" --ramp 5 --duration "$duration" --max-reply-latency "$REPLY_LATENCY_S" \
+      ${SERVE_EXTRA:-} --out "$out/$name"
     # the server's own counters after the run: graph captures inside ticks (0 after a warm-up), late ticks
     python3 -c 'import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=30).read().decode())' \
       "http://127.0.0.1:$port/metrics" >"$out/${name}_metrics.txt" 2>&1
@@ -143,6 +144,13 @@ case "$mode" in
       serve_conversation "serve_prefill_between_$arm" "${SERVE_BASE:-examples/minicpmo45-shared.yaml}" \
         "${SERVE_SESSIONS:-32}" "${SERVE_DURATION:-60}" "server.prefill_between_ticks=$arm"
     done ;;
+  serve_long_context)  # issue 11 over the wire: 32 callers, then one caller with a ~15000-token context joins 10 s in;
+    # A/B of server.prefill_between_ticks, a fresh server per arm (off first). SERVE_BASE / SERVE_SESSIONS as above
+    for arm in false true; do
+      SERVE_EXTRA="--long-context-callers 1 --long-context-chars ${LONG_CONTEXT_CHARS:-15000} --long-context-at 10" \
+        serve_conversation "serve_long_context_$arm" "${SERVE_BASE:-examples/minicpmo45-shared.yaml}" \
+        "${SERVE_SESSIONS:-32}" "${SERVE_DURATION:-60}" "server.prefill_between_ticks=$arm"
+    done ;;
   serve_profile)  # issue 10: who holds the GIL in a fresh server under 32 callers (needs py-spy on PATH: carry its
     # wheel; installed with --target DIR it is DIR/bin/py-spy). SERVE_BASE / SERVE_SESSIONS as for serve_catch_up
     step serve_profile 420 python3 scripts/serve_profile.py --config "${SERVE_BASE:-examples/minicpmo45-shared.yaml}" \
@@ -163,6 +171,6 @@ case "$mode" in
     step gpu_stage0 120 python3 -m duplexcache.cli bench kernels --out "$out/gpu_stage0" ;;
   stage2)
     step gpu_stage2 300 python3 -m duplexcache.cli bench stage2 --out "$out/gpu_stage2" --batches 1,8,32 ;;
-  *) echo "unknown mode $mode (smoke|bench|setup|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|ticks_conversation|ticks_conversation_large|serve_conversation|serve_switch|serve_catch_up|serve_prefill_between|serve_profile|prefill|prefill_between|prefill_512|warm_start|serve_ready|stage0|stage2)"; exit 2 ;;
+  *) echo "unknown mode $mode (smoke|bench|setup|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|ticks_conversation|ticks_conversation_large|serve_conversation|serve_switch|serve_catch_up|serve_prefill_between|serve_long_context|serve_profile|prefill|prefill_between|prefill_512|warm_start|serve_ready|stage0|stage2)"; exit 2 ;;
 esac
 done

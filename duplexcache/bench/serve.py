@@ -23,6 +23,11 @@ server exports none). A step is real-time when every session received audio, the
 counted 0 late ticks, and the reply latency p99 is at most ``--max-reply-latency`` (1.5 s);
 ``largest_realtime_sessions`` is the largest such step (null if none). Writes
 ``DIR/results.json`` and ``DIR/reply_latency.png``.
+
+``--long-context-callers K`` adds K callers per step that connect ``--long-context-at`` seconds
+in (default ``--ramp`` + 5), 0.5 s apart, with ``--long-context-chars`` of instructions: a long
+context opening while the others are live (issue 11). The step's figures stay those of the
+regular callers; the long ones are summarised under ``long_context``.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ MAX_STEPS = 16
 MAX_DURATION_S = 3600.0
 MAX_RAMP_S = 600.0
 INSTRUCTIONS = "You are a friendly voice assistant. Keep every answer short."
+MAX_INSTRUCTION_CHARS = 1_000_000
 IDLE_WAIT_S = 30.0      # between steps: at most this long for the server to free the last step's sessions
 
 
@@ -79,6 +85,24 @@ def _bounded(name: str, lo: float, hi: float):
     return parse
 
 
+def _count(name: str, lo: int, hi: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} wants a whole number, got {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{name} must be in [{lo}, {hi}], got {text!r}")
+        return value
+    return parse
+
+
+def long_instructions(chars: int) -> str:
+    """Instructions of exactly ``chars`` characters (a repeated sentence, cut)."""
+    sentence = "Answer briefly, warmly and in the language of the question. "
+    return (sentence * (chars // len(sentence) + 1))[:chars]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", required=True, help="the server's realtime WebSocket, e.g. ws://127.0.0.1:8000/v1/realtime")
     parser.add_argument("--sessions", type=int_list("--sessions", MAX_SESSIONS, MAX_STEPS), default=(8,), help="a count, or a comma list for a sweep")
@@ -102,6 +126,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="real-time criterion: reply latency p99 at most this (seconds)")
     parser.add_argument("--drain", type=_bounded("--drain", 0, 120), default=5.0,
                         help="seconds to wait after the last audio for scheduled replies")
+    parser.add_argument("--long-context-callers", type=_count("--long-context-callers", 0, MAX_SESSIONS), default=0,
+                        help="callers added to each step that open with --long-context-chars of instructions "
+                             "(issue 11: a long context's prefill must not stall the others); reported apart")
+    parser.add_argument("--long-context-chars", type=_count("--long-context-chars", 1, MAX_INSTRUCTION_CHARS), default=16000,
+                        help="their instructions' length; a random-weight preset's byte tokenizer makes ~1 token "
+                             "per character, and over server.max_context_tokens they are refused")
+    parser.add_argument("--long-context-at", type=_bounded("--long-context-at", 0, MAX_DURATION_S), default=None,
+                        help="seconds after a step's start when they connect, 0.5 s apart (default: --ramp + 5)")
     parser.add_argument("--hardware", default=None, help="hardware line for the report (default: nvidia-smi / platform)")
     parser.add_argument("--out", type=Path, default=Path("bench-serve-out"))
 
@@ -208,6 +240,11 @@ def _delta(after: float | None, before: float | None) -> float | None:
 
 def summarize_step(n: int, rows: list[dict[str, Any]], before: dict, after: dict, wall_s: float,
                    max_latency: float, workload: str) -> dict[str, Any]:
+    """The step's figures over its ``n`` regular callers; rows marked ``long_context`` (the
+    callers of ``--long-context-callers``) are summarised apart, so the figures stay comparable
+    with a run without them and show what their prefill did to everyone else."""
+    long_rows = [r for r in rows if r.get("long_context")]
+    rows = [r for r in rows if not r.get("long_context")]
     latencies = [x for r in rows for x in r["reply_latency_s"]]
     ratios = [r["audio_received_ratio"] for r in rows if r["audio_received_ratio"] is not None]
     late = _delta(after["late_ticks"], before["late_ticks"])
@@ -241,8 +278,17 @@ def summarize_step(n: int, rows: list[dict[str, Any]], before: dict, after: dict
         "replies_done": sum(r["replies_done"] for r in rows),
         **{key: _delta(after.get(key), before.get(key)) for key in COUNTERS},   # late_ticks, catch_up_ticks, ...
         "realtime": bool(all_audio and late == 0 and latency_ok),
-        "per_session": rows,
+        **({"long_context": _long_context_summary(long_rows)} if long_rows else {}),
+        "per_session": rows + long_rows,
     }
+
+
+def _long_context_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"callers": len(rows), "with_audio": sum(r["got_audio"] for r in rows),
+            "with_errors": sum(bool(r["errors"]) for r in rows),
+            "first_errors": [r["errors"][0] for r in rows if r["errors"]],
+            "reply_latency_s": percentiles([x for r in rows for x in r["reply_latency_s"]]),
+            "gaps_over_200ms": sum(r["gaps_over_200ms"] for r in rows)}
 
 
 async def run_step(n: int, args: argparse.Namespace, client: Any, base: str, bar: Any = None) -> dict[str, Any]:
@@ -254,11 +300,20 @@ async def run_step(n: int, args: argparse.Namespace, client: Any, base: str, bar
     callers = [Caller(i, voices[i], args.workload, units, args.seed, shape, INSTRUCTIONS,
                       start_delay_s=args.ramp * i / max(1, n - 1) if n > 1 else 0.0, drain_s=args.drain)
                for i in range(n)]
-    traces = [SessionTrace(i, voices[i]) for i in range(n)]
+    # Long-context callers join later (0.5 s apart) and stop with the others: they open while
+    # the regular callers are live, which is the case issue 11 is about.
+    extra = args.long_context_callers
+    at = args.ramp + 5.0 if args.long_context_at is None else args.long_context_at
+    long_voices = wl.pick_voices(extra, [v for v in args.voices.split(",") if v.strip()], args.seed + 1) if extra else []
+    callers += [Caller(n + j, long_voices[j], args.workload, max(1, units - int(at)), args.seed, shape,
+                       long_instructions(args.long_context_chars), start_delay_s=at + 0.5 * j, drain_s=args.drain)
+                for j in range(extra)]
+    traces = [SessionTrace(c.index, c.voice) for c in callers]
     before = await scrape(client, base)
     start = time.perf_counter()
     # Bounded: connect timeouts + ramp + audio + drain, with slack for a slow server.
-    limit = args.ramp + units + args.drain + 2 * callers[0].ready_timeout_s + 30.0
+    first_audio_s = max(c.start_delay_s for c in callers)
+    limit = first_audio_s + units + args.drain + 2 * callers[0].ready_timeout_s + 30.0
     tasks = [asyncio.create_task(c.run(args.url, t)) for c, t in zip(callers, traces)]
     ticker = asyncio.create_task(_progress(bar, args.ramp + units)) if bar is not None else None
     done, pending = await asyncio.wait(tasks, timeout=limit)
@@ -273,8 +328,8 @@ async def run_step(n: int, args: argparse.Namespace, client: Any, base: str, bar
     wall = time.perf_counter() - start
     await asyncio.sleep(1.5)   # the server counts a late tick when the tick ends: let the last ones land
     after = await scrape(client, base)
-    return summarize_step(n, [session_row(t) for t in traces], before, after, wall, args.max_reply_latency,
-                          args.workload)
+    rows = [{**session_row(t), **({"long_context": True} if t.index >= n else {})} for t in traces]
+    return summarize_step(n, rows, before, after, wall, args.max_reply_latency, args.workload)
 
 
 async def _progress(bar: Any, seconds: float) -> None:
@@ -384,6 +439,11 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
               f"{s['reply_latency_growth_s']['p50']} s), gaps > 200 ms {s['gaps_over_200ms']}, "
               f"late ticks {s['late_ticks']} (catch-up ticks {s['catch_up_ticks']}), errors in {s['sessions_with_errors']} sessions, "
               f"real-time {s['realtime']}")
+        if "long_context" in s:
+            lc = s["long_context"]
+            print(f"      + {lc['callers']} long-context callers: audio {lc['with_audio']}/{lc['callers']}, reply "
+                  f"latency p50 {lc['reply_latency_s']['p50']} s, errors {lc['first_errors'] or 'none'} "
+                  f"(prefill chunks between ticks in the step: {s.get('prefill_chunks_between_ticks')})")
     print(f"largest real-time step: {results['largest_realtime_sessions']} ({results['criterion']['text']})")
     print(f"wrote {args.out / 'results.json'} and {args.out / 'reply_latency.png'}")
     return 0

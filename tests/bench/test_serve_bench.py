@@ -179,3 +179,44 @@ def test_latency_growth_is_the_last_reply_less_the_first_per_session():
     assert step["reply_latency_growth_s"]["n"] == 2       # a single reply has no growth
     assert step["reply_latency_growth_s"]["max"] == 3.5 and step["reply_latency_growth_s"]["p50"] == 1.5
     assert step["catch_up_ticks"] == 5.0 and step["late_ticks"] == 3.0
+
+
+def test_long_context_callers_are_summarised_apart():
+    """--long-context-callers: the step's figures stay those of the regular callers (comparable
+    with a run without them); the long-context callers get their own summary, refusals named."""
+    def row(latencies, errors=(), long=False):
+        r = {"reply_latency_s": latencies, "audio_received_ratio": 1.0 if latencies else None, "max_gap_s": 0.1,
+             "gaps_over_200ms": 0 if latencies else 0, "got_audio": bool(latencies), "errors": list(errors),
+             "replies_scheduled": len(latencies), "replies_done": len(latencies)}
+        return {**r, "long_context": True} if long else r
+
+    counters = {"late_ticks": 0.0, "graph_captures": 0.0, "catch_up_ticks": 0.0}
+    rows = [row([2.0]), row([3.0]), row([9.0], long=True),
+            row([], ["context_length_exceeded: 9000 tokens > 8192"], long=True)]
+    step = serve.summarize_step(2, rows, counters, counters, 1.0, 3.5, "conversation")
+    assert step["reply_latency_s"]["max"] == 3.0 and step["sessions_with_audio"] == 2
+    assert step["sessions_with_errors"] == 0 and step["realtime"] is True
+    assert step["long_context"]["callers"] == 2 and step["long_context"]["with_audio"] == 1
+    assert step["long_context"]["first_errors"] == ["context_length_exceeded: 9000 tokens > 8192"]
+    assert step["long_context"]["reply_latency_s"]["max"] == 9.0
+    assert len(step["per_session"]) == 4
+    assert "long_context" not in serve.summarize_step(2, rows[:2], counters, counters, 1.0, 3.5, "conversation")
+    assert len(serve.long_instructions(1234)) == 1234
+
+
+def test_a_long_context_caller_joins_a_live_step_over_the_wire(tmp_path):
+    deploy = _deploy()
+    deploy.engine.prefill_chunk_tokens = 128   # the 600-token context opens over several chunks
+    engine = DuplexEngine(deploy, build_models(deploy, seed=0))
+    with LoopbackServer(create_app(engine, deploy)) as srv:
+        argv = ["bench", "serve", "--url", srv.ws_url(REALTIME_PATH), "--sessions", "1", "--duration", str(DURATION),
+                "--ramp", "0", "--user-units", "2,2", "--max-lead-units", "0", "--reply-min-units", str(REPLY[0]),
+                "--reply-max-units", str(REPLY[1]), "--drain", "8", "--long-context-callers", "1",
+                "--long-context-chars", "600", "--long-context-at", "1", "--out", str(tmp_path)]
+        assert cli_main(argv) == 0
+    (step,) = json.loads((tmp_path / "results.json").read_text())["steps"]
+    regular, long = step["per_session"]
+    assert "long_context" not in regular and long["long_context"] is True
+    assert regular["got_audio"] and regular["errors"] == []
+    assert step["long_context"]["callers"] == 1 and step["long_context"]["with_errors"] == 0, long["errors"]
+    assert long["got_audio"] and long["units_sent"] == DURATION - 1   # joined 1 s in, ended with the others

@@ -73,26 +73,16 @@ def _unit_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def _bounded(name: str, lo: float, hi: float):
+def _bounded(name: str, lo: float, hi: float, kind: type = float):
+    """An argparse type: a ``kind`` (float or int) in [lo, hi]."""
     def parse(text: str) -> float:
         try:
-            value = float(text)
+            value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} wants a number, got {text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"{name} wants {'a whole number' if kind is int else 'a number'}, got {text!r}") from None
         if not lo <= value <= hi or math.isnan(value):
             raise argparse.ArgumentTypeError(f"{name} must be in [{lo:g}, {hi:g}], got {text!r}")
-        return value
-    return parse
-
-
-def _count(name: str, lo: int, hi: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} wants a whole number, got {text!r}") from None
-        if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"{name} must be in [{lo}, {hi}], got {text!r}")
         return value
     return parse
 
@@ -126,10 +116,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="real-time criterion: reply latency p99 at most this (seconds)")
     parser.add_argument("--drain", type=_bounded("--drain", 0, 120), default=5.0,
                         help="seconds to wait after the last audio for scheduled replies")
-    parser.add_argument("--long-context-callers", type=_count("--long-context-callers", 0, MAX_SESSIONS), default=0,
+    parser.add_argument("--long-context-callers", type=_bounded("--long-context-callers", 0, MAX_SESSIONS, int), default=0,
                         help="callers added to each step that open with --long-context-chars of instructions "
                              "(issue 11: a long context's prefill must not stall the others); reported apart")
-    parser.add_argument("--long-context-chars", type=_count("--long-context-chars", 1, MAX_INSTRUCTION_CHARS), default=16000,
+    parser.add_argument("--long-context-chars", type=_bounded("--long-context-chars", 1, MAX_INSTRUCTION_CHARS, int), default=16000,
                         help="their instructions' length; a random-weight preset's byte tokenizer makes ~1 token "
                              "per character, and over server.max_context_tokens they are refused")
     parser.add_argument("--long-context-at", type=_bounded("--long-context-at", 0, MAX_DURATION_S), default=None,

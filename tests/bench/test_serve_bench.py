@@ -145,7 +145,7 @@ def test_url_and_arguments_are_checked():
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
     for bad in (["--sessions", "0"], ["--sessions", "1,x"], ["--duration", "0"], ["--ramp", "-1"],
-                ["--user-units", "3,2"]):
+                ["--user-units", "3,2"], ["--long-context-callers", "1.5"], ["--long-context-chars", "0"]):
         with pytest.raises(SystemExit):
             parser.parse_args(["--url", "ws://127.0.0.1:9/v1/realtime", *bad])
 

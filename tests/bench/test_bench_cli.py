@@ -131,12 +131,23 @@ def test_gpu_bench_script_commands_parse():
     script = (Path(__file__).parents[2] / "scripts" / "gpu_bench.sh").read_text().replace("\\\n", " ")
     shell_vars = {"out": "/tmp/out", "port": "8000", "sessions": "4", "duration": "10", "REPLY_LATENCY_S": "3.5",
                   "name": "step"}
+
+    def expand(text: str) -> str:   # $VAR, ${VAR} and ${VAR:-default}
+        return re.sub(r"\$\{(\w+)(?::-([^}]*))?\}|\$(\w+)",
+                      lambda m: shell_vars.get(m.group(1) or m.group(3), m.group(2) or ""), text)
+
+    # the options a mode passes to `bench serve` through SERVE_EXTRA are checked with it
+    extras = re.findall(r'SERVE_EXTRA="([^"]*)"', script)
+    assert extras
     commands = re.findall(r"python3 -m duplexcache\.cli (bench [^\n]*)", script)
     assert len(commands) >= 15
     for line in commands:
-        line = re.sub(r"\$\{?(\w+)\}?", lambda m: shell_vars[m.group(1)], line.split(" >")[0].split(";;")[0])
-        args = build_parser().parse_args(shlex.split(line))
-        assert args.benchmark in BENCHMARKS, line
+        for extra in extras if "SERVE_EXTRA" in line else [""]:
+            shell_vars["SERVE_EXTRA"] = expand(extra)
+            args = build_parser().parse_args(shlex.split(expand(line.split(" >")[0].split(";;")[0])))
+            assert args.benchmark in BENCHMARKS, line
+            if extra:
+                assert args.long_context_callers == 1 and args.long_context_chars == 15000, line
 
 
 def test_gpu_benchmarks_dispatch_without_the_config_stack(tmp_path):

@@ -281,11 +281,15 @@ def _long_context_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "gaps_over_200ms": sum(r["gaps_over_200ms"] for r in rows)}
 
 
+def _voice_names(args: argparse.Namespace) -> list[str]:
+    return [v for v in args.voices.split(",") if v.strip()]
+
+
 async def run_step(n: int, args: argparse.Namespace, client: Any, base: str, bar: Any = None) -> dict[str, Any]:
     shape = wl.ConversationShape(user_min_units=args.user_units[0], user_max_units=args.user_units[1],
                                  reply_min_units=args.reply_min_units, reply_max_units=args.reply_max_units,
                                  max_lead_units=args.max_lead_units)
-    voices = wl.pick_voices(n, [v for v in args.voices.split(",") if v.strip()], args.seed)
+    voices = wl.pick_voices(n, _voice_names(args), args.seed)
     units = max(1, int(args.duration))
     callers = [Caller(i, voices[i], args.workload, units, args.seed, shape, INSTRUCTIONS,
                       start_delay_s=args.ramp * i / max(1, n - 1) if n > 1 else 0.0, drain_s=args.drain)
@@ -294,7 +298,7 @@ async def run_step(n: int, args: argparse.Namespace, client: Any, base: str, bar
     # the regular callers are live, which is the case issue 11 is about.
     extra = args.long_context_callers
     at = args.ramp + 5.0 if args.long_context_at is None else args.long_context_at
-    long_voices = wl.pick_voices(extra, [v for v in args.voices.split(",") if v.strip()], args.seed + 1) if extra else []
+    long_voices = wl.pick_voices(extra, _voice_names(args), args.seed + 1) if extra else []
     callers += [Caller(n + j, long_voices[j], args.workload, max(1, units - int(at)), args.seed, shape,
                        long_instructions(args.long_context_chars), start_delay_s=at + 0.5 * j, drain_s=args.drain)
                 for j in range(extra)]
@@ -302,8 +306,8 @@ async def run_step(n: int, args: argparse.Namespace, client: Any, base: str, bar
     before = await scrape(client, base)
     start = time.perf_counter()
     # Bounded: connect timeouts + ramp + audio + drain, with slack for a slow server.
-    first_audio_s = max(c.start_delay_s for c in callers)
-    limit = first_audio_s + units + args.drain + 2 * callers[0].ready_timeout_s + 30.0
+    last_start_s = max(c.start_delay_s for c in callers)
+    limit = last_start_s + units + args.drain + 2 * callers[0].ready_timeout_s + 30.0
     tasks = [asyncio.create_task(c.run(args.url, t)) for c, t in zip(callers, traces)]
     ticker = asyncio.create_task(_progress(bar, args.ramp + units)) if bar is not None else None
     done, pending = await asyncio.wait(tasks, timeout=limit)
@@ -349,7 +353,7 @@ def _results(args: argparse.Namespace, argv: list[str], steps: list[dict[str, An
         "hardware": args.hardware or hardware_line(None),
         "url": args.url,
         "config": {"sessions": list(args.sessions), "workload": args.workload, "duration_s": args.duration,
-                   "ramp_s": args.ramp, "seed": args.seed, "voices": [v for v in args.voices.split(",") if v.strip()],
+                   "ramp_s": args.ramp, "seed": args.seed, "voices": _voice_names(args),
                    "user_units": list(args.user_units), "max_lead_units": args.max_lead_units,
                    "reply_units": [args.reply_min_units, args.reply_max_units], "drain_s": args.drain,
                    "gap_threshold_s": GAP_S, "input": "16 kHz pcm16 in 0.1 s chunks at real-time pace"},
@@ -411,7 +415,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"duplexcache bench serve: {exc}", file=sys.stderr)
         return 2
-    if not [v for v in args.voices.split(",") if v.strip()]:
+    if not _voice_names(args):
         print("duplexcache bench serve: --voices names no voice", file=sys.stderr)
         return 2
     if not 1 <= args.reply_min_units <= args.reply_max_units or args.max_lead_units < 0:

@@ -104,7 +104,7 @@ class DuplexEngine:
         self.thinker_stage = ThinkerStage(self.stage0, models.audio_encoder, self.builder, models.tokenizer,
                                           self.control, policy, self._embed_tokens, self.table, self._end)
         self._closed = False
-        self.prefill_times = PrefillTimes(models.device)   # chunks the server ran between ticks
+        self.prefill_times = PrefillTimes(models.device)   # prefill chunk times, for a server's pacing
         # Graphs captured while the engine was built (each voice's Code2Wav prompt pass at
         # register_voice) were captured before serving: they count with the warm-up's.
         self._warmup_captures = self._graph_captures_total()

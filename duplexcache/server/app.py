@@ -196,9 +196,10 @@ class RealtimeServer:
     async def _tick_loop(self) -> None:
         loop = asyncio.get_running_loop()
         period = self.config.engine.tick_seconds
+        pacing = self._pacing_prefill()   # decided once: the config and the engine do not change
         pace = getattr(self.engine, "set_prefill_between_ticks", None)   # optional (docs/design.md)
         if pace is not None:
-            pace(self._pacing_prefill())
+            pace(pacing)
         deadline = loop.time() + period
         caught_up_at = None   # the deadline of the period that already had its extra tick
         while not self._stopping.is_set():
@@ -218,19 +219,18 @@ class RealtimeServer:
                 await asyncio.sleep(0)   # let the event loop take the frames that arrived meanwhile
                 continue
             else:
-                await self._wait_for(deadline, period)
+                await self._wait_for(deadline, period, pacing)
             deadline += period
 
     def _pacing_prefill(self) -> bool:
         return self.config.server.prefill_between_ticks and all(
             callable(getattr(self.engine, name, None)) for name in _PREFILL_METHODS)
 
-    async def _wait_for(self, deadline: float, period: float) -> None:
+    async def _wait_for(self, deadline: float, period: float, pacing: bool) -> None:
         """Until ``deadline`` (or shutdown). With ``server.prefill_between_ticks``, prefill chunks
         of opening sessions run meanwhile while their measured time fits (runtime/pacing.py), and
         the wait wakes every ``PREFILL_POLL_S`` to see whether a session started opening."""
         loop = asyncio.get_running_loop()
-        pacing = self._pacing_prefill()
         while not self._stopping.is_set():
             if pacing:
                 pacing = await self._prefill_in_slack(deadline, period)

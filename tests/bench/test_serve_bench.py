@@ -186,7 +186,7 @@ def test_long_context_callers_are_summarised_apart():
     with a run without them); the long-context callers get their own summary, refusals named."""
     def row(latencies, errors=(), long=False):
         r = {"reply_latency_s": latencies, "audio_received_ratio": 1.0 if latencies else None, "max_gap_s": 0.1,
-             "gaps_over_200ms": 0 if latencies else 0, "got_audio": bool(latencies), "errors": list(errors),
+             "gaps_over_200ms": 0, "got_audio": bool(latencies), "errors": list(errors),
              "replies_scheduled": len(latencies), "replies_done": len(latencies)}
         return {**r, "long_context": True} if long else r
 

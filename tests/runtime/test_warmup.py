@@ -193,12 +193,25 @@ def test_the_prefill_warm_up_opens_and_frees_a_throwaway_context(tmp_path):
     pool = eng.stage0.manager.pool
     free_before = pool.num_free
     calls = []
+    timing = [False]                              # inside PrefillTimes.measure
     real = eng.stage0.prefill
-    eng.stage0.prefill = lambda chunk: calls.append(chunk) or real(chunk)
+    eng.stage0.prefill = lambda chunk: calls.append((chunk, timing[0])) or real(chunk)
+    real_measure = eng.prefill_times.measure
+
+    def measure(chunk):
+        timing[0] = True
+        try:
+            return real_measure(chunk)
+        finally:
+            timing[0] = False
+
+    eng.prefill_times.measure = measure
     assert eng.predicted_prefill_s() is None
     assert W.run_prefill_once(eng) == 96
-    assert calls == [48, 48]                      # two chunks, one call each
-    assert eng.predicted_prefill_s() is not None  # the second is timed for the server's pacing
+    # two chunks, one call each; only the second is timed for the server's pacing (the first
+    # pays the first use of its shapes)
+    assert calls == [(48, False), (48, True)]
+    assert eng.predicted_prefill_s() is not None
     assert not eng.stage0.is_prefilling(W.PREFILL_WARMUP_SID) and W.PREFILL_WARMUP_SID not in eng.stage0.sessions
     assert pool.num_free == free_before
     eng.shutdown()

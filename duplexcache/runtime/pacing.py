@@ -56,10 +56,8 @@ class PrefillTimes:
     def measure(self, chunk: Callable[[], T]) -> T:
         """Run one chunk and keep its time (a chunk inside a tick, or the warm-up's), without
         marking that a chunk ran between ticks."""
-        # Synchronised on both sides: work still queued before the chunk (the warm-up's first
-        # chunk, launched asynchronously) would otherwise be timed as this chunk's. On the H200
-        # that made the warm-up's figure several times a real chunk's, and it kept the first
-        # four chunks of a 16384-token context out of the slack (2026-12-04).
+        # Synchronised on both sides: work still queued before the chunk (a tick's, launched
+        # asynchronously) would otherwise be timed as this chunk's.
         self._sync()
         start = self.clock()
         result = chunk()

@@ -22,9 +22,9 @@ the first seconds saw first audio after 13-16 s, and 11 of them none within 16 s
   split count is a compile-time constant) and the fused key re-rotation (window ``basic``).
   Graphs off (``engine.decode_cuda_graphs: false``, the A/B reference): eager decode steps of
   arbitrary batch sizes may still compile split variants inside ticks.
-* a context prefill of two ``engine.prefill_chunk_tokens`` chunks through Stage 0
+* a context prefill of three ``engine.prefill_chunk_tokens`` chunks through Stage 0
   (``run_prefill_once``): the first chunk of the first long context otherwise pays ~600 ms of
-  first-use costs inside a tick.
+  first-use costs inside a tick, and the third gives the server's pacing a chunk time.
 
 Nothing here touches a session or the pools' accounting: decode captures use padding rows (slot 0
 of the null block, as a padded replay does), Code2Wav captures use padded arena rows (scratch
@@ -225,39 +225,56 @@ PREFILL_WARMUP_KEY = b"duplexcache-warmup-prefill"
 
 @torch.no_grad()
 def run_prefill_once(engine: DuplexEngine) -> int:
-    """Prefill a throwaway context of two ``engine.prefill_chunk_tokens`` chunks through Stage 0
+    """Prefill a throwaway context of three ``engine.prefill_chunk_tokens`` chunks through Stage 0
     (the path a long context takes) and free it; returns the tokens prefilled.
 
     Why: the first chunk of the first long context paid ~600 ms on an H200 (first use of the
     chunk's GEMM shapes and of SDPA with a lower-right causal bias: lazy kernel loads, allocator
-    growth) inside the tick of 32 live sessions; later chunks cost 43-73 ms. Two chunks: the
-    first has no computed context, the second does. The blocks go back to the pool; the ones the
-    context hashed stay as evictable cached blocks under a key no session uses."""
+    growth) inside the tick of 32 live sessions; later chunks cost 43-73 ms. Three chunks: the
+    first has no computed context, the second is the first with one (its own first-use costs),
+    the third is a warm chunk, and only its time goes to the server's pacing: timing the second
+    kept the first four chunks of a 16384-token context out of the slack on the H200 (the
+    predicted time stayed over what a period at 32 sessions leaves, 2026-12-04). The blocks go
+    back to the pool; the ones the context hashed stay as evictable cached blocks under a key no
+    session uses."""
     chunk = engine.deploy.engine.prefill_chunk_tokens
     stage0 = engine.stage0
     limit = engine.models.thinker.config.max_position_embeddings - 1
-    tokens = min(2 * chunk, limit, engine.window.high_tokens if engine.window.mode != "off" else limit)
+    tokens = min(3 * chunk, limit, engine.window.high_tokens if engine.window.mode != "off" else limit)
     if tokens < 1:
         return 0
     m = engine.models
     embeds = torch.zeros(tokens, m.thinker.config.hidden_size, dtype=m.dtype, device=m.device)
     context = SessionContextInput(embeds, [0] * tokens, PREFILL_WARMUP_KEY)
     stage0.enqueue_open(PREFILL_WARMUP_SID, context, engine.window)
+    walls = []
     try:
         for step in range(tokens // chunk + 2):
-            # The chunks after the first (which pays the first use of its shapes) are timed for
-            # the server's pacing: its first real chunk may then run between ticks.
-            result = (engine.prefill_times.measure(lambda: stage0.prefill(chunk)) if step > 0
-                      else stage0.prefill(chunk))
+            if step >= 2:   # a warm chunk: timed for the server's pacing
+                result = engine.prefill_times.measure(lambda: stage0.prefill(chunk))
+            else:           # first uses: timed for the log only
+                _sync(m.device)
+                start = time.perf_counter()
+                result = stage0.prefill(chunk)
+                _sync(m.device)
+                walls.append(time.perf_counter() - start)
             if result.errors:
                 raise RuntimeError(f"warm-up prefill failed: {result.errors[PREFILL_WARMUP_SID]}")
             if result.opened:
                 break
     finally:
         stage0.close_session(PREFILL_WARMUP_SID)
-    if m.device.type == "cuda":
-        torch.cuda.synchronize(m.device)
+    _sync(m.device)
+    predicted = engine.prefill_times.predicted_s()
+    logger.info("warm-up prefill: chunks of %d tokens took %s ms (first uses), then %s ms (timed for pacing)",
+                chunk, " / ".join(f"{1e3 * w:.1f}" for w in walls),
+                "-" if predicted is None else f"{1e3 * predicted:.1f}")
     return tokens
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 # ------------------------------------------------------------------------------ the warm-up

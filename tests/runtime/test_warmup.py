@@ -187,7 +187,7 @@ def test_cuda_warmup_captures_and_ticks_capture_nothing(tmp_path):
 
 
 def test_the_prefill_warm_up_opens_and_frees_a_throwaway_context(tmp_path):
-    """run_prefill_once (CUDA warm-ups call it) prefills two chunks through Stage 0 and gives
+    """run_prefill_once (CUDA warm-ups call it) prefills three chunks through Stage 0 and gives
     every block back: no session left, the pool's free count as before."""
     eng = engine(tmp_path, "prefill_warmup", {"engine": {"prefill_chunk_tokens": 48}})
     pool = eng.stage0.manager.pool
@@ -207,10 +207,10 @@ def test_the_prefill_warm_up_opens_and_frees_a_throwaway_context(tmp_path):
 
     eng.prefill_times.measure = measure
     assert eng.predicted_prefill_s() is None
-    assert W.run_prefill_once(eng) == 96
-    # two chunks, one call each; only the second is timed for the server's pacing (the first
-    # pays the first use of its shapes)
-    assert calls == [(48, False), (48, True)]
+    assert W.run_prefill_once(eng) == 144
+    # three chunks, one call each; only the third is timed for the server's pacing (the first
+    # pays the first use of its shapes, the second the first use of attention over a context)
+    assert calls == [(48, False), (48, False), (48, True)]
     assert eng.predicted_prefill_s() is not None
     assert not eng.stage0.is_prefilling(W.PREFILL_WARMUP_SID) and W.PREFILL_WARMUP_SID not in eng.stage0.sessions
     assert pool.num_free == free_before

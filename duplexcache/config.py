@@ -166,6 +166,18 @@ class Code2WavConfig(_Strict):
         return self.max_num_seqs
 
 
+class PrecisionConfig(_Strict):
+    """Capacity mode (issue 15): number formats below the reference's, each an A/B switch whose
+    error against the reference's format is measured (``duplexcache bench precision``).
+
+    ``code2wav_dtype``: the Code2Wav flow (conformer + estimator), its per-stream caches and the
+    whole-Euler arena. ``float32`` is the reference's (exact mode, the default); ``bfloat16``
+    halves the caches' bytes and runs the estimator's matmuls on bf16 tensor cores. The vocoder
+    stays float32 either way (its caches are a few KiB per stream)."""
+
+    code2wav_dtype: Literal["float32", "bfloat16"] = "float32"
+
+
 class SpeakPolicy(_Strict):
     """When sessions speak. ``model``: the Thinker decides; ``every_k_units``: forced every k
     units (deterministic load for benchmarks, since random weights decide arbitrarily): in each
@@ -293,6 +305,7 @@ class DeployConfig(_Strict):
     stage0: Stage0Config = Field(default_factory=Stage0Config)
     context_cache: ContextCacheConfig = Field(default_factory=ContextCacheConfig)
     code2wav: Code2WavConfig = Field(default_factory=Code2WavConfig)
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
@@ -425,7 +438,7 @@ PRIVATE_RUNTIME_CONFIG_KEYS: frozenset[str] = frozenset({
     "memory_budget", "memory_fraction", "activation_reserve", "tick_seconds", "speak_policy", "tick_headroom",
     "prefill_chunk_tokens", "max_context_tokens", "switch_interval_ms",
     "preset", "checkpoint_dir", "revision", "model_revision", "dtype", "device",
-    "max_frame_bytes",
+    "max_frame_bytes", "code2wav_dtype",
 })
 
 # What a client may put in session.update's session object.

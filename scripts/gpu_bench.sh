@@ -5,7 +5,7 @@
 # smoke: every benchmark on the tiny preset (catches device bugs in seconds); suite (the whole pytest suite); bench, setup,
 # ticks, ticks_continuous, ticks_steady, ticks_ragged, ticks_eager, ticks_conversation, serve_conversation, serve_switch,
 # serve_catch_up, serve_prefill_between, serve_long_context, serve_profile, warm_start,
-# serve_ready, stage0,
+# serve_ready, stage0, precision, ticks_conversation_bf16,
 # stage2: the minicpmo45 figures (random weights), each a few minutes on an H200 (each fits one 10-minute call).
 # Every step is a `duplexcache bench BENCHMARK` command (run as `python3 -m duplexcache.cli`, so no install is needed).
 # Needs torch with CUDA, triton, numpy, pyyaml, safetensors, pydantic, tqdm, matplotlib; the serve modes also
@@ -138,6 +138,12 @@ case "$mode" in
     done ;;
   ticks_conversation_large)  # ticks_conversation at 40 and 48 sessions only, with the shared graph grid warm
     step engine_ticks_conversation_large 560 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 40,48 --workload conversation --steady-window --all-switches on --ticks 8 --warmup-ticks 8 --max-seconds 420 --memory-budget auto --graph-grid 1,4,8,16 --out "$out/engine_ticks_conversation_large" ;;
+  ticks_conversation_bf16)  # issue 15 capacity mode: ticks_conversation_large with precision.code2wav_dtype bfloat16
+    # (40, 48, 56 sessions), then the float32 arm at 40 and 48 in the same run (the A/B)
+    step engine_ticks_conversation_bf16 330 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 40,48,56 --workload conversation --steady-window --all-switches on --ticks 8 --warmup-ticks 8 --max-seconds 300 --memory-budget auto --graph-grid 1,4,8,16 --code2wav-dtype bfloat16 --out "$out/engine_ticks_conversation_bf16"
+    step engine_ticks_conversation_f32 250 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 40,48 --workload conversation --steady-window --all-switches on --ticks 8 --warmup-ticks 8 --max-seconds 220 --memory-budget auto --graph-grid 1,4,8,16 --out "$out/engine_ticks_conversation_f32" ;;
+  precision)  # issue 15 capacity mode: Code2Wav bfloat16 vs float32 on the same weights: error over a 60 s call, bytes, ms per step
+    step precision 240 python3 -m duplexcache.cli bench precision --preset minicpmo45 --device cuda --sessions 4 --chunks 60 --batches 1,8,32 --out "$out/precision" ;;
   serve_prefill_between)  # A/B of server.prefill_between_ticks over the wire, a fresh server per arm (off first);
     # SERVE_BASE / SERVE_SESSIONS / SERVE_DURATION as for serve_catch_up
     for arm in false true; do
@@ -171,6 +177,6 @@ case "$mode" in
     step gpu_stage0 120 python3 -m duplexcache.cli bench kernels --out "$out/gpu_stage0" ;;
   stage2)
     step gpu_stage2 300 python3 -m duplexcache.cli bench stage2 --out "$out/gpu_stage2" --batches 1,8,32 ;;
-  *) echo "unknown mode $mode (smoke|bench|setup|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|ticks_conversation|ticks_conversation_large|serve_conversation|serve_switch|serve_catch_up|serve_prefill_between|serve_long_context|serve_profile|prefill|prefill_between|prefill_512|warm_start|serve_ready|stage0|stage2)"; exit 2 ;;
+  *) echo "unknown mode $mode (smoke|bench|setup|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|ticks_conversation|ticks_conversation_large|serve_conversation|serve_switch|serve_catch_up|serve_prefill_between|serve_long_context|serve_profile|prefill|prefill_between|prefill_512|warm_start|serve_ready|stage0|stage2|precision|ticks_conversation_bf16)"; exit 2 ;;
 esac
 done

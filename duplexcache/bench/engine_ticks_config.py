@@ -49,6 +49,7 @@ class TickBenchConfig:
     workload: str = "turns"   # turns | continuous | conversation (bench/workload.py)
     warm_up: bool = True      # DuplexEngine.warmup() before the first tick, as `duplexcache serve` does
     graph_grid: tuple[int, ...] | None = None   # code2wav.graph_grid (+ arena rows from it); None: the preset's
+    code2wav_dtype: str = "float32"   # precision.code2wav_dtype (bfloat16: capacity mode)
 
     def __post_init__(self) -> None:
         if self.workload not in wl.WORKLOADS:
@@ -132,6 +133,7 @@ def make_deploy(cfg: TickBenchConfig) -> DeployConfig:
     raw["engine"]["speak_policy"] = cfg.speak_policy()
     raw["engine"]["decode_cuda_graphs"] = cfg.decode_cuda_graphs
     raw["stage0"]["ragged_kernel"] = cfg.ragged_kernel
+    raw["precision"]["code2wav_dtype"] = cfg.code2wav_dtype
     if cfg.graph_grid is not None:
         raw["code2wav"]["graph_grid"] = list(cfg.graph_grid)
         raw["code2wav"]["cfm_arena_rows_from_graph_grid"] = True
@@ -167,6 +169,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "are captured inside ticks (the cold A/B)")
     p.add_argument("--graph-grid", type=int_list("--graph-grid"), default=None,
                    help="code2wav.graph_grid, e.g. 1,4,8,16 (arena rows from the grid); default: the preset's")
+    p.add_argument("--code2wav-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="precision.code2wav_dtype: the Code2Wav flow, its caches and arena (bfloat16: capacity mode)")
     p.add_argument("--max-seconds", type=float, default=420.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("out/engine_ticks"))
@@ -177,4 +181,4 @@ def config_from_args(a: argparse.Namespace) -> TickBenchConfig:
     return TickBenchConfig(a.preset, default_device(a.preset, a.device), a.sessions, a.ticks, a.warmup_ticks,
                            a.memory_budget, a.all_switches == "on", a.max_seconds, a.speak_k, a.seed, a.steady_window,
                            a.decode_cuda_graphs == "on", a.turn_units, a.ragged_kernel == "on", a.workload,
-                           a.warm_up == "on", a.graph_grid)
+                           a.warm_up == "on", a.graph_grid, a.code2wav_dtype)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from duplexcache.bench.common import usage_error
 from duplexcache.bench.components import BenchModels, ComponentTarget
 from duplexcache.bench.floor import SessionFloor, session_floor
 from duplexcache.bench.matrix import config_matrix
@@ -137,7 +138,8 @@ def _engine_setup(deploy: DeployConfig, configs, args) -> _Setup:
         configs = _fit_engine_budget(deploy, configs, models.device)
     p = models.voices.get("default").prompt_frames
     floor = session_floor(models.thinker.config, deploy.stage0.window.high_tokens,
-                          Code2WavShape.from_flow(models.flow), p, models.audio_encoder.cfg, deploy.model.dtype)
+                          Code2WavShape.from_flow(models.flow), p, models.audio_encoder.cfg, deploy.model.dtype,
+                          code2wav_dtype=deploy.precision.code2wav_dtype)
     notes = {
         "speak_policy": f"engine.speak_policy every_k_units k={ALWAYS_SPEAK_K} turn_units={ALWAYS_SPEAK_K} in "
                         "the deploy config: every unit speaks, one turn spans the run",
@@ -179,6 +181,10 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(deploy.model.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("duplexcache bench memory: --device cuda but torch sees no CUDA device")
+    if args.target == "components" and deploy.precision.code2wav_dtype != "float32":
+        # the component target builds its own float32 flow: the switch would not reach it
+        return usage_error("memory", f"--target components runs Code2Wav in float32 only; "
+                                     f"precision.code2wav_dtype {deploy.precision.code2wav_dtype} needs --target engine")
     configs = config_matrix(deploy)
     setup = (_engine_setup if args.target == "engine" else _components_setup)(deploy, configs, args)
     configs = setup.configs
@@ -212,7 +218,7 @@ def _run_meta(args, deploy: DeployConfig, configs, device: torch.device, session
         "window": {"mode": w.mode, "high_tokens": w.high_tokens, "low_tokens": w.low_tokens},
         "graph_grid": list(configs[0].deploy.code2wav.graph_grid or ()),
         "thinker_dtype": deploy.model.dtype,
-        "code2wav_dtype": "float32",
+        "code2wav_dtype": deploy.precision.code2wav_dtype,
         "seed": args.seed,
         **setup.notes,
     }

@@ -107,7 +107,11 @@ def _twice(t: torch.Tensor) -> torch.Tensor:
 
 
 def euler_times(n_timesteps: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(t_k, dt_k) for k = 0..n-1, accumulated exactly like the reference solver (t += dt)."""
+    """(t_k, dt_k) for k = 0..n-1, accumulated exactly like the reference solver (t += dt).
+
+    Accumulated in float32 and then cast: a bfloat16 arena (precision.code2wav_dtype) would
+    otherwise round every partial sum of t to 8 bits of mantissa."""
+    out_dtype, dtype = dtype, torch.float32
     t_span = torch.linspace(0, 1, n_timesteps + 1, device=device, dtype=dtype)
     t_span = 1 - torch.cos(t_span * 0.5 * torch.pi)
     t, dt = t_span[0].unsqueeze(0), t_span[1] - t_span[0]
@@ -118,7 +122,7 @@ def euler_times(n_timesteps: int, device: torch.device, dtype: torch.dtype) -> t
         t = t + dt
         if step < n_timesteps:
             dt = t_span[step + 1] - t
-    return torch.stack(ts), torch.stack(dts)
+    return torch.stack(ts).to(out_dtype), torch.stack(dts).to(out_dtype)
 
 
 def _attention(attn: nn.Module, x: torch.Tensor, att: torch.Tensor, mask: torch.Tensor,

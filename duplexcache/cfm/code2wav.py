@@ -122,6 +122,7 @@ class BatchedCode2Wav:
         self.flow, self.hift, self.config = flow, hift, config
         est = flow.decoder.estimator
         self.device = next(est.parameters()).device
+        self.dtype = next(est.parameters()).dtype   # precision.code2wav_dtype: caches and arena too
         rows = arena_rows(config.max_num_seqs, config.graph_grid, config.arena_rows_from_graph_grid)
         self.arena = EulerArena(
             est, rows=rows, max_query=config.max_chunk_frames, max_cache=config.max_cache_frames,
@@ -309,7 +310,8 @@ class BatchedCode2Wav:
         """tokens (b, n), prompt x-vectors (b, 192) -> mu (b, 80, frames), projected spk (b, 80),
         new conformer caches cnn (b, C, 6) and att (layers, b, heads, T, 2*d_k)."""
         flow = self.flow
-        spk = flow.spk_embed_affine_layer(F.normalize(spk, dim=1))
+        # a voice's x-vector is float32; a bfloat16 flow (precision.code2wav_dtype) takes its own
+        spk = flow.spk_embed_affine_layer(F.normalize(spk, dim=1).to(self.dtype))
         h, cnn, att = flow.encoder.forward_chunk(flow.input_embedding(tokens), last, cnn, att)
         h = flow.encoder_proj(h)                      # (b, frames, 80)
         return h.transpose(1, 2), spk, cnn, att
@@ -377,7 +379,8 @@ class BatchedCode2Wav:
         from its session's own generator, so the PCM is what the session would get alone."""
         sessions = [self.sessions[sid] for sid in members]
         flags = [lasts[sid] for sid in members]
-        mel = torch.stack([s.last_mel for s in sessions])                            # (b, 80, W)
+        # The vocoder runs float32 whatever the flow's dtype (a no-op for a float32 flow).
+        mel = torch.stack([s.last_mel for s in sessions]).float()                    # (b, 80, W)
         pcms = hift_stream_steps(self.hift, [s.vocoder for s in sessions], mel, flags,
                                  [s.generator for s in sessions])
         out = {}
@@ -411,6 +414,9 @@ class BatchedCode2Wav:
         return self.registry.state_bytes(voice)
 
 
+VOCODER_DTYPE_BYTES = 4   # the vocoder (hift) and its stream caches run float32 in every mode
+
+
 def code2wav_session_bytes(config: Code2WavConfig, prompt_frames: int, sharing: bool,
                            stage: Literal["setup", "steady"], dtype_bytes: int = 4) -> SessionBytes:
     """Shape-only bytes of one stream's Stage-2 caches (estimator + conformer + vocoder).
@@ -419,7 +425,8 @@ def code2wav_session_bytes(config: Code2WavConfig, prompt_frames: int, sharing: 
     estimator holds P private frames (+ the prompt tail, shared when `sharing`). `shared` is what
     the stream references in its voice's prompt state, which exists once per voice from
     `register_voice` on (sharing on or off): setup-with-sharing's `shared` is those bytes, and a
-    memory plan counts them once per voice as fixed, never per stream.
+    memory plan counts them once per voice as fixed, never per stream. `dtype_bytes` is the
+    flow's element size (precision.code2wav_dtype); the vocoder's caches are float32 always.
     """
     if stage not in ("setup", "steady"):
         raise ValueError(f"stage must be 'setup' or 'steady', got {stage!r}")
@@ -432,7 +439,7 @@ def code2wav_session_bytes(config: Code2WavConfig, prompt_frames: int, sharing: 
     if stage == "setup":
         total = prompt_frames * (att_f + conf_f) + small + spk
         return SessionBytes(0, total) if sharing else SessionBytes(total, 0)
-    vocoder = (s.mel_bins * config.mel_cache_len + 2 * config.source_cache_len) * dtype_bytes
+    vocoder = (s.mel_bins * config.mel_cache_len + 2 * config.source_cache_len) * VOCODER_DTYPE_BYTES
     conformer = (prompt_frames + tail) * conf_f
     if sharing:
         return SessionBytes(prompt_frames * att_f + conformer + small + vocoder, tail * att_f + spk)

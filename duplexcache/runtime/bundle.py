@@ -11,6 +11,7 @@ when present (see runtime/voices.py). Checkpoint loading is untested here (no we
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +44,8 @@ DEFAULT_VOICES = ("default", "alt")
 
 @dataclass
 class ModelBundle:
-    """Everything the engine runs. Stage 2 (flow + hift) is float32, as in the reference."""
+    """Everything the engine runs. Stage 2's flow is in ``precision.code2wav_dtype`` (float32 by
+    default, as in the reference), its vocoder (hift) float32 always."""
 
     thinker: Thinker
     talker: Talker
@@ -73,7 +75,29 @@ def build_models(deploy: DeployConfig, seed: int = 0) -> ModelBundle:
     ref_s, prompt_s = VOICE_SECONDS[m.preset]
     voices = VoiceRegistry([synthetic_voice(n, ref_s, prompt_s, r.flow_config.vocab_size) for n in DEFAULT_VOICES])
     logger.info("built %s models with random weights on %s (%s)", m.preset, device, m.dtype)
-    return ModelBundle(r.thinker, r.talker, r.audio_encoder, r.flow, r.hift, load_tokenizer(None), voices, dtype, device)
+    return ModelBundle(r.thinker, r.talker, r.audio_encoder, code2wav_flow(deploy, r.flow), r.hift,
+                       load_tokenizer(None), voices, dtype, device)
+
+
+def code2wav_flow(deploy: DeployConfig, flow: nn.Module) -> nn.Module:
+    """The flow in ``precision.code2wav_dtype``: the float32 weights rounded once (capacity mode
+    runs the same weights as exact mode, which is what its measured error compares). ``flow`` is
+    a fresh module: it is converted in place (no second copy of the weights)."""
+    dtype = DTYPES[deploy.precision.code2wav_dtype]
+    if dtype != torch.float32:
+        logger.info("Code2Wav flow in %s (precision.code2wav_dtype; the vocoder stays float32)", dtype)
+    return flow.to(dtype)
+
+
+def engine_flow(deploy: DeployConfig, models: ModelBundle) -> nn.Module:
+    """The flow an engine of ``deploy`` runs: the bundle's when it is in ``precision.code2wav_dtype``
+    (``build_models`` built it so), else a private copy in that format (a bundle built for another
+    deploy, e.g. one shared by tests): the switch must reach Code2Wav whoever built the models."""
+    dtype = DTYPES[deploy.precision.code2wav_dtype]
+    if next(models.flow.parameters()).dtype == dtype:
+        return models.flow
+    logger.info("the model bundle's flow is not in precision.code2wav_dtype %s: this engine runs a copy in it", dtype)
+    return copy.deepcopy(models.flow).to(dtype)
 
 
 def _load_models(deploy: DeployConfig, dtype: torch.dtype, device: torch.device,
@@ -93,5 +117,5 @@ def _load_models(deploy: DeployConfig, dtype: torch.dtype, device: torch.device,
     voices = VoiceRegistry([synthetic_voice(n, ref_s, prompt_s, flow_cfg.vocab_size) for n in DEFAULT_VOICES])
     if (root / "voices").is_dir():
         voices.load_dir(root / "voices")
-    return ModelBundle(thinker, talker, encoder, flow.to(device).eval(), hift.to(device).eval(),
+    return ModelBundle(thinker, talker, encoder, code2wav_flow(deploy, flow.to(device)).eval(), hift.to(device).eval(),
                        load_tokenizer(root), voices, dtype, device)

@@ -32,7 +32,7 @@ from duplexcache.cfm.config import Code2WavShape
 from duplexcache.config import DeployConfig
 from duplexcache.kv.talker_blocks import TalkerBlocks
 from duplexcache.runtime import turns
-from duplexcache.runtime.bundle import ModelBundle
+from duplexcache.runtime.bundle import ModelBundle, engine_flow
 from duplexcache.runtime.engine_api import AudioDelta, EngineEvent, ResponseDone, SessionError
 from duplexcache.runtime.engine_session import EndSession, EngineSession, FinalChunk, SessionTable, Unit, ended
 from duplexcache.runtime.isolation import FaultInjector, precheck
@@ -57,7 +57,7 @@ def code2wav_config(deploy: DeployConfig, models: ModelBundle) -> CfmConfig:
 def build_code2wav(deploy: DeployConfig, models: ModelBundle) -> BatchedCode2Wav:
     """Code2Wav with every voice registered: each voice's prompt state is computed here, once,
     and lives as long as the engine (shared by the voice's streams when sharing is on)."""
-    code2wav = BatchedCode2Wav(models.flow, models.hift, code2wav_config(deploy, models))
+    code2wav = BatchedCode2Wav(engine_flow(deploy, models), models.hift, code2wav_config(deploy, models))
     for v in models.voices.names():
         voice = models.voices.get(v)
         code2wav.register_voice(v, voice.prompt_tokens, voice.prompt_mel, voice.spk)

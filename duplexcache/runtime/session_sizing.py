@@ -122,8 +122,9 @@ class SessionSizing:
         talker_blocks = -(-self.models.talker.config.max_position_embeddings // self.block_size)
         cfm = self.code2wav.config
         sharing = cfm.prompt_att_sharing
-        setup = code2wav_session_bytes(cfm, voice.prompt_frames, sharing, "setup")
-        steady = code2wav_session_bytes(cfm, voice.prompt_frames, sharing, "steady")
+        elem = self.code2wav.dtype.itemsize   # precision.code2wav_dtype
+        setup = code2wav_session_bytes(cfm, voice.prompt_frames, sharing, "setup", elem)
+        steady = code2wav_session_bytes(cfm, voice.prompt_frames, sharing, "steady", elem)
         encoder = self.models.audio_encoder.cfg.kv_bytes_per_session(self.models.dtype)
         dynamic = max(setup.private, steady.private) + encoder
         # What a stream shares (setup.shared / steady.shared) is the voice's prompt state, which

@@ -198,3 +198,38 @@ def test_private_session_frees_its_setup_tensors():
                                 stage.sessions["x"].conformer_att, stage.sessions["x"].estimator_cnn,
                                 stage.sessions["x"].vocoder.mel, stage.sessions["x"].vocoder.source,
                                 stage.sessions["x"].vocoder.speech))
+
+
+def test_bfloat16_flow_sharing_on_off_bit_identical_and_near_float32():
+    """precision.code2wav_dtype bfloat16: sharing on/off stays bit-identical in the new format
+    (views vs private copies of the same bf16 prompt state), the caches are bf16, the PCM is
+    float32 (the vocoder's), and the mel stays near float32's on the same weights."""
+    import copy
+
+    flow, hift = tiny_models()
+    flow16 = copy.deepcopy(flow).to(torch.bfloat16)
+    plan = {sid: SHARING_PLAN[sid] for sid in ("s0", "s1", "s3", "s4")}
+    off = _run(new_stage(flow16, hift, prompt_att_sharing=False), plan, 5)
+    stage = new_stage(flow16, hift, prompt_att_sharing=True)
+    on = _run(stage, plan, 5)
+    ref = _run(new_stage(flow, hift, prompt_att_sharing=True), plan, 5)
+    assert stage.dtype == torch.bfloat16 and stage.arena.att.dtype == torch.bfloat16
+    assert stage.sessions["s1"].att.prompt.dtype == torch.bfloat16
+    for sid in plan:
+        assert len(on[sid][0]) >= 3
+        for a, b, r in zip(on[sid][0], off[sid][0], ref[sid][0]):
+            assert torch.equal(a, b) and a.dtype == torch.bfloat16
+            assert 0 < _rel(a.float(), r) < 0.1         # the format differs, the model does not
+        for pcm in on[sid][1]:
+            assert pcm.dtype == torch.float32
+
+
+def test_session_bytes_in_bfloat16():
+    """The flow's caches take 2 bytes per element; the vocoder's stay float32."""
+    cfg = Code2WavConfig()
+    for stage, sharing in (("setup", True), ("setup", False), ("steady", True), ("steady", False)):
+        f32 = code2wav_session_bytes(cfg, 300, sharing, stage)
+        bf16 = code2wav_session_bytes(cfg, 300, sharing, stage, 2)
+        vocoder = (80 * cfg.mel_cache_len + 2 * cfg.source_cache_len) * 4 if stage == "steady" else 0
+        assert bf16.shared * 2 == f32.shared
+        assert (bf16.private - vocoder) * 2 == f32.private - vocoder

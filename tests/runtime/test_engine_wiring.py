@@ -201,3 +201,45 @@ def test_ragged_kernel_reaches_both_kv_caches(tmp_path, on):
     (the kernel path itself runs on CUDA only: tests/kv/test_paged_attention.py checks it there)."""
     eng = engine(tmp_path, "ragged", {"stage0": {"ragged_kernel": on}})
     assert eng.thinker_cache.ragged_steps_in_kernel is on and eng.talker_cache.ragged_steps_in_kernel is on
+
+
+def test_code2wav_dtype_reaches_the_flow_the_arena_the_caches_and_admission(tmp_path):
+    """precision.code2wav_dtype: the engine's flow, arena and per-stream caches take the format,
+    the vocoder stays float32, admission reserves the format's bytes, and the audio differs from
+    float32's (the switch acts) while every session still gets it."""
+    import torch
+
+    from duplexcache.cfm.code2wav import code2wav_session_bytes
+
+    base = {"engine": {"speak_policy": {"k": 1000, "turn_units": 1000}}}   # one turn: the stream stays open
+    engines = {dt: engine(tmp_path, f"prec_{dt}", {**base, "precision": {"code2wav_dtype": dt}})
+               for dt in ("float32", "bfloat16")}
+    pcm = {}
+    for dt, eng in engines.items():
+        want = getattr(torch, dt)
+        c2w = eng.code2wav
+        assert next(c2w.flow.parameters()).dtype == want and c2w.dtype == want
+        assert c2w.arena.att.dtype == want and c2w.arena.x.dtype == want
+        assert next(c2w.hift.parameters()).dtype == torch.float32
+        # admission reserves this format's Code2Wav bytes (the encoder's part is the same in both)
+        cfg = eng.sizing.default_config("default")
+        fp = eng.sizing.footprint(cfg, eng.models.voices.get("default"))
+        encoder = eng.models.audio_encoder.cfg.kv_bytes_per_session(eng.models.dtype)
+        p = eng.models.voices.get("default").prompt_frames
+        steady = code2wav_session_bytes(c2w.config, p, c2w.config.prompt_att_sharing, "steady", want.itemsize)
+        assert fp.dynamic_private_bytes - encoder == steady.private
+        sid = eng.open_session({"voice": "default"})
+        eng.push_audio(sid, audio(3, 4))
+        got, streams_seen = [], 0
+        for _ in range(4):
+            got += [e.pcm16 for e in eng.tick() if hasattr(e, "pcm16")]
+            for stream in c2w.sessions.values():   # the per-stream caches are in the format too
+                assert stream.estimator_cnn.dtype == want and stream.conformer_att.dtype == want
+                streams_seen += 1
+        assert got and streams_seen, f"{dt}: no audio"
+        pcm[dt] = b"".join(got)
+        eng.shutdown()
+    # the bfloat16 model's own weights are rounded copies of the shared float32 bundle's
+    assert engines["float32"].code2wav.flow is engines["float32"].models.flow
+    assert engines["bfloat16"].code2wav.flow is not engines["bfloat16"].models.flow
+    assert len(pcm["float32"]) == len(pcm["bfloat16"]) and pcm["float32"] != pcm["bfloat16"]

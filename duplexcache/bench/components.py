@@ -245,7 +245,11 @@ class ComponentTarget:
     def fast_forward_window(self, chunk_tokens: int = 512) -> int:
         """Fill every session's Thinker window to its high mark (prefix + high_tokens) with
         real token embeddings of seeded random ids, in ragged batches of at most
-        ``chunk_tokens`` tokens per session. Returns the most tokens appended to one session."""
+        ``chunk_tokens`` tokens per session; grow every encoder cache to its full
+        ``max_cache_frames`` (held, not computed: it grows by blocks as audio arrives). Returns
+        the most tokens appended to one session."""
+        for state in self.encoder_states.values():
+            state.reserve(state.max_frames)
         if not self.window.enabled:
             return 0
         mgr = self.stage0.manager

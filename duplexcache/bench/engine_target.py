@@ -14,7 +14,8 @@ report.json under ``workload``); it uses only the engine's public API:
 * Fast-forward to steady state: ``DuplexEngine.fast_forward`` fills each session's Thinker
   window to its high mark through the serving append path (embeddings of seeded random text
   ids) and holds Talker blocks for a full turn (``max_position_embeddings`` tokens, held, not
-  computed). Code2Wav reaches P private frames by real units.
+  computed) and the audio encoder's cache at its full ``max_cache_frames`` (it grows by blocks as
+  audio arrives; held, not computed). Code2Wav reaches P private frames by real units.
 * Memory: ``engine.stats().pools``, which lists the Euler arena and the context cache too.
 """
 
@@ -111,7 +112,8 @@ class EngineTarget:
         for sid in e.session_ids():
             window = e.session_info(sid).window
             high = window.high_tokens if window.enabled else None
-            done = e.fast_forward(sid, thinker_tokens=high, talker_full_turn=True, chunk_tokens=chunk_tokens)
+            done = e.fast_forward(sid, thinker_tokens=high, talker_full_turn=True, encoder_full_cache=True,
+                                  chunk_tokens=chunk_tokens)
             most = max(most, done.thinker_tokens_appended)
         check_code2wav_steady(e.code2wav)
         return most

@@ -6,7 +6,8 @@ A session must hold, however well everything else is shared:
   (the most the window keeps before compacting), ``high * kv_bytes_per_token``;
 * its own delta frames: the Code2Wav estimator attention of the ``P`` newest frames
   (``P * att_frame_bytes``; the 100-frame prompt tail can be shared, these cannot);
-* its own encoder cache: the streaming audio encoder's K/V, allocated whole per session.
+* its own encoder cache: the streaming audio encoder's K/V at its full ``max_cache_frames``
+  (it grows by blocks as audio arrives and holds all of them after 30 s).
 
 The talker's per-turn KV, conformer caches and vocoder caches are private too but are not in
 the floor the spec defines; they show up as the gap between measured and floor. No tensor is

@@ -146,7 +146,8 @@ def _engine_setup(deploy: DeployConfig, configs, args) -> _Setup:
         "fast_forward": "DuplexEngine.fast_forward per session: Thinker window filled to prefix + high_tokens "
                         "through the serving append path (embeddings of seeded random text ids); Talker "
                         "blocks held for a full turn (max_position_embeddings tokens), not computed; "
-                        "Code2Wav reaches P private frames by real units; encoder cache allocated whole",
+                        "Code2Wav reaches P private frames by real units; encoder cache grown to max_cache_frames "
+                        "(held, not computed)",
         "setup_sample": "after the tick that produced each session's first audio chunk (tick 2: speech "
                         "lags text by one unit)",
     }
@@ -162,7 +163,7 @@ def _components_setup(deploy: DeployConfig, configs, args) -> _Setup:
     notes = {
         "fast_forward": "Thinker window filled to prefix + high_tokens by appending real token embeddings of "
                         "seeded random ids in batched chunks (no decode); Code2Wav reaches P private frames "
-                        "by real units; the encoder cache is allocated whole",
+                        "by real units; the encoder cache is grown to max_cache_frames (held, not computed)",
         "talker": "not in the component target: speech tokens are the top-28 Thinker logits mod 6561",
         "text_tokens_per_unit": 2,
     }

@@ -24,7 +24,10 @@ Streaming mode (``stream_step`` / ``stream_step_mel``), the exact semantics:
   own reflect padding and its own ``max - 8`` clamp) and the conv front end runs on that chunk
   alone (zero padding at the chunk edges). Nothing of the audio or the mel is carried over.
 * What is cached: for every layer, the K and V of every encoder frame seen since the last reset,
-  in a per-session buffer ``(layers, heads, max_cache_frames, head_dim)``.
+  in a per-session buffer ``(layers, heads, capacity, head_dim)``. The capacity starts at 0 and
+  grows by ``CACHE_GROWTH_FRAMES`` up to ``max_cache_frames`` as audio arrives (a grow copies the
+  valid rows into a larger buffer); it is kept across resets. Only rows ``[0, n + F)`` are ever
+  read, so the capacity never changes an output.
 * Attention: a frame of chunk c attends to all cached frames (chunks before c, since the last
   reset) and to all frames of chunk c (bidirectional inside the chunk). It never sees the future.
 * Positions: the frames of a chunk get positions ``n .. n + F - 1`` where ``n`` is the number of
@@ -59,6 +62,13 @@ from duplexcache.models.layers import MultiModalProjector
 logger = logging.getLogger(__name__)
 
 SAMPLE_RATE = 16000
+
+# The streaming K/V cache grows by this many encoder frames (50 / s): 2.5 s, 11.7 MiB per session
+# on the minicpmo45 shapes in bf16. A session has encoded two chunks (52 + 50 = 102 frames) when
+# it produces its first audio, so its setup holds one step instead of the whole 30 s (140.6 MiB);
+# 125 divides 1500, so 12 grows (each copying at most 129 MiB, one every 2.5 s during the first
+# 30 s only: the capacity is kept across resets) fill the cache.
+CACHE_GROWTH_FRAMES = 125
 
 
 # ----------------------------------------------------------------------------- config
@@ -113,7 +123,8 @@ class AudioEncoderConfig:
         return cls()
 
     def kv_bytes_per_session(self, dtype: torch.dtype) -> int:
-        """Bytes of one session's streaming K+V cache (allocated whole when the state is made)."""
+        """Bytes of one session's streaming K+V cache at its full ``max_cache_frames``: the most it
+        grows to (it starts empty and grows by ``CACHE_GROWTH_FRAMES``), so admission reserves this."""
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * self.encoder_layers * self.max_cache_frames * self.d_model * elem
 
@@ -323,21 +334,58 @@ class WhisperEncoder(nn.Module):
 class StreamingAudioEncoderState:
     """One session's streaming encoder state. Owned by the session; the encoder only updates it.
 
-    ``k``/``v``: (layers, heads, max_cache_frames, head_dim); rows ``[0, num_frames)`` are valid.
+    ``k``/``v``: (layers, heads, capacity, head_dim); rows ``[0, num_frames)`` are valid. The
+    capacity grows by ``growth_frames`` (``reserve``) and never exceeds ``max_frames``.
     """
 
     k: torch.Tensor
     v: torch.Tensor
+    max_frames: int  # the encoder's max_cache_frames: the capacity never grows past it
+    growth_frames: int = CACHE_GROWTH_FRAMES
     num_frames: int = 0  # frames cached since the last reset == position of the next frame
     num_chunks: int = 0  # chunks fed since the session started (the first one is longer)
     num_resets: int = 0
 
+    def __post_init__(self) -> None:
+        if self.growth_frames < 1:
+            raise ValueError(f"growth_frames must be >= 1, got {self.growth_frames}")
+        if self.capacity > self.max_frames:
+            raise ValueError(f"capacity {self.capacity} exceeds max_frames {self.max_frames}")
+
+    @property
+    def capacity(self) -> int:
+        """Frames the buffers hold room for."""
+        return self.k.shape[2]
+
     @property
     def nbytes(self) -> int:
+        """Bytes allocated now (the capacity, not the worst case)."""
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
+    def reserve(self, frames: int) -> None:
+        """Make room for rows ``[0, frames)``: grow to the next multiple of ``growth_frames``
+        (at most ``max_frames``), copying the valid rows; no-op when they fit already."""
+        if frames <= self.capacity:
+            return
+        if frames > self.max_frames:
+            raise ValueError(f"{frames} frames exceed the cache's max_frames {self.max_frames}")
+        grown = min(self.max_frames, -(-frames // self.growth_frames) * self.growth_frames)
+        logger.debug("audio encoder cache grows %d -> %d frames", self.capacity, grown)
+        # K, then V, each old buffer freed as it is replaced: the transient peak is the old cache
+        # plus half the new one (one grow at a time per tick loop, never all sessions' at once).
+        self.k = self._copy_into(self.k, grown)
+        self.v = self._copy_into(self.v, grown)
+
+    def _copy_into(self, old: torch.Tensor, frames: int) -> torch.Tensor:
+        # empty, not zeros: rows past num_frames are written before they are ever read.
+        new = old.new_empty(old.shape[0], old.shape[1], frames, old.shape[3])
+        new[:, :, : self.num_frames] = old[:, :, : self.num_frames]
+        return new
+
     def reset(self) -> None:
-        # Stale rows stay in the buffer but are unreachable: attention reads [0, num_frames).
+        # The capacity is kept: a long session holds the full cache at steady state anyway (what
+        # admission reserved and the floor counts), so dropping it would only re-pay the grows
+        # every 30 s. Stale rows stay but are unreachable: attention reads [0, num_frames).
         self.num_frames = 0
         self.num_resets += 1
 
@@ -390,12 +438,17 @@ class AudioEncoder(nn.Module):
 
     # -- streaming ----------------------------------------------------------------------------
 
-    def new_stream_state(self) -> StreamingAudioEncoderState:
+    def new_stream_state(self, *, grow: bool = True,
+                         growth_frames: int = CACHE_GROWTH_FRAMES) -> StreamingAudioEncoderState:
+        """A fresh session state. ``grow`` (serving): the cache starts empty, so opening a session
+        costs nothing until audio arrives, and grows by ``growth_frames``. ``grow=False``: the
+        whole ``max_cache_frames`` is allocated now (the reference the growing cache must match)."""
         w = self.apm.conv1.weight
-        shape = (self.cfg.encoder_layers, self.cfg.encoder_attention_heads,
-                 self.cfg.max_cache_frames, self.cfg.head_dim)
+        frames = 0 if grow else self.cfg.max_cache_frames
+        shape = (self.cfg.encoder_layers, self.cfg.encoder_attention_heads, frames, self.cfg.head_dim)
         return StreamingAudioEncoderState(k=torch.zeros(shape, dtype=w.dtype, device=w.device),
-                                          v=torch.zeros(shape, dtype=w.dtype, device=w.device))
+                                          v=torch.zeros(shape, dtype=w.dtype, device=w.device),
+                                          max_frames=self.cfg.max_cache_frames, growth_frames=growth_frames)
 
     def expected_chunk_samples(self, state: StreamingAudioEncoderState) -> int:
         return self.cfg.first_chunk_samples if state.num_chunks == 0 else self.cfg.chunk_samples
@@ -437,6 +490,8 @@ class AudioEncoder(nn.Module):
             if state.num_frames + front.shape[0] > self.cfg.max_cache_frames:
                 logger.debug("audio encoder cache reset at %d frames", state.num_frames)
                 state.reset()
+        for state, front in zip(states, fronts):  # before any layer writes: a grow copies valid rows
+            state.reserve(state.num_frames + front.shape[0])
         hidden = self._stream_layers(states, fronts)
         outs = []
         for b, (state, front) in enumerate(zip(states, fronts)):

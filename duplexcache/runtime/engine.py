@@ -243,11 +243,12 @@ class DuplexEngine:
         return session_info(self.table.get_live(sid), self.stage0, self.talker_kv)
 
     def fast_forward(self, sid: str, *, thinker_tokens: int | None = None, talker_full_turn: bool = False,
-                     chunk_tokens: int = 512, seed: int = 0) -> FastForwardResult:
+                     encoder_full_cache: bool = False, chunk_tokens: int = 512, seed: int = 0) -> FastForwardResult:
         """For benchmarks: bring ``sid``'s Thinker window to ``thinker_tokens`` and/or hold a full
-        Talker turn, without running the audio path (runtime/fast_forward.py says how); pool
-        stats are refreshed afterwards. Call between ticks (it waits for a running tick)."""
-        req = FastForwardRequest(thinker_tokens, talker_full_turn, chunk_tokens, seed)
+        Talker turn and/or a full audio-encoder cache, without running the audio path
+        (runtime/fast_forward.py says how); pool stats are refreshed afterwards. Call between
+        ticks (it waits for a running tick)."""
+        req = FastForwardRequest(thinker_tokens, talker_full_turn, encoder_full_cache, chunk_tokens, seed)
         with self._tick_lock:
             if self._closed:
                 raise RuntimeError("engine is shut down")

@@ -16,6 +16,10 @@ leaves the Thinker as it is::
 what admission reserved); they are held, not computed, and the turn's next units compute into
 them.
 
+``encoder_full_cache``: grow the streaming audio encoder's K/V cache to its full
+``max_cache_frames`` (what admission reserved; it grows by blocks as audio arrives, so after a
+few units it holds a few seconds). Held, not computed: the valid rows and outputs are unchanged.
+
 The engine calls ``fast_forward`` between ticks (under its tick lock); it never runs in a tick.
 """
 
@@ -41,6 +45,7 @@ class FastForwardRequest:
 
     thinker_tokens: int | None = None
     talker_full_turn: bool = False
+    encoder_full_cache: bool = False
     chunk_tokens: int = 512
     seed: int = 0
 
@@ -107,4 +112,7 @@ def fast_forward(sess: EngineSession, req: FastForwardRequest, stage0: Stage0Run
     todo = thinker_fill_count(stage0, sid, req.thinker_tokens) if req.thinker_tokens is not None else 0
     appended = fill_thinker(stage0, sess, todo, text_ids, embed, req, end)
     added = talker_kv.grow(sid, talker_turn_tokens) if req.talker_full_turn else 0
+    enc = sess.encoder_state
+    if req.encoder_full_cache and enc is not None:
+        enc.reserve(enc.max_frames)
     return FastForwardResult(appended, added)

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from duplexcache.models.audio_encoder import AudioEncoder, AudioEncoderConfig, LogMel, mel_filter_bank
+from duplexcache.models.audio_encoder import (CACHE_GROWTH_FRAMES, AudioEncoder, AudioEncoderConfig, LogMel,
+                                              mel_filter_bank)
 
 transformers = pytest.importorskip("transformers")
 from transformers import WhisperConfig, WhisperFeatureExtractor  # noqa: E402
@@ -136,6 +137,82 @@ def test_stream_step_audio_gives_ten_embeddings_per_second():
     assert state.num_frames == 52 + 50 and state.num_chunks == 2
     whole = ours.embed_audio(torch.rand(32000) - 0.5)
     assert whole.shape == (20, 96)
+
+
+@pytest.mark.parametrize("growth", [16, 48, CACHE_GROWTH_FRAMES])
+def test_growing_cache_is_bit_identical_to_whole_cache(growth):
+    """Sessions batched in stream_step, one opening a tick later (padded batch), over several
+    grows and resets: every output equals the run whose caches were allocated whole at open."""
+    cfg = AudioEncoderConfig.tiny()  # max_cache_frames 128: chunks of 52, 50 -> reset every 2-3 chunks
+    ours = AudioEncoder(cfg).eval()
+    per_frame = cfg.kv_bytes_per_session(torch.float32) // cfg.max_cache_frames
+    gen = torch.Generator().manual_seed(6)
+    ticks = 7
+    starts = {"a": 0, "b": 1, "c": 0}
+    audio = {sid: [torch.rand(16560 if t == start else 16000, generator=gen) - 0.5 for t in range(start, ticks)]
+             for sid, start in starts.items()}
+    outs = {}
+    for grow in (True, False):
+        states, got, grows = {}, {sid: [] for sid in starts}, 0
+        for t in range(ticks):
+            for sid, start in starts.items():
+                if t == start:
+                    states[sid] = ours.new_stream_state(grow=grow, growth_frames=growth)
+                    assert states[sid].nbytes == (0 if grow else cfg.kv_bytes_per_session(torch.float32))
+            live = [sid for sid in starts if sid in states]
+            before = {sid: states[sid].capacity for sid in live}
+            for sid, out in zip(live, ours.stream_step([states[s] for s in live],
+                                                       [audio[s][t - starts[s]] for s in live])):
+                got[sid].append(out)
+                st = states[sid]
+                if grow:  # the next multiple of the step that holds the frames, capped; kept across resets
+                    step = min(cfg.max_cache_frames, -(-st.num_frames // growth) * growth)
+                    assert st.capacity == max(before[sid], step)
+                    grows += st.capacity > before[sid]
+                assert st.num_frames <= st.capacity <= cfg.max_cache_frames
+                assert st.nbytes == st.capacity * per_frame <= cfg.kv_bytes_per_session(torch.float32)
+        outs[grow] = got
+        if grow:
+            assert all(s.num_resets >= 2 for s in states.values())
+            assert grows >= (2 * len(starts) if growth <= 48 else len(starts))
+    for sid in starts:
+        assert len(outs[True][sid]) == ticks - starts[sid]
+        for t, (a, b) in enumerate(zip(outs[True][sid], outs[False][sid])):
+            assert torch.equal(a, b), (growth, sid, t)
+
+
+def test_cache_grows_by_steps_and_keeps_capacity_across_resets():
+    cfg = AudioEncoderConfig.tiny(max_source_positions=64, max_cache_frames=40)
+    ours = AudioEncoder(cfg).eval()
+    state = ours.new_stream_state(growth_frames=12)
+    per_frame = cfg.kv_bytes_per_session(torch.float32) // cfg.max_cache_frames
+    caps = []
+    for mel_frames in (9, 20, 20, 30, 20):  # encoder frames 5, 10, 10, 15, 10: 5, 15, 25, 40, reset
+        ours.stream_step_mel([state], [torch.randn(80, mel_frames)])
+        caps.append(state.capacity)
+    # 5 -> 12, 15 -> 24, 25 -> 36, 40 -> 40 (capped, not 48), reset: 10 frames in the kept 40
+    assert caps == [12, 24, 36, 40, 40] and state.num_resets == 1 and state.num_frames == 10
+    assert state.nbytes == 40 * per_frame == cfg.kv_bytes_per_session(torch.float32)
+    with pytest.raises(ValueError, match="max_frames 40"):
+        state.reserve(41)
+    with pytest.raises(ValueError, match="growth_frames"):
+        ours.new_stream_state(growth_frames=0)
+
+
+def test_minicpmo45_cache_bytes_at_setup_on_meta():
+    """What a new session's encoder cache costs, from the minicpmo45 shapes (no weights built)."""
+    cfg = AudioEncoderConfig.minicpmo45()
+    with torch.device("meta"):
+        model = AudioEncoder(cfg).to(torch.bfloat16)
+    state = model.new_stream_state()
+    per_frame = 2 * 24 * 1024 * 2  # K and V, 24 layers, d_model 1024, bf16
+    assert state.nbytes == 0
+    state.reserve(52)    # first chunk: 1.035 s -> 52 frames
+    state.reserve(102)   # second chunk: the session's first audio comes out in this tick
+    assert state.nbytes == CACHE_GROWTH_FRAMES * per_frame == 12_288_000  # 11.7 MiB
+    state.reserve(1500)
+    assert state.nbytes == cfg.kv_bytes_per_session(torch.bfloat16)  # 140.6 MiB, what admission reserves
+    assert model.new_stream_state(grow=False).nbytes == cfg.kv_bytes_per_session(torch.bfloat16)
 
 
 @pytest.mark.parametrize("audio, rate, match", [

@@ -69,6 +69,18 @@ def test_fill_to_high_mark_then_next_unit_compacts_as_serving(tmp_path):
     assert eng.stage0.block_table(sid)[: eng.stage0.num_anchor_blocks(sid)] == table[: eng.stage0.num_anchor_blocks(sid)]
 
 
+def test_full_encoder_cache_is_held_not_computed(tmp_path):
+    eng, sid = _opened(tmp_path, "enc")
+    state = eng.table.get_live(sid).encoder_state
+    full = eng.models.audio_encoder.cfg.kv_bytes_per_session(eng.models.dtype)
+    frames = state.num_frames
+    assert 0 < state.nbytes < full   # the cache grows by blocks: one unit holds less than the whole
+    eng.fast_forward(sid, encoder_full_cache=True)
+    assert state.nbytes == full == eng.stats().pools["audio_encoder"].private
+    assert state.num_frames == frames   # held, not computed
+    assert not collect(eng.tick()).get(sid, {}).get("errors")
+
+
 def test_fill_is_seeded_and_chunking_changes_only_rounding(tmp_path):
     kv = {}
     for name, chunk, seed in (("a", 7, 0), ("b", 512, 0), ("c", 512, 0), ("d", 512, 1)):

@@ -372,7 +372,7 @@ class StreamingAudioEncoderState:
         grown = min(self.max_frames, -(-frames // self.growth_frames) * self.growth_frames)
         logger.debug("audio encoder cache grows %d -> %d frames", self.capacity, grown)
         # K, then V, each old buffer freed as it is replaced: the transient peak is the old cache
-        # plus half the new one (one grow at a time per tick loop, never all sessions' at once).
+        # plus half the new one, for one session at a time (sessions grow one after another).
         self.k = self._copy_into(self.k, grown)
         self.v = self._copy_into(self.v, grown)
 

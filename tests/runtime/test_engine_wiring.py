@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_helpers import audio, engine
+from engine_helpers import audio, deploy_from_yaml, engine, tiny_models
 
 from duplexcache.cfm.prompt_cache import PlainAttCache, SharedPromptAttCache
 from duplexcache.config import ConfigError, SessionConfigError
@@ -243,3 +243,21 @@ def test_code2wav_dtype_reaches_the_flow_the_arena_the_caches_and_admission(tmp_
     assert engines["float32"].code2wav.flow is engines["float32"].models.flow
     assert engines["bfloat16"].code2wav.flow is not engines["bfloat16"].models.flow
     assert len(pcm["float32"]) == len(pcm["bfloat16"]) and pcm["float32"] != pcm["bfloat16"]
+
+
+def test_build_models_casts_the_flow_once_so_the_engine_runs_it_without_a_copy(tmp_path):
+    """Serving builds its models from the same deploy: the bundle's flow is already bfloat16 (the
+    float32 weights rounded), and the engine runs that module, not a second copy of the weights."""
+    import torch
+
+    from duplexcache.runtime.bundle import build_models
+
+    deploy = deploy_from_yaml(tmp_path, "prec_build", {"precision": {"code2wav_dtype": "bfloat16"}})
+    models = build_models(deploy, seed=0)
+    assert next(models.flow.parameters()).dtype == torch.bfloat16
+    assert next(models.hift.parameters()).dtype == torch.float32
+    f32 = next(tiny_models().flow.parameters())   # the float32 bundle of the same seed
+    assert torch.equal(next(models.flow.parameters()), f32.to(torch.bfloat16))   # the same weights, rounded
+    eng = engine(tmp_path, "prec_engine", {"precision": {"code2wav_dtype": "bfloat16"}}, models=models)
+    assert eng.code2wav.flow is models.flow
+    eng.shutdown()

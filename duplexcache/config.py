@@ -226,6 +226,13 @@ class EngineConfig(_Strict):
     # CUDA devices: the Thinker's and the Talker's one-token decode steps replay CUDA graphs
     # (kv/decode_graphs.py); ignored on CPU. Off: every step is launched eagerly (A/B reference).
     decode_cuda_graphs: bool = True
+    # Most Talker KV tokens one audio turn may hold; None = the Talker's max_position_embeddings
+    # (4096 for minicpmo45, ~150 s of speech). Admission reserves this many tokens' blocks per
+    # live session (as a count: blocks are taken as tokens arrive), so it bounds the pool. A
+    # unit that would pass it closes the audio turn and starts a new one with an empty Talker KV
+    # while the Thinker's turn goes on (the path taken at the model's limit), so replies shorter
+    # than the cap are bit-identical; at least one unit's worst case (runtime/talker_stage.py).
+    talker_turn_tokens: int | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _reserve_fits(self) -> "EngineConfig":

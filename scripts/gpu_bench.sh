@@ -2,9 +2,9 @@
 # Runs the GPU measurements of docs/benchmarks.md on one CUDA machine, one step per mode given
 # (a failing step is logged and the next one still runs). Usage:
 #   OUT=/path/to/results bash scripts/gpu_bench.sh MODE [MODE ...]
-# smoke: every benchmark on the tiny preset (catches device bugs in seconds); suite (the whole pytest suite); bench, setup,
+# smoke: every benchmark on the tiny preset (catches device bugs in seconds); suite (the whole pytest suite); bench, bench_turn, setup,
 # ticks, ticks_continuous, ticks_steady, ticks_ragged, ticks_eager, ticks_conversation, serve_conversation, serve_switch,
-# serve_catch_up, serve_prefill_between, serve_long_context, serve_profile, warm_start,
+# serve_catch_up, serve_precision, serve_prefill_between, serve_long_context, serve_profile, warm_start,
 # serve_ready, stage0, precision, ticks_conversation_bf16,
 # stage2: the minicpmo45 figures (random weights), each a few minutes on an H200 (each fits one 10-minute call).
 # Every step is a `duplexcache bench BENCHMARK` command (run as `python3 -m duplexcache.cli`, so no install is needed).
@@ -104,6 +104,9 @@ case "$mode" in
     step suite 420 python3 -m pytest -rs -n 4 --dist loadfile --timeout 300 -p no:cacheprovider tests ;;
   bench)  # issue 6: memory per session A/B per switch, 80 GiB budget as on an 80 GB card
     step bench 480 python3 -m duplexcache.cli bench memory --preset minicpmo45 --device cuda --sessions 1,2,4,8 --memory-budget 80GiB --out "$out/bench" ;;
+  bench_turn)  # issue 15 exact mode at the floor: bench with engine.talker_turn_tokens 1024 (the Talker reserve
+    # per session 240 -> 60 MiB; the bench's one-turn run holds ~9 units, under the cap, so outputs are those of the default)
+    step bench_turn1024 480 python3 -m duplexcache.cli bench memory --preset minicpmo45 --device cuda --sessions 1,2,4,8 --memory-budget 80GiB --talker-turn-tokens 1024 --out "$out/bench_turn1024" ;;
   setup)  # issue 4: setup time / private bytes of later sessions, context cache x shared anchors
     step session_setup 120 python3 -m duplexcache.cli bench setup --preset minicpmo45 --device cuda --sessions 4 --repeats 2 --out "$out/session_setup" ;;
   ticks)  # issue 5: per-stage tick latency and the largest real-time session count (100 GiB: 32 sessions fit)
@@ -144,6 +147,12 @@ case "$mode" in
     step engine_ticks_conversation_f32 250 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 40,48 --workload conversation --steady-window --all-switches on --ticks 8 --warmup-ticks 8 --max-seconds 220 --memory-budget auto --graph-grid 1,4,8,16 --out "$out/engine_ticks_conversation_f32" ;;
   precision)  # issue 15 capacity mode: Code2Wav bfloat16 vs float32 on the same weights: error over a 60 s call, bytes, ms per step
     step precision 240 python3 -m duplexcache.cli bench precision --preset minicpmo45 --device cuda --sessions 4 --chunks 60 --batches 1,8,32 --out "$out/precision" ;;
+  serve_precision)  # issue 15 capacity mode over the wire: serve_conversation with precision.code2wav_dtype float32,
+    # then bfloat16, a fresh server per arm; SERVE_BASE / SERVE_SESSIONS / SERVE_DURATION as for serve_catch_up
+    for arm in float32 bfloat16; do
+      serve_conversation "serve_precision_$arm" "${SERVE_BASE:-examples/minicpmo45-shared.yaml}" \
+        "${SERVE_SESSIONS:-32}" "${SERVE_DURATION:-60}" "precision.code2wav_dtype=$arm"
+    done ;;
   serve_prefill_between)  # A/B of server.prefill_between_ticks over the wire, a fresh server per arm (off first);
     # SERVE_BASE / SERVE_SESSIONS / SERVE_DURATION as for serve_catch_up
     for arm in false true; do
@@ -177,6 +186,6 @@ case "$mode" in
     step gpu_stage0 120 python3 -m duplexcache.cli bench kernels --out "$out/gpu_stage0" ;;
   stage2)
     step gpu_stage2 300 python3 -m duplexcache.cli bench stage2 --out "$out/gpu_stage2" --batches 1,8,32 ;;
-  *) echo "unknown mode $mode (smoke|bench|setup|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|ticks_conversation|ticks_conversation_large|serve_conversation|serve_switch|serve_catch_up|serve_prefill_between|serve_long_context|serve_profile|prefill|prefill_between|prefill_512|warm_start|serve_ready|stage0|stage2|precision|ticks_conversation_bf16)"; exit 2 ;;
+  *) echo "unknown mode $mode (smoke|bench|bench_turn|setup|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|ticks_conversation|ticks_conversation_large|serve_conversation|serve_switch|serve_catch_up|serve_precision|serve_prefill_between|serve_long_context|serve_profile|prefill|prefill_between|prefill_512|warm_start|serve_ready|stage0|stage2|precision|ticks_conversation_bf16)"; exit 2 ;;
 esac
 done

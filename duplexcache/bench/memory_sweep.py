@@ -72,6 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"override stage0.window.high_tokens (tiny default: {TINY_WINDOW[0]})")
     parser.add_argument("--window-low", type=int, default=None,
                         help=f"override stage0.window.low_tokens (tiny default: {TINY_WINDOW[1]})")
+    parser.add_argument("--talker-turn-tokens", type=int, default=None,
+                        help="engine.talker_turn_tokens: the most Talker KV tokens one audio turn holds, "
+                             "what admission reserves and the fast-forward holds per session (default: the "
+                             "deploy config's, else the Talker's max_position_embeddings)")
     parser.add_argument("--target", choices=("engine", "components"), default="engine",
                         help="engine: the serving engine (default); components: the stages wired directly")
     parser.add_argument("--seed", type=int, default=0)
@@ -96,6 +100,8 @@ def load_deploy(args: argparse.Namespace) -> DeployConfig:
         data["stage0"]["window"]["high_tokens"] = high
     if low is not None:
         data["stage0"]["window"]["low_tokens"] = low
+    if args.talker_turn_tokens is not None:
+        data["engine"]["talker_turn_tokens"] = args.talker_turn_tokens
     return DeployConfig.from_dict(data, environ={})
 
 
@@ -132,6 +138,7 @@ def _fit_engine_budget(deploy: DeployConfig, configs, device: torch.device):
 def _engine_setup(deploy: DeployConfig, configs, args) -> _Setup:
     from duplexcache.bench.engine_target import ALWAYS_SPEAK_K, EngineTarget
     from duplexcache.runtime.bundle import build_models
+    from duplexcache.runtime.session_sizing import resolve_turn_tokens
 
     models = build_models(configs[0].deploy, seed=args.seed)
     if models.device.type == "cuda":
@@ -140,12 +147,13 @@ def _engine_setup(deploy: DeployConfig, configs, args) -> _Setup:
     floor = session_floor(models.thinker.config, deploy.stage0.window.high_tokens,
                           Code2WavShape.from_flow(models.flow), p, models.audio_encoder.cfg, deploy.model.dtype,
                           code2wav_dtype=deploy.precision.code2wav_dtype)
+    turn = resolve_turn_tokens(deploy.engine.talker_turn_tokens, models.talker.config)
     notes = {
         "speak_policy": f"engine.speak_policy every_k_units k={ALWAYS_SPEAK_K} turn_units={ALWAYS_SPEAK_K} in "
                         "the deploy config: every unit speaks, one turn spans the run",
         "fast_forward": "DuplexEngine.fast_forward per session: Thinker window filled to prefix + high_tokens "
-                        "through the serving append path (embeddings of seeded random text ids); Talker "
-                        "blocks held for a full turn (max_position_embeddings tokens), not computed; "
+                        f"through the serving append path (embeddings of seeded random text ids); Talker "
+                        f"blocks held for a full turn (engine.talker_turn_tokens = {turn} tokens), not computed; "
                         "Code2Wav reaches P private frames by real units; encoder cache grown to max_cache_frames "
                         "(held, not computed)",
         "setup_sample": "after the tick that produced each session's first audio chunk (tick 2: speech "
@@ -186,6 +194,8 @@ def run(args: argparse.Namespace) -> int:
         # the component target builds its own float32 flow: the switch would not reach it
         return usage_error("memory", f"--target components runs Code2Wav in float32 only; "
                                      f"precision.code2wav_dtype {deploy.precision.code2wav_dtype} needs --target engine")
+    if args.target == "components" and deploy.engine.talker_turn_tokens is not None:
+        return usage_error("memory", "--target components has no Talker; engine.talker_turn_tokens needs --target engine")
     configs = config_matrix(deploy)
     setup = (_engine_setup if args.target == "engine" else _components_setup)(deploy, configs, args)
     configs = setup.configs
@@ -220,6 +230,7 @@ def _run_meta(args, deploy: DeployConfig, configs, device: torch.device, session
         "graph_grid": list(configs[0].deploy.code2wav.graph_grid or ()),
         "thinker_dtype": deploy.model.dtype,
         "code2wav_dtype": deploy.precision.code2wav_dtype,
+        "talker_turn_tokens": deploy.engine.talker_turn_tokens,   # None: the Talker's max_position_embeddings
         "seed": args.seed,
         **setup.notes,
     }

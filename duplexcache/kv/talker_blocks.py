@@ -1,8 +1,8 @@
 """The Talker's KV blocks: one block table per session, for the current audio turn only.
 
 The Talker attends only within an audio turn (its KV resets when the turn ends), no block is
-shared between sessions, and admission reserved a full turn (``max_position_embeddings``
-tokens) for every live session. So this manager is much smaller than ``KVCacheManager``: no
+shared between sessions, and admission reserved a full turn (``engine.talker_turn_tokens``,
+by default ``max_position_embeddings`` tokens) for every live session. So this manager is much smaller than ``KVCacheManager``: no
 hashes, no window, no copy-on-write; every block a session holds has ``ref_cnt`` 1.
 
 Ownership (who may touch what):

@@ -21,7 +21,8 @@ Admission is a ledger over the same numbers. A session reserves its worst case a
   template -- paid once per distinct context (by anchor key). The block counts come from
   ``runtime.stage0.session_worst_case``, the formula ``Stage0Runner.worst_case`` uses, so the
   ledger and the runner cannot disagree;
-* Talker: one full turn (``max_position_embeddings`` tokens);
+* Talker: one full turn (``engine.talker_turn_tokens``, by default the Talker's
+  ``max_position_embeddings`` tokens), as a count: blocks are taken as tokens arrive;
 * dynamic: its steady Code2Wav caches and its audio-encoder cache, plus the voice's prompt state
   -- paid once per voice when ``cfm_prompt_att_sharing`` is on.
 

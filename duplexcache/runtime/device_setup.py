@@ -96,17 +96,17 @@ def decode_graphs_supported(device: torch.device, caches: tuple[PagedKVCache, ..
     return True
 
 
-def make_decode_graphs(models: ModelBundle, kv: KVPools, max_batch: int,
+def make_decode_graphs(models: ModelBundle, kv: KVPools, max_batch: int, talker_turn_tokens: int,
                        capture: bool) -> tuple[PagedDecodeGraphs, PagedDecodeGraphs]:
     """CUDA graphs for the one-token steps of the Thinker and the Talker: batch buckets up to
     ``max_batch``, block-table widths up to the longest table a session can hold (the
-    Thinker's model positions, the Talker's turn)."""
+    Thinker's model positions, the Talker's turn: ``talker_turn_tokens``)."""
     bs = kv.stage0.block_size
     thinker = PagedDecodeGraphs("thinker", models.thinker.forward_paged, kv.thinker_cache,
                                 models.thinker.config.hidden_size, models.dtype, max_batch=max_batch,
                                 max_blocks_per_seq=-(-kv.stage0.max_positions // bs), capture=capture)
     tc = models.talker.config
     talker = PagedDecodeGraphs("talker", models.talker.forward_paged, kv.talker_cache, tc.hidden_size, models.dtype,
-                               max_batch=max_batch, max_blocks_per_seq=-(-tc.max_position_embeddings // bs),
+                               max_batch=max_batch, max_blocks_per_seq=-(-talker_turn_tokens // bs),
                                capture=capture)
     return thinker, talker

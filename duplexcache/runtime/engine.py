@@ -100,7 +100,7 @@ class DuplexEngine:
         self.code2wav_stage = Code2WavStage(self.code2wav, self.talker_kv, self.control, self.table, self._end,
                                             self.recorder.note_code2wav_peak)
         self.talker_stage = TalkerStage(models.talker, self.talker_cache, self.talker_kv, self.talker_graphs,
-                                        self.control, self.code2wav_stage, self._end)
+                                        self.control, self.code2wav_stage, self._end, self.sizing.talker_turn_tokens)
         self.thinker_stage = ThinkerStage(self.stage0, models.audio_encoder, self.builder, models.tokenizer,
                                           self.control, policy, self._embed_tokens, self.table, self._end)
         self._closed = False
@@ -127,7 +127,7 @@ class DuplexEngine:
         # CUDA graphs for the one-token steps (``engine.decode_cuda_graphs``).
         if self.deploy.engine.decode_cuda_graphs and self._can_capture_decode():
             self.thinker_graphs, self.talker_graphs = device_setup.make_decode_graphs(
-                self.models, kv, max(1, self.plan.planned_sessions), capture=self.models.device.type == "cuda")
+                self.models, kv, max(1, self.plan.planned_sessions), self.sizing.talker_turn_tokens, capture=self.models.device.type == "cuda")
         self.stage0.use_decode_graphs(self.thinker_graphs)
 
     def _can_capture_decode(self) -> bool:
@@ -245,7 +245,7 @@ class DuplexEngine:
     def fast_forward(self, sid: str, *, thinker_tokens: int | None = None, talker_full_turn: bool = False,
                      encoder_full_cache: bool = False, chunk_tokens: int = 512, seed: int = 0) -> FastForwardResult:
         """For benchmarks: bring ``sid``'s Thinker window to ``thinker_tokens`` and/or hold a full
-        Talker turn and/or a full audio-encoder cache, without running the audio path
+        Talker turn (``engine.talker_turn_tokens``) and/or a full audio-encoder cache, without running the audio path
         (runtime/fast_forward.py says how); pool stats are refreshed afterwards. Call between
         ticks (it waits for a running tick)."""
         req = FastForwardRequest(thinker_tokens, talker_full_turn, encoder_full_cache, chunk_tokens, seed)
@@ -253,7 +253,7 @@ class DuplexEngine:
             if self._closed:
                 raise RuntimeError("engine is shut down")
             result = fast_forward(self.table.get_live(sid), req, self.stage0, self.talker_kv,
-                                  self.models.talker.config.max_position_embeddings, self._text_ids,
+                                  self.sizing.talker_turn_tokens, self._text_ids,
                                   self._embed_tokens, self._end)
             self.recorder.refresh_pools()
         return result

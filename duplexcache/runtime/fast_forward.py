@@ -12,8 +12,8 @@ leaves the Thinker as it is::
                       |<-- have ----------->|<-- appended -->|
                       |<-- thinker_tokens (<= high) -------->|
 
-``talker_full_turn``: hold Talker blocks for a full turn (``max_position_embeddings`` tokens,
-what admission reserved); they are held, not computed, and the turn's next units compute into
+``talker_full_turn``: hold Talker blocks for a full turn (``engine.talker_turn_tokens``, by
+default the Talker's ``max_position_embeddings``: what admission reserved); they are held, not computed, and the turn's next units compute into
 them.
 
 ``encoder_full_cache``: grow the streaming audio encoder's K/V cache to its full

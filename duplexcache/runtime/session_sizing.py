@@ -23,7 +23,9 @@ from duplexcache.kv.window import WindowConfig
 from duplexcache.runtime import memory_budget
 from duplexcache.runtime.admission import AdmissionLedger, Footprint, MemoryPlan, TickCostModel, plan_memory
 from duplexcache.runtime.bundle import ModelBundle
+from duplexcache.models.talker import TalkerConfig
 from duplexcache.runtime.engine_api import AdmissionError
+from duplexcache.runtime.policy import MAX_UNIT_TOKENS
 from duplexcache.runtime.stage0 import session_worst_case
 from duplexcache.runtime.voices import Voice
 
@@ -62,6 +64,24 @@ def kv_block_bytes(config: Any, block_size: int, dtype: torch.dtype) -> int:
     return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * elem
 
 
+def largest_unit_tokens(config: TalkerConfig) -> int:
+    """Talker KV tokens of the largest speaking unit: its condition rows (at most every token the
+    Thinker decodes in a unit) plus the codes and the end code."""
+    return MAX_UNIT_TOKENS + config.tokens_per_unit + 1
+
+
+def resolve_turn_tokens(requested: int | None, config: TalkerConfig) -> int:
+    """``engine.talker_turn_tokens`` checked against the Talker: None = its
+    ``max_position_embeddings``; ValueError outside [largest unit, max_position_embeddings]."""
+    turn = config.max_position_embeddings if requested is None else requested
+    low, high = largest_unit_tokens(config), config.max_position_embeddings
+    if not low <= turn <= high:
+        raise ValueError(f"engine.talker_turn_tokens must be between {low} (one unit: {MAX_UNIT_TOKENS} condition "
+                         f"rows + {config.tokens_per_unit} codes + end) and the Talker's max_position_embeddings "
+                         f"{high}, got {turn}")
+    return turn
+
+
 class SessionSizing:
     """Shape-only sizes for one engine's models and voices."""
 
@@ -71,6 +91,8 @@ class SessionSizing:
         self.voices = models.voices
         self.code2wav = code2wav
         self.block_size = deploy.stage0.block_size
+        # Talker KV tokens one audio turn may hold: admission reserves this many per session.
+        self.talker_turn_tokens = resolve_turn_tokens(deploy.engine.talker_turn_tokens, models.talker.config)
         # Reference-audio embedding counts per voice: the only model run sizing needs, once.
         self.ref_embeddings = {v: self._count_ref_embeddings(self.voices.get(v)) for v in self.voices.names()}
 
@@ -119,7 +141,7 @@ class SessionSizing:
         share = self.deploy.stage0.shared_anchor_blocks
         # The runner's own formula (Stage0Runner.worst_case), with this session's marks.
         wc = session_worst_case(ctx.total, window, max_pos, self.block_size, share)
-        talker_blocks = -(-self.models.talker.config.max_position_embeddings // self.block_size)
+        talker_blocks = -(-self.talker_turn_tokens // self.block_size)
         cfm = self.code2wav.config
         sharing = cfm.prompt_att_sharing
         elem = self.code2wav.dtype.itemsize   # precision.code2wav_dtype

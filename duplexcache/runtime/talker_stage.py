@@ -3,10 +3,11 @@
 Condition per speaking unit: the unit's text + end token with the Thinker hidden states that
 produced them (``Unit.tokens`` / ``Unit.hidden``). The Talker's KV is kept for the audio turn
 and reset when the turn ends; its blocks come from ``kv/talker_blocks.TalkerBlocks``, which
-admission sized for a full turn per live session::
+admission sized for a full turn (``turn_tokens``: ``engine.talker_turn_tokens``, by default the
+Talker's ``max_position_embeddings``) per live session::
 
     turn   unit 1                         unit 2
-    KV     [text1 end1 c1..c25 eos] ..... [text2 end2 c1..c25 eos] ...   <= max_position_embeddings
+    KV     [text1 end1 c1..c25 eos] ..... [text2 end2 c1..c25 eos] ...   <= turn_tokens
     a unit that would pass the limit closes the audio turn (final chunk, no ResponseDone: the
     Thinker's turn goes on) and starts a new one with an empty KV.
 """
@@ -26,6 +27,7 @@ from duplexcache.runtime.engine_api import EngineEvent
 from duplexcache.runtime.engine_session import EndSession, FinalChunk, Unit, end_all, ended
 from duplexcache.runtime.isolation import FaultInjector, precheck, run_isolated
 from duplexcache.runtime.policy import ControlTokens
+from duplexcache.runtime.session_sizing import resolve_turn_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +36,9 @@ class TalkerStage:
     """Speaking units -> codes, over one Talker, its paged cache and ``TalkerBlocks``."""
 
     def __init__(self, talker: Talker, cache: PagedKVCache, kv: TalkerBlocks, graphs: PagedDecodeGraphs | None,
-                 control: ControlTokens, audio: Code2WavStage, end: EndSession) -> None:
+                 control: ControlTokens, audio: Code2WavStage, end: EndSession, turn_tokens: int) -> None:
         self.talker = talker
+        self.turn_tokens = resolve_turn_tokens(turn_tokens, talker.config)   # what admission reserved
         self.cache = cache
         self.kv = kv
         self.graphs = graphs
@@ -59,7 +62,7 @@ class TalkerStage:
                 continue
             need = len(u.tokens) + cfg.tokens_per_unit + 1
             have = self.kv.num_tokens(s.sid)
-            if have + need > cfg.max_position_embeddings:
+            if have + need > self.turn_tokens:
                 logger.info("session %s: Talker turn at %d tokens; starting a new audio turn", s.sid, have)
                 self.audio.close_turn(s, finals, response_done=False)   # the Thinker's turn goes on
             self.kv.grow(s.sid, self.kv.num_tokens(s.sid) + need)

@@ -265,6 +265,30 @@ def test_cli_runs_reduced_engine(tmp_path, monkeypatch, engine_models):
     assert_savings(by)
 
 
+def test_talker_turn_tokens_reaches_the_engine_the_bench_builds(tmp_path, monkeypatch, engine_models):
+    """--talker-turn-tokens sets engine.talker_turn_tokens in every configuration's deploy
+    config: the steady sample holds that many tokens' Talker blocks per session, not a
+    max_position_embeddings turn; the components target (no Talker) refuses it."""
+    from duplexcache.runtime import bundle
+
+    monkeypatch.setattr(bundle, "build_models", lambda deploy, seed=0: engine_models)
+    config = tmp_path / "deploy.yaml"
+    config.write_text(_small_base().to_yaml())
+    assert cli_main(["bench", "--preset", "tiny", "--config", str(config), "--sessions", "1,2",
+                     "--memory-budget", "1GiB", "--talker-turn-tokens", "320", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["workload"]["talker_turn_tokens"] == 320 and "320 tokens" in report["workload"]["fast_forward"]
+    bs = _small_base().stage0.block_size
+    tc = engine_models.talker.config
+    block = 2 * tc.num_hidden_layers * bs * tc.num_key_value_heads * tc.head_dim * 4
+    assert tc.max_position_embeddings > 320   # 320: the run's units fit one turn (a cap inside the run would restart it)
+    for c in report["configs"]:
+        assert c["equality"] == "PASS"
+        assert c["bytes_per_tier"]["steady"]["talker_kv"]["private"] == 2 * -(-320 // bs) * block
+    assert cli_main(["bench", "memory", "--target", "components", "--talker-turn-tokens", "64",
+                     "--out", str(tmp_path / "c")]) == 2
+
+
 def test_engine_target_refuses_to_call_an_early_state_steady(engine_models):
     from duplexcache.bench.engine_target import EngineTarget
 

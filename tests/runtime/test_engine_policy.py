@@ -141,6 +141,53 @@ def test_talker_turn_at_its_position_limit_starts_a_new_audio_turn(tmp_path):
     assert s.turns == 2 and s.talker_tokens == 30 and s.code2wav_stream == f"{sid}#2"
 
 
+
+def _three_units(eng) -> list[list[bytes]]:
+    """The audio chunks of one session's first three ticks (every unit speaks)."""
+    sid = eng.open_session({"voice": "default"})
+    eng.push_audio(sid, audio(0, 3))
+    return [collect(eng.tick()).get(sid, {"audio": []})["audio"] for _ in range(3)]
+
+
+def test_talker_turn_tokens_caps_the_turn_on_the_model_limit_path(tmp_path):
+    """engine.talker_turn_tokens reaches the Talker stage (the turn closes at the cap exactly as
+    at the model's position limit, same audio bytes), admission (blocks reserved per session),
+    the decode graphs (table widths) and fast_forward; a turn under the cap is unchanged."""
+    import dataclasses
+
+    from duplexcache.models.talker import Talker
+    from duplexcache.runtime import device_setup
+
+    base = tiny_models()
+    speak = {"speak_policy": {"k": 100, "turn_units": 100}}
+    assert base.talker.config.max_position_embeddings == 512
+    # the model limit at 64, same weights: the reference for the cap
+    short = Talker(dataclasses.replace(base.talker.config, max_position_embeddings=64)).eval()
+    short.load_state_dict(base.talker.state_dict())
+    by_limit = _three_units(engine(tmp_path, "limit", {"engine": speak}, models=dataclasses.replace(base, talker=short)))
+    capped_eng = engine(tmp_path, "cap", {"engine": {**speak, "talker_turn_tokens": 64}})
+    by_cap = _three_units(capped_eng)
+    uncapped = _three_units(engine(tmp_path, "nocap", {"engine": speak}))
+    assert by_cap == by_limit and [len(a) // 2 for a in by_cap[2]] == [27840]   # unit 2 opened a new turn
+    assert by_cap[1] == uncapped[1] and by_cap[2] != uncapped[2]   # unit 1 fits: bit-identical
+
+    eng = capped_eng
+    blocks = -(-64 // eng.block_size)
+    fp = eng.sizing.footprint(eng.sizing.default_config("default"), eng.voices.get("default"))
+    assert eng.sizing.talker_turn_tokens == eng.talker_stage.turn_tokens == 64 and fp.talker_blocks == blocks
+    assert eng.plan.talker_blocks == 1 + eng.plan.planned_sessions * blocks
+    kv = device_setup.KVPools(eng.thinker_cache, eng.thinker_manager, eng.stage0, eng.talker_cache, eng.talker_kv)
+    _, talker_graphs = device_setup.make_decode_graphs(eng.models, kv, 2, eng.sizing.talker_turn_tokens, capture=False)
+    assert talker_graphs.max_width >= blocks and talker_graphs.max_width < -(-512 // eng.block_size)
+    sid = eng.session_ids()[0]
+    eng.fast_forward(sid, talker_full_turn=True)
+    assert eng.session_info(sid).talker_blocks == blocks
+
+    for bad in (MAX_UNIT_TOKENS + 25, 513):   # below one unit's worst case / above the model
+        with pytest.raises(ValueError, match="talker_turn_tokens must be between 46 .* and .* 512"):
+            engine(tmp_path, f"bad{bad}", {"engine": {"talker_turn_tokens": bad}})
+
+
 # ------------------------------------------------------------------------------ reply mode
 
 LOUD, QUIET = 0.1, 0.02     # RMS of a user-speech unit and of a quiet one in these tests

@@ -5,7 +5,7 @@
 # smoke: every benchmark on the tiny preset (catches device bugs in seconds); suite (the whole pytest suite); bench, bench_turn, setup,
 # ticks, ticks_continuous, ticks_steady, ticks_ragged, ticks_eager, ticks_conversation, serve_conversation, serve_switch,
 # serve_catch_up, serve_precision, serve_prefill_between, serve_long_context, serve_profile, warm_start,
-# serve_ready, stage0, precision, ticks_conversation_bf16,
+# serve_ready, stage0, precision, kv_precision, ticks_conversation_bf16,
 # stage2: the minicpmo45 figures (random weights), each a few minutes on an H200 (each fits one 10-minute call).
 # Every step is a `duplexcache bench BENCHMARK` command (run as `python3 -m duplexcache.cli`, so no install is needed).
 # Needs torch with CUDA, triton, numpy, pyyaml, safetensors, pydantic, tqdm, matplotlib; the serve modes also
@@ -145,6 +145,9 @@ case "$mode" in
     # (40, 48, 56 sessions), then the float32 arm at 40 and 48 in the same run (the A/B)
     step engine_ticks_conversation_bf16 330 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 40,48,56 --workload conversation --steady-window --all-switches on --ticks 8 --warmup-ticks 8 --max-seconds 300 --memory-budget auto --graph-grid 1,4,8,16 --code2wav-dtype bfloat16 --out "$out/engine_ticks_conversation_bf16"
     step engine_ticks_conversation_f32 250 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 40,48 --workload conversation --steady-window --all-switches on --ticks 8 --warmup-ticks 8 --max-seconds 220 --memory-budget auto --graph-grid 1,4,8,16 --out "$out/engine_ticks_conversation_f32" ;;
+  kv_precision)  # issue 15 capacity mode: Thinker K/V fp8_e4m3 vs bf16 on the same weights and tokens: top-1 agreement
+    # and KL of next-token distributions at windows 1000/4000/8000 (4 sessions x 32 decode steps each), bytes per token
+    step kv_precision 300 python3 -m duplexcache.cli bench kv-precision --preset minicpmo45 --device cuda --sessions 4 --windows 1000,4000,8000 --decode 32 --out "$out/kv_precision" ;;
   precision)  # issue 15 capacity mode: Code2Wav bfloat16 vs float32 on the same weights: error over a 60 s call, bytes, ms per step
     step precision 240 python3 -m duplexcache.cli bench precision --preset minicpmo45 --device cuda --sessions 4 --chunks 60 --batches 1,8,32 --out "$out/precision" ;;
   serve_precision)  # issue 15 capacity mode over the wire: serve_conversation with precision.code2wav_dtype float32,
@@ -186,6 +189,6 @@ case "$mode" in
     step gpu_stage0 120 python3 -m duplexcache.cli bench kernels --out "$out/gpu_stage0" ;;
   stage2)
     step gpu_stage2 300 python3 -m duplexcache.cli bench stage2 --out "$out/gpu_stage2" --batches 1,8,32 ;;
-  *) echo "unknown mode $mode (smoke|bench|bench_turn|setup|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|ticks_conversation|ticks_conversation_large|serve_conversation|serve_switch|serve_catch_up|serve_precision|serve_prefill_between|serve_long_context|serve_profile|prefill|prefill_between|prefill_512|warm_start|serve_ready|stage0|stage2|precision|ticks_conversation_bf16)"; exit 2 ;;
+  *) echo "unknown mode $mode (smoke|bench|bench_turn|setup|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|ticks_conversation|ticks_conversation_large|serve_conversation|serve_switch|serve_catch_up|serve_precision|serve_prefill_between|serve_long_context|serve_profile|prefill|prefill_between|prefill_512|warm_start|serve_ready|stage0|stage2|precision|kv_precision|ticks_conversation_bf16)"; exit 2 ;;
 esac
 done

@@ -37,6 +37,8 @@ BENCHMARKS = {
     "stage0-bytes": ("duplexcache.bench.stage0_bytes", "Stage 0 KV bytes per session from shapes alone"),
     "precision": ("duplexcache.bench.precision",
                   "capacity mode: Code2Wav in bfloat16 against float32 (error over a long call, bytes, time)"),
+    "kv-precision": ("duplexcache.bench.kv_precision",
+                     "capacity mode: Thinker K/V in fp8 against exact (top-1 agreement, KL, bytes per token)"),
 }
 DEFAULT = "memory"
 

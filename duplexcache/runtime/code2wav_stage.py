@@ -66,8 +66,22 @@ def build_code2wav(deploy: DeployConfig, models: ModelBundle) -> BatchedCode2Wav
 
 def pcm16_bytes(pcm: torch.Tensor) -> bytes:
     """float PCM in [-1, 1] -> little-endian int16 bytes (clipped)."""
-    x = torch.clamp(pcm.detach().float().cpu(), -1.0, 1.0) * 32767.0
-    return torch.round(x).to(torch.int16).numpy().astype("<i2").tobytes()
+    return pcm16_batch([pcm])[0]
+
+
+def pcm16_batch(pcms: list[torch.Tensor]) -> list[bytes]:
+    """``pcm16_bytes`` of each chunk, converted together on their device and copied to the host
+    once: one device sync per Code2Wav step instead of one per session. Clamp, scale and
+    round-half-to-even are exact float32 operations, so the bytes are those of the host path."""
+    if not pcms:
+        return []
+    flat = torch.cat([p.detach().reshape(-1).float() for p in pcms])
+    ints = torch.round(torch.clamp(flat, -1.0, 1.0) * 32767.0).to(torch.int16).cpu().numpy().astype("<i2")
+    out, start = [], 0
+    for p in pcms:
+        out.append(ints[start:start + p.numel()].tobytes())
+        start += p.numel()
+    return out
 
 
 class Code2WavStage:
@@ -179,7 +193,8 @@ class Code2WavStage:
             logger.error("Code2Wav refused %s: %s", csid, err)
             turns.note_audio(owner[csid].turn, 0)
             events.append(self.end(owner[csid], err))
-        for csid, pcm in out.items():
-            events.append(AudioDelta(owner[csid].sid, pcm16_bytes(pcm)))
+        done = list(out.items())
+        for (csid, pcm), pcm16 in zip(done, pcm16_batch([pcm for _, pcm in done])):
+            events.append(AudioDelta(owner[csid].sid, pcm16))
             turns.note_audio(owner[csid].turn, int(pcm.numel()))
         return events

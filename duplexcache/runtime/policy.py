@@ -131,8 +131,27 @@ def reply_units(sid: str, turn_index: int, min_units: int, max_units: int) -> in
     return min_units + int.from_bytes(digest, "little") % (max_units - min_units + 1)
 
 
-def _argmax_over(logits: torch.Tensor, ids: torch.Tensor) -> int:
-    return int(ids[int(torch.argmax(logits[ids.to(logits.device)].float()))])
+class TokenSet:
+    """The token ids a policy may pick, with one copy on each device its logits live on: the
+    ids never change, and copying them (150k ids, 1.2 MB for the text set) to the GPU for every
+    pick cost a blocking host-to-device transfer per session per token."""
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        self.ids = ids.to(dtype=torch.long, device="cpu")
+        self._on: dict[torch.device, torch.Tensor] = {self.ids.device: self.ids}
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        ids = self._on.get(device)
+        if ids is None:
+            ids = self._on[device] = self.ids.to(device)
+        return ids
+
+    def argmax(self, logits: torch.Tensor) -> int:
+        """The id of the largest logit among the set (the first on ties, as ``torch.argmax``)."""
+        return int(self.ids[int(torch.argmax(logits[self.on(logits.device)].float()))])
 
 
 class ModelPolicy:
@@ -143,16 +162,16 @@ class ModelPolicy:
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         self.control = control
-        self.decision_ids = torch.tensor([control.listen, control.speak])
-        self.text_ids = torch.cat([text_ids, torch.tensor(control.ends)])
+        self.decision_ids = TokenSet(torch.tensor([control.listen, control.speak]))
+        self.text_ids = TokenSet(torch.cat([text_ids, torch.tensor(control.ends)]))
         self.temperature = temperature
         self.generator = generator
 
-    def _pick(self, logits: torch.Tensor, ids: torch.Tensor) -> int:
+    def _pick(self, logits: torch.Tensor, ids: TokenSet) -> int:
         if self.temperature == 0:
-            return _argmax_over(logits, ids)
-        probs = torch.softmax(logits[ids.to(logits.device)].float().cpu() / self.temperature, dim=-1)
-        return int(ids[int(torch.multinomial(probs, 1, generator=self.generator))])
+            return ids.argmax(logits)
+        probs = torch.softmax(logits[ids.on(logits.device)].float().cpu() / self.temperature, dim=-1)
+        return int(ids.ids[int(torch.multinomial(probs, 1, generator=self.generator))])
 
     def new_session(self, sid: str) -> None:
         return None
@@ -174,7 +193,7 @@ class ScriptedPolicy:
             raise ValueError(f"need k >= 1, turn_units >= 1, 0 <= text_tokens <= {MAX_UNIT_TOKENS - 2}; "
                              f"got {k}, {turn_units}, {text_tokens}")
         self.control = control
-        self.text_ids = text_ids
+        self.text_ids = TokenSet(text_ids)
         self.k = k
         self.turn_units = min(turn_units, k)
         self.text_tokens = text_tokens
@@ -191,7 +210,7 @@ class ScriptedPolicy:
 
     def next_token(self, unit_index: int, num_text: int, logits: torch.Tensor, state: Any = None) -> int:
         if num_text < self.text_tokens:
-            return _argmax_over(logits, self.text_ids)
+            return self.text_ids.argmax(logits)
         ends_turn = unit_index % self.k == self.k - 1
         return self.control.turn_eos if ends_turn else self.control.chunk_eos
 
@@ -219,7 +238,7 @@ class ReplyPolicy:
                              f"0 <= text_tokens <= {MAX_UNIT_TOKENS - 2}; got {speech_rms}, {reply_min_units}, "
                              f"{reply_max_units}, {text_tokens}")
         self.control = control
-        self.text_ids = text_ids
+        self.text_ids = TokenSet(text_ids)
         self.speech_rms = speech_rms
         self.reply_min_units = reply_min_units
         self.reply_max_units = reply_max_units
@@ -251,7 +270,7 @@ class ReplyPolicy:
         if not isinstance(state, ReplyState):
             raise ValueError("ReplyPolicy.next_token needs the session's ReplyState")
         if num_text < self.text_tokens:
-            return _argmax_over(logits, self.text_ids)
+            return self.text_ids.argmax(logits)
         # The reply's last unit ends the turn, so its audio is flushed in the same tick.
         return self.control.turn_eos if state.reply_left == 0 else self.control.chunk_eos
 

@@ -135,6 +135,24 @@ def test_precision_tiny_on_cpu(tmp_path, capsys):
     assert cli_main(["bench", "precision", "--out", str(tmp_path), "--warmup", "1"]) == 2
 
 
+def test_kv_precision_tiny_on_cpu(tmp_path, capsys):
+    """fp8 Thinker K/V against exact on the same weights and tokens: the arms really differ (KL
+    > 0) but stay close (top-1 mostly kept), fp8 bytes per token are about half, and bad windows
+    are refused before anything is built."""
+    rc = cli_main(["bench", "kv-precision", "--preset", "tiny", "--sessions", "2", "--windows", "40,100",
+                   "--decode", "4", "--chunk", "32", "--out", str(tmp_path)])
+    assert rc == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert [w["window"] for w in res["windows"]] == [40, 100] and all(w["steps"] == 8 for w in res["windows"])
+    for w in res["windows"]:
+        assert 0 < w["kl_mean"] <= w["kl_max"] < 0.5 and w["top1_agreement"] >= 0.5
+        assert 0 < w["logits_rel_error_mean"] < 0.2
+    b = res["bytes_per_token"]
+    assert 0.5 < b["fp8_e4m3"] / b["auto"] < 0.6 or 0.25 < b["fp8_e4m3"] / b["auto"] < 0.35   # bf16 / float32 model
+    assert (tmp_path / "results.md").read_text() in capsys.readouterr().out
+    assert cli_main(["bench", "kv-precision", "--preset", "tiny", "--windows", "100,40", "--out", str(tmp_path)]) == 2
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernels bench runs for minutes")
 def test_kernels_says_it_needs_cuda(tmp_path, capsys):
     assert cli_main(["bench", "kernels", "--out", str(tmp_path), "--quick"]) == 1

@@ -294,3 +294,18 @@ def test_full_buffer_message_names_the_chunk(tmp_path):
     with pytest.raises(ValueError, match=r"0\.00 s buffered \+ 12\.00 s in this chunk > at most 10 s"):
         eng.push_audio(sid, np.zeros(12 * 16_000, np.float32))
     eng.shutdown()
+
+
+def test_token_set_argmax_is_the_gathered_argmax_and_keeps_one_copy_per_device():
+    from duplexcache.runtime.policy import TokenSet
+
+    ids = torch.tensor([7, 3, 11, 5])
+    s = TokenSet(ids)
+    logits = torch.zeros(16)
+    logits[11] = logits[5] = 2.0          # a tie: the first of the set in set order wins (11)
+    logits[0] = 9.0                        # outside the set
+    assert s.argmax(logits) == 11 == int(ids[int(torch.argmax(logits[ids]))])
+    assert s.on(torch.device("cpu")) is s.on(torch.device("cpu")) and len(s) == 4
+    if torch.cuda.is_available():
+        cuda = torch.device("cuda", torch.cuda.current_device())
+        assert s.on(cuda) is s.on(cuda) and s.argmax(logits.to(cuda)) == 11

@@ -314,12 +314,14 @@ class Thinker(nn.Module):
         block_size: int = 16,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        storage_dtype: torch.dtype | None = None,
     ) -> PagedKVCache:
-        """A KV pool shaped for this model (defaults: the weights' dtype and device)."""
+        """A KV pool shaped for this model (defaults: the weights' dtype and device; ``storage_dtype``
+        ``torch.float8_e4m3fn`` stores fp8 with per-token scales, ``precision.kv_cache_dtype``)."""
         weight = self.lm_head.weight
         return PagedKVCache(
             self.config.num_hidden_layers, num_blocks, block_size, self.config.num_key_value_heads,
-            self.config.head_dim, dtype or weight.dtype, device or weight.device,
+            self.config.head_dim, dtype or weight.dtype, device or weight.device, storage_dtype,
         )  # fmt: skip
 
     @classmethod

@@ -102,6 +102,10 @@ class PagedKVCache:
         # with the pool, once, so CUDA graphs capture their addresses like k/v's.
         self.storage_dtype = dtype if storage_dtype is None else storage_dtype
         self.quantized = is_quantized(storage_dtype)
+        if self.storage_dtype != dtype and not self.quantized:
+            # Another float format would need its own cast on every read; only fp8 has one.
+            raise ValueError(f"PagedKVCache: storage_dtype {storage_dtype} must be the model dtype {dtype} "
+                             "or torch.float8_e4m3fn")
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=self.storage_dtype, device=device)
         self.v = torch.zeros(shape, dtype=self.storage_dtype, device=device)

@@ -317,6 +317,9 @@ def test_fp8_cache_layout_and_bytes_per_block():
     plain = PagedKVCache(3, 5, 4, HKV, D)
     assert not plain.quantized and plain.k_scale is None and plain.layer_scales(0) == (None, None)
     assert plain.bytes_per_block == bytes_per_block(3, 4, HKV, D, torch.float32) == 2 * 3 * 4 * HKV * D * 4
+    assert PagedKVCache(1, 2, 4, HKV, D, storage_dtype=torch.float32).storage_dtype == torch.float32
+    with pytest.raises(ValueError, match="storage_dtype"):
+        PagedKVCache(1, 2, 4, HKV, D, storage_dtype=torch.bfloat16)
 
 
 def test_fp8_write_kv_round_trip_and_appends_are_bit_stable():

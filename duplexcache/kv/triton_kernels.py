@@ -11,6 +11,12 @@ Two kernels live here:
   ``-delta`` (NeoX half-split RoPE, float32 angle math), one launch over all layers and all
   listed blocks.
 
+Both take an fp8 pool too (``precision.kv_cache_dtype: fp8_e4m3``, kv/kv_quant.py): e4m3
+values plus one float32 scale per (token, kv head), passed as ``k_scale``/``v_scale``. The
+decode kernel dequantizes each loaded row in registers (value * scale, cast to q's dtype);
+the re-rotation dequantizes, rotates and re-quantizes each row with a fresh scale. Without
+scales the scaled code is compiled out (``HAS_SCALES``), so the float path is unchanged.
+
 Cache layout (see kv/paged_attention.py)::
 
     k_cache_layer: (num_blocks, block_size, num_kv_heads, head_dim)

@@ -319,6 +319,12 @@ def test_bench_paths_agree_on_cpu():
     out = tk.paged_decode_attention(q, pk, pv, bt, torch.full((b,), t, dtype=torch.int32),
                                     scale, num_splits=2, block_n=16)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # The bench's fp8 arm: the same layer set quantized as a pool stores it, within fp8's bound.
+    k8, ks, v8, vs = gb.quantize_paged(gb.LayerKV(k, v, pk, pv))
+    assert k8.dtype == torch.float8_e4m3fn and ks.shape == pk.shape[:-1]
+    out8 = tk.paged_decode_attention(q, k8, v8, bt, torch.full((b,), t, dtype=torch.int32), scale,
+                                     k_scale=ks, v_scale=vs, num_splits=2, block_n=16)
+    assert (out8 - ref).abs().max() <= v.abs().max() / 14 and (out8 - ref).norm() <= 0.06 * ref.norm()
 
 
 def test_bench_torch_rerotate_matches_kernel_and_project_rope():
@@ -334,6 +340,15 @@ def test_bench_torch_rerotate_matches_kernel_and_project_rope():
     rope = pytest.importorskip("duplexcache.kv.rope")
     c = rope.rerotate_keys_(k.clone(), ids, 320, 1e6)
     torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-5)
+    # The bench's fp8 arm (kernel vs the torch fp8 path vs float64), on CPU through the interpreter.
+    ids_t = torch.tensor(ids)
+    errs = gb._rerotate_fp8_errors(k, ids_t, 320, 1e6, gb._rerotate_fp64(k, ids_t, 320, 1e6))
+    # Below 1 and a large error against float64 here, from the interpreter's e4m3 cast only
+    # (test_rerotate_fp8_matches_the_torch_path_and_the_float_rotation pins it); the bound of
+    # that test, (sqrt(2) + 1) * amax / 28, is for CUDA runs of the bench.
+    assert errs["triton_fp8_bytes_equal_to_torch_fraction"] > 0.95
+    assert set(errs) == {"triton_fp8_vs_torch_fp8_max_abs", "triton_fp8_bytes_equal_to_torch_fraction",
+                         "triton_fp8_vs_fp64_max_abs"} and all(math.isfinite(e) for e in errs.values())
 
 
 # ----------------------------------------------------------------------------- fp8 storage

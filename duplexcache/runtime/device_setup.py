@@ -88,6 +88,10 @@ def build_kv_pools(models: ModelBundle, plan: MemoryPlan, stage0_cfg: Stage0Conf
     # would hold more (or fewer) bytes than were reserved.
     assert (thinker_cache.bytes_per_block, talker_cache.bytes_per_block) == (
         plan.thinker_block_bytes, plan.talker_block_bytes), "KV pools and the memory plan disagree on block bytes"
+    if thinker_cache.quantized:
+        logger.info("KV pools in %s with a float32 scale per token and kv head (precision.kv_cache_dtype): "
+                    "%d B per Thinker block, %d B per Talker block", thinker_cache.storage_dtype,
+                    thinker_cache.bytes_per_block, talker_cache.bytes_per_block)
     for cache in (thinker_cache, talker_cache):
         select_attention_backend(cache)
         cache.ragged_steps_in_kernel = stage0_cfg.ragged_kernel

@@ -173,9 +173,17 @@ class PrecisionConfig(_Strict):
     ``code2wav_dtype``: the Code2Wav flow (conformer + estimator), its per-stream caches and the
     whole-Euler arena. ``float32`` is the reference's (exact mode, the default); ``bfloat16``
     halves the caches' bytes and runs the estimator's matmuls on bf16 tensor cores. The vocoder
-    stays float32 either way (its caches are a few KiB per stream)."""
+    stays float32 either way (its caches are a few KiB per stream).
+
+    ``kv_cache_dtype``: storage of the Thinker's and the Talker's paged KV pools. ``auto`` is
+    the model dtype (exact mode, the default). ``fp8_e4m3`` stores K and V as float8 e4m3 with
+    one float32 scale per token and kv head, set when the token is written (appends never touch
+    earlier tokens); attention dequantizes and computes in the model dtype. Per (token, kv head)
+    ``head_dim + 4`` bytes each for K and V instead of ``2 * head_dim`` in bf16 (0.52x at
+    head_dim 128), and admission reserves those bytes (kv/kv_quant.py)."""
 
     code2wav_dtype: Literal["float32", "bfloat16"] = "float32"
+    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto"
 
 
 class SpeakPolicy(_Strict):
@@ -445,7 +453,7 @@ PRIVATE_RUNTIME_CONFIG_KEYS: frozenset[str] = frozenset({
     "memory_budget", "memory_fraction", "activation_reserve", "tick_seconds", "speak_policy", "tick_headroom",
     "prefill_chunk_tokens", "max_context_tokens", "switch_interval_ms",
     "preset", "checkpoint_dir", "revision", "model_revision", "dtype", "device",
-    "max_frame_bytes", "code2wav_dtype",
+    "max_frame_bytes", "code2wav_dtype", "kv_cache_dtype",
 })
 
 # What a client may put in session.update's session object.

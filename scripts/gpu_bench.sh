@@ -5,7 +5,7 @@
 # smoke: every benchmark on the tiny preset (catches device bugs in seconds); suite (the whole pytest suite); bench, bench_turn, setup,
 # ticks, ticks_continuous, ticks_steady, ticks_ragged, ticks_eager, ticks_conversation, serve_conversation, serve_switch,
 # serve_catch_up, serve_precision, serve_prefill_between, serve_long_context, serve_profile, warm_start,
-# serve_ready, stage0, precision, kv_precision, ticks_conversation_bf16,
+# serve_ready, stage0, precision, kv_precision, ticks_conversation_bf16, ticks_conversation_fp8,
 # stage2: the minicpmo45 figures (random weights), each a few minutes on an H200 (each fits one 10-minute call).
 # Every step is a `duplexcache bench BENCHMARK` command (run as `python3 -m duplexcache.cli`, so no install is needed).
 # Needs torch with CUDA, triton, numpy, pyyaml, safetensors, pydantic, tqdm, matplotlib; the serve modes also
@@ -97,6 +97,8 @@ case "$mode" in
   smoke)
     step smoke_bench 120 python3 -m duplexcache.cli bench memory --preset tiny --device cuda --sessions 1,2 --out "$out/smoke_bench"
     step smoke_ticks 120 python3 -m duplexcache.cli bench ticks --preset tiny --device cuda --sessions 1,2 --ticks 2 --out "$out/smoke_ticks"
+    # the fp8 KV pools through warm-up, the decode graphs and the in-kernel dequantization
+    step smoke_ticks_fp8 120 python3 -m duplexcache.cli bench ticks --preset tiny --device cuda --sessions 1,2 --ticks 2 --kv-cache-dtype fp8_e4m3 --out "$out/smoke_ticks_fp8"
     step smoke_setup 120 python3 -m duplexcache.cli bench setup --preset tiny --device cuda --sessions 3 --repeats 1 --out "$out/smoke_setup"
     serve_conversation smoke_serve duplexcache/configs/tiny.yaml 2 16   # 16 s: every caller reaches its first reply
     step gpu_tests 240 python3 -m pytest -q -x tests/cfm/test_graphs.py tests/kv/test_paged_attention.py tests/kv/test_decode_graphs.py tests/runtime/test_warmup.py -p no:cacheprovider ;;
@@ -148,6 +150,9 @@ case "$mode" in
   kv_precision)  # issue 15 capacity mode: Thinker K/V fp8_e4m3 vs bf16 on the same weights and tokens: top-1 agreement
     # and KL of next-token distributions at windows 1000/4000/8000 (4 sessions x 32 decode steps each), bytes per token
     step kv_precision 300 python3 -m duplexcache.cli bench kv-precision --preset minicpmo45 --device cuda --sessions 4 --windows 1000,4000,8000 --decode 32 --out "$out/kv_precision" ;;
+  ticks_conversation_fp8)  # issue 15 capacity mode: ticks_conversation_bf16's bfloat16 arm with precision.kv_cache_dtype
+    # fp8_e4m3 too (Thinker and Talker KV at 0.52x bf16's bytes per token): 56, 64, 72 sessions
+    step engine_ticks_conversation_fp8 400 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 56,64,72 --workload conversation --steady-window --all-switches on --ticks 8 --warmup-ticks 8 --max-seconds 360 --memory-budget auto --graph-grid 1,4,8,16 --code2wav-dtype bfloat16 --kv-cache-dtype fp8_e4m3 --out "$out/engine_ticks_conversation_fp8" ;;
   precision)  # issue 15 capacity mode: Code2Wav bfloat16 vs float32 on the same weights: error over a 60 s call, bytes, ms per step
     step precision 240 python3 -m duplexcache.cli bench precision --preset minicpmo45 --device cuda --sessions 4 --chunks 60 --batches 1,8,32 --out "$out/precision" ;;
   serve_precision)  # issue 15 capacity mode over the wire: serve_conversation with precision.code2wav_dtype float32,
@@ -189,6 +194,6 @@ case "$mode" in
     step gpu_stage0 120 python3 -m duplexcache.cli bench kernels --out "$out/gpu_stage0" ;;
   stage2)
     step gpu_stage2 300 python3 -m duplexcache.cli bench stage2 --out "$out/gpu_stage2" --batches 1,8,32 ;;
-  *) echo "unknown mode $mode (smoke|bench|bench_turn|setup|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|ticks_conversation|ticks_conversation_large|serve_conversation|serve_switch|serve_catch_up|serve_precision|serve_prefill_between|serve_long_context|serve_profile|prefill|prefill_between|prefill_512|warm_start|serve_ready|stage0|stage2|precision|kv_precision|ticks_conversation_bf16)"; exit 2 ;;
+  *) echo "unknown mode $mode (smoke|bench|bench_turn|setup|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|ticks_conversation|ticks_conversation_large|serve_conversation|serve_switch|serve_catch_up|serve_precision|serve_prefill_between|serve_long_context|serve_profile|prefill|prefill_between|prefill_512|warm_start|serve_ready|stage0|stage2|precision|kv_precision|ticks_conversation_bf16|ticks_conversation_fp8)"; exit 2 ;;
 esac
 done

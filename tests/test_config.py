@@ -32,7 +32,7 @@ NON_DEFAULT = {
     "context_cache": {"duplex_context_caching": True, "capacity": 7},
     "code2wav": {"cfm_prompt_att_sharing": True, "cfm_arena_rows_from_graph_grid": True,
                  "max_num_seqs": 24, "graph_grid": [1, 4, 8]},
-    "precision": {"code2wav_dtype": "bfloat16"},
+    "precision": {"code2wav_dtype": "bfloat16", "kv_cache_dtype": "fp8_e4m3"},
     "engine": {"memory_budget": "80GiB", "memory_fraction": 0.8, "activation_reserve": "3GiB", "tick_seconds": 0.5, "decode_cuda_graphs": False, "talker_turn_tokens": 1024,
                "tick_headroom": 0.5, "prefill_chunk_tokens": 256,
                "speak_policy": {"mode": "model", "k": 3, "turn_units": 1, "speech_rms": 0.02,
@@ -163,6 +163,7 @@ def test_bad_byte_size_in_config_names_key():
     ({"code2wav": {"graph_grid": "1,0"}}, "positive"),
     ({"server": {"port": 70000}}, r"server\.port"),
     ({"model": {"device": "gpu"}}, r"model\.device"),
+    ({"precision": {"kv_cache_dtype": "fp8"}}, r"precision\.kv_cache_dtype.*fp8_e4m3"),
 ])
 def test_invalid_values_name_their_key(raw, message):
     with pytest.raises(ConfigError, match=message):
@@ -223,6 +224,10 @@ def test_runtime_config_merges_client_fields_with_server_switches():
     assert rt.duplex_context_caching is True and rt.context_cache_capacity == 7
     assert rt.cfm_prompt_att_sharing is True and rt.cfm_arena_rows_from_graph_grid is True
     assert rt.shared_anchor_blocks is True and rt.block_size == 32 and rt.model_revision == "abc123"
+
+
+def test_kv_cache_dtype_defaults_to_the_model_dtype():
+    assert DeployConfig.default("tiny", environ=NO_ENV).precision.kv_cache_dtype == "auto"
 
 
 def test_runtime_config_defaults():

@@ -36,6 +36,7 @@ from duplexcache.context.context_cache import EncoderPath
 from duplexcache.context.tokenizer import ByteTokenizer
 from duplexcache.kv.block_pool import BlockPool
 from duplexcache.kv.kv_cache_manager import KVCacheManager
+from duplexcache.kv.kv_quant import kv_storage_dtype
 from duplexcache.kv.window import WindowConfig
 from duplexcache.models.audio_encoder import AudioEncoder
 from duplexcache.models.presets import build_random_models
@@ -151,7 +152,8 @@ class ComponentTarget:
         # Pool sized to this workload (free blocks are capacity, not held memory).
         per_session = -(-(self._context_upper_bound() + w.high_tokens + 64) // bs) + 1
         num_blocks = max_sessions * per_session + 2
-        cache = th.make_kv_cache(num_blocks, bs, self.dtype, self.device)
+        cache = th.make_kv_cache(num_blocks, bs, self.dtype, self.device,
+                                 kv_storage_dtype(deploy.precision.kv_cache_dtype))   # as the engine's
         mgr = KVCacheManager(BlockPool(num_blocks), bs, cache.bytes_per_block)
         self.stage0 = Stage0Runner(th, mgr, cache, self.window,
                                    share_context=deploy.stage0.shared_anchor_blocks, block_size=bs)

@@ -50,6 +50,7 @@ class TickBenchConfig:
     warm_up: bool = True      # DuplexEngine.warmup() before the first tick, as `duplexcache serve` does
     graph_grid: tuple[int, ...] | None = None   # code2wav.graph_grid (+ arena rows from it); None: the preset's
     code2wav_dtype: str = "float32"   # precision.code2wav_dtype (bfloat16: capacity mode)
+    kv_cache_dtype: str = "auto"      # precision.kv_cache_dtype (fp8_e4m3: capacity mode)
 
     def __post_init__(self) -> None:
         if self.workload not in wl.WORKLOADS:
@@ -134,6 +135,7 @@ def make_deploy(cfg: TickBenchConfig) -> DeployConfig:
     raw["engine"]["decode_cuda_graphs"] = cfg.decode_cuda_graphs
     raw["stage0"]["ragged_kernel"] = cfg.ragged_kernel
     raw["precision"]["code2wav_dtype"] = cfg.code2wav_dtype
+    raw["precision"]["kv_cache_dtype"] = cfg.kv_cache_dtype
     if cfg.graph_grid is not None:
         raw["code2wav"]["graph_grid"] = list(cfg.graph_grid)
         raw["code2wav"]["cfm_arena_rows_from_graph_grid"] = True
@@ -171,6 +173,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="code2wav.graph_grid, e.g. 1,4,8,16 (arena rows from the grid); default: the preset's")
     p.add_argument("--code2wav-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="precision.code2wav_dtype: the Code2Wav flow, its caches and arena (bfloat16: capacity mode)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3"), default="auto",
+                   help="precision.kv_cache_dtype: Thinker and Talker KV pools in fp8 e4m3 + per-token scales "
+                        "(capacity mode)")
     p.add_argument("--max-seconds", type=float, default=420.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("out/engine_ticks"))
@@ -181,4 +186,4 @@ def config_from_args(a: argparse.Namespace) -> TickBenchConfig:
     return TickBenchConfig(a.preset, default_device(a.preset, a.device), a.sessions, a.ticks, a.warmup_ticks,
                            a.memory_budget, a.all_switches == "on", a.max_seconds, a.speak_k, a.seed, a.steady_window,
                            a.decode_cuda_graphs == "on", a.turn_units, a.ragged_kernel == "on", a.workload,
-                           a.warm_up == "on", a.graph_grid, a.code2wav_dtype)
+                           a.warm_up == "on", a.graph_grid, a.code2wav_dtype, a.kv_cache_dtype)

@@ -8,6 +8,9 @@ Measures one decode step (all layers) for B sessions of T cached tokens each:
   (c) the Triton paged kernel reading blocks in place (a small config sweep, best reported);
 and the window compaction's re-rotation of ``kept`` tokens in every layer:
   (d) plain PyTorch (gather listed blocks, rotate in float32, scatter back) vs the fused kernel.
+Both kernels also run on the same K/V quantized to fp8 e4m3 with per-(token, kv head) scales
+(``precision.kv_cache_dtype: fp8_e4m3``): ``triton_paged_fp8`` with (c)'s best config, and
+``triton_rerotate_fp8`` (dequantize, rotate, re-quantize), each with its error.
 Each figure: CUDA events around a whole step, warm-up, then ``--repeats`` timed steps;
 median, min, max. Errors: (c) vs (a) max-abs, both vs a float32 reference on a few sessions,
 a ragged-length check of (c), and (d) Triton vs PyTorch. Writes results.json and results.md.
@@ -247,6 +250,40 @@ def _sweep_triton(d: DecodeSetup, args) -> tuple[list[dict], dict]:
     return sweep, best_kw
 
 
+def quantize_paged(kv: LayerKV) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(k e4m3, k scales, v e4m3, v scales) of one paged layer set, as an fp8 pool stores it."""
+    from duplexcache.kv.kv_quant import quantize_fp8
+
+    (k8, ks), (v8, vs) = quantize_fp8(kv.paged_k), quantize_fp8(kv.paged_v)
+    return k8, ks, v8, vs
+
+
+def _time_fp8_decode(d: DecodeSetup, args, best_kw: dict) -> tuple[Timing, dict]:
+    """The paged kernel over fp8 copies of the layer sets (bf16 compute, in-kernel dequant)."""
+    from duplexcache.kv.triton_kernels import paged_decode_attention
+
+    sets = [quantize_paged(kv) for kv in d.layers]
+
+    def attn(i: int) -> torch.Tensor:
+        k8, ks, v8, vs = sets[i]
+        return paged_decode_attention(d.qs[i], k8, v8, d.bt, d.seq_lens, d.scale, k_scale=ks, v_scale=vs,
+                                      **best_kw)
+
+    def run() -> None:
+        for layer in range(d.s.layers):
+            attn(layer % d.s.distinct_layers)
+
+    timing = time_cuda("triton_paged_fp8", run, args.warmup, args.repeats)
+    kv0, q0 = d.layers[0], d.qs[0]
+    ref = reference_fp32(q0, kv0.dense_k, kv0.dense_v, d.scale, rows=4)
+    out = attn(0)
+    errors = {"triton_fp8_vs_fp32_ref_max_abs(4 sessions)": max_abs(out[:4], ref),
+              "triton_fp8_vs_bf16_triton_max_abs": max_abs(out, d.triton(q0, kv0, **best_kw)),
+              "fp8_all_finite": bool(torch.isfinite(out).all())}
+    del sets
+    return timing, errors
+
+
 def _decode_errors(d: DecodeSetup, dense_fn: Callable, best_kw: dict) -> dict:
     """Max-abs errors on layer set 0: Triton and gather vs dense, both vs float32."""
     kv0, q0 = d.layers[0], d.qs[0]
@@ -271,6 +308,7 @@ def bench_decode(s: Shapes, args, results: dict) -> None:
     timings["triton_paged"] = time_cuda(
         "triton_paged", d.step(lambda q, kv: d.triton(q, kv, **best_kw)),
         args.warmup, args.repeats)
+    timings["triton_paged_fp8"], fp8_errors = _time_fp8_decode(d, args, best_kw)
     default = [r for r in sweep if (r["block_n"], r["num_splits"], r["num_warps"],
                                     r["num_stages"]) == (64, "auto", 4, 2)]
     results["decode"] = {
@@ -279,8 +317,9 @@ def bench_decode(s: Shapes, args, results: dict) -> None:
         "triton_best_config": min(sweep, key=lambda r: r["median_ms"]),
         "triton_default_config_sweep_ms": default[0]["median_ms"] if default else None,
         "triton_sweep": sweep,
-        "errors": _decode_errors(d, dense_fn, best_kw),
+        "errors": {**_decode_errors(d, dense_fn, best_kw), **fp8_errors},
         "kv_bytes_per_step": s.kv_bytes_per_step(),
+        "kv_bytes_per_step_fp8": s.kv_bytes_per_step() // (2 * s.head_dim) * (s.head_dim + 4),
         "bandwidth_floor_ms": s.kv_bytes_per_step() / (results["copy_bandwidth_gbs"] * 1e9) * 1e3,
     }
     del d
@@ -352,6 +391,27 @@ def _sweep_rerotate(work: torch.Tensor, ids: torch.Tensor, delta: int,
     return sweep, {"block_rows": best["block_rows"], "num_warps": best["num_warps"]}
 
 
+def _rerotate_fp8_errors(base: torch.Tensor, ids: torch.Tensor, delta: int, theta: float,
+                         ref: torch.Tensor) -> dict:
+    """The fused kernel on an fp8 copy of ``base`` vs the torch fp8 path and the float64 rotation."""
+    from duplexcache.kv.kv_quant import dequantize_fp8, quantize_fp8
+    from duplexcache.kv.rope import rerotate_keys_
+    from duplexcache.kv.triton_kernels import rerotate_keys_triton_
+
+    q8, s8 = quantize_fp8(base)
+    a8, a_s, b8, b_s = q8.clone(), s8.clone(), q8.clone(), s8.clone()
+    rerotate_keys_triton_(a8, ids, delta, theta, k_scale=a_s)
+    # A layer list keeps rerotate_keys_ on its torch loop (all layers on CUDA go to the kernel).
+    rerotate_keys_(b8, ids, delta, theta, layers=list(range(base.shape[0])), k_scale=b_s)
+    got = dequantize_fp8(a8[:, ids], a_s[:, ids], torch.float32)
+    return {
+        "triton_fp8_vs_torch_fp8_max_abs": max_abs(got, dequantize_fp8(b8[:, ids], b_s[:, ids], torch.float32)),
+        "triton_fp8_bytes_equal_to_torch_fraction": float((a8.view(torch.uint8) == b8.view(torch.uint8))
+                                                          .float().mean()),
+        "triton_fp8_vs_fp64_max_abs": max_abs(got, ref),
+    }
+
+
 def bench_rerotate(s: Shapes, args, results: dict) -> None:
     from duplexcache.kv.triton_kernels import rerotate_keys_triton_
 
@@ -378,6 +438,7 @@ def bench_rerotate(s: Shapes, args, results: dict) -> None:
         "triton_vs_fp64_max_abs": max_abs(b[:, ids], ref),
         "bit_equal_to_torch_fraction": float((a == b).float().mean()),
     }
+    errors.update(_rerotate_fp8_errors(base, ids, delta, s.theta, ref))
     del ref
     work = base.clone()
     sweep, best_kw = _sweep_rerotate(work, ids, delta, s.theta)
@@ -393,6 +454,12 @@ def bench_rerotate(s: Shapes, args, results: dict) -> None:
                                                      work, ids, delta, s.theta, **best_kw),
                                                  args.warmup, reps),
     }
+    from duplexcache.kv.kv_quant import quantize_fp8
+
+    work8, scales8 = quantize_fp8(base)
+    timings["triton_rerotate_fp8"] = time_cuda("triton_rerotate_fp8", lambda: rerotate_keys_triton_(
+        work8, ids, delta, s.theta, k_scale=scales8, check_ids=False, **best_kw), args.warmup, reps)
+    del work8, scales8
     try:  # the project's CPU/reference path (per-layer loop), when the module is present
         from duplexcache.kv.rope import rerotate_keys_
     except ImportError:

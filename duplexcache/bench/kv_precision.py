@@ -35,11 +35,12 @@ import torch
 import torch.nn.functional as F
 
 from duplexcache.bench.common import alias_main, hardware_line, int_list, usage_error, write_results
+from duplexcache.kv.kv_quant import kv_storage_dtype
 from duplexcache.kv.paged_attention import PagedBatch, PagedKVCache
 from duplexcache.models.presets import PRESETS, build_random_models
 
 logger = logging.getLogger(__name__)
-ARMS = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn}   # precision.kv_cache_dtype -> storage format
+ARMS = ("auto", "fp8_e4m3")   # precision.kv_cache_dtype
 DTYPES = {"minicpmo45": torch.bfloat16, "tiny": torch.float32}
 
 
@@ -47,7 +48,8 @@ def make_cache(config, num_blocks: int, block_size: int, dtype: torch.dtype, dev
                kv_cache_dtype: str) -> PagedKVCache:
     """A Thinker-shaped paged cache in ``kv_cache_dtype`` (``auto``: ``dtype``)."""
     cache = PagedKVCache(config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads,
-                         config.head_dim, dtype=dtype, device=device, storage_dtype=ARMS[kv_cache_dtype])
+                         config.head_dim, dtype=dtype, device=device,
+                         storage_dtype=kv_storage_dtype(kv_cache_dtype))
     if device.type == "cuda":
         cache.set_decode_backend("triton")   # the serving decode path
     return cache

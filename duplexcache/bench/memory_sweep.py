@@ -30,6 +30,7 @@ from duplexcache.bench.report import RunMeta, build_report, format_table, write_
 from duplexcache.bench.runner import run_sweep
 from duplexcache.cfm.config import Code2WavShape
 from duplexcache.config import DeployConfig, parse_bytes
+from duplexcache.kv.kv_quant import kv_storage_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +147,8 @@ def _engine_setup(deploy: DeployConfig, configs, args) -> _Setup:
     p = models.voices.get("default").prompt_frames
     floor = session_floor(models.thinker.config, deploy.stage0.window.high_tokens,
                           Code2WavShape.from_flow(models.flow), p, models.audio_encoder.cfg, deploy.model.dtype,
-                          code2wav_dtype=deploy.precision.code2wav_dtype)
+                          code2wav_dtype=deploy.precision.code2wav_dtype,
+                          kv_storage_dtype=kv_storage_dtype(deploy.precision.kv_cache_dtype))
     turn = resolve_turn_tokens(deploy.engine.talker_turn_tokens, models.talker.config)
     notes = {
         "speak_policy": f"engine.speak_policy every_k_units k={ALWAYS_SPEAK_K} turn_units={ALWAYS_SPEAK_K} in "
@@ -167,7 +169,7 @@ def _components_setup(deploy: DeployConfig, configs, args) -> _Setup:
     models = BenchModels.build(args.preset, deploy.model.device, getattr(torch, deploy.model.dtype), seed=args.seed)
     floor = session_floor(models.thinker.config, deploy.stage0.window.high_tokens,
                           Code2WavShape.from_flow(models.flow), models.prompt_frames, models.encoder.cfg,
-                          deploy.model.dtype)
+                          deploy.model.dtype, kv_storage_dtype=kv_storage_dtype(deploy.precision.kv_cache_dtype))
     notes = {
         "fast_forward": "Thinker window filled to prefix + high_tokens by appending real token embeddings of "
                         "seeded random ids in batched chunks (no decode); Code2Wav reaches P private frames "
@@ -231,6 +233,7 @@ def _run_meta(args, deploy: DeployConfig, configs, device: torch.device, session
         "thinker_dtype": deploy.model.dtype,
         "code2wav_dtype": deploy.precision.code2wav_dtype,
         "talker_turn_tokens": deploy.engine.talker_turn_tokens,   # None: the Talker's max_position_embeddings
+        "kv_cache_dtype": deploy.precision.kv_cache_dtype,
         "seed": args.seed,
         **setup.notes,
     }

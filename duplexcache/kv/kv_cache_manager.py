@@ -5,7 +5,8 @@ Lifecycle of one session (what the runtime calls, in order)::
 
     ok = mgr.can_allocate_context(token_ids, extra_key, share)      # admission asks
     alloc = mgr.allocate_context(sid, token_ids, extra_key, share)  # then does
-    # (apply_block_copies_ below, or paged_attention.copy_blocks(cache, pairs), copy K and V)
+    # (apply_block_copies_ below, or paged_attention.copy_blocks(cache, pairs), copy K and V;
+    #  an fp8 pool's k_scale/v_scale are laid out per block too and must be copied with them)
     apply_block_copies_([k, v], alloc.cow_pairs)      # before the forward: tail from template
     forward over tokens alloc.compute_start .. alloc.compute_end-1 (may be empty)
     apply_block_copies_([k, v], alloc.template_pairs) # after the forward: fill new template
@@ -85,7 +86,8 @@ def apply_block_copies_(tensors: Sequence[torch.Tensor], pairs: Sequence[tuple[i
     """Copy whole blocks ``src -> dst`` in place, in order, in each tensor.
 
     Each tensor is laid out ``(num_layers, num_blocks, block_size, ...)`` (the paged K and V
-    caches), so a block is copied in every layer.
+    caches, and an fp8 pool's ``k_scale``/``v_scale``: pass them too), so a block is copied in
+    every layer.
     """
     if not pairs:
         return

@@ -26,6 +26,10 @@ sequences add at most ``RAGGED_KERNEL_MAX_NEW`` tokens each (a unit's append, th
 condition rows): each new token becomes one query row with its own sequence's block table and
 ``seq_len = its logical index + 1``. Its K/V are already written, so that length is exactly the
 causal mask. One launch per layer replaces one gather + SDPA per sequence per layer.
+
+fp8 storage (``storage_dtype=torch.float8_e4m3fn``): ``write_kv`` quantizes each new (token,
+kv head) row with its own scale, every reader (gather + SDPA, the kernel, re-rotation)
+dequantizes to the model dtype, and ``copy_blocks`` copies scales with their blocks.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
+
+from duplexcache.kv.kv_quant import FP8_SCALE_FLOOR, as_bytes, dequantize_fp8, is_quantized, quantize_fp8
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +61,12 @@ class PagedKVCache:
 
     ``k``/``v``: (num_layers, num_blocks, block_size, num_kv_heads, head_dim). The tensors are
     owned here; block ownership (who may write which block) belongs to the KV manager.
+
+    ``storage_dtype`` None (the default) stores the model ``dtype`` itself. ``torch.float8_e4m3fn``
+    (``precision.kv_cache_dtype: fp8_e4m3``) stores e4m3 values plus float32 ``k_scale``/``v_scale``
+    of shape (num_layers, num_blocks, block_size, num_kv_heads), one per token and kv head, set
+    when the token is written (kv/kv_quant.py). Every reader here dequantizes; code outside this
+    module reads values through ``gather_blocks`` or passes ``layer_scales`` to the kernels.
     """
 
     def __init__(
@@ -66,6 +78,7 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        storage_dtype: torch.dtype | None = None,
     ) -> None:
         for name, value in (
             ("num_layers", num_layers),
@@ -83,10 +96,25 @@ class PagedKVCache:
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.dtype = dtype
+        self.dtype = dtype  # the model dtype: what writers hand in and readers get back
+        # What k/v hold: the model dtype (exact), or fp8 e4m3 with one float32 scale per
+        # (token, kv head) in k_scale/v_scale (kv/kv_quant.py). The scales are allocated here
+        # with the pool, once, so CUDA graphs capture their addresses like k/v's.
+        self.storage_dtype = dtype if storage_dtype is None else storage_dtype
+        self.quantized = is_quantized(storage_dtype)
+        if self.storage_dtype != dtype and not self.quantized:
+            # Another float format would need its own cast on every read; only fp8 has one.
+            raise ValueError(f"PagedKVCache: storage_dtype {storage_dtype} must be the model dtype {dtype} "
+                             "or torch.float8_e4m3fn")
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = torch.zeros(shape, dtype=self.storage_dtype, device=device)
+        self.v = torch.zeros(shape, dtype=self.storage_dtype, device=device)
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
+        if self.quantized:
+            # Floor, not 0: an unwritten slot dequantizes to 0 * floor = 0, like the float pool.
+            self.k_scale = torch.full(shape[:-1], FP8_SCALE_FLOOR, dtype=torch.float32, device=device)
+            self.v_scale = torch.full(shape[:-1], FP8_SCALE_FLOOR, dtype=torch.float32, device=device)
         # Attention path for decode batches; the kernel is resolved when selected, so a missing
         # kernel module is an error at selection time, not a silent fallback later.
         self.decode_backend = "reference"
@@ -123,7 +151,28 @@ class PagedKVCache:
 
     @property
     def bytes_per_block(self) -> int:
-        return bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
+        return bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype,
+                               self.storage_dtype)
+
+    def layer_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(k_scale, v_scale) of one layer, each (num_blocks, block_size, Hkv); (None, None) unquantized."""
+        if not self.quantized:
+            return None, None
+        assert self.k_scale is not None and self.v_scale is not None, "a quantized pool has scales"
+        return self.k_scale[layer], self.v_scale[layer]
+
+    def gather_blocks(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``blocks`` (n,) in one layer as tokens, each (n * block_size, Hkv, D).
+
+        Unquantized: the stored values as they are (a gather, no cast). fp8: dequantized to the
+        model dtype. The accessor for every reader outside this module that wants values.
+        """
+        k, v = self.k[layer][blocks].flatten(0, 1), self.v[layer][blocks].flatten(0, 1)
+        if not self.quantized:
+            return k, v
+        ks, vs = self.layer_scales(layer)
+        return (dequantize_fp8(k, ks[blocks].flatten(0, 1), self.dtype),
+                dequantize_fp8(v, vs[blocks].flatten(0, 1), self.dtype))
 
     @property
     def total_bytes(self) -> int:
@@ -139,17 +188,25 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        storage_dtype: torch.dtype | None = None,
     ) -> "PagedKVCache":
         """Preallocate as many blocks as fit in ``budget_bytes`` (the null block included)."""
-        per_block = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+        per_block = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype, storage_dtype)
         num_blocks = num_blocks_for_budget(budget_bytes, per_block)
-        return cls(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+        return cls(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, storage_dtype)
 
 
-def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V over all layers for one block."""
-    itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                    storage_dtype: torch.dtype | None = None) -> int:
+    """Bytes of K and V over all layers for one block, scales included.
+
+    ``storage_dtype`` None: ``head_dim`` values of ``dtype`` per (token, kv head). fp8:
+    ``head_dim`` bytes plus one float32 scale per (token, kv head), for each of K and V.
+    """
+    storage = dtype if storage_dtype is None else storage_dtype
+    itemsize = torch.empty((), dtype=storage, device="meta").element_size()
+    row = head_dim * itemsize + (4 if is_quantized(storage_dtype) else 0)
+    return 2 * num_layers * block_size * num_kv_heads * row
 
 
 def num_blocks_for_budget(budget_bytes: int, block_bytes: int) -> int:
@@ -304,9 +361,23 @@ def write_kv(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.Tensor, 
             f"with N = {slot_mapping.shape[0]} slots"
         )
     heads_dim = (cache.num_kv_heads, cache.head_dim)
+    if cache.quantized:
+        _write_kv_fp8(cache, layer, k, v, slot_mapping)
+        return
     # The layer slice is contiguous (layer is the outermost dim), so this view aliases the pool.
     cache.k[layer].view(-1, *heads_dim).index_copy_(0, slot_mapping, k.to(cache.dtype))
     cache.v[layer].view(-1, *heads_dim).index_copy_(0, slot_mapping, v.to(cache.dtype))
+
+
+def _write_kv_fp8(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Quantize each new (token, kv head) row with its own scale and store row and scale at its
+    slot. Only the written slots change: earlier tokens of the block keep their bytes and scales."""
+    heads_dim = (cache.num_kv_heads, cache.head_dim)
+    for values, store, scales in ((k, cache.k, cache.k_scale), (v, cache.v, cache.v_scale)):
+        assert scales is not None, "a quantized pool has scales"
+        q, s = quantize_fp8(values)  # (N, Hkv, D) e4m3, (N, Hkv) float32
+        as_bytes(store[layer]).view(-1, *heads_dim).index_copy_(0, slot_mapping, as_bytes(q))
+        scales[layer].view(-1, cache.num_kv_heads).index_copy_(0, slot_mapping, s)
 
 
 def paged_attention(
@@ -321,11 +392,15 @@ def paged_attention(
         )
     path = attention_path(cache, batch, q.is_cuda)
     cache.path_counts[path] += 1
-    if path == "decode_kernel":
-        return cache._decode_kernel(q, cache.k[layer], cache.v[layer], batch.block_tables, batch.seq_lens, scale)
-    if path == "ragged_kernel":
-        tables, seq_lens = batch.token_rows()
-        return cache._decode_kernel(q, cache.k[layer], cache.v[layer], tables, seq_lens, scale)
+    if path in ("decode_kernel", "ragged_kernel"):
+        tables, seq_lens = ((batch.block_tables, batch.seq_lens) if path == "decode_kernel"
+                            else batch.token_rows())
+        if not cache.quantized:
+            return cache._decode_kernel(q, cache.k[layer], cache.v[layer], tables, seq_lens, scale)
+        # fp8: the kernel loads e4m3 values and their scales and dequantizes in registers.
+        ks, vs = cache.layer_scales(layer)
+        return cache._decode_kernel(q, cache.k[layer], cache.v[layer], tables, seq_lens, scale,
+                                    k_scale=ks, v_scale=vs)
     return _reference_paged_attention(q, cache, layer, batch, scale)
 
 
@@ -348,7 +423,6 @@ def _reference_paged_attention(
     """Gather each sequence's blocks into a contiguous K/V and run SDPA with a causal offset."""
     out = torch.empty_like(q)
     group = q.shape[1] // cache.num_kv_heads
-    k_layer, v_layer = cache.k[layer], cache.v[layer]  # (num_blocks, bs, Hkv, D)
     bs = cache.block_size
     start = 0
     for b in range(batch.num_seqs):
@@ -357,8 +431,8 @@ def _reference_paged_attention(
             continue
         seq_len = computed + new
         blocks = batch.block_tables[b, : -(-seq_len // bs)].long()
-        k = k_layer[blocks].flatten(0, 1)[:seq_len]  # (S, Hkv, D)
-        v = v_layer[blocks].flatten(0, 1)[:seq_len]
+        k, v = cache.gather_blocks(layer, blocks)  # (n * bs, Hkv, D); fp8 comes back dequantized
+        k, v = k[:seq_len], v[:seq_len]  # (S, Hkv, D)
         # GQA: query head h reads kv head h // group (same order as transformers' repeat_kv).
         k = k.repeat_interleave(group, dim=1).transpose(0, 1).to(q.dtype)  # (Hq, S, D)
         v = v.repeat_interleave(group, dim=1).transpose(0, 1).to(q.dtype)
@@ -397,3 +471,7 @@ def copy_blocks(cache: PagedKVCache, pairs: list[tuple[int, int]]) -> None:
     dst = torch.tensor(dsts, dtype=torch.long, device=cache.device)
     cache.k[:, dst] = cache.k[:, src]
     cache.v[:, dst] = cache.v[:, src]
+    if cache.quantized:
+        # A token's scale travels with its bytes: the copy dequantizes exactly like the source.
+        cache.k_scale[:, dst] = cache.k_scale[:, src]
+        cache.v_scale[:, dst] = cache.v_scale[:, src]

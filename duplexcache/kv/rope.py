@@ -18,6 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
+from duplexcache.kv.kv_quant import FP8_KV_DTYPE, as_bytes, dequantize_fp8, quantize_fp8
+
 __all__ = ["inv_freq", "rope_cos_sin", "rotate_half", "apply_rope", "rerotate_keys_"]
 
 
@@ -85,6 +87,8 @@ def rerotate_keys_(
     delta: int,
     theta: float,
     layers: Sequence[int] | None = None,
+    *,
+    k_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate the keys stored in ``block_ids`` by ``-delta`` positions, in place.
 
@@ -97,6 +101,10 @@ def rerotate_keys_(
 
     Unused slots of a partial last block are rotated too; they hold no valid key, and the
     next write overwrites them.
+
+    An fp8 cache (``float8_e4m3fn``, ``precision.kv_cache_dtype: fp8_e4m3``) passes its
+    ``k_scale`` (layers, blocks, block_size, kv_heads): each key is dequantized, rotated in
+    float32 and re-quantized with a fresh per-(token, head) scale, written to ``k_scale``.
     """
     if k_cache.dim() != 5:
         raise ValueError(f"k_cache must be (layers, blocks, block_size, heads, head_dim), got {tuple(k_cache.shape)}")
@@ -112,6 +120,10 @@ def rerotate_keys_(
     layer_list = range(num_layers) if layers is None else list(layers)
     if any(not 0 <= l < num_layers for l in layer_list) or len(set(layer_list)) != len(layer_list):
         raise ValueError(f"rerotate_keys_: layers must be distinct and in [0, {num_layers}): {list(layer_list)}")
+    if (k_scale is not None) != (k_cache.dtype == FP8_KV_DTYPE):
+        raise ValueError(f"rerotate_keys_: k_scale goes with an fp8 cache and only with it (cache {k_cache.dtype})")
+    if k_scale is not None and k_scale.shape != k_cache.shape[:4]:
+        raise ValueError(f"rerotate_keys_: k_scale {tuple(k_scale.shape)} must be {tuple(k_cache.shape[:4])}")
     if layers is None and _is_cuda(k_cache) and _fused_rerotation_available(k_cache.device):
         # One fused kernel over all layers and blocks: the per-layer loop below costs ~6 ms
         # for 36 layers x 6000 tokens on an H200, the kernel ~0.5 ms (docs/benchmarks.md).
@@ -119,7 +131,8 @@ def rerotate_keys_(
 
         rerotation_path_counts["triton"] += 1
         # ids were validated above; the kernel's own check would sync the device again.
-        return rerotate_keys_triton_(k_cache, ids.to(k_cache.device), delta, theta, check_ids=False)
+        return rerotate_keys_triton_(k_cache, ids.to(k_cache.device), delta, theta, k_scale=k_scale,
+                                     check_ids=False)
     rerotation_path_counts["torch"] += 1
     # Rotation by -delta: cos(-a) = cos(a), sin(-a) = -sin(a). Angles in float32.
     angle = -float(delta) * inv_freq(head_dim, theta, k_cache.device)  # (head_dim/2,)
@@ -128,7 +141,20 @@ def rerotate_keys_(
     ids = ids.to(k_cache.device)
     for layer in layer_list:
         k_layer = k_cache[layer]  # view (num_blocks, block_size, heads, head_dim)
+        if k_scale is not None:
+            _rerotate_fp8_layer(k_layer, k_scale[layer], ids, cos, sin)
+            continue
         k = k_layer.index_select(0, ids).to(torch.float32)  # temporary (n, bs, heads, head_dim)
         k = k * cos + rotate_half(k) * sin
         k_layer.index_copy_(0, ids, k.to(k_cache.dtype))  # scatter back into the cache storage
     return k_cache
+
+
+def _rerotate_fp8_layer(k_layer: torch.Tensor, scale_layer: torch.Tensor, ids: torch.Tensor,
+                        cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """One layer of an fp8 cache: dequantize the listed blocks, rotate in float32, re-quantize
+    each (token, head) row with a fresh scale (its amax changed with the rotation)."""
+    k = dequantize_fp8(k_layer.index_select(0, ids), scale_layer.index_select(0, ids), torch.float32)
+    q, s = quantize_fp8(k * cos + rotate_half(k) * sin)
+    as_bytes(k_layer).index_copy_(0, ids, as_bytes(q))  # CPU has no float8 index_copy_
+    scale_layer.index_copy_(0, ids, s)

@@ -11,6 +11,12 @@ Two kernels live here:
   ``-delta`` (NeoX half-split RoPE, float32 angle math), one launch over all layers and all
   listed blocks.
 
+Both take an fp8 pool too (``precision.kv_cache_dtype: fp8_e4m3``, kv/kv_quant.py): e4m3
+values plus one float32 scale per (token, kv head), passed as ``k_scale``/``v_scale``. The
+decode kernel dequantizes each loaded row in registers (value * scale, cast to q's dtype);
+the re-rotation dequantizes, rotates and re-quantizes each row with a fresh scale. Without
+scales the scaled code is compiled out (``HAS_SCALES``), so the float path is unchanged.
+
 Cache layout (see kv/paged_attention.py)::
 
     k_cache_layer: (num_blocks, block_size, num_kv_heads, head_dim)
@@ -29,6 +35,8 @@ import os
 from collections.abc import Sequence
 
 import torch
+
+from duplexcache.kv.kv_quant import FP8_E4M3_MAX, FP8_SCALE_FLOOR
 
 logger = logging.getLogger(__name__)
 
@@ -96,21 +104,26 @@ if triton is not None:
     @triton.jit
     def _paged_decode_split_kernel(
         Q, K, V, BT, SL, OUT_PART, LSE_PART,
+        KS, VS,  # fp8 pools: (num_blocks, block_size, Hkv) float32 scales; unused otherwise
         qk_scale_log2,  # softmax scale * log2(e): the softmax runs in base 2
         stride_qb, stride_qh,
         stride_kb, stride_kt, stride_kh,
         stride_vb, stride_vt, stride_vh,
+        stride_ksb, stride_kst, stride_ksh,
+        stride_vsb, stride_vst, stride_vsh,
         stride_btb,
         stride_ob, stride_oh, stride_os,
         stride_lb, stride_lh,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, HAS_SCALES: tl.constexpr,
     ):
         """One program = (sequence b, kv head, split s); all GROUP q heads of the kv head.
 
         Rows of the q tile beyond GROUP are zero padding so tl.dot gets its 16-row minimum;
-        they are never stored.
+        they are never stored. With HAS_SCALES, K/V tiles are e4m3 and each token row is
+        dequantized in registers (value * its scale, cast to q's dtype) before its dot, as the
+        reference path dequantizes before SDPA.
         """
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -142,6 +155,10 @@ if triton is not None:
             slot = offs_n % PAGE
             k_row = K + blk * stride_kb + slot * stride_kt + kvh * stride_kh  # (BLOCK_N,)
             k = tl.load(k_row[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+            if HAS_SCALES:
+                ks = tl.load(KS + blk * stride_ksb + slot * stride_kst + kvh * stride_ksh,
+                             mask=n_mask, other=0.0)
+                k = (k.to(tl.float32) * ks[:, None]).to(Q.dtype.element_ty)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
             s = tl.where(n_mask[None, :], s, float("-inf"))  # (BLOCK_G, BLOCK_N)
 
@@ -152,6 +169,10 @@ if triton is not None:
 
             v_row = V + blk * stride_vb + slot * stride_vt + kvh * stride_vh
             v = tl.load(v_row[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+            if HAS_SCALES:
+                vs = tl.load(VS + blk * stride_vsb + slot * stride_vst + kvh * stride_vsh,
+                             mask=n_mask, other=0.0)
+                v = (v.to(tl.float32) * vs[:, None]).to(Q.dtype.element_ty)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
@@ -200,12 +221,20 @@ if triton is not None:
     @triton.jit
     def _rerotate_kernel(
         KC, BIDS, COS, SIN,  # COS/SIN: (D/2,) float32 tables of the angle -delta * inv_freq
+        KS,  # fp8 pools: (L, num_blocks, block_size, Hkv) float32 scales; unused otherwise
         num_ids,
         stride_kl, stride_kb, stride_kt, stride_kh,
+        stride_sl, stride_sb, stride_st, stride_sh,
         NUM_KV_HEADS: tl.constexpr, PAGE: tl.constexpr, HALF: tl.constexpr,
-        BLOCK_R: tl.constexpr,
+        BLOCK_R: tl.constexpr, HAS_SCALES: tl.constexpr,
+        FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr,
     ):
-        """One program = BLOCK_R (token, kv head) rows of one listed block in one layer."""
+        """One program = BLOCK_R (token, kv head) rows of one listed block in one layer.
+
+        With HAS_SCALES the rows are e4m3: each is dequantized with its scale, rotated, and
+        re-quantized with a fresh scale (amax / FP8_MAX, floored), as kv_quant.quantize_fp8
+        does. A row's two halves are in one program, so its amax needs no cross-program step.
+        """
         pid = tl.program_id(0)
         layer = pid // num_ids
         i = pid % num_ids
@@ -223,11 +252,23 @@ if triton is not None:
 
         p1 = base[:, None] + offs[None, :]
         p2 = p1 + HALF
-        x1 = tl.load(p1, mask=r_mask[:, None]).to(tl.float32)
-        x2 = tl.load(p2, mask=r_mask[:, None]).to(tl.float32)
+        x1 = tl.load(p1, mask=r_mask[:, None], other=0.0).to(tl.float32)
+        x2 = tl.load(p2, mask=r_mask[:, None], other=0.0).to(tl.float32)
+        if HAS_SCALES:
+            s_ptr = (KS + layer.to(tl.int64) * stride_sl + blk * stride_sb + t * stride_st
+                     + h * stride_sh)
+            s_old = tl.load(s_ptr, mask=r_mask, other=1.0)
+            x1 = x1 * s_old[:, None]
+            x2 = x2 * s_old[:, None]
         # NeoX rotate_half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).
         y1 = x1 * cos - x2 * sin
         y2 = x2 * cos + x1 * sin
+        if HAS_SCALES:
+            amax = tl.maximum(tl.max(tl.abs(y1), axis=1), tl.max(tl.abs(y2), axis=1))
+            s_new = tl.maximum(amax / FP8_MAX, SCALE_FLOOR)
+            y1 = tl.minimum(tl.maximum(y1 / s_new[:, None], -FP8_MAX), FP8_MAX)
+            y2 = tl.minimum(tl.maximum(y2 / s_new[:, None], -FP8_MAX), FP8_MAX)
+            tl.store(s_ptr, s_new, mask=r_mask)
         tl.store(p1, y1.to(KC.dtype.element_ty), mask=r_mask[:, None])
         tl.store(p2, y2.to(KC.dtype.element_ty), mask=r_mask[:, None])
 
@@ -272,7 +313,7 @@ def _check_decode_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if num_q_heads % num_kv_heads != 0:
         raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads "
                          f"{num_kv_heads}")
-    if q.dtype != k.dtype or v.dtype != k.dtype:
+    if v.dtype != k.dtype or (q.dtype != k.dtype and k.dtype != torch.float8_e4m3fn):
         raise ValueError(f"dtype mismatch: q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("q, k_cache_layer and v_cache_layer need a contiguous last dimension")
@@ -290,6 +331,24 @@ def _check_decode_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
 
 
+def _check_scales(k: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> bool:
+    """Whether the cache is fp8 with scales; refuses a half-given or misshapen pair."""
+    if k_scale is None and v_scale is None:
+        if k.dtype == torch.float8_e4m3fn:
+            raise ValueError("an fp8 KV cache needs k_scale and v_scale (one float32 per token and kv head)")
+        return False
+    if k_scale is None or v_scale is None:
+        raise ValueError("k_scale and v_scale go together")
+    if k.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"scales are for an fp8 (float8_e4m3fn) cache, got {k.dtype}")
+    for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if sc.shape != k.shape[:3] or sc.dtype != torch.float32 or sc.device != k.device:
+            raise ValueError(f"{name} must be float32 (num_blocks, block_size, num_kv_heads) = "
+                             f"{tuple(k.shape[:3])} on {k.device}, got {sc.dtype} "
+                             f"{tuple(sc.shape)} on {sc.device}")
+    return True
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache_layer: torch.Tensor,
@@ -298,6 +357,8 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     num_splits: int | None = None,
     block_n: int = 64,
     num_warps: int = 4,
@@ -314,12 +375,16 @@ def paged_decode_attention(
             device sync): ``seq_lens[b] <= max_blocks * block_size``. A row with
             ``seq_lens[b] == 0`` (batch padding) returns zeros.
         scale: softmax scale, usually ``D ** -0.5``.
+        k_scale, v_scale: for an fp8 (float8_e4m3fn) cache, the layer's float32 scales
+            (num_blocks, block_size, Hkv); each loaded row is dequantized to q's dtype in
+            registers. None for a cache in q's dtype.
         num_splits: sequence splits per (sequence, kv head); default from the SM count.
 
     Returns:
         (B, Hq, D) in q's dtype.
     """
     _check_decode_inputs(q, k_cache_layer, v_cache_layer, block_tables, seq_lens)
+    has_scales = _check_scales(k_cache_layer, k_scale, v_scale)
     _require_runnable(q.device)
     if not _is_pow2(block_n) or block_n < 16:
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
@@ -341,18 +406,24 @@ def paged_decode_attention(
     # float32 inputs keep full precision (Triton's default dot on float32 is tf32); 16-bit
     # inputs take the default.
     precision = "ieee" if q.dtype == torch.float32 else None
+    # Without scales the kernel never reads KS/VS (HAS_SCALES is compiled out); K's scale-shaped
+    # stand-in only gives the pointer arguments a tensor.
+    ks = k_scale if has_scales else k_cache_layer[..., 0]
+    vs = v_scale if has_scales else v_cache_layer[..., 0]
     _paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache_layer, v_cache_layer, block_tables, seq_lens, out_part, lse_part,
+        q, k_cache_layer, v_cache_layer, block_tables, seq_lens, out_part, lse_part, ks, vs,
         float(scale) * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache_layer.stride(0), k_cache_layer.stride(1), k_cache_layer.stride(2),
         v_cache_layer.stride(0), v_cache_layer.stride(1), v_cache_layer.stride(2),
+        ks.stride(0), ks.stride(1), ks.stride(2),
+        vs.stride(0), vs.stride(1), vs.stride(2),
         block_tables.stride(0),
         out_part.stride(0), out_part.stride(1), out_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits, DOT_PRECISION=precision,
-        num_warps=num_warps, num_stages=num_stages,
+        HAS_SCALES=has_scales, num_warps=num_warps, num_stages=num_stages,
     )
     _paged_decode_merge_kernel[(batch, num_q_heads)](
         out_part, lse_part, out,
@@ -413,11 +484,16 @@ def rerotate_keys_triton_(
     delta: int,
     theta: float,
     *,
+    k_scale: torch.Tensor | None = None,
     check_ids: bool = True,
     block_rows: int = 64,
     num_warps: int = 4,
 ) -> torch.Tensor:
     """Rotate every key of the listed blocks, in every layer, by -delta positions, in place.
+
+    fp8 caches (``float8_e4m3fn``) pass ``k_scale`` (L, num_blocks, block_size, Hkv) float32:
+    each (token, kv head) row is dequantized, rotated, and re-quantized with a fresh scale,
+    which is written back to ``k_scale`` in place.
 
     ``k_cache`` is (L, num_blocks, block_size, Hkv, D) and contiguous in its last dim; V is
     never touched. Angles are float32 ``(-delta) * inv_freq`` (cos/sin by torch, once); the
@@ -438,6 +514,14 @@ def rerotate_keys_triton_(
         raise ValueError("k_cache needs a contiguous last dimension")
     if not _is_pow2(block_rows):
         raise ValueError(f"block_rows must be a power of two, got {block_rows}")
+    has_scales = k_scale is not None
+    if has_scales != (k_cache.dtype == torch.float8_e4m3fn):
+        raise ValueError(f"k_scale goes with an fp8 (float8_e4m3fn) cache and only with it; "
+                         f"cache {k_cache.dtype}, k_scale {'given' if has_scales else 'missing'}")
+    if has_scales and (k_scale.shape != k_cache.shape[:4] or k_scale.dtype != torch.float32
+                       or k_scale.device != k_cache.device):
+        raise ValueError(f"k_scale must be float32 {tuple(k_cache.shape[:4])} on {k_cache.device}, "
+                         f"got {k_scale.dtype} {tuple(k_scale.shape)} on {k_scale.device}")
     _require_runnable(k_cache.device)
     ids = _block_ids_tensor(block_ids, num_blocks, k_cache.device, check_ids)
     if delta == 0 or ids.numel() == 0 or num_layers == 0:
@@ -448,10 +532,13 @@ def rerotate_keys_triton_(
     angle = float(-delta) * _cached_inv_freq(head_dim, theta, k_cache.device)
     cos, sin = angle.cos(), angle.sin()
     grid = (num_layers * ids.numel(), triton.cdiv(page * num_kv_heads, block_rows))
+    ks = k_scale if has_scales else k_cache[..., 0]  # a stand-in the kernel never reads
     _rerotate_kernel[grid](
-        k_cache, ids, cos, sin, ids.numel(),
+        k_cache, ids, cos, sin, ks, ids.numel(),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
+        ks.stride(0), ks.stride(1), ks.stride(2), ks.stride(3),
         NUM_KV_HEADS=num_kv_heads, PAGE=page, HALF=head_dim // 2, BLOCK_R=block_rows,
+        HAS_SCALES=has_scales, FP8_MAX=FP8_E4M3_MAX, SCALE_FLOOR=FP8_SCALE_FLOOR,
         num_warps=num_warps,
     )
     return k_cache

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from duplexcache.kv.paged_attention import PagedBatch, PagedKVCache
+from duplexcache.kv.paged_attention import PagedBatch, PagedKVCache, bytes_per_block
 from duplexcache.kv.rope import rope_cos_sin
 from duplexcache.models.checkpoint import CheckpointError, checkpoint_keys, load_state_dict, load_strict, read_hf_config
 from duplexcache.models.layers import DecoderLayer, GQAttention, RMSNorm, SwiGLUMLP, check_paged_step
@@ -118,9 +118,10 @@ class ThinkerConfig:
         d.update(model_type="qwen3", hidden_act="silu", use_sliding_window=False)
         return d
 
-    def kv_bytes_per_token(self, dtype: torch.dtype = torch.bfloat16) -> int:
-        itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * itemsize
+    def kv_bytes_per_token(self, dtype: torch.dtype = torch.bfloat16, storage_dtype: torch.dtype | None = None) -> int:
+        """K+V bytes of one token over all layers: the pool's own formula (``storage_dtype`` fp8
+        counts one byte per value plus the per-(token, kv head) float32 scales)."""
+        return bytes_per_block(self.num_hidden_layers, 1, self.num_key_value_heads, self.head_dim, dtype, storage_dtype)
 
 
 def _rope_theta(config: dict) -> float:
@@ -314,12 +315,14 @@ class Thinker(nn.Module):
         block_size: int = 16,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        storage_dtype: torch.dtype | None = None,
     ) -> PagedKVCache:
-        """A KV pool shaped for this model (defaults: the weights' dtype and device)."""
+        """A KV pool shaped for this model (defaults: the weights' dtype and device; ``storage_dtype``
+        ``torch.float8_e4m3fn`` stores fp8 with per-token scales, ``precision.kv_cache_dtype``)."""
         weight = self.lm_head.weight
         return PagedKVCache(
             self.config.num_hidden_layers, num_blocks, block_size, self.config.num_key_value_heads,
-            self.config.head_dim, dtype or weight.dtype, device or weight.device,
+            self.config.head_dim, dtype or weight.dtype, device or weight.device, storage_dtype,
         )  # fmt: skip
 
     @classmethod

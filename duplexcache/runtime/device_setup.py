@@ -68,17 +68,30 @@ class KVPools:
     talker_kv: TalkerBlocks
 
 
-def build_kv_pools(models: ModelBundle, plan: MemoryPlan, stage0_cfg: Stage0Config, window: WindowConfig) -> KVPools:
-    """Allocate the Thinker and Talker pools at the plan's sizes and pick their attention paths."""
+def build_kv_pools(models: ModelBundle, plan: MemoryPlan, stage0_cfg: Stage0Config, window: WindowConfig,
+                   storage_dtype: torch.dtype | None = None) -> KVPools:
+    """Allocate the Thinker and Talker pools at the plan's sizes and pick their attention paths.
+
+    ``storage_dtype`` (``precision.kv_cache_dtype``): None stores the model dtype; fp8 e4m3 stores
+    both pools quantized with per-token scales (the plan's block bytes must be that format's).
+    """
     bs, dev, dt = stage0_cfg.block_size, models.device, models.dtype
-    thinker_cache = models.thinker.make_kv_cache(plan.thinker_blocks, bs, dt, dev)
+    thinker_cache = models.thinker.make_kv_cache(plan.thinker_blocks, bs, dt, dev, storage_dtype)
     thinker_manager = KVCacheManager(BlockPool(plan.thinker_blocks), bs, thinker_cache.bytes_per_block)
     stage0 = Stage0Runner(models.thinker, thinker_manager, thinker_cache, window,
                           share_context=stage0_cfg.shared_anchor_blocks, block_size=bs)
     tc = models.talker.config
     talker_cache = PagedKVCache(tc.num_hidden_layers, plan.talker_blocks, bs, tc.num_key_value_heads,
-                                tc.head_dim, dt, dev)
+                                tc.head_dim, dt, dev, storage_dtype)
     talker_kv = TalkerBlocks(BlockPool(plan.talker_blocks), bs)
+    # Admission sized the pools with plan's block bytes: a pool of another size per block
+    # would hold more (or fewer) bytes than were reserved.
+    assert (thinker_cache.bytes_per_block, talker_cache.bytes_per_block) == (
+        plan.thinker_block_bytes, plan.talker_block_bytes), "KV pools and the memory plan disagree on block bytes"
+    if thinker_cache.quantized:
+        logger.info("KV pools in %s with a float32 scale per token and kv head (precision.kv_cache_dtype): "
+                    "%d B per Thinker block, %d B per Talker block", thinker_cache.storage_dtype,
+                    thinker_cache.bytes_per_block, talker_cache.bytes_per_block)
     for cache in (thinker_cache, talker_cache):
         select_attention_backend(cache)
         cache.ragged_steps_in_kernel = stage0_cfg.ragged_kernel

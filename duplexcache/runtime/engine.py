@@ -39,6 +39,7 @@ import torch
 from duplexcache.config import DeployConfig
 from duplexcache.context import EmbeddingResult, EncoderPath, SessionContextBuilder
 from duplexcache.kv.decode_graphs import PagedDecodeGraphs
+from duplexcache.kv.kv_quant import kv_storage_dtype
 from duplexcache.kv.window import WindowConfig
 from duplexcache.runtime import device_setup, turns
 from duplexcache.runtime.admission import AdmissionLedger, Footprint, TickCostModel
@@ -118,7 +119,8 @@ class DuplexEngine:
         logger.info("engine ready: %s", self.plan.describe())
 
     def _build_pools(self) -> None:
-        kv = device_setup.build_kv_pools(self.models, self.plan, self.deploy.stage0, self.window)
+        kv = device_setup.build_kv_pools(self.models, self.plan, self.deploy.stage0, self.window,
+                                         kv_storage_dtype(self.deploy.precision.kv_cache_dtype))
         self.thinker_cache, self.thinker_manager, self.stage0 = kv.thinker_cache, kv.thinker_manager, kv.stage0
         self.talker_cache, self.talker_kv = kv.talker_cache, kv.talker_kv
         self.talker_pool = self.talker_kv.pool   # read by tests and stats; only talker_kv mutates it

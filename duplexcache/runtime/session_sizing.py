@@ -19,6 +19,8 @@ import torch
 from duplexcache.cfm.code2wav import BatchedCode2Wav, code2wav_session_bytes
 from duplexcache.config import DeployConfig, SessionConfigError, SessionRuntimeConfig, build_runtime_config
 from duplexcache.context import EmbeddingResult, EncoderPath, SessionContext, build_session_context
+from duplexcache.kv.kv_quant import kv_storage_dtype
+from duplexcache.kv.paged_attention import bytes_per_block
 from duplexcache.kv.window import WindowConfig
 from duplexcache.runtime import memory_budget
 from duplexcache.runtime.admission import AdmissionLedger, Footprint, MemoryPlan, TickCostModel, plan_memory
@@ -58,10 +60,11 @@ def session_window(cfg: SessionRuntimeConfig) -> WindowConfig:
     return WindowConfig(mode=cfg.window_mode, high_tokens=cfg.window_high_tokens, low_tokens=cfg.window_low_tokens)
 
 
-def kv_block_bytes(config: Any, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one paged K+V block of a decoder with ``config``'s shapes."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * elem
+def kv_block_bytes(config: Any, block_size: int, dtype: torch.dtype, storage_dtype: torch.dtype | None = None) -> int:
+    """Bytes of one paged K+V block of a decoder with ``config``'s shapes; the pool's own formula,
+    so an fp8 pool (``precision.kv_cache_dtype``) counts its values and scales."""
+    return bytes_per_block(config.num_hidden_layers, block_size, config.num_key_value_heads, config.head_dim,
+                           dtype, storage_dtype)
 
 
 def largest_unit_tokens(config: TalkerConfig) -> int:
@@ -157,10 +160,13 @@ class SessionSizing:
     # ------------------------------------------------------------------ the memory plan
 
     def thinker_block_bytes(self) -> int:
-        return kv_block_bytes(self.models.thinker.config, self.block_size, self.models.dtype)
+        return kv_block_bytes(self.models.thinker.config, self.block_size, self.models.dtype, self._kv_storage())
 
     def talker_block_bytes(self) -> int:
-        return kv_block_bytes(self.models.talker.config, self.block_size, self.models.dtype)
+        return kv_block_bytes(self.models.talker.config, self.block_size, self.models.dtype, self._kv_storage())
+
+    def _kv_storage(self) -> torch.dtype | None:
+        return kv_storage_dtype(self.deploy.precision.kv_cache_dtype)   # precision.kv_cache_dtype
 
     def plan(self) -> MemoryPlan:
         """The pools' sizes for the budget left after what is already allocated."""

@@ -495,7 +495,7 @@ class Stage0Runner:
         num_computed = num_tokens
         if plan is not None and plan.num_dropped_blocks > 0:
             if self.window.mode == "basic":
-                compact_basic(self.manager, self.cache.k, sess, plan, self.thinker.config.rope_theta)
+                compact_basic(self.manager, self.cache, sess, plan, self.thinker.config.rope_theta)
                 num_computed = plan.new_num_tokens
             else:
                 embeds, num_computed = compact_rebuild(self.manager, sess, plan, embeds)

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from duplexcache.kv.kv_cache_manager import KVCacheManager, SessionBytes
+from duplexcache.kv.paged_attention import PagedKVCache
 from duplexcache.kv.rope import rerotate_keys_
 from duplexcache.kv.window import WindowConfig, WindowPlan
 
@@ -158,9 +159,10 @@ class Stage0Session:
 # ------------------------------------------------------------------ compaction (``Stage0Runner`` calls these)
 
 
-def compact_basic(manager: KVCacheManager, k_cache: torch.Tensor, sess: Stage0Session, plan: WindowPlan,
+def compact_basic(manager: KVCacheManager, cache: PagedKVCache, sess: Stage0Session, plan: WindowPlan,
                   rope_theta: float) -> None:
-    """Drop the planned blocks and re-rotate the kept non-anchor keys by -delta, in place.
+    """Drop the planned blocks and re-rotate the kept non-anchor keys by -delta, in place
+    (an fp8 cache's keys are re-quantized with fresh scales: ``k_scale`` goes along).
 
     ``kept_block_range_after`` starts at ``sink_blocks``: the anchor is never in it.
     """
@@ -168,7 +170,7 @@ def compact_basic(manager: KVCacheManager, k_cache: torch.Tensor, sess: Stage0Se
     table = manager.block_table(sess.sid)
     kept = [table[i] for i in plan.kept_block_range_after]
     assert plan.kept_block_range_after.start >= plan.sink_blocks, "window would rotate an anchor block"
-    rerotate_keys_(k_cache, kept, plan.delta_tokens, rope_theta)
+    rerotate_keys_(cache.k, kept, plan.delta_tokens, rope_theta, k_scale=cache.k_scale)
     after_drop(sess, plan, manager.block_size)
 
 

@@ -179,8 +179,9 @@ def run_kernels_once(engine: DuplexEngine) -> tuple[str, ...]:
         # Three ids (not 1: Triton specialises an int argument equal to 1) of the null block,
         # whose contents no sequence reads; check_ids=False because the null block is refused.
         ids = torch.full((3,), NULL_BLOCK_ID, dtype=torch.long, device=m.device)
+        # An fp8 pool compiles the scaled variant (k_scale in place; the null block's scales too).
         rerotate_keys_triton_(engine.thinker_cache.k, ids, engine.block_size, m.thinker.config.rope_theta,
-                              check_ids=False)
+                              k_scale=engine.thinker_cache.k_scale, check_ids=False)
         ran.append("thinker:rerotate")
     torch.cuda.synchronize(m.device)
     return tuple(dict.fromkeys(ran))
@@ -209,9 +210,10 @@ def _ragged_split_variants(engine: DuplexEngine) -> list[str]:
         q = torch.zeros(1, c.num_attention_heads, c.head_dim, dtype=m.dtype, device=m.device)
         table = torch.full((1, 1), NULL_BLOCK_ID, dtype=torch.int32, device=m.device)
         seq_lens = torch.ones(1, dtype=torch.int32, device=m.device)
+        k_scale, v_scale = cache.layer_scales(0)   # None, None unless the pool is fp8
         for splits in range(1, most + 1):   # one row of the null block, as a padding row reads it
             paged_decode_attention(q, cache.k[0], cache.v[0], table, seq_lens, c.head_dim ** -0.5,
-                                   num_splits=splits)
+                                   k_scale=k_scale, v_scale=v_scale, num_splits=splits)
         ran.append(f"{name}:ragged_splits_1..{most}")
     return ran
 

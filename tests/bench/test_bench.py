@@ -109,6 +109,10 @@ def test_floor_matches_hand_arithmetic_for_minicpmo45_shapes():
     f32 = session_floor(ThinkerConfig.minicpmo45(), 8000, Code2WavShape.minicpmo45(), 300,
                         AudioEncoderConfig.minicpmo45(), torch.float32)
     assert f32.code2wav_delta == 300 * int(1.25 * MIB)
+    # precision.kv_cache_dtype fp8_e4m3: 2 * 36 * 8 * (128 + 4) bytes = 74.25 KiB per token (scales included)
+    fp8 = session_floor(ThinkerConfig.minicpmo45(), 8000, Code2WavShape.minicpmo45(), 300,
+                        AudioEncoderConfig.minicpmo45(), "bfloat16", kv_storage_dtype=torch.float8_e4m3fn)
+    assert fp8.thinker_window == 8000 * 2 * 36 * 8 * 132 and fp8.code2wav_delta == f.code2wav_delta
 
 
 # ----------------------------------------------------------------------------- config matrix

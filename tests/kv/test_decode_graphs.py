@@ -52,17 +52,28 @@ def prefill(model, cache: PagedKVCache, tables: list[list[int]], lengths: list[i
         model.forward_paged(embeds, batch, cache)
 
 
-def two_caches(model, num_blocks: int = 40) -> tuple[PagedKVCache, PagedKVCache]:
+def two_caches(model, num_blocks: int = 40, storage_dtype: torch.dtype | None = None
+               ) -> tuple[PagedKVCache, PagedKVCache]:
     c = model.config
     heads = c.num_key_value_heads
-    return tuple(PagedKVCache(c.num_hidden_layers, num_blocks, BS, heads, c.head_dim) for _ in range(2))
+    return tuple(PagedKVCache(c.num_hidden_layers, num_blocks, BS, heads, c.head_dim, storage_dtype=storage_dtype)
+                 for _ in range(2))
 
 
-def test_padded_step_matches_eager_decode_over_several_steps():
+def _values(cache: PagedKVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every layer's K and V of blocks 1.. as values (an fp8 pool's dequantized)."""
+    ids = torch.arange(1, cache.num_blocks)
+    kv = [cache.gather_blocks(layer, ids) for layer in range(cache.num_layers)]
+    return torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])
+
+
+@pytest.mark.parametrize("storage", [None, torch.float8_e4m3fn], ids=["model_dtype", "fp8"])
+def test_padded_step_matches_eager_decode_over_several_steps(storage):
     """3 sequences of different lengths (bucket 4: one padding row), 5 decode steps: the
-    hidden states and every K/V the steps wrote match the eager unpadded step."""
+    hidden states and every K/V the steps wrote match the eager unpadded step (fp8: each row
+    is quantized with its own scale, so a padding row cannot change a real row's bytes)."""
     model = make_thinker()
-    eager_cache, graph_cache = two_caches(model)
+    eager_cache, graph_cache = two_caches(model, storage_dtype=storage)
     tables = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
     lengths = [33, 17, 255]   # the last one crosses into its 17th block: width class 32
     for cache in (eager_cache, graph_cache):
@@ -70,7 +81,7 @@ def test_padded_step_matches_eager_decode_over_several_steps():
     runner = PagedDecodeGraphs("thinker", model.forward_paged, graph_cache, model.config.hidden_size,
                                torch.float32, max_batch=5, max_blocks_per_seq=40, capture=False)
     assert runner.buckets == (1, 2, 4, 8) and runner.widths == (16, 32, 64)
-    pool_before = graph_cache.k[:, 1:].clone()
+    pool_before = _values(graph_cache)[0].clone()
     computed = list(lengths)
     g = torch.Generator().manual_seed(2)
     for step in range(5):
@@ -84,9 +95,10 @@ def test_padded_step_matches_eager_decode_over_several_steps():
         computed = [c + 1 for c in computed]
     assert runner.stats.replays == 5 and runner.stats.captures == 0
     # Padding rows only ever touch the null block: every other block equals the eager pool.
-    torch.testing.assert_close(graph_cache.k[:, 1:], eager_cache.k[:, 1:], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(graph_cache.v[:, 1:], eager_cache.v[:, 1:], rtol=1e-5, atol=1e-5)
-    assert not torch.equal(graph_cache.k[:, 1:], pool_before)   # the steps did write
+    (gk, gv), (ek, ev) = _values(graph_cache), _values(eager_cache)
+    torch.testing.assert_close(gk, ek, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gv, ev, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(gk, pool_before)   # the steps did write
 
 
 def test_run_refuses_what_it_cannot_hold():
@@ -204,12 +216,14 @@ def test_warm_prepares_keys_without_touching_sequences():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_graph_replay_equals_the_same_padded_step_eagerly():
+@pytest.mark.parametrize("storage", [None, torch.float8_e4m3fn], ids=["model_dtype", "fp8"])
+def test_cuda_graph_replay_equals_the_same_padded_step_eagerly(storage):
+    """fp8: the graph captured the scale tensors' addresses (allocated with the pool) too."""
     pytest.importorskip("triton")
     model = make_thinker().cuda()
     c = model.config
-    caches = [PagedKVCache(c.num_hidden_layers, 40, BS, c.num_key_value_heads, c.head_dim, device="cuda")
-              for _ in range(2)]
+    caches = [PagedKVCache(c.num_hidden_layers, 40, BS, c.num_key_value_heads, c.head_dim, device="cuda",
+                           storage_dtype=storage) for _ in range(2)]
     tables, lengths = [[1, 2, 3], [4, 5]], [40, 20]
     runners = []
     for capture, cache in zip((True, False), caches):
@@ -225,4 +239,10 @@ def test_cuda_graph_replay_equals_the_same_padded_step_eagerly():
         assert torch.equal(outs[0], outs[1]), step
         computed = [n + 1 for n in computed]
     assert runners[0].stats.captures == 1 and runners[0].stats.replays == 3
-    assert torch.equal(caches[0].k[:, 1:], caches[1].k[:, 1:])
+    k0, k1 = caches[0].k[:, 1:], caches[1].k[:, 1:]
+    if storage is not None:   # torch.equal has no float8 kernel: compare the bytes
+        k0, k1 = k0.view(torch.uint8), k1.view(torch.uint8)
+    assert torch.equal(k0, k1)
+    if storage is not None:
+        assert torch.equal(caches[0].k_scale[:, 1:], caches[1].k_scale[:, 1:])
+        assert torch.equal(caches[0].v_scale[:, 1:], caches[1].v_scale[:, 1:])

@@ -277,3 +277,147 @@ def test_cuda_ragged_steps_take_the_kernel_and_match_the_reference():
         assert cache.path_counts[path] == before[path] + 1
         want = _reference_paged_attention(q, cache, 0, batch, 0.125)
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+# ----------------------------------------------------------------------------- fp8 storage
+FP8 = torch.float8_e4m3fn
+
+
+def _fill_pair(layers: int, lens: list[int], block_size: int, hkv: int, d: int, gen: torch.Generator):
+    """A float cache and an fp8 cache written with the same K/V through ``write_kv``."""
+    tables = _shuffled_tables([-(-n // block_size) for n in lens], gen)
+    num_blocks = sum(len(t) for t in tables) + 1
+    exact = PagedKVCache(layers, num_blocks, block_size, hkv, d)
+    fp8 = PagedKVCache(layers, num_blocks, block_size, hkv, d, storage_dtype=FP8)
+    batch = PagedBatch.build(tables, [0] * len(lens), lens, None, block_size)
+    for layer in range(layers):
+        k = torch.randn(sum(lens), hkv, d, generator=gen)
+        v = torch.randn(sum(lens), hkv, d, generator=gen)
+        write_kv(exact, layer, k, v, batch.slot_mapping)
+        write_kv(fp8, layer, k, v, batch.slot_mapping)
+    return exact, fp8, tables, batch
+
+
+def test_fp8_cache_layout_and_bytes_per_block():
+    cache = PagedKVCache(3, 5, 4, HKV, D, storage_dtype=FP8)
+    assert cache.quantized and cache.dtype == torch.float32 and cache.storage_dtype == FP8
+    assert cache.k.dtype == FP8 and cache.k.shape == (3, 5, 4, HKV, D)
+    assert cache.k_scale.shape == cache.v_scale.shape == (3, 5, 4, HKV) and cache.k_scale.dtype == torch.float32
+    # (head_dim values of 1 byte + one float32 scale) per (token, kv head), for K and for V.
+    assert cache.bytes_per_block == 2 * 3 * 4 * HKV * (D + 4) == bytes_per_block(3, 4, HKV, D, torch.float32, FP8)
+    assert cache.bytes_per_block == (cache.k[:, 0].nbytes + cache.v[:, 0].nbytes
+                                     + cache.k_scale[:, 0].nbytes + cache.v_scale[:, 0].nbytes)
+    # MiniCPM-o 4.5 Thinker: bf16 144 KiB per token, fp8 74.25 KiB (0.516x: 132 of 256 bytes per row).
+    bf16, fp8 = bytes_per_block(36, 16, 8, 128, torch.bfloat16), bytes_per_block(36, 16, 8, 128, torch.bfloat16, FP8)
+    assert (bf16 // 16, fp8 // 16) == (144 * 1024, 2 * 36 * 8 * 132)
+    per_block = bytes_per_block(2, 4, HKV, D, torch.float32, FP8)
+    sized = PagedKVCache.from_budget(7 * per_block + per_block - 1, 2, 4, HKV, D, storage_dtype=FP8)
+    assert sized.num_blocks == 7 and sized.quantized and sized.total_bytes == 7 * per_block
+    # The default stores the model dtype with no scales: unchanged layout and bytes.
+    plain = PagedKVCache(3, 5, 4, HKV, D)
+    assert not plain.quantized and plain.k_scale is None and plain.layer_scales(0) == (None, None)
+    assert plain.bytes_per_block == bytes_per_block(3, 4, HKV, D, torch.float32) == 2 * 3 * 4 * HKV * D * 4
+    assert PagedKVCache(1, 2, 4, HKV, D, storage_dtype=torch.float32).storage_dtype == torch.float32
+    with pytest.raises(ValueError, match="storage_dtype"):
+        PagedKVCache(1, 2, 4, HKV, D, storage_dtype=torch.bfloat16)
+
+
+def test_fp8_write_kv_round_trip_and_appends_are_bit_stable():
+    """Each written (token, head) row reads back within amax / 28 (tests/kv/test_kv_quant.py);
+    writing more tokens into a block never changes the bytes or scales of earlier tokens."""
+    gen = torch.Generator().manual_seed(3)
+    cache = PagedKVCache(2, 4, 8, HKV, 32, storage_dtype=FP8)
+    k, v = torch.randn(8, HKV, 32, generator=gen) * 5, torch.randn(8, HKV, 32, generator=gen)
+    write_kv(cache, 1, k[:3], v[:3], torch.tensor([16, 17, 18]))  # block 2, offsets 0..2
+    before = (cache.k.view(torch.uint8).clone(), cache.k_scale.clone(), cache.v.view(torch.uint8).clone(),
+              cache.v_scale.clone())
+    write_kv(cache, 1, k[3:], v[3:], torch.tensor([19, 20, 21, 22, 23]))  # the rest of block 2
+    assert torch.equal(cache.k.view(torch.uint8)[1, 2, :3], before[0][1, 2, :3])
+    assert torch.equal(cache.k_scale[1, 2, :3], before[1][1, 2, :3])
+    assert torch.equal(cache.v.view(torch.uint8)[1, 2, :3], before[2][1, 2, :3])
+    assert torch.equal(cache.v_scale[1, 2, :3], before[3][1, 2, :3])
+    assert cache.k.view(torch.uint8)[0].sum() == 0 and cache.k.view(torch.uint8)[1, 3].sum() == 0  # untouched
+    gk, gv = cache.gather_blocks(1, torch.tensor([2]))
+    assert gk.dtype == gv.dtype == torch.float32 and gk.shape == (8, HKV, 32)
+    for got, want in ((gk, k), (gv, v)):
+        amax = want.abs().amax(-1, keepdim=True)
+        assert ((got - want).abs() <= amax / 28 * (1 + 1e-6)).all()
+    assert torch.equal(cache.k_scale[1, 2], k.abs().amax(-1) / 448)
+
+
+@pytest.mark.parametrize("block_size,computed,new", CASES)
+def test_fp8_reference_attention_dequantizes_and_stays_close_to_float(block_size, computed, new):
+    """The gather + SDPA path on an fp8 pool equals exact attention over the dequantized K/V,
+    and stays within a stated bound of the float pool's output.
+
+    Bound (unit-normal q, k, v): max abs error <= max|v| / 14 and error norm <= 6 % of the
+    output norm. Measured (D 8..128, three sequences up to 200 tokens): max abs 0.06..0.14
+    (max|v| ~4.5), norm 2.6..3.3 %; a token that sees only itself gets its own V back, off by
+    up to amax / 28.
+    """
+    gen = torch.Generator().manual_seed(4)
+    lens = [c + n for c, n in zip(computed, new)]
+    exact, fp8, tables, _ = _fill_pair(2, lens, block_size, HKV, D, gen)
+    step = PagedBatch.build(tables, computed, new, None, block_size)
+    q = torch.randn(sum(new), HQ, D, generator=gen)
+    for layer in range(2):
+        got = paged_attention(q, fp8, layer, step, scale=D**-0.5)
+        want = paged_attention(q, exact, layer, step, scale=D**-0.5)
+        start = 0
+        for b in range(len(lens)):
+            kb, vb = fp8.gather_blocks(layer, torch.tensor(tables[b]))
+            ref = _naive_attention(q[start:start + new[b]], kb[:lens[b]], vb[:lens[b]], computed[b])
+            torch.testing.assert_close(got[start:start + new[b]], ref, rtol=1e-5, atol=1e-6)
+            start += new[b]
+        vmax = exact.v[layer].abs().max()
+        assert (got - want).abs().max() <= vmax / 14
+        assert (got - want).norm() <= 0.06 * want.norm()
+
+
+def test_fp8_copy_blocks_carries_scales():
+    gen = torch.Generator().manual_seed(5)
+    _, cache, _, _ = _fill_pair(2, [4, 4, 4], 4, HKV, D, gen)   # blocks 1..3 written
+    k0, ks0 = cache.k.view(torch.uint8).clone(), cache.k_scale.clone()
+    v0, vs0 = cache.v.view(torch.uint8).clone(), cache.v_scale.clone()
+    copy_blocks(cache, [(1, 3)])
+    assert torch.equal(cache.k.view(torch.uint8)[:, 3], k0[:, 1]) and torch.equal(cache.k_scale[:, 3], ks0[:, 1])
+    assert torch.equal(cache.v.view(torch.uint8)[:, 3], v0[:, 1]) and torch.equal(cache.v_scale[:, 3], vs0[:, 1])
+    assert torch.equal(cache.gather_blocks(0, torch.tensor([3]))[0], cache.gather_blocks(0, torch.tensor([1]))[0])
+    assert torch.equal(cache.k_scale[:, :3], ks0[:, :3]) and torch.equal(cache.v_scale[:, :3], vs0[:, :3])
+
+
+def test_fp8_ragged_rows_read_the_dequantized_cache():
+    """The ragged kernel path's rows over an fp8 pool see exactly what the gather path sees."""
+    g = torch.Generator().manual_seed(9)
+    cache = PagedKVCache(1, 12, 4, HKV, D, storage_dtype=FP8)
+    write_kv(cache, 0, torch.randn(44, HKV, D, generator=g), torch.randn(44, HKV, D, generator=g),
+             torch.arange(4, 48))
+    batch = PagedBatch.build([[3, 5, 7], [2], [9, 4, 10, 11]], [5, 0, 9], [3, 2, 4], None, 4)
+    q = torch.randn(9, HQ, D, generator=g)
+    want = paged_attention(q, cache, 0, batch, 0.3)
+    plain = PagedKVCache(1, 12, 4, HKV, D)   # the dequantized values in a float pool
+    k_all, v_all = cache.gather_blocks(0, torch.arange(12))   # (12 * 4, HKV, D)
+    plain.k[0], plain.v[0] = k_all.view(12, 4, HKV, D), v_all.view(12, 4, HKV, D)
+    rows, lens = batch.token_rows()
+    got = _decode_rows_reference(q, plain, 0, rows, lens, 0.3)
+    torch.testing.assert_close(got.float(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_fp8_decode_and_ragged_kernel_match_the_reference():
+    pytest.importorskip("triton")
+    g = torch.Generator().manual_seed(10)
+    cache = PagedKVCache(1, 40, 16, 2, 64, dtype=torch.bfloat16, device="cuda", storage_dtype=FP8)
+    write_kv(cache, 0, torch.randn(600, 2, 64, generator=g).cuda(), torch.randn(600, 2, 64, generator=g).cuda(),
+             torch.arange(16, 616, device="cuda"))
+    cache.set_decode_backend("triton")
+    cache.ragged_steps_in_kernel = True
+    decode = PagedBatch.build([[3, 5, 7], [2], [9, 4, 10]], [20, 0, 30], [1, 1, 1], None, 16, "cuda")
+    short = PagedBatch.build([[3, 5, 7], [2], [9, 4, 10]], [20, 0, 30], [12, 5, 1], None, 16, "cuda")
+    for batch, path in ((decode, "decode_kernel"), (short, "ragged_kernel")):
+        q = torch.randn(batch.num_tokens, 8, 64, generator=g).cuda().bfloat16()
+        before = dict(cache.path_counts)
+        got = paged_attention(q, cache, 0, batch, 0.125)
+        assert cache.path_counts[path] == before[path] + 1
+        want = _reference_paged_attention(q, cache, 0, batch, 0.125)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)   # bf16 compute

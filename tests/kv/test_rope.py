@@ -6,6 +6,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
 from duplexcache.kv import rope
+from duplexcache.kv.kv_quant import dequantize_fp8, quantize_fp8
 from duplexcache.kv.rope import apply_rope, rerotate_keys_, rope_cos_sin
 
 THETA = 1e6
@@ -101,6 +102,59 @@ def test_bad_arguments(ids, layers, match):
         rerotate_keys_(make_cache(), ids, 4, THETA, layers=layers)
 
 
+# ---------------------------------------------------------------- fp8 caches (per-token scales)
+FP8 = torch.float8_e4m3fn
+
+
+def make_fp8_cache(layers=2, blocks=8, bs=4, heads=2):
+    """(float keys, e4m3 keys, scales): keys of magnitude ~1..10 quantized per (token, head)."""
+    gen = torch.Generator().manual_seed(2)
+    k = torch.randn(layers, blocks, bs, heads, D, generator=gen) * torch.linspace(1, 10, heads)[:, None]
+    q, s = quantize_fp8(k)
+    return k, q, s
+
+
+def test_fp8_rerotation_requantizes_with_fresh_scales():
+    """Dequantize, rotate in float32, re-quantize: within amax / 28 per (token, head) of the
+    rotated dequantized keys (one more e4m3 rounding, with the rotated row's own scale), and
+    within (sqrt(2) * amax_before + amax_after) / 28 of the float keys rotated without any
+    quantization (the first rounding's error turned by the rotation, plus the second's)."""
+    k, q, s = make_fp8_cache(layers=3)
+    q_before, s_before = q.view(torch.uint8).clone(), s.clone()
+    ids, delta = [2, 5, 6], 1000
+    rerotate_keys_(q, ids, delta, THETA, layers=[0, 2], k_scale=s)
+    ang = -delta * (1.0 / THETA ** (torch.arange(0, D, 2).float() / D))
+    c, sn = torch.cat([ang, ang]).cos(), torch.cat([ang, ang]).sin()
+
+    def rot(x):
+        return x * c + torch.cat([-x[..., D // 2:], x[..., :D // 2]], -1) * sn
+
+    got = dequantize_fp8(q, s, torch.float32)[[0, 2]][:, ids]
+    from_deq = rot(dequantize_fp8(q_before.view(FP8), s_before, torch.float32)[[0, 2]][:, ids])
+    from_float = rot(k[[0, 2]][:, ids])
+    amax = from_deq.abs().amax(-1, keepdim=True)
+    assert ((got - from_deq).abs() <= amax / 28 * (1 + 1e-6)).all()
+    bound = (2 ** 0.5 * k[[0, 2]][:, ids].abs().amax(-1, keepdim=True) + from_float.abs().amax(-1, keepdim=True)) / 28
+    assert ((got - from_float).abs() <= bound + 1e-6).all()
+    # Fresh scales: the rotated row's amax / 448, as a write would set it.
+    assert torch.equal(s[[0, 2]][:, ids], from_deq.abs().amax(-1) / 448)
+    # Only the listed blocks of the listed layers changed (bytes and scales).
+    untouched = [b for b in range(8) if b not in ids]
+    assert torch.equal(q.view(torch.uint8)[:, untouched], q_before[:, untouched])
+    assert torch.equal(s[:, untouched], s_before[:, untouched])
+    assert torch.equal(q.view(torch.uint8)[1], q_before[1]) and torch.equal(s[1], s_before[1])
+
+
+def test_fp8_rerotation_needs_its_scales():
+    _, q, s = make_fp8_cache()
+    with pytest.raises(ValueError, match="k_scale"):
+        rerotate_keys_(q, [1], 4, THETA)
+    with pytest.raises(ValueError, match="k_scale"):
+        rerotate_keys_(make_cache(), [1], 4, THETA, k_scale=s)
+    with pytest.raises(ValueError, match="k_scale"):
+        rerotate_keys_(q, [1], 4, THETA, k_scale=s[:, :3])
+
+
 # ---------------------------------------------------------------- CUDA dispatch (decided on CPU)
 
 
@@ -146,7 +200,7 @@ def test_cuda_tensor_dispatches_to_fused_kernel(fake_cuda):
     assert got_ids.dtype == torch.long and got_ids.tolist() == [5, 2, 7]
     assert got_ids.device == k_cache.device
     assert (got_delta, got_theta) == (12, THETA)
-    assert kwargs == {"check_ids": False}  # ids were validated once on the host already
+    assert kwargs == {"k_scale": None, "check_ids": False}  # ids were validated once on the host already
     assert torch.equal(k_cache, before)  # the torch loop did not run as well
     assert rope.rerotation_path_counts == {"torch": 0, "triton": 1}
 
@@ -184,3 +238,11 @@ def test_cuda_dispatch_exceptions(fake_cuda, monkeypatch, case):
         rope.rerotate_keys_(k_cache, [], 4, THETA)
         assert rope.rerotation_path_counts == {"torch": 0, "triton": 0}
     assert kernel.calls == []
+
+
+def test_cuda_dispatch_hands_an_fp8_cache_its_scales(fake_cuda):
+    kernel, set_is_cuda = fake_cuda
+    set_is_cuda(True)
+    _, q, s = make_fp8_cache()
+    rope.rerotate_keys_(q, [3, 4], 8, THETA, k_scale=s)
+    assert len(kernel.calls) == 1 and kernel.calls[0][4]["k_scale"] is s

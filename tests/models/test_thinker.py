@@ -149,6 +149,7 @@ def test_input_errors(models):
 def test_minicpmo45_shapes_on_meta():
     config = ThinkerConfig.minicpmo45()
     assert config.kv_bytes_per_token(torch.bfloat16) == 144 * 1024  # SPEC: 144 KiB/token in bf16
+    assert config.kv_bytes_per_token(torch.bfloat16, torch.float8_e4m3fn) == 74.25 * 1024  # fp8 values + scales
     with torch.device("meta"):
         ref = Qwen3ForCausalLM(Qwen3Config(**config.to_hf_config()))
         ours = Thinker(config)

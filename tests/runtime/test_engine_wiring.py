@@ -261,3 +261,57 @@ def test_build_models_casts_the_flow_once_so_the_engine_runs_it_without_a_copy(t
     eng = engine(tmp_path, "prec_engine", {"precision": {"code2wav_dtype": "bfloat16"}}, models=models)
     assert eng.code2wav.flow is models.flow
     eng.shutdown()
+
+
+def test_kv_cache_dtype_reaches_both_kv_pools_and_admission(tmp_path):
+    """precision.kv_cache_dtype: fp8_e4m3 makes the Thinker's and the Talker's pools fp8 with
+    per-(token, kv head) scales, the memory plan and the ledger count the fp8 block bytes
+    (values + scales), and the engine ticks and speaks; auto keeps the model dtype, no scales."""
+    import torch
+
+    from duplexcache.kv.paged_attention import bytes_per_block
+
+    base = {"engine": {"speak_policy": {"k": 1000, "turn_units": 1000}}}   # one turn: the Talker runs
+    engines = {dt: engine(tmp_path, f"kv_{dt}", {**base, "precision": {"kv_cache_dtype": dt}})
+               for dt in ("auto", "fp8_e4m3")}
+    pcm, layer0_k = {}, {}
+    for dt, eng in engines.items():
+        fp8 = dt == "fp8_e4m3"
+        m = eng.models
+        for cache, cfg, plan_bytes in ((eng.thinker_cache, m.thinker.config, eng.plan.thinker_block_bytes),
+                                       (eng.talker_cache, m.talker.config, eng.plan.talker_block_bytes)):
+            assert cache.dtype == m.dtype and cache.quantized is fp8
+            assert cache.k.dtype == cache.v.dtype == (torch.float8_e4m3fn if fp8 else m.dtype)
+            want = bytes_per_block(cfg.num_hidden_layers, eng.block_size, cfg.num_key_value_heads, cfg.head_dim,
+                                   m.dtype, torch.float8_e4m3fn if fp8 else None)
+            assert cache.bytes_per_block == plan_bytes == want
+            if fp8:
+                assert cache.k_scale.shape == cache.k.shape[:-1] == cache.v_scale.shape
+                assert want == 2 * cfg.num_hidden_layers * eng.block_size * cfg.num_key_value_heads * (cfg.head_dim + 4)
+            else:
+                assert cache.k_scale is None and cache.v_scale is None
+                assert want == 2 * cfg.num_hidden_layers * eng.block_size * cfg.num_key_value_heads * cfg.head_dim * 4
+        # The ledger charges sessions the plan's block bytes (what KVCacheManager reports too).
+        assert eng.thinker_manager.bytes_per_block == eng.plan.thinker_block_bytes
+        sid = eng.open_session({"voice": "default"})
+        eng.push_audio(sid, audio(3, 4))
+        got = []
+        for _ in range(4):
+            got += [e.pcm16 for e in eng.tick() if hasattr(e, "pcm16")]
+        assert got, f"{dt}: no audio"
+        pcm[dt] = b"".join(got)
+        if fp8:   # both pools were written through the quantizing path (scales above the floor)
+            assert (eng.thinker_cache.k_scale > 1e-8).any() and (eng.talker_cache.v_scale > 1e-8).any()
+        n = eng.stage0.num_tokens(sid)
+        layer0_k[dt] = eng.thinker_cache.gather_blocks(0, torch.tensor(eng.stage0.block_table(sid)))[0][:n]
+        eng.shutdown()
+    # fp8 blocks are smaller, so the same budget holds more of them (float32 tiny: 20 of 64 bytes a row)
+    assert engines["fp8_e4m3"].plan.thinker_blocks > engines["auto"].plan.thinker_blocks
+    assert engines["fp8_e4m3"].plan.talker_blocks > engines["auto"].plan.talker_blocks
+    # Same audio here: the tiny random Talker's sampled codes do not flip on fp8's small error.
+    # The Thinker saw the same inputs, so its layer-0 keys (a function of the input alone)
+    # differ by exactly one e4m3 rounding: not equal, within amax / 28 per (token, head).
+    assert len(pcm["auto"]) == len(pcm["fp8_e4m3"])
+    exact, fp8_k = layer0_k["auto"], layer0_k["fp8_e4m3"]
+    assert exact.shape == fp8_k.shape and not torch.equal(exact, fp8_k)
+    assert ((fp8_k - exact).abs() <= exact.abs().amax(-1, keepdim=True) / 28 * (1 + 1e-6)).all()

@@ -2,7 +2,7 @@
 # Runs the GPU measurements of docs/benchmarks.md on one CUDA machine, one step per mode given
 # (a failing step is logged and the next one still runs). Usage:
 #   OUT=/path/to/results bash scripts/gpu_bench.sh MODE [MODE ...]
-# smoke: every benchmark on the tiny preset (catches device bugs in seconds); suite (the whole pytest suite); bench, bench_turn, setup,
+# smoke: every benchmark on the tiny preset (catches device bugs in seconds); suite (the whole pytest suite); bench, bench_turn, bench_capacity, setup,
 # ticks, ticks_continuous, ticks_steady, ticks_ragged, ticks_eager, ticks_conversation, serve_conversation, serve_switch,
 # serve_catch_up, serve_precision, serve_prefill_between, serve_long_context, serve_profile, warm_start,
 # serve_ready, stage0, precision, kv_precision, ticks_conversation_bf16, ticks_conversation_fp8,
@@ -109,6 +109,9 @@ case "$mode" in
   bench_turn)  # issue 15 exact mode at the floor: bench with engine.talker_turn_tokens 1024 (the Talker reserve
     # per session 240 -> 60 MiB; the bench's one-turn run holds ~9 units, under the cap, so outputs are those of the default)
     step bench_turn1024 480 python3 -m duplexcache.cli bench memory --preset minicpmo45 --device cuda --sessions 1,2,4,8 --memory-budget 80GiB --talker-turn-tokens 1024 --out "$out/bench_turn1024" ;;
+  bench_capacity)  # issue 15 capacity mode: bench with examples/minicpmo45-capacity.yaml (Code2Wav bf16, KV fp8, 1024-token
+    # Talker turns): bytes per session, floor and the 80 GiB ceiling; the equality column compares configurations within the mode
+    step bench_capacity 480 python3 -m duplexcache.cli bench memory --config examples/minicpmo45-capacity.yaml --preset minicpmo45 --device cuda --sessions 1,2,4,8 --memory-budget 80GiB --out "$out/bench_capacity" ;;
   setup)  # issue 4: setup time / private bytes of later sessions, context cache x shared anchors
     step session_setup 120 python3 -m duplexcache.cli bench setup --preset minicpmo45 --device cuda --sessions 4 --repeats 2 --out "$out/session_setup" ;;
   ticks)  # issue 5: per-stage tick latency and the largest real-time session count (100 GiB: 32 sessions fit)
@@ -194,6 +197,6 @@ case "$mode" in
     step gpu_stage0 120 python3 -m duplexcache.cli bench kernels --out "$out/gpu_stage0" ;;
   stage2)
     step gpu_stage2 300 python3 -m duplexcache.cli bench stage2 --out "$out/gpu_stage2" --batches 1,8,32 ;;
-  *) echo "unknown mode $mode (smoke|bench|bench_turn|setup|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|ticks_conversation|ticks_conversation_large|serve_conversation|serve_switch|serve_catch_up|serve_precision|serve_prefill_between|serve_long_context|serve_profile|prefill|prefill_between|prefill_512|warm_start|serve_ready|stage0|stage2|precision|kv_precision|ticks_conversation_bf16|ticks_conversation_fp8)"; exit 2 ;;
+  *) echo "unknown mode $mode (smoke|bench|bench_turn|bench_capacity|setup|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|ticks_conversation|ticks_conversation_large|serve_conversation|serve_switch|serve_catch_up|serve_precision|serve_prefill_between|serve_long_context|serve_profile|prefill|prefill_between|prefill_512|warm_start|serve_ready|stage0|stage2|precision|kv_precision|ticks_conversation_bf16|ticks_conversation_fp8)"; exit 2 ;;
 esac
 done

@@ -297,3 +297,17 @@ def test_example_serving_config_turns_every_sharing_switch_on():
     preset = DeployConfig.default("minicpmo45", environ={})
     assert d.engine.prefill_chunk_tokens == preset.engine.prefill_chunk_tokens == 1024
     assert d.server.max_context_tokens == preset.server.max_context_tokens == 16384
+
+
+def test_capacity_example_is_the_shared_example_plus_the_capacity_switches():
+    """examples/minicpmo45-capacity.yaml differs from the shared example only in the capacity
+    switches (a drift in any other key would make the A/B between the two files unfair)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "examples"
+    shared = DeployConfig.from_yaml(root / "minicpmo45-shared.yaml", environ={}).to_dict()
+    capacity = DeployConfig.from_yaml(root / "minicpmo45-capacity.yaml", environ={}).to_dict()
+    assert capacity["precision"] == {"code2wav_dtype": "bfloat16", "kv_cache_dtype": "fp8_e4m3"}
+    assert capacity["engine"]["talker_turn_tokens"] == 1024
+    shared["precision"], shared["engine"]["talker_turn_tokens"] = capacity["precision"], 1024
+    assert shared == capacity

@@ -27,7 +27,8 @@ H200_AVAILABLE = 115_341_166_944            # free after the weights on the H200
 CARD_80GB_AVAILABLE = 80 * GB - (141 * GB - H200_AVAILABLE)
 CARDS = {"H200": H200_AVAILABLE, "80GB": CARD_80GB_AVAILABLE}
 CONFIGS = {"minicpmo45.yaml": packaged_config_path("minicpmo45"),
-           "minicpmo45-shared.yaml": Path(__file__).resolve().parents[2] / "examples" / "minicpmo45-shared.yaml"}
+           "minicpmo45-shared.yaml": Path(__file__).resolve().parents[2] / "examples" / "minicpmo45-shared.yaml",
+           "minicpmo45-capacity.yaml": Path(__file__).resolve().parents[2] / "examples" / "minicpmo45-capacity.yaml"}
 
 
 # ---------------------------------------------------------------------------- arithmetic

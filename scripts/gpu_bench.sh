@@ -153,9 +153,11 @@ case "$mode" in
   kv_precision)  # issue 15 capacity mode: Thinker K/V fp8_e4m3 vs bf16 on the same weights and tokens: top-1 agreement
     # and KL of next-token distributions at windows 1000/4000/8000 (4 sessions x 32 decode steps each), bytes per token
     step kv_precision 300 python3 -m duplexcache.cli bench kv-precision --preset minicpmo45 --device cuda --sessions 4 --windows 1000,4000,8000 --decode 32 --out "$out/kv_precision" ;;
-  ticks_conversation_fp8)  # issue 15 capacity mode: ticks_conversation_bf16's bfloat16 arm with precision.kv_cache_dtype
-    # fp8_e4m3 too (Thinker and Talker KV at 0.52x bf16's bytes per token): 56, 64, 72 sessions
-    step engine_ticks_conversation_fp8 400 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 56,64,72 --workload conversation --steady-window --all-switches on --ticks 8 --warmup-ticks 8 --max-seconds 360 --memory-budget auto --graph-grid 1,4,8,16 --code2wav-dtype bfloat16 --kv-cache-dtype fp8_e4m3 --out "$out/engine_ticks_conversation_fp8" ;;
+  ticks_conversation_fp8)  # issue 15 capacity mode, A/B in one run: bf16 Code2Wav with precision.kv_cache_dtype auto, then
+    # fp8_e4m3 (Thinker and Talker KV at 0.52x bf16's bytes per token), 56 sessions each (~3 min per arm)
+    for kv in auto fp8_e4m3; do
+      step "engine_ticks_conversation_kv_$kv" 270 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 56 --workload conversation --steady-window --all-switches on --ticks 8 --warmup-ticks 8 --max-seconds 240 --memory-budget auto --graph-grid 1,4,8,16 --code2wav-dtype bfloat16 --kv-cache-dtype "$kv" --out "$out/engine_ticks_conversation_kv_$kv"
+    done ;;
   precision)  # issue 15 capacity mode: Code2Wav bfloat16 vs float32 on the same weights: error over a 60 s call, bytes, ms per step
     step precision 240 python3 -m duplexcache.cli bench precision --preset minicpmo45 --device cuda --sessions 4 --chunks 60 --batches 1,8,32 --out "$out/precision" ;;
   serve_precision)  # issue 15 capacity mode over the wire: serve_conversation with precision.code2wav_dtype float32,

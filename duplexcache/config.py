@@ -180,10 +180,15 @@ class PrecisionConfig(_Strict):
     one float32 scale per token and kv head, set when the token is written (appends never touch
     earlier tokens); attention dequantizes and computes in the model dtype. Per (token, kv head)
     ``head_dim + 4`` bytes each for K and V instead of ``2 * head_dim`` in bf16 (0.52x at
-    head_dim 128), and admission reserves those bytes (kv/kv_quant.py)."""
+    head_dim 128), and admission reserves those bytes (kv/kv_quant.py).
+
+    ``encoder_cache_dtype``: storage of each session's streaming audio-encoder K/V cache, in the
+    same format (``fp8_e4m3``: e4m3 + one float32 scale per frame and head, set when the frame
+    is written; the layer reads it dequantized). ``auto``: the model dtype (exact, default)."""
 
     code2wav_dtype: Literal["float32", "bfloat16"] = "float32"
     kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto"
+    encoder_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto"
 
 
 class SpeakPolicy(_Strict):
@@ -453,7 +458,7 @@ PRIVATE_RUNTIME_CONFIG_KEYS: frozenset[str] = frozenset({
     "memory_budget", "memory_fraction", "activation_reserve", "tick_seconds", "speak_policy", "tick_headroom",
     "prefill_chunk_tokens", "max_context_tokens", "switch_interval_ms",
     "preset", "checkpoint_dir", "revision", "model_revision", "dtype", "device",
-    "max_frame_bytes", "code2wav_dtype", "kv_cache_dtype",
+    "max_frame_bytes", "code2wav_dtype", "kv_cache_dtype", "encoder_cache_dtype",
 })
 
 # What a client may put in session.update's session object.

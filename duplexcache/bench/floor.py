@@ -52,7 +52,8 @@ def dtype_bytes(dtype: torch.dtype | str) -> int:
 def session_floor(thinker_config, window_tokens: int, code2wav_shape, prompt_frames: int,
                   encoder_config, dtype: torch.dtype | str,
                   code2wav_dtype: torch.dtype | str = torch.float32,
-                  kv_storage_dtype: torch.dtype | None = None) -> SessionFloor:
+                  kv_storage_dtype: torch.dtype | None = None,
+                  encoder_storage_dtype: torch.dtype | None = None) -> SessionFloor:
     """The floor of one session (see the module docstring).
 
     ``thinker_config``: has ``kv_bytes_per_token(dtype)`` (``ThinkerConfig``);
@@ -60,7 +61,8 @@ def session_floor(thinker_config, window_tokens: int, code2wav_shape, prompt_fra
     ``encoder_config``: has ``kv_bytes_per_session(dtype)`` (``AudioEncoderConfig``).
     ``dtype`` is the Thinker's and the encoder's; Code2Wav keeps float32 as the reference does
     (``code2wav_dtype``), whatever the Thinker runs in. ``kv_storage_dtype``: the Thinker KV
-    pool's storage (``precision.kv_cache_dtype``; None: ``dtype``; fp8 counts its scales).
+    pool's storage (``precision.kv_cache_dtype``; None: ``dtype``; fp8 counts its scales);
+    ``encoder_storage_dtype`` the encoder cache's (``precision.encoder_cache_dtype``).
     """
     if window_tokens <= 0 or prompt_frames <= 0:
         raise ValueError(f"window_tokens ({window_tokens}) and prompt_frames ({prompt_frames}) must be > 0")
@@ -68,5 +70,5 @@ def session_floor(thinker_config, window_tokens: int, code2wav_shape, prompt_fra
     return SessionFloor(
         thinker_window=window_tokens * thinker_config.kv_bytes_per_token(torch_dtype, kv_storage_dtype),
         code2wav_delta=prompt_frames * code2wav_shape.att_frame_bytes(dtype_bytes(code2wav_dtype)),
-        audio_encoder_cache=encoder_config.kv_bytes_per_session(torch_dtype),
+        audio_encoder_cache=encoder_config.kv_bytes_per_session(torch_dtype, encoder_storage_dtype),
     )

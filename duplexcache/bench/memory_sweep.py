@@ -148,7 +148,8 @@ def _engine_setup(deploy: DeployConfig, configs, args) -> _Setup:
     floor = session_floor(models.thinker.config, deploy.stage0.window.high_tokens,
                           Code2WavShape.from_flow(models.flow), p, models.audio_encoder.cfg, deploy.model.dtype,
                           code2wav_dtype=deploy.precision.code2wav_dtype,
-                          kv_storage_dtype=kv_storage_dtype(deploy.precision.kv_cache_dtype))
+                          kv_storage_dtype=kv_storage_dtype(deploy.precision.kv_cache_dtype),
+                          encoder_storage_dtype=kv_storage_dtype(deploy.precision.encoder_cache_dtype))
     turn = resolve_turn_tokens(deploy.engine.talker_turn_tokens, models.talker.config)
     notes = {
         "speak_policy": f"engine.speak_policy every_k_units k={ALWAYS_SPEAK_K} turn_units={ALWAYS_SPEAK_K} in "
@@ -196,6 +197,10 @@ def run(args: argparse.Namespace) -> int:
         # the component target builds its own float32 flow: the switch would not reach it
         return usage_error("memory", f"--target components runs Code2Wav in float32 only; "
                                      f"precision.code2wav_dtype {deploy.precision.code2wav_dtype} needs --target engine")
+    if args.target == "components" and deploy.precision.encoder_cache_dtype != "auto":
+        # the component target opens encoder states itself, in the weights' dtype
+        return usage_error("memory", "--target components keeps the encoder cache in the model dtype; "
+                                     "precision.encoder_cache_dtype needs --target engine")
     if args.target == "components" and deploy.engine.talker_turn_tokens is not None:
         return usage_error("memory", "--target components has no Talker; engine.talker_turn_tokens needs --target engine")
     configs = config_matrix(deploy)
@@ -234,6 +239,7 @@ def _run_meta(args, deploy: DeployConfig, configs, device: torch.device, session
         "code2wav_dtype": deploy.precision.code2wav_dtype,
         "talker_turn_tokens": deploy.engine.talker_turn_tokens,   # None: the Talker's max_position_embeddings
         "kv_cache_dtype": deploy.precision.kv_cache_dtype,
+        "encoder_cache_dtype": deploy.precision.encoder_cache_dtype,
         "seed": args.seed,
         **setup.notes,
     }

@@ -50,6 +50,14 @@ def is_quantized(storage_dtype: torch.dtype | None) -> bool:
     return True
 
 
+def row_bytes(head_dim: int, dtype: torch.dtype, storage_dtype: torch.dtype | None = None) -> int:
+    """Bytes one stored row (one token or frame, one head: ``head_dim`` values) takes:
+    ``head_dim`` values of ``dtype``, or in fp8 ``head_dim`` bytes plus its float32 scale."""
+    if is_quantized(storage_dtype):
+        return head_dim + 4
+    return head_dim * torch.empty((), dtype=dtype, device="meta").element_size()
+
+
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows over the last dim -> (``x / scale`` in e4m3, float32 scale of shape ``x.shape[:-1]``).
 
@@ -83,4 +91,5 @@ __all__ = [
     "is_quantized",
     "kv_storage_dtype",
     "quantize_fp8",
+    "row_bytes",
 ]

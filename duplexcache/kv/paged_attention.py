@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from duplexcache.kv.kv_quant import FP8_SCALE_FLOOR, as_bytes, dequantize_fp8, is_quantized, quantize_fp8
+from duplexcache.kv.kv_quant import FP8_SCALE_FLOOR, as_bytes, dequantize_fp8, is_quantized, quantize_fp8, row_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -203,10 +203,7 @@ def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_di
     ``storage_dtype`` None: ``head_dim`` values of ``dtype`` per (token, kv head). fp8:
     ``head_dim`` bytes plus one float32 scale per (token, kv head), for each of K and V.
     """
-    storage = dtype if storage_dtype is None else storage_dtype
-    itemsize = torch.empty((), dtype=storage, device="meta").element_size()
-    row = head_dim * itemsize + (4 if is_quantized(storage_dtype) else 0)
-    return 2 * num_layers * block_size * num_kv_heads * row
+    return 2 * num_layers * block_size * num_kv_heads * row_bytes(head_dim, dtype, storage_dtype)
 
 
 def num_blocks_for_budget(budget_bytes: int, block_bytes: int) -> int:

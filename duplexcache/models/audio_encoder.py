@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from duplexcache.kv.kv_quant import dequantize_fp8, is_quantized, quantize_fp8, row_bytes
 from duplexcache.models.layers import MultiModalProjector
 
 logger = logging.getLogger(__name__)
@@ -122,11 +123,13 @@ class AudioEncoderConfig:
     def minicpmo45(cls) -> "AudioEncoderConfig":
         return cls()
 
-    def kv_bytes_per_session(self, dtype: torch.dtype) -> int:
+    def kv_bytes_per_session(self, dtype: torch.dtype, storage_dtype: torch.dtype | None = None) -> int:
         """Bytes of one session's streaming K+V cache at its full ``max_cache_frames``: the most it
-        grows to (it starts empty and grows by ``CACHE_GROWTH_FRAMES``), so admission reserves this."""
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.encoder_layers * self.max_cache_frames * self.d_model * elem
+        grows to (it starts empty and grows by ``CACHE_GROWTH_FRAMES``), so admission reserves this.
+        ``storage_dtype`` fp8 (``precision.encoder_cache_dtype``): 1 byte per value plus a float32
+        scale per (frame, head), for K and V."""
+        rows = 2 * self.encoder_layers * self.max_cache_frames * self.encoder_attention_heads
+        return rows * row_bytes(self.head_dim, dtype, storage_dtype)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "AudioEncoderConfig":
@@ -336,6 +339,10 @@ class StreamingAudioEncoderState:
 
     ``k``/``v``: (layers, heads, capacity, head_dim); rows ``[0, num_frames)`` are valid. The
     capacity grows by ``growth_frames`` (``reserve``) and never exceeds ``max_frames``.
+
+    ``precision.encoder_cache_dtype: fp8_e4m3``: ``k``/``v`` hold e4m3 and ``k_scale``/``v_scale``
+    (layers, heads, capacity) one float32 scale per frame and head, set when the frame is written
+    (kv/kv_quant.py); ``write`` quantizes, ``read`` dequantizes to the layer's dtype.
     """
 
     k: torch.Tensor
@@ -345,12 +352,20 @@ class StreamingAudioEncoderState:
     num_frames: int = 0  # frames cached since the last reset == position of the next frame
     num_chunks: int = 0  # chunks fed since the session started (the first one is longer)
     num_resets: int = 0
+    k_scale: torch.Tensor | None = None   # fp8 storage only
+    v_scale: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.growth_frames < 1:
             raise ValueError(f"growth_frames must be >= 1, got {self.growth_frames}")
         if self.capacity > self.max_frames:
             raise ValueError(f"capacity {self.capacity} exceeds max_frames {self.max_frames}")
+        if is_quantized(self.k.dtype) != (self.k_scale is not None and self.v_scale is not None):
+            raise ValueError(f"an encoder cache stored as {self.k.dtype} needs scales exactly when it is fp8")
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
 
     @property
     def capacity(self) -> int:
@@ -359,8 +374,29 @@ class StreamingAudioEncoderState:
 
     @property
     def nbytes(self) -> int:
-        """Bytes allocated now (the capacity, not the worst case)."""
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+        """Bytes allocated now (the capacity, not the worst case), scales included."""
+        tensors = [self.k, self.v] + ([self.k_scale, self.v_scale] if self.quantized else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store one layer's K/V rows (heads, n, head_dim) at frames ``[start, start + n)``."""
+        end = start + k.shape[1]
+        if self.quantized:
+            (k8, ks), (v8, vs) = quantize_fp8(k), quantize_fp8(v)
+            self.k[layer, :, start:end], self.k_scale[layer, :, start:end] = k8, ks
+            self.v[layer, :, start:end], self.v_scale[layer, :, start:end] = v8, vs
+        else:
+            self.k[layer, :, start:end] = k
+            self.v[layer, :, start:end] = v
+
+    def read(self, layer: int, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K/V of frames ``[0, length)``, each (heads, length, head_dim) in ``dtype``
+        (views of the cache when it is not quantized)."""
+        k, v = self.k[layer, :, :length], self.v[layer, :, :length]
+        if self.quantized:
+            return (dequantize_fp8(k, self.k_scale[layer, :, :length], dtype),
+                    dequantize_fp8(v, self.v_scale[layer, :, :length], dtype))
+        return k, v
 
     def reserve(self, frames: int) -> None:
         """Make room for rows ``[0, frames)``: grow to the next multiple of ``growth_frames``
@@ -375,10 +411,13 @@ class StreamingAudioEncoderState:
         # plus half the new one, for one session at a time (sessions grow one after another).
         self.k = self._copy_into(self.k, grown)
         self.v = self._copy_into(self.v, grown)
+        if self.quantized:
+            self.k_scale = self._copy_into(self.k_scale, grown)
+            self.v_scale = self._copy_into(self.v_scale, grown)
 
     def _copy_into(self, old: torch.Tensor, frames: int) -> torch.Tensor:
         # empty, not zeros: rows past num_frames are written before they are ever read.
-        new = old.new_empty(old.shape[0], old.shape[1], frames, old.shape[3])
+        new = old.new_empty(*old.shape[:2], frames, *old.shape[3:])
         new[:, :, : self.num_frames] = old[:, :, : self.num_frames]
         return new
 
@@ -438,17 +477,25 @@ class AudioEncoder(nn.Module):
 
     # -- streaming ----------------------------------------------------------------------------
 
-    def new_stream_state(self, *, grow: bool = True,
-                         growth_frames: int = CACHE_GROWTH_FRAMES) -> StreamingAudioEncoderState:
+    def new_stream_state(self, *, grow: bool = True, growth_frames: int = CACHE_GROWTH_FRAMES,
+                         storage_dtype: torch.dtype | None = None) -> StreamingAudioEncoderState:
         """A fresh session state. ``grow`` (serving): the cache starts empty, so opening a session
         costs nothing until audio arrives, and grows by ``growth_frames``. ``grow=False``: the
-        whole ``max_cache_frames`` is allocated now (the reference the growing cache must match)."""
+        whole ``max_cache_frames`` is allocated now (the reference the growing cache must match).
+        ``storage_dtype``: None stores the weights' dtype; fp8 (``precision.encoder_cache_dtype``)
+        stores e4m3 values plus a float32 scale per (frame, head)."""
         w = self.apm.conv1.weight
         frames = 0 if grow else self.cfg.max_cache_frames
         shape = (self.cfg.encoder_layers, self.cfg.encoder_attention_heads, frames, self.cfg.head_dim)
-        return StreamingAudioEncoderState(k=torch.zeros(shape, dtype=w.dtype, device=w.device),
-                                          v=torch.zeros(shape, dtype=w.dtype, device=w.device),
-                                          max_frames=self.cfg.max_cache_frames, growth_frames=growth_frames)
+        store = w.dtype if storage_dtype is None else storage_dtype
+        scales = {}
+        if is_quantized(storage_dtype):
+            scales = {name: torch.zeros(shape[:-1], dtype=torch.float32, device=w.device)
+                      for name in ("k_scale", "v_scale")}
+        return StreamingAudioEncoderState(k=torch.zeros(shape, dtype=store, device=w.device),
+                                          v=torch.zeros(shape, dtype=store, device=w.device),
+                                          max_frames=self.cfg.max_cache_frames, growth_frames=growth_frames,
+                                          **scales)
 
     def expected_chunk_samples(self, state: StreamingAudioEncoderState) -> int:
         return self.cfg.first_chunk_samples if state.num_chunks == 0 else self.cfg.chunk_samples
@@ -521,11 +568,11 @@ class AudioEncoder(nn.Module):
                 ks, vs = [], []
                 for b, state in enumerate(states):
                     s, n = starts[b], lens[b]
-                    state.k[idx, :, s:s + n] = k[b, :, :n]
-                    state.v[idx, :, s:s + n] = v[b, :, :n]
+                    state.write(idx, s, k[b, :, :n], v[b, :, :n])
                     pad = k_max - key_lens[b]
-                    ks.append(F.pad(state.k[idx, :, : key_lens[b]], (0, 0, 0, pad)))
-                    vs.append(F.pad(state.v[idx, :, : key_lens[b]], (0, 0, 0, pad)))
+                    kb, vb = state.read(idx, key_lens[b], k.dtype)
+                    ks.append(F.pad(kb, (0, 0, 0, pad)))
+                    vs.append(F.pad(vb, (0, 0, 0, pad)))
                 return torch.stack(ks), torch.stack(vs), mask
 
             x = layer(x, kv_hook)

@@ -103,7 +103,8 @@ class DuplexEngine:
         self.talker_stage = TalkerStage(models.talker, self.talker_cache, self.talker_kv, self.talker_graphs,
                                         self.control, self.code2wav_stage, self._end, self.sizing.talker_turn_tokens)
         self.thinker_stage = ThinkerStage(self.stage0, models.audio_encoder, self.builder, models.tokenizer,
-                                          self.control, policy, self._embed_tokens, self.table, self._end)
+                                          self.control, policy, self._embed_tokens, self.table, self._end,
+                                          kv_storage_dtype(deploy.precision.encoder_cache_dtype))
         self._closed = False
         self.prefill_times = PrefillTimes(models.device)   # prefill chunk times, for a server's pacing
         # Graphs captured while the engine was built (each voice's Code2Wav prompt pass at

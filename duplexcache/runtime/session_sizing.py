@@ -150,7 +150,8 @@ class SessionSizing:
         elem = self.code2wav.dtype.itemsize   # precision.code2wav_dtype
         setup = code2wav_session_bytes(cfm, voice.prompt_frames, sharing, "setup", elem)
         steady = code2wav_session_bytes(cfm, voice.prompt_frames, sharing, "steady", elem)
-        encoder = self.models.audio_encoder.cfg.kv_bytes_per_session(self.models.dtype)
+        encoder = self.models.audio_encoder.cfg.kv_bytes_per_session(
+            self.models.dtype, kv_storage_dtype(self.deploy.precision.encoder_cache_dtype))
         dynamic = max(setup.private, steady.private) + encoder
         # What a stream shares (setup.shared / steady.shared) is the voice's prompt state, which
         # plan() already counts as fixed: a session reserves nothing for it.

@@ -42,9 +42,10 @@ class ThinkerStage:
 
     def __init__(self, stage0: Stage0Runner, encoder: AudioEncoder, builder: SessionContextBuilder,
                  tokenizer: Any, control: ControlTokens, policy: Any, embed: EmbedTokens, table: SessionTable,
-                 end: EndSession) -> None:
+                 end: EndSession, encoder_storage: torch.dtype | None = None) -> None:
         self.stage0 = stage0
         self.encoder = encoder
+        self.encoder_storage = encoder_storage   # precision.encoder_cache_dtype (None: the weights' dtype)
         self.builder = builder
         self.tokenizer = tokenizer
         self.control = control
@@ -69,7 +70,7 @@ class ThinkerStage:
                 continue  # already queued in Stage 0
             try:
                 check_faults(self.faults, "open", (sess.sid,), "precheck")
-                sess.encoder_state = self.encoder.new_stream_state()
+                sess.encoder_state = self.encoder.new_stream_state(storage_dtype=self.encoder_storage)
                 ctx = self.builder.build(sess.config.instructions, sess.voice.ref_audio,
                                          sess.config.initial_user_text, encoder_state=sess.encoder_state)
                 context = SessionContextInput(ctx.inputs_embeds, ctx.token_ids, ctx.extra_key)

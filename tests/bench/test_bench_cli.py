@@ -26,7 +26,7 @@ REQUIRED = {"serve": ["--url", "ws://127.0.0.1:9/v1/realtime"], "warm-start": ["
 
 def test_every_benchmark_is_a_subcommand():
     assert list(BENCHMARKS) == ["memory", "ticks", "serve", "setup", "prefill", "warm-start", "kernels", "stage2",
-                                "stage0-bytes", "precision"]
+                                "stage0-bytes", "precision", "kv-precision"]
 
 
 @pytest.mark.parametrize("name", list(BENCHMARKS))

@@ -315,3 +315,37 @@ def test_kv_cache_dtype_reaches_both_kv_pools_and_admission(tmp_path):
     exact, fp8_k = layer0_k["auto"], layer0_k["fp8_e4m3"]
     assert exact.shape == fp8_k.shape and not torch.equal(exact, fp8_k)
     assert ((fp8_k - exact).abs() <= exact.abs().amax(-1, keepdim=True) / 28 * (1 + 1e-6)).all()
+
+
+def test_encoder_cache_dtype_reaches_the_sessions_encoder_caches_and_admission(tmp_path):
+    """precision.encoder_cache_dtype: fp8_e4m3 opens every session's streaming encoder cache in
+    e4m3 with per-(frame, head) scales, admission reserves its fp8 bytes (the dynamic part of a
+    footprint shrinks by exactly the difference), fast_forward grows it to those bytes, and the
+    engine ticks and speaks; auto keeps the model dtype."""
+    import torch
+
+    base = {"engine": {"speak_policy": {"k": 1000, "turn_units": 1000}}}
+    engines = {dt: engine(tmp_path, f"enc_{dt}", {**base, "precision": {"encoder_cache_dtype": dt}})
+               for dt in ("auto", "fp8_e4m3")}
+    dynamic = {}
+    for dt, eng in engines.items():
+        fp8 = dt == "fp8_e4m3"
+        cfg = eng.models.audio_encoder.cfg
+        full = cfg.kv_bytes_per_session(eng.models.dtype, torch.float8_e4m3fn if fp8 else None)
+        dynamic[dt] = eng.sizing.footprint(eng.sizing.default_config("default"), eng.voices.get("default")).dynamic_private_bytes
+        sid = eng.open_session({"voice": "default"})
+        eng.push_audio(sid, audio(5, 4))
+        got = []
+        for _ in range(3):
+            got += [e.pcm16 for e in eng.tick() if hasattr(e, "pcm16")]
+        assert got, f"{dt}: no audio"
+        state = eng.table.get_live(sid).encoder_state
+        assert state.quantized is fp8 and state.k.dtype == (torch.float8_e4m3fn if fp8 else eng.models.dtype)
+        if fp8:
+            assert (state.k_scale[:, :, : state.num_frames] > 0).all()   # written through the quantizing path
+        eng.fast_forward(sid, encoder_full_cache=True)
+        assert state.nbytes == full == eng.stats().pools["audio_encoder"].private
+        eng.shutdown()
+    cfg = engines["auto"].models.audio_encoder.cfg
+    saved = cfg.kv_bytes_per_session(torch.float32) - cfg.kv_bytes_per_session(torch.float32, torch.float8_e4m3fn)
+    assert dynamic["auto"] - dynamic["fp8_e4m3"] == saved > 0

@@ -151,7 +151,8 @@ case "$mode" in
     step engine_ticks_conversation_bf16 330 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 40,48,56 --workload conversation --steady-window --all-switches on --ticks 8 --warmup-ticks 8 --max-seconds 300 --memory-budget auto --graph-grid 1,4,8,16 --code2wav-dtype bfloat16 --out "$out/engine_ticks_conversation_bf16"
     step engine_ticks_conversation_f32 250 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 40,48 --workload conversation --steady-window --all-switches on --ticks 8 --warmup-ticks 8 --max-seconds 220 --memory-budget auto --graph-grid 1,4,8,16 --out "$out/engine_ticks_conversation_f32" ;;
   kv_precision)  # issue 15 capacity mode: Thinker K/V fp8_e4m3 vs bf16 on the same weights and tokens: top-1 agreement
-    # and KL of next-token distributions at windows 1000/4000/8000 (4 sessions x 32 decode steps each), bytes per token
+    # and KL of next-token distributions at windows 1000/4000/8000 (4 sessions x 32 decode steps each), bytes per token;
+    # then the audio encoder's cache in fp8 vs bf16 over 60 s (embeddings' relative error, bytes)
     step kv_precision 300 python3 -m duplexcache.cli bench kv-precision --preset minicpmo45 --device cuda --sessions 4 --windows 1000,4000,8000 --decode 32 --out "$out/kv_precision" ;;
   ticks_conversation_fp8)  # issue 15 capacity mode, A/B in one run: bf16 Code2Wav with precision.kv_cache_dtype auto, then
     # fp8_e4m3 (Thinker and Talker KV at 0.52x bf16's bytes per token), 56 sessions each (~3 min per arm)

@@ -17,6 +17,12 @@ reference, against ``fp8_e4m3``). Both arms run in lockstep on the same token id
   exact arm's: top-1 agreement, KL(exact || fp8) in nats (mean, p99, max) and the logits'
   relative error.
 
+``--encoder-chunks N`` (0: skip) adds the audio encoder's cache (``precision.encoder_cache_dtype``):
+``--sessions`` streams of N seeded random 1 s chunks through ``stream_step`` with an exact and an
+fp8 cache each (the same weights and audio); per chunk, the relative error of the fp8 arm's
+embeddings against the exact arm's (mean, max, first and last ten chunks: drift across the 30 s
+resets), and the cache bytes per session of each format.
+
 Bytes per token of each format come from the caches. Random weights: attention over random
 tokens is flatter than a trained model's, so these errors say how the format behaves on these
 shapes, not what a trained checkpoint would show (no checkpoint here). Writes results.json and
@@ -133,6 +139,32 @@ def run_windows(args: argparse.Namespace, device: torch.device) -> dict:
             "layers": cfg.num_hidden_layers, "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim}
 
 
+def run_encoder(args: argparse.Namespace, device: torch.device) -> dict:
+    """The encoder cache arm: exact vs fp8 streams over the same audio (module docstring)."""
+    dtype = DTYPES[args.preset]
+    encoder = build_random_models(args.preset, device, dtype, args.seed, parts=("audio_encoder",)).audio_encoder
+    cfg = encoder.cfg
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    errors: list[list[float]] = []
+    with torch.no_grad():
+        states = {name: [encoder.new_stream_state(storage_dtype=kv_storage_dtype(name)) for _ in range(args.sessions)]
+                  for name in ARMS}
+        for chunk in range(args.encoder_chunks):
+            n = cfg.first_chunk_samples if chunk == 0 else cfg.chunk_samples
+            pcm = [(torch.rand(n, generator=gen) - 0.5).to(device) for _ in range(args.sessions)]
+            out = {name: encoder.stream_step(states[name], pcm) for name in ARMS}
+            errors.append([float(torch.linalg.vector_norm((b - a).float())
+                                 / torch.linalg.vector_norm(a.float()).clamp_min(1e-30))
+                           for a, b in zip(out["auto"], out["fp8_e4m3"])])
+    per_chunk = np.array(errors)   # (chunks, sessions)
+    edge = min(10, len(per_chunk))
+    return {"chunks": args.encoder_chunks, "resets": states["fp8_e4m3"][0].num_resets,
+            "rel_error_mean": float(per_chunk.mean()), "rel_error_max": float(per_chunk.max()),
+            "rel_error_first_chunks": float(per_chunk[:edge].mean()),
+            "rel_error_last_chunks": float(per_chunk[-edge:].mean()),
+            "bytes_per_session": {name: cfg.kv_bytes_per_session(dtype, kv_storage_dtype(name)) for name in ARMS}}
+
+
 def markdown(res: dict) -> str:
     b = res["bytes_per_token"]
     lines = ["# Thinker K/V in fp8_e4m3 against exact (precision.kv_cache_dtype)", "",
@@ -146,6 +178,15 @@ def markdown(res: dict) -> str:
         lines.append(f"| {r['window']} | {r['steps']} | {r['top1_agreement']:.4f} | {r['kl_mean']:.3g} | "
                      f"{r['kl_p99']:.3g} | {r['kl_max']:.3g} | {r['logits_rel_error_mean']:.3g} / "
                      f"{r['logits_rel_error_max']:.3g} |")
+    enc = res.get("encoder")
+    if enc:
+        b = enc["bytes_per_session"]
+        lines += ["", "## Audio encoder cache in fp8_e4m3 (precision.encoder_cache_dtype)", "",
+                  f"{res['sessions']} sessions x {enc['chunks']} chunks ({enc['resets']} cache resets per session); "
+                  f"bytes per session: exact {b['auto'] / 2**20:.3f} MiB, fp8 {b['fp8_e4m3'] / 2**20:.3f} MiB", "",
+                  "| embeddings rel. error | mean | max | first 10 chunks | last 10 chunks |", "|---|---:|---:|---:|---:|",
+                  f"| fp8 vs exact | {enc['rel_error_mean']:.3g} | {enc['rel_error_max']:.3g} | "
+                  f"{enc['rel_error_first_chunks']:.3g} | {enc['rel_error_last_chunks']:.3g} |"]
     return "\n".join(lines) + "\n"
 
 
@@ -160,10 +201,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--chunk", type=int, default=1024, help="most tokens per prefill forward")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-token-id", type=int, default=151_643, help="ids are drawn below this (the text ids)")
+    ap.add_argument("--encoder-chunks", type=int, default=60,
+                    help="1 s chunks of the audio-encoder cache arm (0: skip it)")
     ap.add_argument("--seed", type=int, default=0)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.encoder_chunks < 0:
+        return usage_error("kv-precision", "--encoder-chunks must be >= 0")
     if min(args.sessions, args.decode, args.chunk, args.block_size, args.max_token_id) < 1:
         return usage_error("kv-precision", "--sessions, --decode, --chunk, --block-size, --max-token-id must be positive")
     if list(args.windows) != sorted(set(args.windows)) or args.windows[0] < 1:
@@ -172,6 +217,8 @@ def run(args: argparse.Namespace) -> int:
     res = {"hardware": hardware_line(device), "preset": args.preset, "sessions": args.sessions,
            "decode": args.decode, "chunk": args.chunk, "block_size": args.block_size, "seed": args.seed,
            **run_windows(args, device)}
+    if args.encoder_chunks:
+        res["encoder"] = run_encoder(args, device)
     md = markdown(res)
     write_results(args.out, res, md)
     print(md)

@@ -140,7 +140,7 @@ def test_kv_precision_tiny_on_cpu(tmp_path, capsys):
     > 0) but stay close (top-1 mostly kept), fp8 bytes per token are about half, and bad windows
     are refused before anything is built."""
     rc = cli_main(["bench", "kv-precision", "--preset", "tiny", "--sessions", "2", "--windows", "40,100",
-                   "--decode", "4", "--chunk", "32", "--out", str(tmp_path)])
+                   "--decode", "4", "--chunk", "32", "--encoder-chunks", "4", "--out", str(tmp_path)])
     assert rc == 0
     res = json.loads((tmp_path / "results.json").read_text())
     assert [w["window"] for w in res["windows"]] == [40, 100] and all(w["steps"] == 8 for w in res["windows"])
@@ -149,6 +149,9 @@ def test_kv_precision_tiny_on_cpu(tmp_path, capsys):
         assert 0 < w["logits_rel_error_mean"] < 0.2
     b = res["bytes_per_token"]
     assert 0.5 < b["fp8_e4m3"] / b["auto"] < 0.6 or 0.25 < b["fp8_e4m3"] / b["auto"] < 0.35   # bf16 / float32 model
+    enc = res["encoder"]   # the audio encoder's cache arm: 4 chunks of 2 sessions, fp8 vs exact
+    assert enc["chunks"] == 4 and 0 < enc["rel_error_mean"] <= enc["rel_error_max"] < 0.05
+    assert enc["bytes_per_session"]["fp8_e4m3"] < enc["bytes_per_session"]["auto"]
     assert (tmp_path / "results.md").read_text() in capsys.readouterr().out
     assert cli_main(["bench", "kv-precision", "--preset", "tiny", "--windows", "100,40", "--out", str(tmp_path)]) == 2
 

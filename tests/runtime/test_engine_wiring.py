@@ -263,6 +263,16 @@ def test_build_models_casts_the_flow_once_so_the_engine_runs_it_without_a_copy(t
     eng.shutdown()
 
 
+def _one_speaking_session(eng, seed: int, ticks: int) -> tuple[str, list[bytes]]:
+    """Open a session, push 4 units of seeded audio, run ``ticks`` ticks: its id and audio chunks."""
+    sid = eng.open_session({"voice": "default"})
+    eng.push_audio(sid, audio(seed, 4))
+    got: list[bytes] = []
+    for _ in range(ticks):
+        got += [e.pcm16 for e in eng.tick() if hasattr(e, "pcm16")]
+    return sid, got
+
+
 def test_kv_cache_dtype_reaches_both_kv_pools_and_admission(tmp_path):
     """precision.kv_cache_dtype: fp8_e4m3 makes the Thinker's and the Talker's pools fp8 with
     per-(token, kv head) scales, the memory plan and the ledger count the fp8 block bytes
@@ -293,11 +303,7 @@ def test_kv_cache_dtype_reaches_both_kv_pools_and_admission(tmp_path):
                 assert want == 2 * cfg.num_hidden_layers * eng.block_size * cfg.num_key_value_heads * cfg.head_dim * 4
         # The ledger charges sessions the plan's block bytes (what KVCacheManager reports too).
         assert eng.thinker_manager.bytes_per_block == eng.plan.thinker_block_bytes
-        sid = eng.open_session({"voice": "default"})
-        eng.push_audio(sid, audio(3, 4))
-        got = []
-        for _ in range(4):
-            got += [e.pcm16 for e in eng.tick() if hasattr(e, "pcm16")]
+        sid, got = _one_speaking_session(eng, seed=3, ticks=4)
         assert got, f"{dt}: no audio"
         pcm[dt] = b"".join(got)
         if fp8:   # both pools were written through the quantizing path (scales above the floor)
@@ -333,11 +339,7 @@ def test_encoder_cache_dtype_reaches_the_sessions_encoder_caches_and_admission(t
         cfg = eng.models.audio_encoder.cfg
         full = cfg.kv_bytes_per_session(eng.models.dtype, torch.float8_e4m3fn if fp8 else None)
         dynamic[dt] = eng.sizing.footprint(eng.sizing.default_config("default"), eng.voices.get("default")).dynamic_private_bytes
-        sid = eng.open_session({"voice": "default"})
-        eng.push_audio(sid, audio(5, 4))
-        got = []
-        for _ in range(3):
-            got += [e.pcm16 for e in eng.tick() if hasattr(e, "pcm16")]
+        sid, got = _one_speaking_session(eng, seed=5, ticks=3)
         assert got, f"{dt}: no audio"
         state = eng.table.get_live(sid).encoder_state
         assert state.quantized is fp8 and state.k.dtype == (torch.float8_e4m3fn if fp8 else eng.models.dtype)

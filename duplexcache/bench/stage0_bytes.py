@@ -20,6 +20,7 @@ import torch
 from duplexcache.bench.common import alias_main
 from duplexcache.kv.block_pool import BlockPool
 from duplexcache.kv.kv_cache_manager import KVCacheManager, SessionBytes
+from duplexcache.kv.kv_quant import KV_CACHE_DTYPES, kv_storage_dtype
 from duplexcache.kv.paged_attention import bytes_per_block
 from duplexcache.models.thinker import ThinkerConfig
 from duplexcache.runtime.stage0_window import stage0_session_bytes
@@ -29,10 +30,10 @@ MIB = 1024 * 1024
 
 
 def _measured(config: ThinkerConfig, context: int, window: int, share: bool, dtype: torch.dtype,
-              block_size: int) -> SessionBytes:
+              block_size: int, storage_dtype: torch.dtype | None = None) -> SessionBytes:
     """Bytes the manager reports for the second of two sessions with the same context."""
     per_block = bytes_per_block(config.num_hidden_layers, block_size, config.num_key_value_heads,
-                                config.head_dim, dtype)
+                                config.head_dim, dtype, storage_dtype)
     need = 2 * (-(-(context + window) // block_size) + 1) + 1
     mgr = KVCacheManager(BlockPool(need), block_size, per_block)
     ids = [151700 + i % 16 for i in range(context)]  # any ids: both sessions use the same ones
@@ -44,15 +45,16 @@ def _measured(config: ThinkerConfig, context: int, window: int, share: bool, dty
 
 
 def table_rows(config: ThinkerConfig, contexts: list[int], high: int, dtype: torch.dtype,
-               block_size: int = 16) -> list[dict]:
+               block_size: int = 16, storage_dtype: torch.dtype | None = None) -> list[dict]:
     dtype_bytes = torch.empty((), dtype=dtype, device="meta").element_size()
     rows = []
     for context in contexts:
         for point, window in (("start", 0), (f"full window (+{high})", high)):
             row = {"context": context, "point": point}
             for share in (True, False):
-                formula = stage0_session_bytes(config, context, window, share, dtype_bytes, block_size)
-                measured = _measured(config, context, window, share, dtype, block_size)
+                formula = stage0_session_bytes(config, context, window, share, dtype_bytes, block_size,
+                                               storage_dtype)
+                measured = _measured(config, context, window, share, dtype, block_size, storage_dtype)
                 if formula != measured:
                     raise AssertionError(f"formula {formula} != manager {measured} (context {context}, "
                                          f"window {window}, share {share})")
@@ -82,15 +84,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--high", type=int, default=8000, help="window high mark (tokens over the context)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-dtype", choices=tuple(KV_CACHE_DTYPES), default="auto",
+                        help="precision.kv_cache_dtype: fp8_e4m3 counts e4m3 values plus their scales")
 
 
 def run(args: argparse.Namespace) -> int:
     config = getattr(ThinkerConfig, args.preset)()
     dtype = getattr(torch, args.dtype)
-    rows = table_rows(config, args.contexts, args.high, dtype, args.block_size)
-    per_token = config.kv_bytes_per_token(dtype)
-    print(f"Stage 0 KV per session, preset {args.preset}, {args.dtype}, block {args.block_size}, "
-          f"{per_token // 1024} KiB/token, {per_token * args.block_size / MIB:.2f} MiB/block")
+    storage = kv_storage_dtype(args.kv_cache_dtype)
+    rows = table_rows(config, args.contexts, args.high, dtype, args.block_size, storage)
+    per_token = config.kv_bytes_per_token(dtype, storage)
+    print(f"Stage 0 KV per session, preset {args.preset}, {args.dtype}, KV {args.kv_cache_dtype}, block "
+          f"{args.block_size}, {per_token / 1024:g} KiB/token, {per_token * args.block_size / MIB:.2f} MiB/block")
     print(format_table(rows))
     return 0
 

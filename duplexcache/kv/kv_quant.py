@@ -30,6 +30,9 @@ FP8_E4M3_MAX = 448.0
 # Lower bound of a scale, so an all-zero row (or padding) gets a finite scale and stores zeros.
 FP8_SCALE_FLOOR = 1e-8
 
+# Bytes of one row's scale (float32), stored next to its head_dim e4m3 values.
+FP8_SCALE_BYTES = 4
+
 # precision.kv_cache_dtype -> storage dtype of the pool (None: the model dtype, exact mode).
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8_e4m3": FP8_KV_DTYPE}
 
@@ -54,7 +57,7 @@ def row_bytes(head_dim: int, dtype: torch.dtype, storage_dtype: torch.dtype | No
     """Bytes one stored row (one token or frame, one head: ``head_dim`` values) takes:
     ``head_dim`` values of ``dtype``, or in fp8 ``head_dim`` bytes plus its float32 scale."""
     if is_quantized(storage_dtype):
-        return head_dim + 4
+        return head_dim + FP8_SCALE_BYTES
     return head_dim * torch.empty((), dtype=dtype, device="meta").element_size()
 
 
@@ -84,6 +87,7 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 __all__ = [
     "FP8_E4M3_MAX",
     "FP8_KV_DTYPE",
+    "FP8_SCALE_BYTES",
     "FP8_SCALE_FLOOR",
     "KV_CACHE_DTYPES",
     "as_bytes",

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from duplexcache.kv.kv_cache_manager import KVCacheManager, SessionBytes
+from duplexcache.kv.kv_quant import FP8_SCALE_BYTES, is_quantized
 from duplexcache.kv.paged_attention import PagedKVCache
 from duplexcache.kv.rope import rerotate_keys_
 from duplexcache.kv.window import WindowConfig, WindowPlan
@@ -109,6 +110,7 @@ def stage0_session_bytes(
     share: bool,
     dtype_bytes: int = 2,
     block_size: int = 16,
+    storage_dtype: torch.dtype | None = None,
 ) -> SessionBytes:
     """KV bytes one Stage 0 session references, from shapes alone.
 
@@ -131,8 +133,10 @@ def stage0_session_bytes(
             f"need context_tokens > 0, window_tokens >= 0, block_size > 0, dtype_bytes > 0; got "
             f"{context_tokens}, {window_tokens}, {block_size}, {dtype_bytes}"
         )
-    per_block = (2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
-                 * dtype_bytes * block_size)
+    # A row (token, kv head): head_dim values, or in fp8 (precision.kv_cache_dtype) head_dim
+    # bytes plus its float32 scale, as the pool stores it (kv/kv_quant.row_bytes).
+    row = config.head_dim + FP8_SCALE_BYTES if is_quantized(storage_dtype) else config.head_dim * dtype_bytes
+    per_block = 2 * config.num_hidden_layers * config.num_key_value_heads * row * block_size
     table_blocks = -(-(context_tokens + window_tokens) // block_size)
     if not share:
         return SessionBytes(private=table_blocks * per_block, shared=0)

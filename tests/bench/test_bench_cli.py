@@ -67,6 +67,18 @@ def test_python_dash_m_is_an_alias_of_the_subcommand():
 def test_stage0_bytes(capsys):
     assert cli_main(["bench", "stage0-bytes", "--preset", "tiny", "--contexts", "40", "100", "--high", "64"]) == 0
     assert capsys.readouterr().out.count("| full window (+64) |") == 2
+    # fp8 KV: the closed form and a real KVCacheManager over fp8 block bytes agree (the bench
+    # raises otherwise), and a block costs head_dim + 4 bytes per (token, kv head) and K/V
+    from duplexcache.bench.stage0_bytes import table_rows
+    from duplexcache.models.thinker import ThinkerConfig
+
+    cfg = ThinkerConfig.minicpmo45()
+    fp8 = table_rows(cfg, [96], 8000, torch.bfloat16, 16, torch.float8_e4m3fn)
+    exact = table_rows(cfg, [96], 8000, torch.bfloat16, 16)
+    full_fp8, full_exact = fp8[1]["off"].private, exact[1]["off"].private
+    assert full_fp8 * 2 * 128 == full_exact * (128 + 4)
+    assert cli_main(["bench", "stage0-bytes", "--kv-cache-dtype", "fp8_e4m3", "--contexts", "96"]) == 0
+    assert "74.25 KiB/token" in capsys.readouterr().out
 
 
 def test_prefill(tmp_path):

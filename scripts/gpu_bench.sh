@@ -5,7 +5,7 @@
 # smoke: every benchmark on the tiny preset (catches device bugs in seconds); suite (the whole pytest suite); bench, bench_turn, bench_capacity, setup,
 # ticks, ticks_continuous, ticks_steady, ticks_ragged, ticks_eager, ticks_conversation, serve_conversation, serve_switch,
 # serve_catch_up, serve_precision, serve_prefill_between, serve_long_context, serve_profile, warm_start,
-# serve_ready, stage0, precision, kv_precision, ticks_conversation_bf16, ticks_conversation_fp8,
+# serve_ready, stage0, precision, kv_precision, ticks_conversation_bf16, ticks_conversation_fp8, ticks_capacity,
 # stage2: the minicpmo45 figures (random weights), each a few minutes on an H200 (each fits one 10-minute call).
 # Every step is a `duplexcache bench BENCHMARK` command (run as `python3 -m duplexcache.cli`, so no install is needed).
 # Needs torch with CUDA, triton, numpy, pyyaml, safetensors, pydantic, tqdm, matplotlib; the serve modes also
@@ -159,6 +159,9 @@ case "$mode" in
     for kv in auto fp8_e4m3; do
       step "engine_ticks_conversation_kv_$kv" 270 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 56 --workload conversation --steady-window --all-switches on --ticks 8 --warmup-ticks 8 --max-seconds 240 --memory-budget auto --graph-grid 1,4,8,16 --code2wav-dtype bfloat16 --kv-cache-dtype "$kv" --out "$out/engine_ticks_conversation_kv_$kv"
     done ;;
+  ticks_capacity)  # issue 15 capacity mode, every format: Code2Wav bf16, KV and encoder cache fp8, 1024-token Talker turns;
+    # conversation workload at 64, 80, 96 sessions (the issue's target: 96 real time); not run yet
+    step engine_ticks_capacity 560 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 64,80,96 --workload conversation --steady-window --all-switches on --ticks 8 --warmup-ticks 8 --max-seconds 520 --memory-budget auto --graph-grid 1,4,8,16 --code2wav-dtype bfloat16 --kv-cache-dtype fp8_e4m3 --encoder-cache-dtype fp8_e4m3 --talker-turn-tokens 1024 --out "$out/engine_ticks_capacity" ;;
   precision)  # issue 15 capacity mode: Code2Wav bfloat16 vs float32 on the same weights: error over a 60 s call, bytes, ms per step
     step precision 240 python3 -m duplexcache.cli bench precision --preset minicpmo45 --device cuda --sessions 4 --chunks 60 --batches 1,8,32 --out "$out/precision" ;;
   serve_precision)  # issue 15 capacity mode over the wire: serve_conversation with precision.code2wav_dtype float32,
@@ -200,6 +203,6 @@ case "$mode" in
     step gpu_stage0 120 python3 -m duplexcache.cli bench kernels --out "$out/gpu_stage0" ;;
   stage2)
     step gpu_stage2 300 python3 -m duplexcache.cli bench stage2 --out "$out/gpu_stage2" --batches 1,8,32 ;;
-  *) echo "unknown mode $mode (smoke|bench|bench_turn|bench_capacity|setup|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|ticks_conversation|ticks_conversation_large|serve_conversation|serve_switch|serve_catch_up|serve_precision|serve_prefill_between|serve_long_context|serve_profile|prefill|prefill_between|prefill_512|warm_start|serve_ready|stage0|stage2|precision|kv_precision|ticks_conversation_bf16|ticks_conversation_fp8)"; exit 2 ;;
+  *) echo "unknown mode $mode (smoke|bench|bench_turn|bench_capacity|setup|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|ticks_conversation|ticks_conversation_large|serve_conversation|serve_switch|serve_catch_up|serve_precision|serve_prefill_between|serve_long_context|serve_profile|prefill|prefill_between|prefill_512|warm_start|serve_ready|stage0|stage2|precision|kv_precision|ticks_conversation_bf16|ticks_conversation_fp8|ticks_capacity)"; exit 2 ;;
 esac
 done

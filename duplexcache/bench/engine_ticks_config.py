@@ -51,6 +51,8 @@ class TickBenchConfig:
     graph_grid: tuple[int, ...] | None = None   # code2wav.graph_grid (+ arena rows from it); None: the preset's
     code2wav_dtype: str = "float32"   # precision.code2wav_dtype (bfloat16: capacity mode)
     kv_cache_dtype: str = "auto"      # precision.kv_cache_dtype (fp8_e4m3: capacity mode)
+    encoder_cache_dtype: str = "auto"   # precision.encoder_cache_dtype (fp8_e4m3: capacity mode)
+    talker_turn_tokens: int | None = None   # engine.talker_turn_tokens (None: the Talker's limit)
 
     def __post_init__(self) -> None:
         if self.workload not in wl.WORKLOADS:
@@ -136,6 +138,8 @@ def make_deploy(cfg: TickBenchConfig) -> DeployConfig:
     raw["stage0"]["ragged_kernel"] = cfg.ragged_kernel
     raw["precision"]["code2wav_dtype"] = cfg.code2wav_dtype
     raw["precision"]["kv_cache_dtype"] = cfg.kv_cache_dtype
+    raw["precision"]["encoder_cache_dtype"] = cfg.encoder_cache_dtype
+    raw["engine"]["talker_turn_tokens"] = cfg.talker_turn_tokens
     if cfg.graph_grid is not None:
         raw["code2wav"]["graph_grid"] = list(cfg.graph_grid)
         raw["code2wav"]["cfm_arena_rows_from_graph_grid"] = True
@@ -176,6 +180,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3"), default="auto",
                    help="precision.kv_cache_dtype: Thinker and Talker KV pools in fp8 e4m3 + per-token scales "
                         "(capacity mode)")
+    p.add_argument("--encoder-cache-dtype", choices=("auto", "fp8_e4m3"), default="auto",
+                   help="precision.encoder_cache_dtype: each session's audio-encoder cache in fp8 e4m3 + scales")
+    p.add_argument("--talker-turn-tokens", type=int, default=None,
+                   help="engine.talker_turn_tokens: the Talker KV reserve per session (default: the Talker's limit)")
     p.add_argument("--max-seconds", type=float, default=420.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("out/engine_ticks"))
@@ -186,4 +194,5 @@ def config_from_args(a: argparse.Namespace) -> TickBenchConfig:
     return TickBenchConfig(a.preset, default_device(a.preset, a.device), a.sessions, a.ticks, a.warmup_ticks,
                            a.memory_budget, a.all_switches == "on", a.max_seconds, a.speak_k, a.seed, a.steady_window,
                            a.decode_cuda_graphs == "on", a.turn_units, a.ragged_kernel == "on", a.workload,
-                           a.warm_up == "on", a.graph_grid, a.code2wav_dtype, a.kv_cache_dtype)
+                           a.warm_up == "on", a.graph_grid, a.code2wav_dtype, a.kv_cache_dtype,
+                           a.encoder_cache_dtype, a.talker_turn_tokens)

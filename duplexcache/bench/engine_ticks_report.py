@@ -29,7 +29,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"decode CUDA graphs {'on' if c.get('decode_cuda_graphs') else 'off'}; "
         f"ragged kernel {'on' if c.get('ragged_kernel') else 'off'}; "
         f"Code2Wav graph grid {c.get('graph_grid') or 'none (every tier)'}, "
-        f"{c.get('code2wav_dtype', 'float32')}; KV {c.get('kv_cache_dtype', 'auto')}; "
+        f"{c.get('code2wav_dtype', 'float32')}; KV {c.get('kv_cache_dtype', 'auto')}; encoder cache {c.get('encoder_cache_dtype', 'auto')}; "
+        f"Talker turn {c.get('talker_turn_tokens') or 'model limit'}; "
         f"warm-up before the ticks {'on' if c.get('warm_up') else 'off'}  ",
         f"{c['warmup_ticks']} warm-up + {c['ticks']} recorded ticks per session count; models built once in "
         f"{results['model_build_s']:.1f} s; whole run {results['elapsed_s']:.1f} s "

@@ -203,13 +203,15 @@ class LogMel(nn.Module):
         self.register_buffer("filters", mel_filter_bank(n_fft, n_mels, sample_rate), persistent=False)
 
     def forward(self, audio: torch.Tensor) -> torch.Tensor:
+        """(..., N) -> (..., n_mels, N // hop): leading dims are independent clips (a batch of
+        same-length chunks in one call), each normalised by its own maximum."""
         audio = audio.to(torch.float32)
         stft = torch.stft(audio, self.n_fft, self.hop_length, window=self.window.to(audio.device, torch.float32),
                           center=True, pad_mode="reflect", return_complex=True)
         power = stft[..., :-1].abs() ** 2  # Whisper drops the last frame: N // hop frames
         mel = self.filters.to(audio.device, torch.float32).T @ power
         log_spec = torch.clamp(mel, min=1e-10).log10()
-        log_spec = torch.maximum(log_spec, log_spec.max() - 8.0)
+        log_spec = torch.maximum(log_spec, log_spec.amax(dim=(-2, -1), keepdim=True) - 8.0)
         return (log_spec + 4.0) / 4.0
 
 
@@ -429,6 +431,14 @@ class StreamingAudioEncoderState:
         self.num_resets += 1
 
 
+def _same_length(tensors: list[torch.Tensor], dim: int = -1) -> list[list[int]]:
+    """Indices of ``tensors`` grouped by their size along ``dim``, in first-seen order."""
+    groups: dict[int, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.shape[dim], []).append(i)
+    return list(groups.values())
+
+
 # ----------------------------------------------------------------------------- full module
 
 
@@ -506,7 +516,7 @@ class AudioEncoder(nn.Module):
         """One tick for several sessions: PCM chunk per session -> (chunk_frames // 5, out_dim) each."""
         if len(states) != len(chunks):
             raise ValueError(f"{len(states)} states but {len(chunks)} chunks")
-        mels = []
+        audios = []
         for state, chunk in zip(states, chunks):
             audio = validate_audio(chunk, sample_rate, expected_rate=self.cfg.sample_rate,
                                    min_samples=self.cfg.n_fft)
@@ -514,7 +524,14 @@ class AudioEncoder(nn.Module):
             if audio.numel() != want:
                 which = "first" if state.num_chunks == 0 else "later"
                 raise ValueError(f"{which} streaming chunk must have {want} samples, got {audio.numel()}")
-            mels.append(self.log_mel(audio.to(self.apm.conv1.weight.device)))
+            audios.append(audio)
+        # Chunks of one length (every session's 1 s after its first) go to the device and through
+        # the log-mel together: one copy and one STFT per length, not per session.
+        device = self.apm.conv1.weight.device
+        mels: list[torch.Tensor] = [torch.empty(0)] * len(audios)
+        for idxs in _same_length(audios):
+            for i, mel in zip(idxs, self.log_mel(torch.stack([audios[i] for i in idxs]).to(device))):
+                mels[i] = mel
         return self.stream_step_mel(states, mels)
 
     @torch.no_grad()
@@ -526,10 +543,16 @@ class AudioEncoder(nn.Module):
         if not states:
             return []
         dtype = self.apm.conv1.weight.dtype
-        fronts = []
         for mel in mels:
-            self._check_mel(mel, batched=False)
-            fronts.append(self.apm.conv_front(mel[None].to(dtype))[0])  # (F_i, d)
+            self._check_mel(mel, batched=False, finite=False)   # shapes here, values per group below
+        # Same-length chunks share one finiteness check (one host sync) and one conv front.
+        fronts: list[torch.Tensor] = [torch.empty(0)] * len(mels)
+        for idxs in _same_length(mels):
+            group = torch.stack([mels[i] for i in idxs])
+            if not torch.isfinite(group).all():
+                raise ValueError("log-mel contains NaN or Inf")
+            for i, front in zip(idxs, self.apm.conv_front(group.to(dtype))):
+                fronts[i] = front  # (F_i, d)
         for state, front in zip(states, fronts):
             if front.shape[0] > self.cfg.max_cache_frames:
                 raise ValueError(f"chunk of {front.shape[0]} frames exceeds max_cache_frames "
@@ -540,12 +563,15 @@ class AudioEncoder(nn.Module):
         for state, front in zip(states, fronts):  # before any layer writes: a grow copies valid rows
             state.reserve(state.num_frames + front.shape[0])
         hidden = self._stream_layers(states, fronts)
-        outs = []
-        for b, (state, front) in enumerate(zip(states, fronts)):
-            n = front.shape[0]
-            state.num_frames += n
+        for state, front in zip(states, fronts):
+            state.num_frames += front.shape[0]
             state.num_chunks += 1
-            outs.append(self.project(hidden[b:b + 1, :n])[0])
+        outs: list[torch.Tensor] = [torch.empty(0)] * len(fronts)
+        for idxs in _same_length(fronts, dim=0):   # one projection per chunk length
+            n = fronts[idxs[0]].shape[0]
+            rows = hidden[idxs, :n] if len(idxs) < hidden.shape[0] else hidden[:, :n]
+            for i, out in zip(idxs, self.project(rows)):
+                outs[i] = out
         return outs
 
     def _stream_layers(self, states: list[StreamingAudioEncoderState],
@@ -578,7 +604,7 @@ class AudioEncoder(nn.Module):
             x = layer(x, kv_hook)
         return self.apm.layer_norm(x)
 
-    def _check_mel(self, mel: torch.Tensor, batched: bool) -> None:
+    def _check_mel(self, mel: torch.Tensor, batched: bool, finite: bool = True) -> None:
         want = 3 if batched else 2
         if not isinstance(mel, torch.Tensor) or mel.dim() != want:
             shape = "(B, n_mels, frames)" if batched else "(n_mels, frames)"
@@ -588,7 +614,7 @@ class AudioEncoder(nn.Module):
             raise ValueError(f"log-mel must have {self.cfg.num_mel_bins} bins, got {mel.shape[-2]}")
         if mel.shape[-1] < 1:
             raise ValueError("log-mel has no frames")
-        if not torch.isfinite(mel).all():
+        if finite and not torch.isfinite(mel).all():
             raise ValueError("log-mel contains NaN or Inf")
 
     # -- loading ------------------------------------------------------------------------------

@@ -295,3 +295,29 @@ def test_fp8_cache_grows_like_its_whole_allocation_and_stays_near_the_exact_cach
     with pytest.raises(ValueError, match="scales exactly when it is fp8"):
         StreamingAudioEncoderState(k=torch.zeros(1, 1, 0, 4, dtype=fp8), v=torch.zeros(1, 1, 0, 4, dtype=fp8),
                                    max_frames=8)
+
+
+def test_same_length_chunks_are_featurised_together_with_the_per_session_result():
+    """stream_step sends every same-length chunk through one log-mel, one conv front and one
+    projection (one host sync per length, not per session): each session's embeddings match the
+    session stepped alone up to float rounding, mixed first/later chunks included; a bad chunk
+    is still refused by name."""
+    ours = AudioEncoder(AudioEncoderConfig.tiny()).eval()
+    gen = torch.Generator().manual_seed(21)
+    alone = [ours.new_stream_state() for _ in range(4)]
+    together = [ours.new_stream_state() for _ in range(4)]
+    for t in range(3):
+        # session 3 joins a tick late: its first (longer) chunk rides with the others' later ones
+        live = [i for i in range(4) if t > 0 or i < 3]
+        pcm = {i: torch.rand(16560 if t == (1 if i == 3 else 0) else 16000, generator=gen) - 0.5 for i in live}
+        batched = ours.stream_step([together[i] for i in live], [pcm[i] for i in live])
+        for i, got in zip(live, batched):
+            want = ours.stream_step([alone[i]], [pcm[i]])[0]
+            assert got.shape == want.shape and rel_err(got, want) <= 1e-5, (t, i)
+    clip = torch.rand(16000, generator=gen) - 0.5
+    two = ours.log_mel(torch.stack([clip, 0.5 * clip]))
+    assert torch.allclose(two[0], ours.log_mel(clip), atol=1e-5) and not torch.allclose(two[0], two[1])
+    bad = [torch.rand(16000, generator=gen) - 0.5 for _ in range(2)]
+    bad[1][7] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        ours.stream_step(together[:2], bad)

@@ -305,7 +305,11 @@ def test_token_set_argmax_is_the_gathered_argmax_and_keeps_one_copy_per_device()
     logits[11] = logits[5] = 2.0          # a tie: the first of the set in set order wins (11)
     logits[0] = 9.0                        # outside the set
     assert s.argmax(logits) == 11 == int(ids[int(torch.argmax(logits[ids]))])
-    assert s.on(torch.device("cpu")) is s.on(torch.device("cpu")) and len(s) == 4
+    assert len(s) == 4
+    # "meta" stands in for a GPU on this CPU: ids.to(meta) makes a new tensor every call, so only
+    # a cache hands back the same copy (on "cpu", .to() would return the ids themselves anyway)
+    meta = torch.device("meta")
+    assert s.on(meta) is s.on(meta) and s.on(meta).device == meta
     if torch.cuda.is_available():
         cuda = torch.device("cuda", torch.cuda.current_device())
         assert s.on(cuda) is s.on(cuda) and s.argmax(logits.to(cuda)) == 11

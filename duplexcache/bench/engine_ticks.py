@@ -4,7 +4,7 @@
         [--sessions 1,8,16,32] [--ticks 6] [--warmup-ticks 2] [--memory-budget 80GiB]
         [--all-switches on|off] [--steady-window] [--decode-cuda-graphs on|off] [--ragged-kernel on|off]
         [--workload turns|continuous|conversation] [--speak-k 2] [--turn-units 2]
-        [--warm-up on|off] [--graph-grid 1,4,8,16] [--max-seconds 420]
+        [--warm-up on|off] [--graph-grid 1,4,8,16] [--profile-ticks 0] [--max-seconds 420]
         [--out DIR]
 
 The models are built once (random weights; minicpmo45 on CUDA in bf16). For each session count
@@ -47,6 +47,10 @@ What is recorded per tick:
 * the number of sessions that got text in the tick, next to the number the workload scheduled
   to speak (they must be equal: a tick that silently skipped sessions is caught).
 
+``--profile-ticks K``: after the recorded ticks of each session count, K more ticks run under
+``torch.profiler`` (bench/tick_profile.py): host and device ms per tick of each stage and of
+Code2Wav's parts, the device's busy fraction, the top operators. They are not recorded ticks.
+
 A stage with no work in a tick records 0 in the engine (e.g. Code2Wav on the first unit of a
 turn); percentiles are over the ticks where it ran, and the sample count says how many. With 6
 recorded ticks, p99 is interpolated between the two slowest ticks (near the max).
@@ -87,6 +91,7 @@ from duplexcache.bench.engine_ticks_config import (  # noqa: F401  (add_argument
     make_deploy,
 )
 from duplexcache.bench.engine_ticks_report import STAGES, markdown
+from duplexcache.bench.tick_profile import profile_ticks, profiled_units
 from duplexcache.config import DeployConfig, format_bytes
 from duplexcache.runtime.bundle import ModelBundle, build_models
 from duplexcache.runtime.engine import DuplexEngine
@@ -158,6 +163,7 @@ class RunResult:
     max_memory_allocated: int | None = None
     memory_allocated_after: int | None = None   # after the engine was freed: should be the weights
     seconds: float = 0.0
+    profile: dict[str, Any] | None = None   # --profile-ticks: bench/tick_profile.summarize_profile
 
     @property
     def all_under_1s(self) -> bool | None:
@@ -177,7 +183,8 @@ class RunResult:
                 "decode_graph_steps": self.decode_graph_steps, "warmup_s": self.warmup_s,
                 "warmup_graphs": self.warmup_graphs, "tick_graph_captures": self.tick_graph_captures,
                 "max_memory_allocated": self.max_memory_allocated,
-                "memory_allocated_after": self.memory_allocated_after, "seconds": round(self.seconds, 3)}
+                "memory_allocated_after": self.memory_allocated_after, "seconds": round(self.seconds, 3),
+                "profile": self.profile}
 
 
 class _Deadline:
@@ -297,7 +304,7 @@ def _drive(eng: DuplexEngine, n: int, cfg: TickBenchConfig, res: RunResult, dead
     sids += _open_all(eng, n, res, cfg)
     if res.status == "refused":
         return
-    units = cfg.warmup_ticks + cfg.ticks + (1 if cfg.steady_window else 0)
+    units = cfg.warmup_ticks + cfg.ticks + (1 if cfg.steady_window else 0) + profiled_units(cfg.profile_ticks, eng.models.device)
     feed = _Feed(eng, cfg, list(sids), units)
     device = eng.models.device
     for k in range(cfg.warmup_ticks):
@@ -326,6 +333,11 @@ def _drive(eng: DuplexEngine, n: int, cfg: TickBenchConfig, res: RunResult, dead
     res.late_ticks = eng.late_ticks - late_before
     res.tick_graph_captures = eng.stats().graph_captures["tick"] - captures_before
     res.decode_graph_steps = {k: v - graphs_before.get(k, 0) for k, v in eng.stats().decode_graph_steps.items()}
+    if cfg.profile_ticks and res.status == "ok":
+        # After the recorded ticks, so the profiler's overhead never reaches the latency figures.
+        res.profile = profile_ticks(lambda: _run_tick(eng, feed, res, device)[1], cfg.profile_ticks, device)
+        logger.info("n=%d: profiled %d ticks: %.1f ms of kernels per tick, %.1f ms wall", n, cfg.profile_ticks,
+                    res.profile["device_ms_per_tick"], res.profile["wall_ms_per_tick"])
     if res.session_errors and res.status == "ok":
         res.status, res.note = "error", f"{res.session_errors} session errors during the run"
     if res.schedule_mismatches and res.status == "ok":
@@ -478,7 +490,8 @@ def _results(cfg: TickBenchConfig, deploy: DeployConfig, models: ModelBundle, ro
                    "code2wav_dtype": deploy.precision.code2wav_dtype,
                    "kv_cache_dtype": deploy.precision.kv_cache_dtype,
                    "encoder_cache_dtype": deploy.precision.encoder_cache_dtype,
-                   "talker_turn_tokens": deploy.engine.talker_turn_tokens},
+                   "talker_turn_tokens": deploy.engine.talker_turn_tokens,
+                   "profile_ticks": cfg.profile_ticks},
         "model_build_s": round(build_s, 3),
         "weight_bytes": models.weight_bytes(),
         "memory_allocated_after_build": weights_alloc,

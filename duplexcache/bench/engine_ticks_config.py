@@ -53,6 +53,7 @@ class TickBenchConfig:
     kv_cache_dtype: str = "auto"      # precision.kv_cache_dtype (fp8_e4m3: capacity mode)
     encoder_cache_dtype: str = "auto"   # precision.encoder_cache_dtype (fp8_e4m3: capacity mode)
     talker_turn_tokens: int | None = None   # engine.talker_turn_tokens (None: the Talker's limit)
+    profile_ticks: int = 0   # ticks run under torch.profiler after the recorded ones (bench/tick_profile.py)
 
     def __post_init__(self) -> None:
         if self.workload not in wl.WORKLOADS:
@@ -72,6 +73,8 @@ class TickBenchConfig:
         if not self.sessions or any(not isinstance(n, int) or n < 1 for n in self.sessions):
             raise ValueError(f"sessions must be positive ints, got {self.sessions!r}")
         self.sessions = tuple(sorted(set(self.sessions)))
+        if self.profile_ticks < 0:
+            raise ValueError(f"profile_ticks must be >= 0, got {self.profile_ticks}")
         if self.ticks < 1 or self.warmup_ticks < 0:
             raise ValueError(f"need ticks >= 1 and warmup_ticks >= 0, got {self.ticks}, {self.warmup_ticks}")
         if self.max_seconds <= 0:
@@ -184,6 +187,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="precision.encoder_cache_dtype: each session's audio-encoder cache in fp8 e4m3 + scales")
     p.add_argument("--talker-turn-tokens", type=int, default=None,
                    help="engine.talker_turn_tokens: the Talker KV reserve per session (default: the Talker's limit)")
+    p.add_argument("--profile-ticks", type=int, default=0,
+                   help="after the recorded ticks, run this many under torch.profiler: host/device ms per stage")
     p.add_argument("--max-seconds", type=float, default=420.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("out/engine_ticks"))
@@ -195,4 +200,4 @@ def config_from_args(a: argparse.Namespace) -> TickBenchConfig:
                            a.memory_budget, a.all_switches == "on", a.max_seconds, a.speak_k, a.seed, a.steady_window,
                            a.decode_cuda_graphs == "on", a.turn_units, a.ragged_kernel == "on", a.workload,
                            a.warm_up == "on", a.graph_grid, a.code2wav_dtype, a.kv_cache_dtype,
-                           a.encoder_cache_dtype, a.talker_turn_tokens)
+                           a.encoder_cache_dtype, a.talker_turn_tokens, a.profile_ticks)

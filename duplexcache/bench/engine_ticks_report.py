@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from duplexcache.bench.tick_profile import profile_markdown
+
 STAGES = ("encoder", "thinker", "talker", "code2wav", "tick")   # the engine's stages, in tick order
 
 
@@ -59,5 +61,5 @@ def markdown(results: dict[str, Any]) -> str:
     notes = [f"- n={r['sessions']}: {r['status']}: {r['note']}" for r in results["runs"] if r["note"]]
     if notes:
         lines += ["", "Notes:", *notes]
-    lines.append("")
+    lines += ["", *(profile_markdown(r["sessions"], r["profile"]) for r in results["runs"] if r.get("profile"))]
     return "\n".join(lines)

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from duplexcache.config import DeployConfig
 from duplexcache.context import EmbeddingResult, EncoderPath, SessionContextBuilder
@@ -63,6 +64,8 @@ __all__ = ["LATENCY_HISTORY", "LOOKAHEAD", "MAX_BUFFERED_SAMPLES", "MAX_BUFFERED
            "DuplexEngine", "FastForwardResult", "SessionInfo", "build_engine", "pcm16_bytes"]
 
 logger = logging.getLogger(__name__)
+
+STAGE_RANGE = "duplexcache.stage."   # profiler range prefix of each tick stage (bench/tick_profile.py)
 
 
 def build_engine(deploy: DeployConfig) -> DuplexEngine:
@@ -335,23 +338,29 @@ class DuplexEngine:
         return self.table.count_with(lambda s: enc.expected_chunk_samples(s.encoder_state) + enc.cfg.chunk_samples)
 
     def _run_units(self, units: list[Unit], lat: dict[str, float]) -> list[EngineEvent]:
+        # Each stage runs inside a profiler range named STAGE_RANGE + stage, so a torch.profiler
+        # trace (`bench ticks --profile-ticks`) charges kernels to the stage that launched them.
         events: list[EngineEvent] = []
         t = time.perf_counter()
-        units, embeds = self.thinker_stage.encode(units, events)
+        with record_function(STAGE_RANGE + "encoder"):
+            units, embeds = self.thinker_stage.encode(units, events)
         lat["encoder"] = time.perf_counter() - t
         t = time.perf_counter()
-        units = self.thinker_stage.run(units, embeds, events) if units else []
+        with record_function(STAGE_RANGE + "thinker"):
+            units = self.thinker_stage.run(units, embeds, events) if units else []
         lat["thinker"] = time.perf_counter() - t
         self.table.note_reply_units(units, self.control)
         events += self.thinker_stage.text_events(units)
         # A stage that had nothing to do this tick records 0 (not a sample).
         t = time.perf_counter()
-        finals = self.talker_stage.run(units, events)
+        with record_function(STAGE_RANGE + "talker"):
+            finals = self.talker_stage.run(units, events)
         units = [u for u in units if u.session.sid not in ended(events)]
         if any(u.codes is not None for u in units):
             lat["talker"] = time.perf_counter() - t
         t = time.perf_counter()
-        audio = self.code2wav_stage.run(units, finals)
+        with record_function(STAGE_RANGE + "code2wav"):
+            audio = self.code2wav_stage.run(units, finals)
         if any(isinstance(e, AudioDelta) for e in audio):
             lat["code2wav"] = time.perf_counter() - t
         events += audio

@@ -36,6 +36,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 
 from duplexcache.cfm.arena import ArenaStats, EulerArena, GraphBackend
 from duplexcache.cfm.batching import BatchStats, group_by
@@ -43,9 +44,11 @@ from duplexcache.cfm.config import Code2WavConfig
 from duplexcache.cfm.graph_grid import arena_rows, replay_groups
 from duplexcache.cfm.prompt_cache import AttCache, PlainAttCache, SharedPromptAttCache
 from duplexcache.cfm.prompt_registry import PromptRegistry, PromptState, VoicePrompt
-from duplexcache.models.vocoder import HiftStreamState, hift_stream_steps
+from duplexcache.models.vocoder import HiftStreamState, frozen_weight_norm, hift_stream_steps
 
 logger = logging.getLogger(__name__)
+
+PART_RANGE = "duplexcache.c2w."   # profiler range prefix of a step's parts (bench/tick_profile.py)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -119,7 +122,8 @@ class BatchedCode2Wav:
         """On CUDA (and `config.use_cuda_graphs`) every estimator solve is a CUDA-graph replay,
         captured lazily per (tier, width, cache bucket); elsewhere it runs eagerly. `graph_backend`
         replaces the CUDA one (tests inject a fake to exercise the capture logic on CPU)."""
-        self.flow, self.hift, self.config = flow, hift, config
+        # The vocoder without weight norm's per-call recompute (same values; models.vocoder)
+        self.flow, self.hift, self.config = flow, frozen_weight_norm(hift), config
         est = flow.decoder.estimator
         self.device = next(est.parameters()).device
         self.dtype = next(est.parameters()).dtype   # precision.code2wav_dtype: caches and arena too
@@ -204,19 +208,22 @@ class BatchedCode2Wav:
         lasts = {sid: bool(last.get(sid, False)) for sid in tokens}
         conformer_groups = group_by(tokens, lambda sid: self._conformer_key(sid, tokens[sid], lasts[sid]))
         encoded: dict[str, _Work] = {}
-        for members in conformer_groups:
-            encoded.update(self._encode_group(members, tokens, lasts))
+        with record_function(PART_RANGE + "conformer"):
+            for members in conformer_groups:
+                encoded.update(self._encode_group(members, tokens, lasts))
         work = [encoded[sid] for sid in tokens]
         by_width: dict[int, list[_Work]] = {}
         for w in work:
             by_width.setdefault(w.mu.shape[1], []).append(w)
-        for width, group in by_width.items():
-            for g in replay_groups(len(group), self.config.graph_grid, self.arena.rows):
-                self._solve(group[g.start:g.start + g.rows], width, g.tier)
+        with record_function(PART_RANGE + "solve"):
+            for width, group in by_width.items():
+                for g in replay_groups(len(group), self.config.graph_grid, self.arena.rows):
+                    self._solve(group[g.start:g.start + g.rows], width, g.tier)
         vocoder_groups = group_by(tokens, self._vocoder_key)
         pcm: dict[str, torch.Tensor] = {}
-        for members in vocoder_groups:
-            pcm.update(self._vocode_group(members, lasts))
+        with record_function(PART_RANGE + "vocoder"):
+            for members in vocoder_groups:
+                pcm.update(self._vocode_group(members, lasts))
         for sid in tokens:
             out[sid] = pcm[sid]
         self._batch_stats.record_step(conformer_groups, vocoder_groups)
@@ -240,7 +247,7 @@ class BatchedCode2Wav:
             raise ValueError(f"session {sid!r}: a non-final chunk needs more than "
                              f"{cfg.pre_lookahead_len} tokens (it ends with the lookahead)")
         self._check_tokens(tok, f"session {sid!r}")
-        return tok.to(device=self.device, dtype=torch.long)
+        return tok.to(dtype=torch.long).to(self.device, non_blocking=True)   # no wait for queued work
 
     def _check_tokens(self, tok: torch.Tensor, who: str) -> None:
         lo, hi = int(tok.min()), int(tok.max())

@@ -208,3 +208,40 @@ def test_batched_stream_steps_refuse_bad_batches(pair):
         hift_stream_steps(ours, states, mel, [False], gens)
     with pytest.raises(ValueError, match="chunk_mel"):
         hift_stream_steps(ours, states, mel[:1], [False, False], gens)
+
+
+def test_frozen_weight_norm_copy_is_bit_identical_and_leaves_the_original():
+    """The serving copy computes each weight-normed weight once: every stream step's PCM and
+    caches are torch.equal to the parametrized vocoder's, the copy has no parametrization left,
+    and the original keeps its checkpoint key names."""
+    from torch.nn.utils import parametrize
+
+    from duplexcache.models.vocoder import frozen_weight_norm
+    ours, _ = pair_module = R.tiny_hift_pair(seed=3)
+    keys = list(ours.state_dict())
+    frozen = frozen_weight_norm(ours)
+    assert frozen is not ours
+    assert not any(parametrize.is_parametrized(m) for m in frozen.modules())
+    assert any(parametrize.is_parametrized(m) for m in ours.modules()) and list(ours.state_dict()) == keys
+    assert frozen_weight_norm(frozen) is frozen          # nothing left to freeze: no second copy
+    gen = torch.Generator().manual_seed(11)
+    chunks = [torch.randn(2, 80, 10, generator=gen) for _ in range(3)]
+    lasts = [[False, False], [False, False], [True, True]]
+    runs = []
+    for model in (ours, frozen):
+        states, gens = _streams(2)
+        pcm = [hift_stream_steps(model, states, mel, last, gens) for mel, last in zip(chunks, lasts)]
+        runs.append((pcm, states))
+    (pcm_a, st_a), (pcm_b, st_b) = runs
+    for a, b in zip(pcm_a, pcm_b):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    for sa, sb in zip(st_a, st_b):
+        assert torch.equal(sa.mel, sb.mel) and torch.equal(sa.source, sb.source) and torch.equal(sa.speech, sb.speech)
+
+
+def test_frozen_weight_norm_leaves_the_global_rng_alone():
+    from duplexcache.models.vocoder import frozen_weight_norm
+    ours, _ = R.tiny_hift_pair(seed=4)
+    before = torch.random.get_rng_state()
+    frozen_weight_norm(ours)
+    assert torch.equal(before, torch.random.get_rng_state())

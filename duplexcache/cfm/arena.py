@@ -199,6 +199,9 @@ class EulerArena:
         self.att = torch.zeros(n_timesteps, depth, rows, 2, attn.num_heads, self.key_capacity,
                                2 * attn.head_dim, **z)
         self.cache_len = torch.zeros(rows, dtype=torch.long, device=device)
+        # Rows' cache lengths as loaded, copied to `cache_len` once per run: a per-row write of a
+        # Python int into a device tensor is a blocking copy each.
+        self._host_cache_len = [0] * rows
         self.t_steps, self.dt_steps = euler_times(n_timesteps, device, dtype)
         self.t_emb = torch.zeros(n_timesteps, hidden, **z)   # timestep embedding per Euler step
         self._t_emb_ready = False
@@ -242,7 +245,7 @@ class EulerArena:
             self.cnn_in[:, :, row].copy_(cnn_cache)
         if cache_len:
             att_cache.copy_range_to(self.att[:, :, row, :, :, width:width + cache_len], 0, cache_len)
-        self.cache_len[row] = cache_len
+        self._host_cache_len[row] = cache_len
 
     def pad_row(self, row: int, width: int) -> None:
         """A slot the replay computes but nobody reads: zero inputs, only its own new keys valid."""
@@ -250,7 +253,7 @@ class EulerArena:
             buf[row, :, :width].zero_()
         self.spks[row].zero_()
         self.cnn_in[:, :, row].zero_()
-        self.cache_len[row] = 0
+        self._host_cache_len[row] = 0
 
     # ---- reading rows ------------------------------------------------------------------
     def mel(self, row: int, width: int) -> torch.Tensor:
@@ -282,6 +285,7 @@ class EulerArena:
         if lb < max_cache_len:
             raise ArenaShapeError(f"cache of {max_cache_len} frames does not fit with width {width}")
         self._prepare_time_embedding()
+        self.cache_len[:tier].copy_(torch.tensor(self._host_cache_len[:tier], dtype=torch.long), non_blocking=True)
         if self.graph_backend is None:
             self.stats.eager_runs += 1
             self._euler(tier, width, lb)

@@ -249,8 +249,8 @@ class PagedBatch:
             raise ValueError("this PagedBatch was not built with per-token metadata")
         if self._token_rows is None:
             dev = self.block_tables.device
-            ids = self.token_seq_ids.to(dev)
-            self._token_rows = (self.block_tables.index_select(0, ids), self.token_seq_lens.to(dev))
+            ids = self.token_seq_ids.to(dev, non_blocking=True)
+            self._token_rows = (self.block_tables.index_select(0, ids), self.token_seq_lens.to(dev, non_blocking=True))
         return self._token_rows
 
     @property
@@ -323,11 +323,13 @@ class PagedBatch:
         else:
             flat_positions = torch.tensor([p for plist in positions for p in plist], dtype=torch.int64)
         return cls(
-            query_start_loc=starts.to(device),
-            seq_lens=torch.tensor([c + n for c, n in zip(num_computed, num_new)], dtype=torch.int32, device=device),
-            block_tables=tables.to(device=device, dtype=torch.int32),
-            slot_mapping=slots.to(device),
-            positions=flat_positions.to(device),
+            # host-built metadata: copies that do not wait for the device (non_blocking)
+            query_start_loc=starts.to(device, non_blocking=True),
+            seq_lens=torch.tensor([c + n for c, n in zip(num_computed, num_new)],
+                                  dtype=torch.int32).to(device, non_blocking=True),
+            block_tables=tables.to(dtype=torch.int32).to(device, non_blocking=True),
+            slot_mapping=slots.to(device, non_blocking=True),
+            positions=flat_positions.to(device, non_blocking=True),
             block_size=block_size,
             num_computed_list=list(num_computed),
             num_new_list=list(num_new),

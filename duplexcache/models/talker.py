@@ -186,9 +186,9 @@ class Talker(nn.Module):
         sem = self.projector_semantic(thinker_hidden.to(dev, self.emb_text.weight.dtype))
         if self.config.normalize_projected_hidden:
             sem = F.normalize(sem, p=2, dim=-1)
-        rows = self.emb_text(text_token_ids.to(dev)) + sem
+        rows = self.emb_text(text_token_ids.to(dev, non_blocking=True)) + sem
         if boundary_token_ids:
-            rows = torch.cat([rows, self.emb_text(torch.tensor(boundary_token_ids, device=dev))])
+            rows = torch.cat([rows, self.emb_text(torch.tensor(boundary_token_ids).to(dev, non_blocking=True))])
         return rows
 
     @classmethod
@@ -289,7 +289,7 @@ def generate_unit(talker: Talker, cache: PagedKVCache, requests: list[TalkerUnit
         else:
             batch = PagedBatch.build(tables, computed, num_new, None, bs, dev)
             hidden = talker.forward_paged(embeds, batch, cache)
-            last = torch.tensor(batch.last_token_indices, device=hidden.device)
+            last = torch.tensor(batch.last_token_indices).to(hidden.device, non_blocking=True)
         for b, n in enumerate(num_new):
             computed[b] += n
         return talker.code_logits(hidden if last is None else hidden[last])  # (B, codes)

@@ -223,7 +223,9 @@ class Thinker(nn.Module):
                 f"Thinker.embed: token ids must be in [0, {self.config.vocab_size}), "
                 f"got range [{int(token_ids.min())}, {int(token_ids.max())}]"
             )
-        return self.model.embed_tokens(token_ids.to(self.model.embed_tokens.weight.device))
+        # non_blocking: a host-to-device copy that does not wait for the queued kernels (the ids'
+        # values are read now, so the host tensor may go away at once)
+        return self.model.embed_tokens(token_ids.to(self.model.embed_tokens.weight.device, non_blocking=True))
 
     def build_inputs_embeds(
         self, token_ids: torch.Tensor, spans: list[tuple[int, torch.Tensor]] | None = None
@@ -305,7 +307,7 @@ class Thinker(nn.Module):
             if last[b] is None:
                 raise ValueError(f"logits_at: sequence {b} has no new tokens in this batch")
             rows.append(last[b])
-        return self.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)])
+        return self.compute_logits(hidden[torch.tensor(rows, dtype=torch.long).to(hidden.device, non_blocking=True)])
 
     # cache and loading
 

@@ -469,7 +469,8 @@ class Stage0Runner:
             return StepResult()
         sids = list(tokens)
         device = self.thinker.lm_head.weight.device
-        ids = torch.tensor([int(tokens[s]) for s in sids], dtype=torch.long, device=device)
+        # Host ids: Thinker.embed checks their range on the host and copies them without a sync.
+        ids = torch.tensor([int(tokens[s]) for s in sids], dtype=torch.long)
         with torch.no_grad():
             embeds = self.thinker.embed(ids)  # (B, H)
         return self.append({sid: embeds[i:i + 1] for i, sid in enumerate(sids)}, unit_start=False)
@@ -536,7 +537,7 @@ class Stage0Runner:
             wanted = [i for i, w in enumerate(work) if w.wants_logits and w.embeds.shape[0] > 0]
             if not wanted:
                 return {}, {}
-            rows = torch.tensor([last[i] for i in wanted], dtype=torch.long, device=hidden.device)
+            rows = torch.tensor([last[i] for i in wanted], dtype=torch.long).to(hidden.device, non_blocking=True)
             last_hidden = hidden[rows]  # (B, H): a copy, so the (N, H) activations can be freed
             logits = self.thinker.compute_logits(last_hidden)  # (B, V)
         sids = [work[i].sid for i in wanted]

@@ -28,7 +28,7 @@ from duplexcache.runtime.engine_api import (INPUT_SAMPLE_RATE, EngineEvent, Inva
                                             TextDelta)
 from duplexcache.runtime.engine_session import EndSession, EngineSession, SessionTable, Unit, end_all
 from duplexcache.runtime.isolation import FaultInjector, Isolated, check_faults, precheck, run_isolated
-from duplexcache.runtime.policy import MAX_UNIT_TOKENS, ControlTokens
+from duplexcache.runtime.policy import MAX_UNIT_TOKENS, ControlTokens, StepLogits
 from duplexcache.runtime.session_sizing import session_window
 from duplexcache.runtime.stage0 import SessionContextInput, Stage0Runner
 
@@ -143,15 +143,17 @@ class ThinkerStage:
         result = self.stage0.append(inputs, unit_start=True)
         self._drop_failed(by_sid, result.errors, events)
         feed = {}
-        for sid, logits in result.logits.items():
+        step = StepLogits(result.logits)   # policies' argmaxes: one batched pick per step
+        for sid in result.logits:
             u = by_sid[sid]
-            decision = self.policy.decide(u.session.unit_index, logits, u.session.policy_state, u.pcm)
+            decision = self.policy.decide(u.session.unit_index, step.row(sid), u.session.policy_state, u.pcm)
             # The decision fed back (into the KV) is the turn-forced one, so the model sees it.
             u.decision = turns.decide(u.turn, u.session.turn, decision, c)
             feed[sid] = u.decision
         while feed:
             result = self.stage0.decode(feed)
             self._drop_failed(by_sid, result.errors, events)
+            step = StepLogits(result.logits)
             nxt = {}
             for sid, fed in feed.items():
                 if sid in result.errors or fed == c.listen or fed in c.ends:
@@ -161,7 +163,7 @@ class ThinkerStage:
                 if num_text >= MAX_UNIT_TOKENS - 2:
                     tok = c.chunk_eos   # decision + 18 text + end = 20 tokens
                 else:
-                    tok = self.policy.next_token(u.session.unit_index, num_text, result.logits[sid],
+                    tok = self.policy.next_token(u.session.unit_index, num_text, step.row(sid),
                                                  u.session.policy_state)
                 u.tokens.append(tok)
                 u.hidden.append(result.hidden[sid])   # the row whose logits chose ``tok``

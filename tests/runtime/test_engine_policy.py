@@ -313,3 +313,31 @@ def test_token_set_argmax_is_the_gathered_argmax_and_keeps_one_copy_per_device()
     if torch.cuda.is_available():
         cuda = torch.device("cuda", torch.cuda.current_device())
         assert s.on(cuda) is s.on(cuda) and s.argmax(logits.to(cuda)) == 11
+
+
+def test_step_logits_pick_each_row_as_its_own_argmax_with_one_batched_pick():
+    """StepLogits answers every session of a step from one batched argmax (one host sync);
+    each answer equals TokenSet.argmax over that row alone, ties included."""
+    from duplexcache.runtime.policy import RowLogits, StepLogits, TokenSet, logits_tensor
+
+    g = torch.Generator().manual_seed(0)
+    rows = {f"s{i}": torch.randn(64, generator=g).to(torch.bfloat16) for i in range(5)}
+    rows["s1"][[9, 4]] = 50.0                         # a tie inside the set: set order decides
+    text, decision = TokenSet(torch.tensor([9, 2, 4, 30, 31])), TokenSet(torch.tensor([40, 41]))
+    step = StepLogits(rows)
+    for sid, row in rows.items():
+        assert text.argmax(step.row(sid)) == text.argmax(row)
+        assert decision.argmax(step.row(sid)) == decision.argmax(row)
+    assert text.argmax(step.row("s1")) == 9
+    assert len(step._picks) == 2                      # one batched pick per token set, not per row
+    assert isinstance(step.row("s0"), RowLogits) and logits_tensor(step.row("s0")) is rows["s0"]
+    with pytest.raises(KeyError):
+        step.row("nobody")
+    # the policies take a RowLogits where they took a tensor
+    p = ScriptedPolicy(CONTROL, TEXT, k=4, turn_units=2)
+    big = {"a": torch.zeros(151748), "b": torch.zeros(151748)}
+    big["a"][ord("h")], big["b"][ord("q")] = 5.0, 5.0
+    step = StepLogits(big)
+    assert [p.next_token(2, 0, step.row(s)) for s in ("a", "b")] == [ord("h"), ord("q")]
+    m = ModelPolicy(CONTROL, TEXT, temperature=0.5, generator=torch.Generator().manual_seed(1))
+    assert m.next_token(2, 0, step.row("a")) in set(TEXT.tolist()) | set(CONTROL.ends)

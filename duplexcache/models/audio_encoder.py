@@ -591,15 +591,16 @@ class AudioEncoder(nn.Module):
 
         for idx, layer in enumerate(self.apm.layers):
             def kv_hook(k, v, idx=idx):  # k, v: (B, H, N, D) for this chunk
-                ks, vs = [], []
+                # Each row's keys land in one zeroed (B, H, K, D) buffer: one copy per session
+                # instead of a pad (fill + copy) and a stack, the same values and zero padding.
+                kv = k.new_zeros(2, k.shape[0], k.shape[1], k_max, k.shape[3])
                 for b, state in enumerate(states):
                     s, n = starts[b], lens[b]
                     state.write(idx, s, k[b, :, :n], v[b, :, :n])
-                    pad = k_max - key_lens[b]
                     kb, vb = state.read(idx, key_lens[b], k.dtype)
-                    ks.append(F.pad(kb, (0, 0, 0, pad)))
-                    vs.append(F.pad(vb, (0, 0, 0, pad)))
-                return torch.stack(ks), torch.stack(vs), mask
+                    kv[0, b, :, :key_lens[b]] = kb
+                    kv[1, b, :, :key_lens[b]] = vb
+                return kv[0], kv[1], mask
 
             x = layer(x, kv_hook)
         return self.apm.layer_norm(x)

@@ -162,6 +162,11 @@ case "$mode" in
   ticks_capacity)  # issue 15 capacity mode, every format: Code2Wav bf16, KV and encoder cache fp8, 1024-token Talker turns;
     # conversation workload at 64, 80, 96 sessions (the issue's target: 96 real time); not run yet
     step engine_ticks_capacity 560 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 64,80,96 --workload conversation --steady-window --all-switches on --ticks 8 --warmup-ticks 8 --max-seconds 520 --memory-budget auto --graph-grid 1,4,8,16 --code2wav-dtype bfloat16 --kv-cache-dtype fp8_e4m3 --encoder-cache-dtype fp8_e4m3 --talker-turn-tokens 1024 --out "$out/engine_ticks_capacity" ;;
+  ticks_profile)  # issue 15 per-stage cost: conversation ticks in exact mode at 40 sessions, then 2 ticks under
+    # torch.profiler (host and device ms, syncs and launches per stage and Code2Wav part; the lines that synchronise)
+    step engine_ticks_profile_exact 200 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 40 --workload conversation --steady-window --all-switches on --ticks 6 --warmup-ticks 8 --profile-ticks 2 --max-seconds 190 --memory-budget auto --graph-grid 1,4,8,16 --out "$out/engine_ticks_profile_exact" ;;
+  ticks_capacity_mid)  # issue 15 capacity mode (every format) at 64 sessions, conversation workload
+    step engine_ticks_capacity_mid 250 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 64 --workload conversation --steady-window --all-switches on --ticks 6 --warmup-ticks 8 --max-seconds 240 --memory-budget auto --graph-grid 1,4,8,16 --code2wav-dtype bfloat16 --kv-cache-dtype fp8_e4m3 --encoder-cache-dtype fp8_e4m3 --talker-turn-tokens 1024 --out "$out/engine_ticks_capacity_mid" ;;
   precision)  # issue 15 capacity mode: Code2Wav bfloat16 vs float32 on the same weights: error over a 60 s call, bytes, ms per step
     step precision 240 python3 -m duplexcache.cli bench precision --preset minicpmo45 --device cuda --sessions 4 --chunks 60 --batches 1,8,32 --out "$out/precision" ;;
   serve_precision)  # issue 15 capacity mode over the wire: serve_conversation with precision.code2wav_dtype float32,

@@ -382,14 +382,29 @@ class StreamingAudioEncoderState:
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one layer's K/V rows (heads, n, head_dim) at frames ``[start, start + n)``."""
-        end = start + k.shape[1]
         if self.quantized:
             (k8, ks), (v8, vs) = quantize_fp8(k), quantize_fp8(v)
-            self.k[layer, :, start:end], self.k_scale[layer, :, start:end] = k8, ks
-            self.v[layer, :, start:end], self.v_scale[layer, :, start:end] = v8, vs
+            self.write_stored(layer, start, k8, v8, ks, vs)
         else:
-            self.k[layer, :, start:end] = k
-            self.v[layer, :, start:end] = v
+            self.write_stored(layer, start, k, v)
+
+    def write_stored(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor,
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+        """``write`` of rows already in the storage format (fp8 rows come with their scales)."""
+        end = start + k.shape[1]
+        self.k[layer, :, start:end] = k
+        self.v[layer, :, start:end] = v
+        if self.quantized:
+            self.k_scale[layer, :, start:end] = k_scale
+            self.v_scale[layer, :, start:end] = v_scale
+
+    def stored(self, layer: int, length: int) -> tuple[torch.Tensor, ...]:
+        """Views of one layer's frames ``[0, length)`` as stored: (k, v), plus (k_scale, v_scale)
+        when quantized."""
+        out = (self.k[layer, :, :length], self.v[layer, :, :length])
+        if self.quantized:
+            out += (self.k_scale[layer, :, :length], self.v_scale[layer, :, :length])
+        return out
 
     def read(self, layer: int, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's K/V of frames ``[0, length)``, each (heads, length, head_dim) in ``dtype``
@@ -429,6 +444,51 @@ class StreamingAudioEncoderState:
         # every 30 s. Stale rows stay but are unreachable: attention reads [0, num_frames).
         self.num_frames = 0
         self.num_resets += 1
+
+
+def _one_format(states: list[StreamingAudioEncoderState]) -> bool:
+    """Whether the batch's caches are fp8 (all of them) or not (none); a mix is refused."""
+    formats = {s.quantized for s in states}
+    if len(formats) != 1:
+        raise ValueError("a batch of encoder states mixes fp8 and unquantized caches")
+    return formats.pop()
+
+
+def store_chunk_kv(states: list[StreamingAudioEncoderState], layer: int, starts: list[int], lens: list[int],
+                   k: torch.Tensor, v: torch.Tensor) -> None:
+    """Write row b's first ``lens[b]`` new K/V frames of ``k``/``v`` (B, H, N, D) into session
+    b's cache at ``starts[b]``. fp8 caches: the whole chunk is quantized once (per-row scales, so
+    each row's bytes are those of quantizing it alone), then each session takes its rows."""
+    if _one_format(states):
+        (k8, ks), (v8, vs) = quantize_fp8(k), quantize_fp8(v)
+        for b, state in enumerate(states):
+            n = lens[b]
+            state.write_stored(layer, starts[b], k8[b, :, :n], v8[b, :, :n], ks[b, :, :n], vs[b, :, :n])
+        return
+    for b, state in enumerate(states):
+        n = lens[b]
+        state.write_stored(layer, starts[b], k[b, :, :n], v[b, :, :n])
+
+
+def gather_cache_kv(states: list[StreamingAudioEncoderState], layer: int, key_lens: list[int],
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each session's first ``key_lens[b]`` cached frames as one zero-padded (B, H, K, D) batch in
+    ``dtype``, K = max(key_lens). One copy per session and tensor into a zeroed buffer (no pad and
+    stack); fp8 caches are copied as stored and dequantized once for the batch (zero scales on
+    the padding give zeros). Equal to padding each session's ``read`` and stacking (test)."""
+    k_max = max(key_lens)
+    first = states[0]
+    heads, head_dim = first.k.shape[1], first.k.shape[3]
+    stored = first.k.new_zeros(2, len(states), heads, k_max, head_dim)
+    scales = first.k_scale.new_zeros(2, len(states), heads, k_max) if _one_format(states) else None
+    for b, state in enumerate(states):
+        n = key_lens[b]
+        parts = state.stored(layer, n)
+        stored[0, b, :, :n], stored[1, b, :, :n] = parts[0], parts[1]
+        if scales is not None:
+            scales[0, b, :, :n], scales[1, b, :, :n] = parts[2], parts[3]
+    kv = dequantize_fp8(stored, scales, dtype) if scales is not None else stored.to(dtype)
+    return kv[0], kv[1]
 
 
 def _same_length(tensors: list[torch.Tensor], dim: int = -1) -> list[list[int]]:
@@ -591,16 +651,9 @@ class AudioEncoder(nn.Module):
 
         for idx, layer in enumerate(self.apm.layers):
             def kv_hook(k, v, idx=idx):  # k, v: (B, H, N, D) for this chunk
-                # Each row's keys land in one zeroed (B, H, K, D) buffer: one copy per session
-                # instead of a pad (fill + copy) and a stack, the same values and zero padding.
-                kv = k.new_zeros(2, k.shape[0], k.shape[1], k_max, k.shape[3])
-                for b, state in enumerate(states):
-                    s, n = starts[b], lens[b]
-                    state.write(idx, s, k[b, :, :n], v[b, :, :n])
-                    kb, vb = state.read(idx, key_lens[b], k.dtype)
-                    kv[0, b, :, :key_lens[b]] = kb
-                    kv[1, b, :, :key_lens[b]] = vb
-                return kv[0], kv[1], mask
+                store_chunk_kv(states, idx, starts, lens, k, v)
+                keys, values = gather_cache_kv(states, idx, key_lens, k.dtype)
+                return keys, values, mask
 
             x = layer(x, kv_hook)
         return self.apm.layer_norm(x)

@@ -124,6 +124,10 @@ class BatchedCode2Wav:
         replaces the CUDA one (tests inject a fake to exercise the capture logic on CPU)."""
         # The vocoder without weight norm's per-call recompute (same values; models.vocoder)
         self.flow, self.hift, self.config = flow, frozen_weight_norm(hift), config
+        # What the copy holds beyond the models' own weights (0 when hift had no weight norm):
+        # the engine's memory plan counts it as fixed.
+        self.vocoder_copy_bytes = 0 if self.hift is hift else sum(
+            _nbytes(t) for t in (*self.hift.parameters(), *self.hift.buffers()))
         est = flow.decoder.estimator
         self.device = next(est.parameters()).device
         self.dtype = next(est.parameters()).dtype   # precision.code2wav_dtype: caches and arena too

@@ -4,6 +4,7 @@ The budget (``engine.memory_budget - engine.activation_reserve``; weights live o
 split once, at start-up, into::
 
     budget = fixed                       Code2Wav arena + the two null blocks + voice prompts
+                                         + the vocoder copy without weight norm
            + Thinker KV pool             preallocated blocks (shared anchors + private windows)
            + Talker KV pool              preallocated blocks (one full turn per session)
            + dynamic region              Code2Wav session caches + audio-encoder caches

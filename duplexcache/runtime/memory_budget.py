@@ -1,8 +1,8 @@
 """The engine's memory budget in bytes: ``engine.memory_budget`` resolved against the device.
 
 ``engine.memory_budget: auto`` (the default) sizes the budget from what is free at start-up,
-after the weights and the engine's fixed allocations (the Code2Wav arena and the voices) are
-already on the device::
+after the weights and the engine's fixed allocations (the Code2Wav arena, the voices and the
+vocoder copy) are already on the device::
 
     budget = fixed + floor(memory_fraction * free)        (CUDA: free from torch.cuda.mem_get_info)
 

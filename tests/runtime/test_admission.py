@@ -51,8 +51,12 @@ def test_budget_for_exactly_k_sessions_refuses_the_next_and_admits_after_close(t
     # arena, the voices' tensors and each voice's Code2Wav prompt state once (from shapes).
     voices = [probe.voices.get(n) for n in probe.voices.names()]
     cfm = probe.code2wav.config
+    # ... and the engine's weight-norm-free vocoder copy (models.vocoder.frozen_weight_norm)
+    hift = probe.code2wav.hift
+    copy_bytes = sum(t.numel() * t.element_size() for t in (*hift.parameters(), *hift.buffers()))
+    assert probe.code2wav.vocoder_copy_bytes == copy_bytes > 0
     assert probe.plan.fixed_bytes == probe.code2wav.arena.nbytes() + sum(v.nbytes() for v in voices) + sum(
-        code2wav_session_bytes(cfm, v.prompt_frames, True, "setup").shared for v in voices)
+        code2wav_session_bytes(cfm, v.prompt_frames, True, "setup").shared for v in voices) + copy_bytes
     budget = probe.plan.fixed_bytes + nulls + k * per_session + per_session // 2
     eng = engine(tmp_path, f"k{k}", {"engine": {"memory_budget": budget + RESERVE, "activation_reserve": RESERVE}})
     assert eng.plan.planned_sessions == k

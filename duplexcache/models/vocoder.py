@@ -479,6 +479,11 @@ def frozen_weight_norm(hift: nn.Module) -> nn.Module:
             frozen.get_buffer(name).copy_(buf)
         for m in [m for m in frozen.modules() if parametrize.is_parametrized(m, "weight")]:
             parametrize.remove_parametrizations(m, "weight", leave_parametrized=True)
+            # weight norm has two originals, so the removal leaves `weight` a plain attribute:
+            # register it again so .parameters() (the memory plan's bytes) and .to() see it
+            weight = m.weight
+            del m.weight
+            m.weight = nn.Parameter(weight, requires_grad=False)
     return frozen.eval()
 
 

@@ -224,6 +224,12 @@ def test_frozen_weight_norm_copy_is_bit_identical_and_leaves_the_original():
     assert not any(parametrize.is_parametrized(m) for m in frozen.modules())
     assert any(parametrize.is_parametrized(m) for m in ours.modules()) and list(ours.state_dict()) == keys
     assert frozen_weight_norm(frozen) is frozen          # nothing left to freeze: no second copy
+    # every weight is a registered parameter again (the memory plan counts .parameters())
+    weights = [m.weight for m in frozen.modules() if isinstance(getattr(m, "weight", None), torch.Tensor)]
+    assert weights and all(isinstance(w, torch.nn.Parameter) for w in weights)
+    # each weight-normed weight (the size of its direction `original1`) replaces its two originals
+    assert sum(p.numel() for p in frozen.parameters()) == sum(
+        p.numel() for name, p in ours.named_parameters() if not name.endswith("original0"))
     gen = torch.Generator().manual_seed(11)
     chunks = [torch.randn(2, 80, 10, generator=gen) for _ in range(3)]
     lasts = [[False, False], [False, False], [True, True]]

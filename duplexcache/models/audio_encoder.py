@@ -206,10 +206,11 @@ class LogMel(nn.Module):
         """(..., N) -> (..., n_mels, N // hop): leading dims are independent clips (a batch of
         same-length chunks in one call), each normalised by its own maximum."""
         audio = audio.to(torch.float32)
-        stft = torch.stft(audio, self.n_fft, self.hop_length, window=self.window.to(audio.device, torch.float32),
+        window = self.window.to(audio.device, torch.float32, non_blocking=True)   # no wait on the queue
+        stft = torch.stft(audio, self.n_fft, self.hop_length, window=window,
                           center=True, pad_mode="reflect", return_complex=True)
         power = stft[..., :-1].abs() ** 2  # Whisper drops the last frame: N // hop frames
-        mel = self.filters.to(audio.device, torch.float32).T @ power
+        mel = self.filters.to(audio.device, torch.float32, non_blocking=True).T @ power
         log_spec = torch.clamp(mel, min=1e-10).log10()
         log_spec = torch.maximum(log_spec, log_spec.amax(dim=(-2, -1), keepdim=True) - 8.0)
         return (log_spec + 4.0) / 4.0
@@ -590,7 +591,7 @@ class AudioEncoder(nn.Module):
         device = self.apm.conv1.weight.device
         mels: list[torch.Tensor] = [torch.empty(0)] * len(audios)
         for idxs in _same_length(audios):
-            for i, mel in zip(idxs, self.log_mel(torch.stack([audios[i] for i in idxs]).to(device))):
+            for i, mel in zip(idxs, self.log_mel(torch.stack([audios[i] for i in idxs]).to(device, non_blocking=True))):
                 mels[i] = mel
         return self.stream_step_mel(states, mels)
 
@@ -646,7 +647,8 @@ class AudioEncoder(nn.Module):
         for b, (front, start) in enumerate(zip(fronts, starts)):
             x[b, : lens[b]] = front + pos_table[start:start + lens[b]]
         # Key j of row b is real iff j < key_lens[b]; padded query rows are computed and dropped.
-        valid = torch.arange(k_max, device=x.device)[None, :] < torch.tensor(key_lens, device=x.device)[:, None]
+        lengths = torch.tensor(key_lens).to(x.device, non_blocking=True)
+        valid = torch.arange(k_max, device=x.device)[None, :] < lengths[:, None]
         mask = valid[:, None, None, :]  # (B, 1, 1, K)
 
         for idx, layer in enumerate(self.apm.layers):

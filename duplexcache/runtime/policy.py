@@ -99,13 +99,14 @@ class DecisionPolicy(Protocol):
         """Per-session state handed back on every call for that session (None if stateless)."""
         ...
 
-    def decide(self, unit_index: int, logits: torch.Tensor, state: Any = None,
+    def decide(self, unit_index: int, logits: Logits, state: Any = None,
                pcm: np.ndarray | None = None) -> int:
         """The decision token (listen or speak) of unit ``unit_index`` from the logits (V,)
-        after its audio; ``pcm`` is the unit's 16 kHz input."""
+        after its audio; ``pcm`` is the unit's 16 kHz input. The engine passes a ``RowLogits``
+        (``TokenSet.argmax`` takes it as is; ``logits_tensor`` gives the row)."""
         ...
 
-    def next_token(self, unit_index: int, num_text: int, logits: torch.Tensor, state: Any = None) -> int:
+    def next_token(self, unit_index: int, num_text: int, logits: Logits, state: Any = None) -> int:
         """The next token of a speaking unit that has said ``num_text`` text tokens: a text id
         or one of the two end tokens."""
         ...

@@ -457,7 +457,7 @@ def hift_stream_steps(hift: HiFTGenerator, states: Sequence[HiftStreamState], ch
 
 
 def frozen_weight_norm(hift: nn.Module) -> nn.Module:
-    """A copy of ``hift`` whose weight-normed convolutions hold their weights as plain tensors.
+    """A copy of ``hift`` whose weight-normed convolutions hold their weights as plain parameters.
 
     Weight norm recomputes every convolution's weight (``g * v / |v|``) on every forward: about
     70 extra kernels and a fresh weight tensor per conv per call, and cuDNN pays its per-call

@@ -591,7 +591,8 @@ class AudioEncoder(nn.Module):
         device = self.apm.conv1.weight.device
         mels: list[torch.Tensor] = [torch.empty(0)] * len(audios)
         for idxs in _same_length(audios):
-            for i, mel in zip(idxs, self.log_mel(torch.stack([audios[i] for i in idxs]).to(device, non_blocking=True))):
+            batch = torch.stack([audios[i] for i in idxs]).to(device, non_blocking=True)
+            for i, mel in zip(idxs, self.log_mel(batch)):
                 mels[i] = mel
         return self.stream_step_mel(states, mels)
 

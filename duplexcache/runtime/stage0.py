@@ -468,7 +468,6 @@ class Stage0Runner:
         if not tokens:
             return StepResult()
         sids = list(tokens)
-        device = self.thinker.lm_head.weight.device
         # Host ids: Thinker.embed checks their range on the host and copies them without a sync.
         ids = torch.tensor([int(tokens[s]) for s in sids], dtype=torch.long)
         with torch.no_grad():

@@ -240,7 +240,7 @@ def session_row(trace: SessionTrace) -> dict[str, Any]:
             if k in trace.turn_ends:   # the k-th reply answers the k-th user turn
                 latencies.append(reply[0][0] - trace.turn_ends[k])
     elif script is not None:
-        scheduled_s = float(max(0, trace.units_sent - 1))   # every unit speaks; speech lags one unit
+        scheduled_s = float(trace.units_sent)   # every unit speaks, its audio out in its own tick
     gaps = [g for reply in replies for g in playback_gaps(reply)]
     long_gaps = [g for g in gaps if g > GAP_S]
     return {

@@ -79,7 +79,9 @@ class Code2WavConfig:
     pre_lookahead_len: int = 3
     up_rate: int = 2
     vocab_size: int = 6561
-    prompt_pad_token: int = 4218     # Token2wav pads the prompt with 3 silence tokens
+    # The speech tokenizer's silence token: Token2wav pads the voice prompt with 3 of them, and
+    # MiniCPM-o's duplex driver seeds each turn's chunk buffer with 3 (runtime/code2wav_stage.py).
+    prompt_pad_token: int = 4218
     key_bucket: int = 64             # cache-length bucket granularity of captured graphs
     mel_cache_len: int = 8           # vocoder: 160 ms of mel kept between chunks
     samples_per_frame: int = 480     # 24 kHz / 50 Hz
@@ -101,6 +103,10 @@ class Code2WavConfig:
                 f"prompt_pad_token {self.prompt_pad_token} outside vocabulary of {self.vocab_size}")
         if self.max_chunk_tokens <= self.pre_lookahead_len:
             raise ValueError("max_chunk_tokens must exceed pre_lookahead_len")
+
+    @property
+    def silence_token(self) -> int:
+        return self.prompt_pad_token
 
     @property
     def source_cache_len(self) -> int:

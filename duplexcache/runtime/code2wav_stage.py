@@ -1,20 +1,26 @@
 """The tick's Code2Wav stage: a session's audio turn, from the Talker's codes to PCM.
 
-Lookahead: a unit's 25 codes are held back (``EngineSession.held``) until the next speaking
-unit of the same turn, whose first 3 codes are the lookahead (chunk of 28, not final). When the
-turn ends the held codes go out as the final chunk (25 codes, ``last``) in the same tick::
+Chunking, as MiniCPM-o 4.5's own duplex driver feeds ``Token2wav.stream``: each turn's code
+buffer starts with 3 silence tokens (4218, the token the voice prompt is padded with), and a
+chunk is the buffer's first 28 codes (25 + 3 lookahead), after which 25 are consumed. A unit's
+25 codes therefore complete a chunk in the tick that made them: the chunk is the 3 codes carried
+over (``EngineSession.held``: silence at a turn start, else the previous unit's last 3) and the
+unit's 25, whose last 3 are the lookahead. When the turn ends, the 3 carried codes go out as the
+final chunk (``last``: 6 mel frames plus the vocoder's cross-fade tail) in the same tick::
 
-    unit        u1        u2             u3 (turn_eos)
-    Talker      c1        c2             c3
-    Code2Wav    -         c1 + c2[:3]    c2 + c3[:3], then c3 (final)
+    unit        u1               u2                 u3 (turn_eos)
+    Talker      c1               c2                 c3
+    Code2Wav    sil3 + c1        c1[-3:] + c2       c2[-3:] + c3, then c3[-3:] (final)
+
+So a reply's first audio leaves in the tick of its first speaking unit, not one unit later.
 
 Each turn is one Code2Wav stream (``"<sid>#<turn>"``, prompt state from the voice, caches
 reset), as in the reference's per-response ``Token2wav.stream``; its noise is seeded by the
 session's admission ordinal and the turn number, never by the server's wire ids.
 
 Ownership: ``BatchedCode2Wav`` owns the streams; this stage owns the session's turn fields
-(``c2w_sid``, ``held``, ``turn_index``) and ends a turn as a whole: stream, held codes and the
-Talker KV of the turn (through ``TalkerBlocks``).
+(``c2w_sid``, ``held``, ``turn_index``) and ends a turn as a whole: stream, carried codes and
+the Talker KV of the turn (through ``TalkerBlocks``).
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from duplexcache.runtime.policy import ControlTokens
 
 logger = logging.getLogger(__name__)
 
-LOOKAHEAD = 3
+LOOKAHEAD = 3   # codes of a chunk that only condition it (Code2WavConfig.pre_lookahead_len)
 
 
 def code2wav_config(deploy: DeployConfig, models: ModelBundle) -> CfmConfig:
@@ -100,7 +106,7 @@ class Code2WavStage:
     # ------------------------------------------------------------------ turns
 
     def close_turn(self, s: EngineSession, finals: dict[str, FinalChunk], response_done: bool = True) -> None:
-        """End the audio turn: its held codes become the final chunk; the Talker KV resets."""
+        """End the audio turn: its carried codes become the final chunk; the Talker KV resets."""
         assert s.c2w_sid is not None
         if s.held is not None:
             finals[s.c2w_sid] = FinalChunk(s, s.held, response_done)
@@ -111,7 +117,7 @@ class Code2WavStage:
 
     def drop_turn(self, s: EngineSession) -> None:
         """Forget the current audio turn without a final chunk (a cancel, or the session ends):
-        its stream, its held codes and its Talker KV."""
+        its stream, its carried codes and its Talker KV."""
         if s.c2w_sid is not None:
             self.code2wav.remove_session(s.c2w_sid)
             s.c2w_sid, s.held = None, None
@@ -129,10 +135,16 @@ class Code2WavStage:
     # ------------------------------------------------------------------ the stage
 
     def run(self, units: list[Unit], finals: dict[str, FinalChunk]) -> list[EngineEvent]:
-        """Non-final chunks (held codes + lookahead) in one batched step, then the final chunks
-        of every turn that ended in this tick in a second one."""
+        """Every speaking unit's chunk (carried codes + its 25) in one batched step, then the
+        final chunks of every turn that ended in this tick in a second one.
+
+        ``finals`` holds the turns the Talker stage closed before this unit. One of them whose
+        session speaks again in this unit (a Talker turn at its limit restarts the audio stream)
+        is flushed in a step of its own first, so the old turn's tail plays before the new one."""
         chunks: dict[str, torch.Tensor] = {}
         owner = {csid: f.session for csid, f in finals.items()}
+        closed_before = set(finals)
+        silence = self.code2wav.config.silence_token
         for u in units:
             s = u.session
             if u.codes is None:
@@ -142,16 +154,19 @@ class Code2WavStage:
                 s.c2w_sid = f"{s.sid}#{s.turn_index}"
                 seed = zlib.crc32(f"{s.seed_name}#{s.turn_index}".encode())
                 self.code2wav.add_session(s.c2w_sid, s.voice.name, seed=seed)
+                s.held = torch.full((LOOKAHEAD,), silence, dtype=u.codes.dtype, device=u.codes.device)
             owner[s.c2w_sid] = s
-            if s.held is not None:
-                chunks[s.c2w_sid] = torch.cat([s.held, u.codes[:LOOKAHEAD]])
-            s.held = u.codes
+            chunks[s.c2w_sid] = torch.cat([s.held, u.codes])
+            s.held = u.codes[-LOOKAHEAD:]
             if u.tokens and u.tokens[-1] == self.control.turn_eos:
                 self.close_turn(s, finals)
         events: list[EngineEvent] = []
-        final_chunks = {csid: f.codes for csid, f in finals.items()}
-        for batch, last in ((chunks, False), (final_chunks, True)):
-            gone = ended(events)   # a session ended by the first step has no final chunk
+        speaking = {owner[csid].sid for csid in chunks}
+        restarted = {csid: f.codes for csid, f in finals.items()
+                     if csid in closed_before and f.session.sid in speaking}
+        final_chunks = {csid: f.codes for csid, f in finals.items() if csid not in restarted}
+        for batch, last in ((restarted, True), (chunks, False), (final_chunks, True)):
+            gone = ended(events)   # a session ended by an earlier step has no later chunk
             batch = {csid: codes for csid, codes in batch.items() if owner[csid].sid not in gone}
             if batch:
                 events += self._step(batch, last, owner)
@@ -185,16 +200,16 @@ class Code2WavStage:
                 if s.c2w_sid == csid:
                     self.code2wav.remove_session(csid)
                     s.c2w_sid, s.held = None, None
-                turns.note_audio(s.turn, 0)
+                turns.note_audio(s.turn, 0, final=last)
                 events.append(SessionError(s.sid, "audio_skipped", "this unit's audio could not be produced",
                                            fatal=False))
             return events
         for csid, err in out.errors.items():
             logger.error("Code2Wav refused %s: %s", csid, err)
-            turns.note_audio(owner[csid].turn, 0)
+            turns.note_audio(owner[csid].turn, 0, final=last)
             events.append(self.end(owner[csid], err))
         done = list(out.items())
         for (csid, pcm), pcm16 in zip(done, pcm16_batch([pcm for _, pcm in done])):
             events.append(AudioDelta(owner[csid].sid, pcm16))
-            turns.note_audio(owner[csid].turn, int(pcm.numel()))
+            turns.note_audio(owner[csid].turn, int(pcm.numel()), final=last)
         return events

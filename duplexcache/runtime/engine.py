@@ -6,7 +6,7 @@ is 1.035 s)::
     audio encoder   stream_step: the unit's PCM -> 10 embeddings        (thinker_stage.py)
     Thinker         append the unit, decode <= 20 tokens: listen | speak text..   (thinker_stage.py)
     Talker          speaking units -> 25 codes (KV kept for the turn)   (talker_stage.py)
-    Code2Wav        25 codes + 3 lookahead -> 1 s of 24 kHz PCM          (code2wav_stage.py)
+    Code2Wav        3 carried + 25 codes -> 1 s of 24 kHz PCM, same tick (code2wav_stage.py)
 
 This module keeps the life cycle (build, warm-up, shutdown), the session API of
 ``engine_api.EngineAPI`` and the tick's order; the work is delegated (docs/engine.md, "Module

@@ -78,7 +78,7 @@ class EngineSession:
     unit_index: int = 0
     turn_index: int = 0
     c2w_sid: str | None = None    # Code2Wav stream of the current turn
-    held: torch.Tensor | None = None  # 25 codes waiting for their lookahead
+    held: torch.Tensor | None = None  # the 3 codes the turn's next chunk starts with (code2wav_stage)
     turn: TurnState = field(default_factory=TurnState)   # turn control (runtime/turns.py)
     policy_state: Any = None      # the speak policy's per-session state (policy.new_session)
     # Seeds the session's random draws (Code2Wav noise, benchmark fills): "sess_<admission

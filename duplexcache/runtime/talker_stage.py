@@ -48,7 +48,7 @@ class TalkerStage:
         self.faults: FaultInjector | None = None
 
     def run(self, units: list[Unit], events: list[EngineEvent]) -> dict[str, FinalChunk]:
-        """25 codes for each speaking unit. Returns held codes to flush as final chunks of turns
+        """25 codes for each speaking unit. Returns carried codes to flush as final chunks of turns
         that end before this unit (a listen after speaking, or a Talker turn at its limit).
         A session whose Talker work fails ends alone (``events``); the others keep their codes."""
         finals: dict[str, FinalChunk] = {}

@@ -217,7 +217,7 @@ class ThinkerStage:
 
     def cancel_reply(self, sess: EngineSession, played_ms: int | None,
                      drop_turn: Callable[[EngineSession], None]) -> list[EngineEvent]:
-        """Drop the audio turn (``drop_turn``: held codes, Code2Wav stream, Talker KV); rewind the
+        """Drop the audio turn (``drop_turn``: carried codes, Code2Wav stream, Talker KV); rewind the
         Thinker to what was played (turns.py); then ResponseDone(cancelled)."""
         reply = sess.turn.reply
         if reply is None or not sess.opened:

@@ -18,17 +18,18 @@ ends it (``<|turn_eos|>``, a listen after speaking, or a cancel). Each reply uni
 (:class:`ReplyUnit`): the rows it appended before its decision, its text length, its end token
 and the audio samples sent for it.
 
-Cancel and truncation. Audio lags text by one unit inside a turn: a unit's codes are held until
-the next unit's lookahead arrives. A cancel recorded after tick t is applied at the start of
-tick t+1, before that tick's unit (4 reply units r0..r3 here, r0 spoken at tick 1)::
+Cancel and truncation. A unit's audio leaves in the tick of its text (runtime/code2wav_stage.py);
+only the turn's final chunk (its last 3 codes and the vocoder's cross-fade tail) waits for the
+turn to end. A cancel recorded after tick t is applied at the start of tick t+1, before that
+tick's unit (4 reply units r0..r3 here, r0 spoken at tick 1)::
 
     tick           1        2        3        4      | cancel applied at tick 5
     Thinker text   r0       r1       r2       r3     |
-    audio sent     -        r0       r1       r2     |  r3's codes were held: never sent
+    audio sent     r0       r1       r2       r3     |  the final chunk is never sent
     Thinker KV     u1 S r0 e | u2 S r1 e | u3 S r2 e | u4 S r3 e        (u = </unit><unit> a1..a10,
                                                                          S = <|speak|>, e = end)
     played_ms = 1500 (r0 and half of r1 played) -> P = 2 played units (a unit the client started
-    to play counts: the user heard its beginning). played_ms None -> P = units sent (3 here).
+    to play counts: the user heard its beginning). played_ms None -> P = units sent (4 here).
 
 The Thinker keeps what a session that said only the played units would hold: the last played
 unit's end token becomes ``<|turn_eos|>`` (the turn closes where the user stopped hearing it),
@@ -193,8 +194,15 @@ def note_unit(state: TurnState, rows: torch.Tensor, decision: int, tokens: list[
     return started
 
 
-def note_audio(state: TurnState, samples: int) -> None:
-    """A chunk went out (or failed: 0 samples): it belongs to the oldest unsent reply unit."""
+def note_audio(state: TurnState, samples: int, final: bool = False) -> None:
+    """A chunk went out (or failed: 0 samples): it belongs to the oldest unsent reply unit. A
+    turn's final chunk is the tail of the last unit that sent audio (its carried codes and the
+    vocoder's cross-fade tail), so it adds to that unit."""
+    if final:
+        for unit in reversed(state.reply or ()):
+            if unit.audio_samples is not None:
+                unit.audio_samples += samples
+                return
     for unit in state.reply or ():
         if unit.audio_samples is None:
             unit.audio_samples = samples

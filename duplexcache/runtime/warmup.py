@@ -97,13 +97,14 @@ def decode_keys(engine: DuplexEngine) -> dict[str, list[tuple[int, int]]]:
     return keys
 
 
-def code2wav_chunk_widths(engine: DuplexEngine) -> tuple[int, ...]:
-    """Frames of the chunks the engine sends: non-final (25 codes + lookahead, the lookahead
-    consumed by the conformer) and final (25 codes, nothing held back)."""
+def code2wav_chunk_widths(engine: DuplexEngine) -> tuple[int, int]:
+    """Frames of the chunks the engine sends (runtime/code2wav_stage.py): non-final (3 carried
+    + 25 codes, the last 3 the lookahead the conformer consumes) and final (the 3 carried codes,
+    their lookahead padded)."""
     cfg = engine.code2wav.config
     per_unit = engine.models.talker.config.tokens_per_unit
-    non_final = (per_unit + LOOKAHEAD - cfg.pre_lookahead_len) * cfg.up_rate
-    return tuple(sorted({non_final, per_unit * cfg.up_rate}))
+    non_final = (LOOKAHEAD + per_unit - cfg.pre_lookahead_len) * cfg.up_rate
+    return non_final, LOOKAHEAD * cfg.up_rate
 
 
 def code2wav_cache_lengths(prompt_frames: int, chunk_width: int, tail: int) -> list[int]:
@@ -118,13 +119,16 @@ def code2wav_cache_lengths(prompt_frames: int, chunk_width: int, tail: int) -> l
 
 def code2wav_keys(engine: DuplexEngine) -> list[Code2WavKey]:
     """Every (tier, width, cache length) whose graph a tick can need, one per arena graph key,
-    largest tier first (smaller captures reuse the pool)."""
+    largest tier first (smaller captures reuse the pool). Only non-final chunks grow a stream's
+    cache, and a final chunk always follows one, so finals start at the lengths after P."""
     arena, cfg = engine.code2wav.arena, engine.code2wav.config
     prompts = sorted({engine.voices.get(v).prompt_frames for v in engine.voices.names()})
-    widths = code2wav_chunk_widths(engine)
-    lengths = sorted({n for p in prompts for w in widths for n in code2wav_cache_lengths(p, w, cfg.cache_tail_frames)})
+    non_final, final = code2wav_chunk_widths(engine)
+    starts = {p: code2wav_cache_lengths(p, non_final, cfg.cache_tail_frames) for p in prompts}
+    by_width = {non_final: sorted({n for p in prompts for n in starts[p]}),
+                final: sorted({n for p in prompts for n in starts[p][1:]})}
     tiers = replay_tiers(cfg.graph_grid, arena.rows, max(1, engine.plan.planned_sessions))
-    wanted = [(t, w, n) for t in reversed(tiers) for w in widths for n in lengths]
+    wanted = [(t, w, n) for t in reversed(tiers) for w, lengths in by_width.items() for n in lengths]
     wanted += [(1, p, 0) for p in prompts]   # the setup pass: one prompt per replay, no cache
     keys, seen = [], set()
     for tier, width, length in wanted:

@@ -91,10 +91,10 @@ def test_results_schema_and_every_session_got_its_reply(sweep):
         for row in step["per_session"]:
             assert row["got_audio"] and row["errors"] == [] and row["units_sent"] == DURATION
             # one user turn of 2 units then quiet: exactly one reply, as long as the server's
-            # reply_units(sid, 0) says (1 s per unit, plus the final chunk's 0.16 s tail)
+            # reply_units(sid, 0) says (1 s per unit, plus the final chunk: 0.12 s and the 0.16 s tail)
             assert row["replies_scheduled"] == row["replies_done"] == row["replies_with_audio"] == 1
             assert row["audio_scheduled_s"] in REPLY
-            assert row["audio_received_s"] == pytest.approx(row["audio_scheduled_s"] + 0.16)
+            assert row["audio_received_s"] == pytest.approx(row["audio_scheduled_s"] + 0.12 + 0.16)
             (latency,) = row["reply_latency_s"]
             # the quiet unit that ends the turn takes 1 s to send; the rest is the server's speed
             assert latency > 1.0
@@ -118,7 +118,7 @@ def test_split_replies_and_gaps():
     t.script, t.units_sent = continuous_script("sess_1", 5), 5
     row = session_row(t)
     assert row["gaps_over_200ms"] == 1 and row["max_gap_s"] == pytest.approx(0.5)
-    assert row["audio_scheduled_s"] == 4.0 and row["audio_received_s"] == pytest.approx(3.5)
+    assert row["audio_scheduled_s"] == 5.0 and row["audio_received_s"] == pytest.approx(3.5)
     assert row["reply_latency_s"] == []
 
 

@@ -34,8 +34,9 @@ def _admit_by_memory_only(monkeypatch):
     monkeypatch.setattr(demo, "demo_deploy", deploy_without_compute_limit)
 
 
-# one turn of 2 units: 24000 samples + the final 24000 + 3840-sample vocoder tail
-REPLY_FRAMES = 24000 + 27840
+# one turn of 2 units: 24000 samples per unit, then the final chunk (the last 3 codes: 6 mel
+# frames of 480 samples) and the 3840-sample vocoder tail
+REPLY_FRAMES = 2 * 24000 + 6 * 480 + 3840
 
 
 def _args(tmp_path, **kw) -> argparse.Namespace:
@@ -107,7 +108,7 @@ def test_demo_waits_for_the_reply_however_slow_the_ticks(tmp_path, capsys, monke
     assert demo.run(_args(tmp_path, sessions=1)) == 0
     assert stalled, "the slowed stage never ran"
     assert _frames(tmp_path / "out" / "session0_default.wav") == REPLY_FRAMES
-    assert "session 0 has its replies (1, 2.16 s of audio)" in caplog.text
+    assert "session 0 has its replies (1, 2.28 s of audio)" in caplog.text
     late_lines = [r for r in caplog.records if r.levelno >= logging.WARNING and "late" in r.getMessage()]
     assert built[0].late_ticks >= 1 and len(late_lines) == built[0].late_ticks, late_lines
 

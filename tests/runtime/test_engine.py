@@ -49,9 +49,11 @@ def test_four_sessions_two_voices_speak_one_turn(runs):
     chunk = cfg.shape.mel_bins and 25 * cfg.up_rate * cfg.samples_per_frame      # 1 s at 24 kHz
     for name, d in on.items():
         assert not d["errors"], d["errors"]
-        # default policy (k=2): units 0 and 1 are one turn; unit 0's 25 codes wait for unit 1's
-        # lookahead, then unit 1's codes are the final chunk (+ the vocoder's cross-fade tail).
-        assert [len(a) // 2 for a in d["audio"]] == [chunk, chunk + cfg.source_cache_len], name
+        # default policy (k=2): units 0 and 1 are one turn; each unit's chunk leaves in its own
+        # tick (3 silence codes + unit 0's, then unit 0's last 3 + unit 1's); unit 1's last 3
+        # codes are the final chunk (6 frames + the vocoder's cross-fade tail).
+        tail = 2 * 3 * cfg.samples_per_frame + cfg.source_cache_len
+        assert [len(a) // 2 for a in d["audio"]] == [chunk, chunk, tail], name
         assert chunk == 24_000
         assert d["done"] == 1 and len(d["text"]) == 2 and all(d["text"])
     pcm = np.frombuffer(on["default0"]["audio"][0], dtype="<i2")

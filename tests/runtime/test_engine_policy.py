@@ -133,10 +133,11 @@ def test_talker_turn_at_its_position_limit_starts_a_new_audio_turn(tmp_path):
     sid = eng.open_session({"voice": "default"})
     eng.push_audio(sid, audio(0, 3))
     got = [collect(eng.tick()).get(sid, {"audio": [], "done": 0}) for _ in range(3)]
-    assert [len(a) // 2 for a in got[1]["audio"]] == [24000]
-    # unit 2 does not fit the Talker turn: unit 1's codes are flushed as a final chunk, no
-    # response.done (the Thinker is still speaking), and unit 2 opens a new audio turn
-    assert [len(a) // 2 for a in got[2]["audio"]] == [27840] and got[2]["done"] == 0
+    assert [len(a) // 2 for a in got[0]["audio"]] == [len(a) // 2 for a in got[1]["audio"]] == [24000]
+    # unit 2 does not fit the Talker turn: the old turn's 3 carried codes are flushed as its final
+    # chunk (6 frames + the 3840-sample cross-fade tail), no response.done (the Thinker is still
+    # speaking), and unit 2 opens a new audio turn whose first chunk plays after that tail
+    assert [len(a) // 2 for a in got[2]["audio"]] == [6720, 24000] and got[2]["done"] == 0
     s = eng.session_info(sid)
     assert s.turns == 2 and s.talker_tokens == 30 and s.code2wav_stream == f"{sid}#2"
 
@@ -168,7 +169,7 @@ def test_talker_turn_tokens_caps_the_turn_on_the_model_limit_path(tmp_path):
     capped_eng = engine(tmp_path, "cap", {"engine": {**speak, "talker_turn_tokens": 64}})
     by_cap = _three_units(capped_eng)
     uncapped = _three_units(engine(tmp_path, "nocap", {"engine": speak}))
-    assert by_cap == by_limit and [len(a) // 2 for a in by_cap[2]] == [27840]   # unit 2 opened a new turn
+    assert by_cap == by_limit and [len(a) // 2 for a in by_cap[2]] == [6720, 24000]   # unit 2 opened a new turn
     assert by_cap[1] == uncapped[1] and by_cap[2] != uncapped[2]   # unit 1 fits: bit-identical
 
     eng = capped_eng
@@ -284,8 +285,9 @@ def test_reply_through_the_engine_has_the_scripted_length(tmp_path):
     done = [t["done"] for t in per_tick]
     assert done == [0] * (1 + length) + [1, 0]   # the reply's last unit ends the turn
     samples = [sum(len(a) // 2 for a in t["audio"]) for t in per_tick]
-    # speech lags text by one unit; the final chunk carries the vocoder's 3840-sample tail
-    assert samples == [0, 0, 0] + [24_000] * (length - 2) + [24_000 + 27_840, 0]
+    # each unit's audio leaves in its own tick; the final chunk (the last 3 codes, 6 mel frames)
+    # carries the vocoder's 3840-sample tail
+    assert samples == [0, 0] + [24_000] * (length - 1) + [24_000 + 6 * 480 + 3840, 0]
 
 
 def test_full_buffer_message_names_the_chunk(tmp_path):

@@ -137,7 +137,7 @@ def test_manual_mode_is_silent_until_request_response(tmp_path):
         if i == 2:
             eng.request_response(sid)
         per_tick.append(collect(eng.tick()).get(sid, {"audio": [], "text": [], "done": 0}))
-    assert [len(d["audio"]) for d in per_tick] == [0, 0, 0, 1, 1]    # audio lags text by one unit
+    assert [len(d["audio"]) for d in per_tick] == [0, 0, 1, 1, 1]    # audio in the tick of its text
     assert [bool(d["text"]) for d in per_tick] == [False, False, True, True, True]
     c = CONTROL
     assert fed == [c.listen, c.listen, c.speak, c.speak, c.speak]     # the forced tokens are in the KV
@@ -205,14 +205,14 @@ def _of(events, sid, kind):
     return [e for e in events if e.sid == sid and isinstance(e, kind)]
 
 
-@pytest.mark.parametrize("played_ms,played", [(None, 2), (999, 1), (0, 0)])
+@pytest.mark.parametrize("played_ms,played", [(None, 3), (999, 1), (0, 0)])
 def test_cancel_keeps_what_a_session_that_said_only_the_played_units_holds(tmp_path, played_ms, played):
     got = _run(tmp_path, "cancel", cancel_ms=played_ms, cancel=True)
     ref = _run(tmp_path, "reference", reference_units=played)
     a = got["a"]
     done = _of(got["ticks"][4], a, ResponseDone)
     assert len(done) == 1 and done[0].status == "cancelled"
-    assert done[0].usage.text_tokens == 3 * 3 and done[0].usage.audio_seconds == 2.0   # 3 units said, 2 sent
+    assert done[0].usage.text_tokens == 3 * 3 and done[0].usage.audio_seconds == 3.0   # 3 units said and sent
     assert not _of(got["ticks"][4], a, AudioDelta) and not _of(got["ticks"][4], a, TextDelta)
     assert got["after"]["streams"] == 0 and got["after"]["talker_blocks"] == 0
     # A session that said only the played units (then listened): same Thinker length, same pools.
@@ -234,12 +234,13 @@ def test_cancel_leaves_other_sessions_byte_identical(tmp_path):
         assert [e.pcm16 for e in _of(mine, b, AudioDelta)] == [e.pcm16 for e in _of(theirs, b, AudioDelta)]
         assert [e.text for e in _of(mine, b, TextDelta)] == [e.text for e in _of(theirs, b, TextDelta)]
     assert sum(len(_of(t, b, AudioDelta)) for t in got["ticks"]) == 6
-    # No audio for the cancelled reply from the cancel's tick on; the reference sent its last unit.
-    assert not [e for t in got["ticks"][4:] for e in _of(t, got["a"], AudioDelta)]
+    # No audio in the cancel's tick (the turn's final chunk is dropped); the reference sent its
+    # last unit's chunk and then its final chunk in tick 3, the cancelled run only the chunk.
+    assert not _of(got["ticks"][4], got["a"], AudioDelta)
     assert len(_of(ref["ticks"][3], ref["a"], AudioDelta)) == 2 and len(_of(got["ticks"][3], got["a"], AudioDelta)) == 1
     (done,) = _of(ref["ticks"][3], ref["a"], ResponseDone)   # the reference's reply completed by itself
     assert done.status == "completed"
-    assert done.usage.text_tokens == 9 and done.usage.audio_seconds == (24_000 + 24_000 + 27_840) / 24_000
+    assert done.usage.text_tokens == 9 and done.usage.audio_seconds == (3 * 24_000 + 6 * 480 + 3840) / 24_000
     assert got["eng"].cancel_response(got["a"]) is True    # the second reply is in progress
     assert got["eng"].cancel_response(b) is True            # duplex: b is speaking
 

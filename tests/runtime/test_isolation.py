@@ -24,6 +24,9 @@ from duplexcache.runtime.engine_api import AdmissionError, InvalidAudioError, Se
 from duplexcache.runtime.isolation import FaultInjector
 
 TICKS = 3
+# Audio deltas of a session over TICKS ticks of the default policy (k = 2): units 0-1 are one turn
+# (a chunk in each unit's tick, then the turn's final chunk), unit 2 opens the next turn.
+AUDIO_DELTAS = 4
 
 
 def _merge(into: dict, events) -> None:
@@ -71,7 +74,7 @@ def test_out_of_range_f32_audio_is_refused_to_the_sender_and_the_bystander_is_un
         return out[bystander]
 
     with_bad, alone = run(True), run(False)
-    assert with_bad["errors"] == [] and len(alone["audio"]) == TICKS - 1
+    assert with_bad["errors"] == [] and len(alone["audio"]) == AUDIO_DELTAS
     assert with_bad["audio"] == alone["audio"] and with_bad["text"] == alone["text"]
 
 
@@ -124,7 +127,7 @@ def test_a_fault_at_any_stage_ends_only_that_session(tmp_path, baseline, stage, 
     for sid in ("sess_1", "sess_3"):
         assert out[sid]["audio"] == base[sid]["audio"], f"{sid} audio changed by {stage}/{point}"
         assert out[sid]["text"] == base[sid]["text"]
-        assert len(out[sid]["audio"]) == TICKS - 1
+        assert len(out[sid]["audio"]) == AUDIO_DELTAS
     _close_all(eng)
     assert _pools(eng) == fresh_pools
 

@@ -296,7 +296,8 @@ def eight_runs(models) -> tuple[ServerRun, ServerRun]:
 def test_eight_sessions_two_voices_hear_24k_pcm16_and_finish(eight_runs):
     for run in eight_runs:
         assert run.unit_batches == [SESSIONS] * UNITS, run.unit_batches   # the gate pinned the batches
-        expected = 2 * (UNITS * OUT_RATE + TURNS * run.source_cache_len)   # bytes: 1 s per unit + tails
+        # bytes: 1 s per unit, and per turn its final chunk (3 codes: 6 mel frames) and the vocoder tail
+        expected = 2 * (UNITS * OUT_RATE + TURNS * (6 * 480 + run.source_cache_len))
         assert len({h.sid for h in run.heard}) == SESSIONS
         for h in run.heard:
             assert h.session["output_sample_rate"] == OUT_RATE and h.session["output_audio_format"] == "pcm16"

@@ -55,8 +55,13 @@ class EngineStatsRecorder:
             self.latency_history[stage].append(value)
         if lat["tick"] > period:
             self.late_ticks += 1
-            logger.warning("tick %d ran late: %.3f s > tick_seconds %.3f s (back-pressure: %d late ticks)",
-                           self.ticks + 1, lat["tick"], period, self.late_ticks)
+            parts = {s: lat.get(s, 0.0) for s in STAGES if s != "tick"}
+            # "other": what the tick did outside the four stages (opening sessions in Stage 0,
+            # cancels, prefill chunks run inside the tick, the stats themselves)
+            breakdown = ", ".join(f"{s} {v * 1e3:.0f}" for s, v in parts.items())
+            logger.warning("tick %d ran late: %.3f s > tick_seconds %.3f s (ms: %s, other %.0f; back-pressure: "
+                           "%d late ticks)", self.ticks + 1, lat["tick"], period, breakdown,
+                           (lat["tick"] - sum(parts.values())) * 1e3, self.late_ticks)
         self.refresh_pools()
         with self.table.lock:
             self.last_latency = {k: (v,) for k, v in lat.items()}

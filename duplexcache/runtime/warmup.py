@@ -14,9 +14,10 @@ the first seconds saw first audio after 13-16 s, and 11 of them none within 16 s
   first, so the smaller graphs reuse the one memory pool. A session with a longer table (long
   instructions) still captures its class lazily, counted as a tick capture.
 * Code2Wav graphs (``cfm/arena.py``): every replay tier batches of up to the planned session
-  count can use x every chunk width (a non-final chunk of 25 + 3 codes, a final chunk of 25) x
-  every cache bucket a voice's estimator cache passes through (P, P + W, ... up to P + 100
-  frames), plus each voice's setup pass (tier 1, width P, no cache).
+  count can use x every chunk width (a non-final chunk of 3 carried + 25 codes, a final chunk of
+  the 3 carried codes) x every cache bucket a voice's estimator cache passes through (P, P + W,
+  ... up to P + 100 frames; a final chunk only after P), plus each voice's setup pass (tier 1,
+  width P, no cache).
 * Triton kernels, once each, on the null block: paged decode (also inside every decode capture),
   the short ragged step (when ``stage0.ragged_kernel``; every split count it can pick, since the
   split count is a compile-time constant) and the fused key re-rotation (window ``basic``).

@@ -310,3 +310,15 @@ def test_a_paced_engine_times_the_chunks_its_ticks_run(tmp_path):
     assert eng.predicted_prefill_s() is not None
     assert not eng.prefill_times.ran_since_tick
     eng.shutdown()
+
+
+def test_a_late_tick_is_logged_with_its_stage_breakdown(tmp_path, caplog):
+    eng = engine(tmp_path, "late_log")
+    lat = {"encoder": 0.1, "thinker": 0.2, "talker": 0.3, "code2wav": 0.4, "tick": 1.5}
+    with caplog.at_level("WARNING", logger="duplexcache.runtime.engine_stats"):
+        eng.recorder.finish_tick(lat, period=1.0)
+        eng.recorder.finish_tick({**lat, "tick": 0.99}, period=1.0)     # on time: not logged
+    (record,) = [r for r in caplog.records if "ran late" in r.getMessage()]
+    assert ("1.500 s > tick_seconds 1.000 s (ms: encoder 100, thinker 200, talker 300, code2wav 400, other 500; "
+            "back-pressure: 1 late ticks)") in record.getMessage()
+    assert eng.recorder.late_ticks == 1

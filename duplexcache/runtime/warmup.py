@@ -26,6 +26,15 @@ the first seconds saw first audio after 13-16 s, and 11 of them none within 16 s
 * a context prefill of three ``engine.prefill_chunk_tokens`` chunks through Stage 0
   (``run_prefill_once``): the first chunk of the first long context otherwise pays ~600 ms of
   first-use costs inside a tick, and the third gives the server's pacing a chunk time.
+* the audio encoder, eager in every tick, over a first unit and a second unit of the planned
+  session count on throwaway states (``run_encoder_once``): its first batch otherwise paid its
+  library initialisation (cuDNN) and the device allocations of the batch inside a tick (H200,
+  32 sessions: a 2.1 s first unit; ``scripts/encoder_growth_probe.py``).
+* the CUDA caching allocator holds the plan's dynamic region once (``reserve_dynamic_region``):
+  the sessions' encoder caches and Code2Wav stream caches are allocated as sessions open and
+  grow, and each new size used to be a device allocation (cudaMalloc, which waits for the
+  device) inside a tick: ~50 per tick while 32 young sessions grew. One block of the region's
+  size, allocated and freed, stays cached, and those tensors are carved from it.
 
 Nothing here touches a session or the pools' accounting: decode captures use padding rows (slot 0
 of the null block, as a padded replay does), Code2Wav captures use padded arena rows (scratch
@@ -279,6 +288,40 @@ def run_prefill_once(engine: DuplexEngine) -> int:
     return tokens
 
 
+@torch.no_grad()
+def run_encoder_once(engine: DuplexEngine) -> int:
+    """A first unit, then a second, through the audio encoder for the planned session count on
+    throwaway states (CUDA only; no session or pool is touched). Returns the batch size."""
+    m = engine.models
+    if m.device.type != "cuda":
+        return 0
+    stage = engine.thinker_stage
+    enc = stage.encoder
+    batch = max(1, engine.plan.planned_sessions)
+    states = [enc.new_stream_state(storage_dtype=stage.encoder_storage) for _ in range(batch)]
+    for _ in range(2):
+        pcm = [torch.zeros(enc.expected_chunk_samples(s)) for s in states]
+        enc.stream_step(states, pcm)
+    _sync(m.device)
+    return batch
+
+
+def reserve_dynamic_region(engine: DuplexEngine) -> int:
+    """Allocate the plan's dynamic region (less what the voices' prompt states already hold) as
+    one block and free it, so the caching allocator keeps it (CUDA only). Bounded by what the
+    device has free. Returns the bytes."""
+    m = engine.models
+    if m.device.type != "cuda":
+        return 0
+    held = sum(engine.code2wav.voice_bytes(v) for v in engine.voices.names())
+    free, _ = torch.cuda.mem_get_info(m.device)
+    n = max(0, min(engine.plan.dynamic_bytes - held, free - (1 << 30)))
+    if n:
+        block = torch.empty(n, dtype=torch.uint8, device=m.device)
+        del block
+    return n
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -318,7 +361,9 @@ def warm_up(engine: DuplexEngine, should_stop: Callable[[], bool] = _never) -> W
     else:
         kernels = run_kernels_once(engine)
         if engine.models.device.type == "cuda":
-            kernels += (f"thinker:prefill_{run_prefill_once(engine)}_tokens",)
+            kernels += (f"thinker:prefill_{run_prefill_once(engine)}_tokens",
+                        f"audio_encoder:batch_{run_encoder_once(engine)}",
+                        f"allocator:dynamic_{reserve_dynamic_region(engine) >> 20}_MiB")
     report = WarmupReport(time.perf_counter() - start, decode, c2w, kernels, cancelled)
     logger.info("engine %s%s", report.describe(), " (cancelled)" if cancelled else "")
     return report

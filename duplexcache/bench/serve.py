@@ -162,6 +162,45 @@ def counters(metrics_text: str) -> dict[str, float | None]:
     return found
 
 
+STAGE_HISTOGRAM = "stage_latency_seconds"   # the server's per-stage tick latency (server/metrics.py)
+
+
+def stage_totals(metrics_text: str) -> dict[str, float]:
+    """``stage_sum:<stage>`` and ``stage_count:<stage>`` of the server's per-stage latency
+    histogram (seconds, ticks); empty when it exports none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        if not family.name.endswith(STAGE_HISTOGRAM):
+            continue
+        for s in family.samples:
+            stage, kind = s.labels.get("stage"), s.name.rsplit("_", 1)[-1]
+            if stage and kind in ("sum", "count"):
+                key = f"stage_{kind}:{stage}"
+                found[key] = found.get(key, 0.0) + s.value
+    return found
+
+
+def stage_ms_mean(before: dict, after: dict) -> dict[str, float] | None:
+    """Each stage's mean ms per tick over a step, from the histogram's sums and counts (None when
+    the server exports no stage histogram or ran no tick)."""
+    out = {}
+    for key in after:
+        if not key.startswith("stage_sum:"):
+            continue
+        stage = key.split(":", 1)[1]
+        total = _delta(after[key], before.get(key))
+        ticks = _delta(after.get(f"stage_count:{stage}"), before.get(f"stage_count:{stage}"))
+        if total is not None and ticks:
+            out[stage] = round(total / ticks * 1e3, 1)
+    return out or None
+
+
+def _scraped(metrics_text: str) -> dict[str, float | None]:
+    return {**counters(metrics_text), **stage_totals(metrics_text)}
+
+
 async def _get(client: Any, url: str) -> Any:
     response = await client.get(url, timeout=10.0)
     response.raise_for_status()
@@ -174,15 +213,15 @@ async def scrape(client: Any, base: str) -> dict[str, float | None]:
     try:
         replicas = await _cluster_replicas(client, base)
         if not replicas:
-            return counters((await _get(client, base + "/metrics")).text)
+            return _scraped((await _get(client, base + "/metrics")).text)
         total = _no_counters()
         for replica in replicas:
             pin = {PLACEMENT_HEADER: f"replica:{replica}"}   # the router sends it to that replica
             response = await client.get(base + "/metrics", timeout=10.0, headers=pin)
             response.raise_for_status()
-            for key, value in counters(response.text).items():
+            for key, value in _scraped(response.text).items():
                 if value is not None:
-                    total[key] = (total[key] or 0.0) + value
+                    total[key] = (total.get(key) or 0.0) + value
         return total
     except Exception as exc:  # noqa: BLE001 - a server without /metrics gives nulls, not a failed run
         logger.warning("could not read %s/metrics: %s", base, exc)
@@ -267,6 +306,7 @@ def summarize_step(n: int, rows: list[dict[str, Any]], before: dict, after: dict
         "replies_scheduled": sum(r["replies_scheduled"] for r in rows),
         "replies_done": sum(r["replies_done"] for r in rows),
         **{key: _delta(after.get(key), before.get(key)) for key in COUNTERS},   # late_ticks, catch_up_ticks, ...
+        "stage_ms_mean": stage_ms_mean(before, after),   # per tick, the server's own timers
         "realtime": bool(all_audio and late == 0 and latency_ok),
         **({"long_context": _long_context_summary(long_rows)} if long_rows else {}),
         "per_session": rows + long_rows,
@@ -433,6 +473,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
               f"{s['reply_latency_growth_s']['p50']} s), gaps > 200 ms {s['gaps_over_200ms']}, "
               f"late ticks {s['late_ticks']} (catch-up ticks {s['catch_up_ticks']}), errors in {s['sessions_with_errors']} sessions, "
               f"real-time {s['realtime']}")
+        if s.get("stage_ms_mean"):
+            print("      server ms per tick (mean): " + ", ".join(f"{k} {v}" for k, v in s["stage_ms_mean"].items()))
         if "long_context" in s:
             lc = s["long_context"]
             print(f"      + {lc['callers']} long-context callers: audio {lc['with_audio']}/{lc['callers']}, reply "

@@ -86,6 +86,10 @@ def test_results_schema_and_every_session_got_its_reply(sweep):
         # each short context is one chunk, run in the slack (or by a tick that had none: a busy machine)
         assert 0 <= step["prefill_chunks_between_ticks"] <= n
         assert set(step["reply_latency_growth_s"]) == {"p50", "p95", "p99", "max", "n"}
+        # the server's per-stage timers over the step's ticks (its stage histogram on /metrics)
+        means = step["stage_ms_mean"]
+        assert set(means) == {"encoder", "thinker", "talker", "code2wav", "tick"} and means["tick"] > 0
+        assert all(0 <= v <= means["tick"] for v in means.values())
         assert len(step["per_session"]) == n and step["sessions_with_audio"] == n
         assert step["sessions_with_errors"] == 0, [row["errors"] for row in step["per_session"]]
         for row in step["per_session"]:
@@ -132,6 +136,24 @@ def test_counters_from_prometheus_text():
     assert serve.counters(text) == {"late_ticks": 3.0, "graph_captures": 7.0, "catch_up_ticks": 4.0,
                                     "prefill_chunks_between_ticks": None}
     assert serve.counters("# TYPE x counter\nx_total 1.0\n") == dict.fromkeys(serve.COUNTERS)
+
+
+def test_stage_means_from_the_servers_histogram():
+    """Each stage's mean ms per tick over a step: the histogram's sum and count differences."""
+    def text(enc_sum, enc_n, c2w_sum, c2w_n):
+        return ("# TYPE duplexcache_stage_latency_seconds histogram\n"
+                f'duplexcache_stage_latency_seconds_bucket{{le="+Inf",stage="encoder"}} {enc_n}\n'
+                f'duplexcache_stage_latency_seconds_count{{stage="encoder"}} {enc_n}\n'
+                f'duplexcache_stage_latency_seconds_sum{{stage="encoder"}} {enc_sum}\n'
+                f'duplexcache_stage_latency_seconds_bucket{{le="+Inf",stage="code2wav"}} {c2w_n}\n'
+                f'duplexcache_stage_latency_seconds_count{{stage="code2wav"}} {c2w_n}\n'
+                f'duplexcache_stage_latency_seconds_sum{{stage="code2wav"}} {c2w_sum}\n')
+    before, after = serve.stage_totals(text(1.0, 10, 4.0, 10)), serve.stage_totals(text(3.0, 30, 16.0, 30))
+    assert before == {"stage_count:encoder": 10.0, "stage_sum:encoder": 1.0, "stage_count:code2wav": 10.0,
+                      "stage_sum:code2wav": 4.0}
+    assert serve.stage_ms_mean(before, after) == {"encoder": 100.0, "code2wav": 600.0}
+    assert serve.stage_ms_mean(before, before) is None          # no tick in the step
+    assert serve.stage_totals("# TYPE x counter\nx_total 1.0\n") == {}
 
 
 def test_url_and_arguments_are_checked():

@@ -226,7 +226,7 @@ class TickCostModel:
 
     After every tick the engine reports the time of its unit work (the tick less the context
     prefill, which is bounded separately by ``engine.prefill_chunk_tokens``) and how many units
-    ran. Over the last ``window`` ticks, a least-squares line::
+    ran. Over the last ``window`` ticks that ran units, a least-squares line::
 
         predicted(n) = fixed + per_unit * n
 
@@ -259,19 +259,24 @@ class TickCostModel:
         self.samples = 0          # ticks with units seen
 
     def observe(self, tick_s: float, units: int) -> None:
-        """One tick's unit-work time and its unit count."""
-        self._points.append((max(0, units), max(0.0, tick_s)))
-        if units > 0:
-            self.samples += 1
+        """One tick's unit-work time and its unit count.
+
+        Idle ticks are not points of the line: a tick without units skips every stage, so it
+        costs ~0 where one unit already pays the whole fixed part; with them the intercept would
+        be pulled to 0 (the line through the origin again). Nor do they take room in the window:
+        a server idle for ``window`` seconds used to forget every measurement, so the first ticks
+        of the next burst (a few neighbouring unit counts) were its whole model, flat at their
+        mean (H200 sweep: one 1.8 s ramp tick at 22 sessions, the model flat at 1.8 s, a caller
+        refused; docs/benchmarks.md, "Reply latency"). The line measured before a quiet spell
+        now stays; one slow tick still tilts it until later ticks outweigh it."""
+        if units <= 0:
+            return
+        self._points.append((units, max(0.0, tick_s)))
+        self.samples += 1
         self._fit()
 
     def _fit(self) -> None:
-        # Idle ticks are not points of the line: a tick without units skips every stage, so it
-        # costs ~0 where one unit already pays the whole fixed part; with them the intercept
-        # would be pulled to 0 (the line through the origin again).
-        points = [(n, t) for n, t in self._points if n > 0]
-        if not points:
-            return
+        points = list(self._points)
         xs = [n for n, _ in points]
         if max(xs) - min(xs) >= self.MIN_SPAN_UNITS:
             mx = sum(xs) / len(xs)

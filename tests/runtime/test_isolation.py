@@ -279,6 +279,13 @@ def test_tick_cost_model_formula():
         m.observe(1.0, 8)
     assert (m.fixed_s, m.per_unit_s) == (pytest.approx(1.0), 0.0)   # span 2: flat, and over the limit
     assert m.refusal(1) is not None
+    m3 = TickCostModel(tick_seconds=1.0, headroom=0.8, window=4)
+    for units in (2, 4, 6):
+        m3.observe(0.1 + 0.125 * units, units)
+    for _ in range(10):                            # a quiet spell longer than the window
+        m3.observe(0.001, 0)
+    m3.observe(1.0, 8)                             # a slow first tick of the next burst
+    assert m3.per_unit_s > 0 and m3.fixed_s < 0.5  # still a line through the older ticks, not flat at 1 s
     m2 = TickCostModel(1.0, 1.0)
     m2.observe(0.6, 1)
     m2.observe(0.5, 5)                             # noise: slower with fewer units -> flat, not a negative slope

@@ -264,11 +264,9 @@ class TickCostModel:
         Idle ticks are not points of the line: a tick without units skips every stage, so it
         costs ~0 where one unit already pays the whole fixed part; with them the intercept would
         be pulled to 0 (the line through the origin again). Nor do they take room in the window:
-        a server idle for ``window`` seconds used to forget every measurement, so the first ticks
-        of the next burst (a few neighbouring unit counts) were its whole model, flat at their
-        mean (H200 sweep: one 1.8 s ramp tick at 22 sessions, the model flat at 1.8 s, a caller
-        refused; docs/benchmarks.md, "Reply latency"). The line measured before a quiet spell
-        now stays; one slow tick still tilts it until later ticks outweigh it."""
+        a server idle for ``window`` seconds would forget every measurement, and the first ticks
+        of the next burst (a few neighbouring unit counts) would be its whole model, flat at
+        their mean. The line measured before a quiet spell stays."""
         if units <= 0:
             return
         self._points.append((units, max(0.0, tick_s)))

@@ -29,7 +29,7 @@ step() {  # step NAME SECONDS CMD...
 # unit (1 s after the user stopped), that unit waits up to one tick period (1 s) for the next tick,
 # and its audio leaves when that tick ends (< 1 s on a server that keeps pace). So a server that
 # keeps pace answers within 3 s; later replies mean it fell behind. 1.5 s (issue 10) is below the
-# idle floor of this policy (~1.6 s median, ~2.2 s p99 with one caller).
+# idle floor of this policy (H200, one caller: 1.43 s median, 1.62 s p99; docs/benchmarks.md).
 REPLY_LATENCY_S=${REPLY_LATENCY_S:-3.0}
 
 serve_conversation() {  # NAME BASE_YAML SESSIONS DURATION [OVERRIDES]: start `duplexcache serve` with the reply policy,

@@ -29,7 +29,10 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-RANGE_PREFIXES = ("duplexcache.stage.", "duplexcache.c2w.")
+from duplexcache.cfm.code2wav import PART_RANGE
+from duplexcache.runtime.engine import STAGE_RANGE
+
+RANGE_PREFIXES = (STAGE_RANGE, PART_RANGE)
 # CUDA runtime calls that block the host until the device catches up, and those that launch work
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",

@@ -170,7 +170,9 @@ class StepLogits:
 
     def __init__(self, rows: Mapping[str, torch.Tensor]) -> None:
         self._rows = rows
-        self._picks: dict[int, dict[str, int]] = {}   # id(TokenSet) -> sid -> token id
+        # id(TokenSet) -> (the TokenSet, sid -> token id). Holding the set keeps its id from being
+        # reused by another set made later in the step (a policy that builds one per call).
+        self._picks: dict[int, tuple[TokenSet, dict[str, int]]] = {}
 
     def row(self, sid: str) -> RowLogits:
         if sid not in self._rows:
@@ -181,13 +183,13 @@ class StepLogits:
         return self._rows[sid]
 
     def argmax(self, sid: str, ids: TokenSet) -> int:
-        picks = self._picks.get(id(ids))
-        if picks is None:
+        cached = self._picks.get(id(ids))
+        if cached is None:
             sids = list(self._rows)
             stacked = torch.stack([self._rows[s] for s in sids])                  # (B, V)
             best = torch.argmax(stacked[:, ids.on(stacked.device)].float(), dim=-1).tolist()
-            picks = self._picks[id(ids)] = {s: int(ids.ids[i]) for s, i in zip(sids, best)}
-        return picks[sid]
+            cached = self._picks[id(ids)] = (ids, {s: int(ids.ids[i]) for s, i in zip(sids, best)})
+        return cached[1][sid]
 
 
 @dataclass(frozen=True)

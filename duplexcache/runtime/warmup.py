@@ -307,15 +307,15 @@ def run_encoder_once(engine: DuplexEngine) -> int:
 
 
 def reserve_dynamic_region(engine: DuplexEngine) -> int:
-    """Allocate the plan's dynamic region (less what the voices' prompt states already hold) as
-    one block and free it, so the caching allocator keeps it (CUDA only). Bounded by what the
-    device has free. Returns the bytes."""
+    """Allocate the plan's dynamic region (the sessions' encoder and Code2Wav stream caches; the
+    voices' prompt states are fixed bytes, allocated already) as one block and free it, so the
+    caching allocator keeps it (CUDA only). Bounded by what the device has free, less 1 GiB.
+    Returns the bytes."""
     m = engine.models
     if m.device.type != "cuda":
         return 0
-    held = sum(engine.code2wav.voice_bytes(v) for v in engine.voices.names())
     free, _ = torch.cuda.mem_get_info(m.device)
-    n = max(0, min(engine.plan.dynamic_bytes - held, free - (1 << 30)))
+    n = max(0, min(engine.plan.dynamic_bytes, free - (1 << 30)))
     if n:
         block = torch.empty(n, dtype=torch.uint8, device=m.device)
         del block

@@ -335,6 +335,11 @@ def test_step_logits_pick_each_row_as_its_own_argmax_with_one_batched_pick():
     assert isinstance(step.row("s0"), RowLogits) and logits_tensor(step.row("s0")) is rows["s0"]
     with pytest.raises(KeyError):
         step.row("nobody")
+    # a policy that builds its token set per call: each short-lived set gets its own pick, even
+    # when Python hands a freed set's id to the next one
+    for k in range(20):
+        assert TokenSet(torch.tensor([k, 40 + k % 3])).argmax(step.row("s2")) == \
+            TokenSet(torch.tensor([k, 40 + k % 3])).argmax(rows["s2"])
     # the policies take a RowLogits where they took a tensor
     p = ScriptedPolicy(CONTROL, TEXT, k=4, turn_units=2)
     big = {"a": torch.zeros(151748), "b": torch.zeros(151748)}

@@ -197,9 +197,10 @@ class SpeakPolicy(_Strict):
     block of ``k`` units the last ``min(turn_units, k)`` speak as one turn. ``k == turn_units``
     speaks every unit; a ``k`` larger than the run keeps one turn open for the whole run.
     ``reply``: a scripted conversation driven by the input audio (runtime/policy.py
-    ``ReplyPolicy``): a unit whose RMS exceeds ``speech_rms`` is user speech; the first quiet
-    unit after speech starts a reply of ``reply_min_units``..``reply_max_units`` units (a
-    deterministic function of session id and turn index, ``policy.reply_units``)."""
+    ``ReplyPolicy``): a 10 ms frame whose RMS exceeds ``speech_rms`` is user speech; the first
+    unit in which ``end_quiet_ms`` of quiet has followed the user's last speech starts a reply of
+    ``reply_min_units``..``reply_max_units`` units (a deterministic function of session id and
+    turn index, ``policy.reply_units``)."""
 
     mode: Literal["model", "every_k_units", "reply"] = "every_k_units"
     k: int = Field(2, gt=0)
@@ -207,6 +208,7 @@ class SpeakPolicy(_Strict):
     speech_rms: float = Field(0.01, gt=0, lt=1)
     reply_min_units: int = Field(2, gt=0)
     reply_max_units: int = Field(8, gt=0)
+    end_quiet_ms: int = Field(200, ge=10, le=10_000)
 
     @model_validator(mode="after")
     def _reply_range(self) -> "SpeakPolicy":
@@ -291,6 +293,12 @@ class ServerConfig(_Strict):
     # measured time fits (runtime/pacing.py), instead of inside the tick of every live session;
     # a tick with no chunk run before it still runs one itself.
     prefill_between_ticks: bool = True
+    # Cut each session's units so that they end a fixed lead (its largest audio chunk plus
+    # unit_align_margin_ms) before a tick, by starting its first unit with silence; off, units
+    # are cut from the stream's first sample and wait a random part of a period for their tick,
+    # which every reply waits too (runtime/engine_session.py UnitAlignment).
+    align_units_to_ticks: bool = True
+    unit_align_margin_ms: float = Field(50.0, ge=0, le=1000)
 
 
 class ClusterConfig(_Strict):

@@ -46,9 +46,10 @@ from duplexcache.runtime import device_setup, turns
 from duplexcache.runtime.admission import AdmissionLedger, Footprint, TickCostModel
 from duplexcache.runtime.bundle import ModelBundle, build_models
 from duplexcache.runtime.code2wav_stage import LOOKAHEAD, Code2WavStage, build_code2wav, pcm16_bytes
-from duplexcache.runtime.engine_api import AdmissionError, AudioDelta, EngineEvent, EngineStats, SessionError, TierBytes
+from duplexcache.runtime.engine_api import (INPUT_SAMPLE_RATE, AdmissionError, AudioDelta, EngineEvent, EngineStats,
+                                            SessionError, TierBytes)
 from duplexcache.runtime.engine_session import (MAX_BUFFERED_SAMPLES, MAX_BUFFERED_SECONDS, EngineSession,
-                                                SessionInfo, SessionTable, Unit, ended, session_info)
+                                                SessionInfo, SessionTable, Unit, UnitAlignment, ended, session_info)
 from duplexcache.runtime.engine_stats import LATENCY_HISTORY, STAGES, EngineStatsRecorder
 from duplexcache.runtime.fast_forward import FastForwardRequest, FastForwardResult, fast_forward
 from duplexcache.runtime.isolation import FaultInjector
@@ -110,6 +111,7 @@ class DuplexEngine:
                                           kv_storage_dtype(deploy.precision.encoder_cache_dtype))
         self._closed = False
         self.prefill_times = PrefillTimes(models.device)   # prefill chunk times, for a server's pacing
+        self._unit_alignment: UnitAlignment | None = None   # set by a server (set_unit_alignment)
         # Graphs captured while the engine was built (each voice's Code2Wav prompt pass at
         # register_voice) were captured before serving: they count with the warm-up's.
         self._warmup_captures = self._graph_captures_total()
@@ -290,7 +292,8 @@ class DuplexEngine:
             prefill_s = time.perf_counter() - t
         events += self._apply_cancels()
         enc = self.models.audio_encoder
-        units = self.table.take_units(lambda s: enc.expected_chunk_samples(s.encoder_state), 2 * enc.cfg.chunk_samples)
+        units = self.table.take_units(lambda s: enc.expected_chunk_samples(s.encoder_state), 2 * enc.cfg.chunk_samples,
+                                      self._unit_alignment)
         if units:
             events += self._run_units(units, lat)
         lat["tick"] = time.perf_counter() - start
@@ -332,10 +335,17 @@ class DuplexEngine:
         that became pending since the last tick to that slack (runtime/pacing.py)."""
         self.prefill_times.between_ticks = enabled
 
+    def set_unit_alignment(self, margin_ms: float | None) -> None:
+        """Called by a server that ticks on a grid (``server.align_units_to_ticks``): each new
+        session's units then end ``margin_ms`` plus its largest chunk before a tick
+        (``engine_session.UnitAlignment``); None cuts units from the stream's first sample."""
+        self._unit_alignment = None if margin_ms is None else UnitAlignment(
+            round(margin_ms * INPUT_SAMPLE_RATE / 1000), self.models.audio_encoder.cfg.chunk_samples)
+
     def sessions_behind(self) -> int:
-        """Live sessions holding a whole unit more than the next tick takes (server/app.py ticks early)."""
+        """Live sessions a whole unit behind their audio (server/app.py ticks early for them)."""
         enc = self.models.audio_encoder
-        return self.table.count_with(lambda s: enc.expected_chunk_samples(s.encoder_state) + enc.cfg.chunk_samples)
+        return self.table.count_behind(enc.cfg.chunk_samples, lambda s: enc.expected_chunk_samples(s.encoder_state))
 
     def _run_units(self, units: list[Unit], lat: dict[str, float]) -> list[EngineEvent]:
         # Each stage runs inside a profiler range named STAGE_RANGE + stage, so a torch.profiler

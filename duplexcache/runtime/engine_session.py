@@ -68,6 +68,9 @@ class EngineSession:
     footprint: Footprint
     audio: list[np.ndarray] = field(default_factory=list)
     buffered: int = 0
+    largest_push: int = 0         # samples in the largest chunk pushed (UnitAlignment's lead)
+    audio_started: bool = False   # a unit of its audio has been taken
+    left_after_take: int = 0      # samples it still held right after its last unit was taken
     # Samples accepted since the first push and when that was (SessionTable.clock): how far
     # ahead of real time the client sends, when its buffer is full.
     received: int = 0
@@ -107,6 +110,41 @@ class SessionInfo:
     thinker_tokens: int            # anchor + window tokens now in the Thinker KV
     talker_tokens: int             # Talker KV tokens computed in the current turn
     talker_blocks: int             # Talker blocks held (a fast-forward may hold more than computed)
+
+
+@dataclass(frozen=True)
+class UnitAlignment:
+    """Where a server-paced engine puts a session's unit boundaries (docs/engine.md, "Pacing").
+
+    The server ticks on a fixed grid, and each tick takes one unit from every session holding
+    one. Cut from the stream's first sample, a session's units complete at a random phase of the
+    grid and wait up to a whole period for the tick that takes them: every reply starts that much
+    later. So the first unit starts with silence, as much as makes every unit complete ``lead``
+    samples before a tick, where ``lead`` = the session's largest pushed chunk + ``margin``
+    (chunks arrive whole, and a little late). Every later unit is then taken ``lead`` after its
+    last sample arrived, not up to a period after.
+    """
+
+    margin_samples: int   # arrival jitter allowed beyond the session's largest chunk
+    unit_samples: int     # samples of every unit after the first
+
+    def __post_init__(self) -> None:
+        if self.margin_samples < 0 or self.unit_samples <= 0:
+            raise ValueError(f"need margin_samples >= 0 and unit_samples > 0, got {self.margin_samples}, "
+                             f"{self.unit_samples}")
+
+    def lead(self, largest_push: int) -> int:
+        return min(self.unit_samples, largest_push + self.margin_samples)
+
+    def first_pad(self, buffered: int, need: int, largest_push: int) -> int | None:
+        """Samples of silence before a session's first ``buffered`` samples, whose first unit
+        takes ``need``: the fewest that leave ``lead`` samples (plus whole units, a backlog) after
+        the first unit. None while fewer than ``lead`` samples are buffered (wait a tick)."""
+        lead = self.lead(largest_push)
+        if buffered < lead:
+            return None
+        short = need + lead - buffered
+        return short if short >= 0 else short % self.unit_samples
 
 
 @dataclass
@@ -334,6 +372,7 @@ class SessionTable:
             sess.audio.append(pcm.copy())
             sess.buffered += pcm.size
             sess.received += pcm.size
+            sess.largest_push = max(sess.largest_push, int(pcm.size))
 
     def trim_audio(self, sess: EngineSession, keep: int) -> int:
         """Drop the oldest buffered samples of ``sess`` beyond ``keep``; returns how many."""
@@ -350,15 +389,34 @@ class SessionTable:
         with self.lock:
             return sum(1 for s in self.live.values() if s.opened and s.buffered >= samples_needed(s))
 
-    def take_units(self, samples_needed: Callable[[EngineSession], int], behind: int) -> list[Unit]:
+    def count_behind(self, unit_samples: int, samples_needed: Callable[[EngineSession], int]) -> int:
+        """Opened sessions a whole unit behind: one still held ``unit_samples`` right after its
+        last unit was taken (so it held two at that tick) and holds its next unit now. A session
+        on time holds less than a unit after each take, whatever arrives while the tick runs."""
+        with self.lock:
+            return sum(1 for s in self.live.values() if s.opened and s.left_after_take >= unit_samples
+                       and s.buffered >= samples_needed(s))
+
+    def take_units(self, samples_needed: Callable[[EngineSession], int], behind: int,
+                   align: UnitAlignment | None = None) -> list[Unit]:
         """One unit for every opened session with enough audio buffered
-        (``samples_needed(session)``); a session ``behind`` samples past that is logged."""
+        (``samples_needed(session)``); a session ``behind`` samples past that is logged. With
+        ``align``, a session's first unit starts with the silence ``align.first_pad`` asks for."""
         units = []
         with self.lock:
             for sess in self.live.values():
                 if not sess.opened:
                     continue
                 need = samples_needed(sess)
+                if align is not None and not sess.audio_started:
+                    pad = align.first_pad(sess.buffered, need, sess.largest_push)
+                    if pad is None:
+                        continue
+                    logger.debug("session %s: first unit starts with %d samples of silence (%d buffered, lead %d)",
+                                 sess.sid, pad, sess.buffered, align.lead(sess.largest_push))
+                    if pad:
+                        sess.audio.insert(0, np.zeros(pad, np.float32))
+                        sess.buffered += pad
                 if sess.buffered < need:
                     continue
                 if sess.buffered >= need + behind:
@@ -366,7 +424,8 @@ class SessionTable:
                 audio = np.concatenate(sess.audio)
                 rest = audio[need:]
                 sess.audio = [rest] if rest.size else []
-                sess.buffered = rest.size
+                sess.buffered = sess.left_after_take = rest.size
+                sess.audio_started = True
                 units.append(Unit(sess, audio[:need], turn=turns.take_unit_requests(sess.turn)))
         return units
 

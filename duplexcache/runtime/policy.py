@@ -26,14 +26,23 @@ Two policies:
       k = 2, turn_units = 2:   S S | S S | ...            (the config default)
 
 * :class:`ReplyPolicy` (``reply``): a scripted conversation driven by the input audio, so a
-  load generator can play a caller and know when the server will answer. A unit whose PCM RMS
-  is above ``speech_rms`` is user speech; the first quiet unit after speech ends the user's turn
-  and starts a reply of ``R`` units (that quiet unit included), ``R =`` :func:`reply_units`
-  ``(session id, turn index, min, max)``; the reply's last unit ends with ``<|turn_eos|>``, then
-  the session listens again. Speech during a reply does not interrupt it (no barge-in)::
+  load generator can play a caller and know when the server will answer. The unit's PCM is cut
+  into 10 ms frames; a frame whose RMS is above ``speech_rms`` is user speech. The user's turn
+  ends in the first unit where at least ``end_quiet_ms`` of quiet has followed the turn's last
+  speech frame (counted across units), and that unit starts a reply of ``R`` units, ``R =``
+  :func:`reply_units` ``(session id, turn index, min, max)``; the reply's last unit ends with
+  ``<|turn_eos|>``, then the session listens again. Speech during a reply does not interrupt it
+  (no barge-in)::
 
-      input     q q S S S q q q q q S S q ...       (S: RMS above the threshold)
+      input     q q S S S q q q q q S S q ...       (S: speech to the unit's end)
       decision  L L L L L S S S L L L L S ...       (turn 0: R = 3 units)
+
+  Units cut on the server's tick grid rarely end where speech does: a unit holding the end of a
+  turn and ``end_quiet_ms`` of quiet after it answers in that unit, not one unit later (with
+  whole units of quiet, as above, the two rules agree)::
+
+      input     q q S S Sq q q ...                  (Sq: speech, then >= end_quiet_ms of quiet)
+      decision  L L L L S  S S ...
 
 Per-session state: the engine asks the policy for a state object when a session opens
 (:meth:`new_session`) and hands it back, with the unit's PCM, on every decision.
@@ -55,8 +64,14 @@ import torch
 
 from duplexcache.config import SpeakPolicy
 from duplexcache.context.tokenizer import FIRST_SPECIAL_ID, ByteTokenizer, Tokenizer
+from duplexcache.runtime.engine_api import INPUT_SAMPLE_RATE
 
 MAX_UNIT_TOKENS = 20
+QUIET_FRAME_SAMPLES = 160   # 10 ms at 16 kHz: the ReplyPolicy's speech/quiet resolution
+# Quiet after speech that ends a user turn (ReplyPolicy); a caller's pause inside a turn is
+# shorter. OpenAI's server_vad waits 500 ms; a full-duplex model decides once per unit, so this
+# only decides whether the unit that holds the end of speech already answers.
+DEFAULT_END_QUIET_MS = 200
 TURN_EOS_FALLBACK_ID = 151717
 
 
@@ -117,6 +132,25 @@ def unit_rms(pcm: np.ndarray) -> float:
     if pcm.size == 0:
         return 0.0
     return float(np.sqrt(np.mean(np.square(pcm, dtype=np.float64))))
+
+
+def trailing_quiet(pcm: np.ndarray, speech_rms: float, frame: int = QUIET_FRAME_SAMPLES) -> tuple[bool, int]:
+    """Whether ``pcm`` holds speech (a frame of RMS above ``speech_rms``), and how many samples
+    follow its last speech frame (all of them when it holds none).
+
+    Frames are cut from the end, so the unit's last samples always form a whole frame; a leading
+    remainder shorter than ``frame`` is a frame of its own."""
+    if frame <= 0:
+        raise ValueError(f"frame must be > 0, got {frame}")
+    head = pcm.size % frame
+    power = np.square(pcm, dtype=np.float64)
+    frames = power[head:].reshape(-1, frame).mean(axis=1)
+    if head:
+        frames = np.concatenate([[power[:head].mean()], frames])
+    loud = np.flatnonzero(frames > speech_rms * speech_rms)
+    if loud.size == 0:
+        return False, int(pcm.size)
+    return True, int((frames.size - 1 - loud[-1]) * frame)
 
 
 def reply_units(sid: str, turn_index: int, min_units: int, max_units: int) -> int:
@@ -283,21 +317,23 @@ class ReplyState:
     reply_left: int = 0          # units of the current reply still to speak after the current one
     speaking: bool = False       # the current unit is a reply unit
     reply_units: int = 0         # length of the reply started last (0 before the first)
+    quiet_samples: int = 0       # quiet input since the last speech frame (across units)
 
 
 class ReplyPolicy:
     """Replies after each user turn (see the module docstring)."""
 
     def __init__(self, control: ControlTokens, text_ids: torch.Tensor, speech_rms: float, reply_min_units: int,
-                 reply_max_units: int, text_tokens: int = 3) -> None:
+                 reply_max_units: int, text_tokens: int = 3, end_quiet_ms: int = DEFAULT_END_QUIET_MS) -> None:
         if not 0 < speech_rms < 1 or not 1 <= reply_min_units <= reply_max_units \
-                or not 0 <= text_tokens <= MAX_UNIT_TOKENS - 2:
-            raise ValueError(f"need 0 < speech_rms < 1, 1 <= reply_min_units <= reply_max_units and "
-                             f"0 <= text_tokens <= {MAX_UNIT_TOKENS - 2}; got {speech_rms}, {reply_min_units}, "
-                             f"{reply_max_units}, {text_tokens}")
+                or not 0 <= text_tokens <= MAX_UNIT_TOKENS - 2 or end_quiet_ms < 10:
+            raise ValueError(f"need 0 < speech_rms < 1, 1 <= reply_min_units <= reply_max_units, "
+                             f"0 <= text_tokens <= {MAX_UNIT_TOKENS - 2} and end_quiet_ms >= 10; got {speech_rms}, "
+                             f"{reply_min_units}, {reply_max_units}, {text_tokens}, {end_quiet_ms}")
         self.control = control
         self.text_ids = TokenSet(text_ids)
         self.speech_rms = speech_rms
+        self.end_quiet_samples = end_quiet_ms * INPUT_SAMPLE_RATE // 1000
         self.reply_min_units = reply_min_units
         self.reply_max_units = reply_max_units
         self.text_tokens = text_tokens
@@ -313,10 +349,13 @@ class ReplyPolicy:
             state.reply_left -= 1
             return self.control.speak
         state.speaking = False
-        if unit_rms(pcm) > self.speech_rms:
-            state.heard_speech = True
-            return self.control.listen
-        if not state.heard_speech:          # quiet, and no user turn to answer
+        speech, quiet = trailing_quiet(pcm, self.speech_rms)
+        if speech:
+            state.heard_speech, state.quiet_samples = True, quiet
+        else:
+            state.quiet_samples += quiet
+        # listen while no user turn waits for an answer, or while its speech may go on
+        if not state.heard_speech or state.quiet_samples < self.end_quiet_samples:
             return self.control.listen
         length = reply_units(state.sid, state.turns, self.reply_min_units, self.reply_max_units)
         state.reply_units = length
@@ -341,5 +380,5 @@ def make_policy(settings: SpeakPolicy, control: ControlTokens, text_ids: torch.T
         return ScriptedPolicy(control, text_ids, k=settings.k, turn_units=settings.turn_units)
     if settings.mode == "reply":
         return ReplyPolicy(control, text_ids, settings.speech_rms, settings.reply_min_units,
-                           settings.reply_max_units)
+                           settings.reply_max_units, end_quiet_ms=settings.end_quiet_ms)
     raise ValueError(f"unknown speak_policy mode {settings.mode!r}")

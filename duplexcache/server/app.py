@@ -200,6 +200,10 @@ class RealtimeServer:
         pace = getattr(self.engine, "set_prefill_between_ticks", None)   # optional (docs/design.md)
         if pace is not None:
             pace(pacing)
+        align = getattr(self.engine, "set_unit_alignment", None)          # optional too
+        if align is not None:
+            server = self.config.server
+            align(server.unit_align_margin_ms if server.align_units_to_ticks else None)
         deadline = loop.time() + period
         caught_up_at = None   # the deadline of the period that already had its extra tick
         while not self._stopping.is_set():

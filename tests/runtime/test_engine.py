@@ -243,12 +243,32 @@ def test_sessions_behind_counts_sessions_holding_a_whole_extra_unit(tmp_path):
     assert eng.sessions_behind() == 0      # not opened yet: the first tick prefills their contexts
     eng.tick()
     assert eng.sessions_behind() == 1      # `late` still holds two whole units
-    eng.push_audio(on_time, audio(2, 2)[:16000])   # one unit: what the next tick takes, no more
+    # `on_time` gets its next unit, and a part of the one after: audio that arrives while a tick
+    # runs is not a unit behind (it held nothing right after its take)
+    eng.push_audio(on_time, audio(2, 2)[:16000 + 9000])
     assert eng.sessions_behind() == 1
     eng.tick()
-    assert eng.sessions_behind() == 0      # `late` caught up by one tick; `on_time` never was behind
+    assert eng.sessions_behind() == 1      # `late` held two units at this tick: one is still due
+    eng.push_audio(on_time, audio(3, 2)[:16000 - 9000])
+    eng.tick()
+    assert eng.sessions_behind() == 0      # `late` caught up; `on_time` never was behind
     for sid in (late, on_time):
         eng.close_session(sid)
+
+
+def test_a_session_one_unit_behind_is_behind(tmp_path):
+    """A session that held a whole unit after its take (it opened with a unit of backlog, and its
+    audio keeps coming in real time) is a unit behind for good unless it gets an extra tick; the
+    first rule (two whole units held after a tick) never saw it."""
+    eng = engine(tmp_path, "one_behind")
+    sid = eng.open_session({"voice": "default"})
+    eng.push_audio(sid, audio(4, 3)[:16_560 + 16_000 + 4_000])   # a unit of backlog and a part
+    eng.tick()
+    assert eng.table.get_live(sid).left_after_take == 20_000
+    assert eng.sessions_behind() == 1
+    eng.tick()                                                   # the extra tick takes it
+    assert eng.sessions_behind() == 0 and eng.table.get_live(sid).left_after_take == 4_000
+    eng.close_session(sid)
 
 
 def test_prefill_between_ticks_keeps_chunks_out_of_the_tick_and_changes_no_byte(tmp_path):

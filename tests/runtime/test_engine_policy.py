@@ -24,7 +24,9 @@ from duplexcache.runtime.policy import (
     ReplyState,
     ScriptedPolicy,
     reply_units,
+    DEFAULT_END_QUIET_MS,
     text_token_ids,
+    trailing_quiet,
     unit_rms,
 )
 from duplexcache.runtime.voices import VoiceRegistry, synthetic_voice
@@ -242,22 +244,62 @@ def test_reply_policy_decisions():
     assert ends[r0] == (CONTROL.turn_eos if r1 == 1 else CONTROL.chunk_eos)
     assert state.reply_units == r1 and state.turns == 2   # r0's length is in `want` above
     # a threshold just above the loud units: nothing is speech, nothing is answered
-    deaf = ReplyPolicy(CONTROL, TEXT, speech_rms=LOUD * 1.01, reply_min_units=2, reply_max_units=8)
+    # (10 ms frames of noise vary by a few per cent around the unit's RMS, hence the margin)
+    deaf = ReplyPolicy(CONTROL, TEXT, speech_rms=LOUD * 1.5, reply_min_units=2, reply_max_units=8)
     s2 = deaf.new_session("sess_7")
     assert all(deaf.decide(u, logits, s2, _unit(r, u)) == CONTROL.listen for u, r in enumerate(script))
     with pytest.raises(ValueError, match="ReplyState"):
         p.decide(0, logits, None, _unit(LOUD, 0))
     with pytest.raises(ValueError):
         ReplyPolicy(CONTROL, TEXT, speech_rms=0.05, reply_min_units=4, reply_max_units=3)
+    with pytest.raises(ValueError, match="end_quiet_ms"):
+        ReplyPolicy(CONTROL, TEXT, speech_rms=0.05, reply_min_units=2, reply_max_units=3, end_quiet_ms=0)
+
+
+def test_trailing_quiet_counts_from_the_last_speech_frame():
+    quiet, loud = _unit(QUIET, 1), _unit(LOUD, 2)
+    assert trailing_quiet(quiet, 0.05) == (False, 16_000)
+    assert trailing_quiet(loud, 0.05) == (True, 0)
+    x = np.concatenate([loud[:11_200], quiet[11_200:]])          # 700 ms of speech, then 300 ms quiet
+    assert trailing_quiet(x, 0.05) == (True, 4_800)
+    first = np.concatenate([_unit(LOUD, 3, 50), _unit(QUIET, 4, 16_510)])   # the 1.035 s first unit
+    # frames are cut from the end: the 16560-sample unit has an 80-sample head frame, loud here
+    assert trailing_quiet(first, 0.05) == (True, 16_560 - 80)
+    assert trailing_quiet(np.zeros(0, np.float32), 0.05) == (False, 0)
+
+
+def _decisions(p: ReplyPolicy, units: list[np.ndarray], sid: str = "sess_3") -> str:
+    state, logits = p.new_session(sid), torch.zeros(151748)
+    return "".join("S" if p.decide(u, logits, state, x) == CONTROL.speak else "L" for u, x in enumerate(units))
+
+
+def test_reply_answers_in_the_unit_that_holds_the_end_of_speech():
+    """A unit cut across the end of a turn (speech, then quiet) answers at once when its quiet
+    lasts end_quiet_ms; shorter quiet waits for the next unit, and quiet adds up across units."""
+    loud, quiet = _unit(LOUD, 5), _unit(QUIET, 6)
+    split = np.concatenate([loud[:11_200], quiet[11_200:]])      # speech to 700 ms, 300 ms of quiet
+    r = reply_units("sess_3", 0, 2, 2)
+    policy = ReplyPolicy(CONTROL, TEXT, speech_rms=0.05, reply_min_units=2, reply_max_units=2)
+    assert policy.end_quiet_samples == DEFAULT_END_QUIET_MS * 16
+    from duplexcache.config import SpeakPolicy
+    assert SpeakPolicy().end_quiet_ms == DEFAULT_END_QUIET_MS    # the deploy default is the policy's
+    assert _decisions(policy, [quiet, loud, split, quiet, quiet]) == "LL" + "S" * r + "L"
+    patient = ReplyPolicy(CONTROL, TEXT, speech_rms=0.05, reply_min_units=2, reply_max_units=2, end_quiet_ms=400)
+    assert _decisions(patient, [quiet, loud, split, quiet, quiet]) == "LLL" + "S" * r
+    slow = ReplyPolicy(CONTROL, TEXT, speech_rms=0.05, reply_min_units=2, reply_max_units=2, end_quiet_ms=1_500)
+    assert _decisions(slow, [loud, split, quiet, quiet, quiet]) == "LLLSS"     # 300 + 1000 < 1500 <= 2300
+    # speech again before the quiet is long enough: the count starts over from its last frame
+    assert _decisions(slow, [loud, split, split, quiet, quiet]) == "LLLLS"
 
 
 def test_reply_mode_settings_reach_the_engine_policy(tmp_path):
     from duplexcache.config import ConfigError
 
     eng = engine(tmp_path, "reply_wiring", {"engine": {"speak_policy": {
-        "mode": "reply", "speech_rms": 0.03, "reply_min_units": 3, "reply_max_units": 5}}})
+        "mode": "reply", "speech_rms": 0.03, "reply_min_units": 3, "reply_max_units": 5, "end_quiet_ms": 450}}})
     assert isinstance(eng.policy, ReplyPolicy)
     assert (eng.policy.speech_rms, eng.policy.reply_min_units, eng.policy.reply_max_units) == (0.03, 3, 5)
+    assert eng.policy.end_quiet_samples == 450 * 16
     sid = eng.open_session({"voice": "default"})
     assert eng._sessions[sid].policy_state == ReplyState(sid)   # per-session state from open
     eng.shutdown()

@@ -66,6 +66,7 @@ class FakeEngine:
         self.chunks_between_ticks = 0
         self._ran_between = False
         self.pacing_prefill: bool | None = None    # what the server told set_prefill_between_ticks
+        self.unit_alignment_ms: float | None | str = "unset"   # what it told set_unit_alignment
         self.behind_asked = 0
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -218,6 +219,9 @@ class FakeEngine:
 
     def set_prefill_between_ticks(self, enabled: bool) -> None:
         self.pacing_prefill = enabled
+
+    def set_unit_alignment(self, margin_ms: float | None) -> None:
+        self.unit_alignment_ms = margin_ms
 
     def sessions_behind(self) -> int:
         with self._lock:

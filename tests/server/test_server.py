@@ -30,11 +30,13 @@ def serve():
     servers = []
 
     def _start(capacity: int = 16, catch_up_ticks: bool = True, prefill_between_ticks: bool = True,
-               tick_seconds: float = TICK, **engine_kwargs):
+               tick_seconds: float = TICK, server: dict | None = None, **engine_kwargs):
         deploy = DeployConfig.default("tiny")
         deploy.engine.tick_seconds = tick_seconds
         deploy.server.catch_up_ticks = catch_up_ticks
         deploy.server.prefill_between_ticks = prefill_between_ticks
+        for key, value in (server or {}).items():
+            setattr(deploy.server, key, value)
         deploy.server.max_frame_bytes = MAX_FRAME
         deploy.server.max_sessions_per_client = 16  # every test client comes from 127.0.0.1
         engine = FakeEngine(deploy, capacity=capacity, **engine_kwargs)
@@ -401,6 +403,14 @@ def test_prefill_chunks_run_before_the_tick_when_they_fit(serve, between, cost):
         assert moved >= 1
     else:
         assert moved == 0      # switched off, or a chunk longer than the period: the ticks run them
+
+
+@pytest.mark.parametrize("server, told", [({}, 50.0), ({"unit_align_margin_ms": 120.0}, 120.0),
+                                          ({"align_units_to_ticks": False}, None)])
+def test_unit_alignment_reaches_the_engine(serve, server, told):
+    engine, _ = serve(server=server)
+    wait_for(lambda: engine.unit_alignment_ms != "unset", timeout=30, what="the tick loop to start")
+    assert engine.unit_alignment_ms == told
 
 
 def test_a_failing_prefill_step_leaves_the_chunks_to_the_ticks(serve, caplog):

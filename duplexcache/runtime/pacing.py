@@ -9,10 +9,13 @@ Two kinds of extra work may run between two ticks on the grid of ``engine.tick_s
   one itself, as without the switch, so an opening session always progresses.
 
 ``PrefillTimes`` keeps the measured cost of recent between-tick chunks; ``prefill_fits`` is the rule.
+
+After a late tick the next one starts at once; ``deadline_after_late`` says when it is due.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -27,6 +30,24 @@ PREFILL_MARGIN = 1.25
 # Before any chunk was measured: only with at least this fraction of a period left.
 UNMEASURED_FRACTION = 0.5
 RECENT_CHUNKS = 4
+
+
+def deadline_after_late(deadline: float, now: float, period: float) -> float:
+    """The deadline of the tick that starts at once at ``now``, after a tick that was due at
+    ``deadline`` and ended late: the next point of the same grid (``deadline + k * period``, the
+    first after ``now``).
+
+    The grid is the clock at which every session's units are taken, and a session's audio keeps
+    arriving in real time. A grid restarted at ``now`` would take every later unit that much
+    after it arrived, for the rest of the call (a late tick's delay passed on to every reply), and
+    would undo the alignment of units to ticks (``server.align_units_to_ticks``). Grid points
+    already past are skipped, not run in a burst: the units they leave are a backlog that
+    catch-up ticks take (``server.catch_up_ticks``)."""
+    if period <= 0:
+        raise ValueError(f"period must be > 0, got {period}")
+    if now < deadline:
+        return deadline
+    return deadline + (math.floor((now - deadline) / period) + 1) * period
 
 
 def prefill_fits(slack_s: float, chunk_s: float | None, period_s: float) -> bool:

@@ -45,7 +45,7 @@ from duplexcache.config import DeployConfig
 from duplexcache.runtime.engine_api import (
     TURN_CONTROL_METHODS, AudioDelta, EngineAPI, EngineEvent, ResponseDone, SessionAdmitted, SessionError, TextDelta,
 )
-from duplexcache.runtime.pacing import prefill_fits
+from duplexcache.runtime.pacing import deadline_after_late, prefill_fits
 from duplexcache.server import protocol as proto
 from duplexcache.server.auth import Refusal, bearer_ok, check_handshake
 from duplexcache.server.connection import Connection
@@ -214,16 +214,17 @@ class RealtimeServer:
                 # debug only: the engine logs the warning for each late tick (one line, not two)
                 logger.debug("tick ran late: ended %.3f s past its deadline (tick_seconds %.3f); "
                              "the next tick starts now", now - deadline, period)
-                deadline = now  # the grid restarts here: no burst of ticks for the missed deadlines
-            elif caught_up_at != deadline and self._sessions_behind() > 0:
+                # the next tick starts now and is due at the grid's next point (runtime/pacing.py)
+                deadline = deadline_after_late(deadline, now, period)
+                continue
+            if caught_up_at != deadline and self._sessions_behind() > 0:
                 # The sessions behind real time get one extra tick now, before the deadline
                 # (docs/engine.md, "Pacing"); the deadline stays where it was.
                 self.metrics.catch_up_ticks.inc()
                 caught_up_at = deadline
                 await asyncio.sleep(0)   # let the event loop take the frames that arrived meanwhile
                 continue
-            else:
-                await self._wait_for(deadline, period, pacing)
+            await self._wait_for(deadline, period, pacing)
             deadline += period
 
     def _pacing_prefill(self) -> bool:

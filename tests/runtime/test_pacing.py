@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from duplexcache.runtime.pacing import PREFILL_MARGIN, RECENT_CHUNKS, PrefillTimes, prefill_fits
+import pytest
+
+from duplexcache.runtime.pacing import PREFILL_MARGIN, RECENT_CHUNKS, PrefillTimes, deadline_after_late, prefill_fits
 
 
 def test_a_chunk_fits_with_its_margin_and_an_unmeasured_one_needs_half_a_period():
@@ -66,3 +68,17 @@ def test_a_chunk_on_cuda_is_timed_between_two_synchronisations(monkeypatch):
     times.measure(lambda: trace.append("chunk"))
     assert trace == ["sync", "clock", "chunk", "sync", "clock"]
     assert abs(times.predicted_s() - 0.05) < 1e-9
+
+
+def test_after_a_late_tick_the_grid_keeps_its_phase():
+    # due at 10.0, ended at 10.3: the next tick (started at once) is due at 11.0, not at 11.3
+    assert deadline_after_late(10.0, 10.3, 1.0) == 11.0
+    # ended 2.5 periods late: the points already past are skipped, not run in a burst
+    assert deadline_after_late(10.0, 12.5, 1.0) == 13.0
+    assert deadline_after_late(10.0, 11.0, 1.0) == 12.0    # on a grid point: the next one
+    assert deadline_after_late(10.0, 9.9, 1.0) == 10.0     # not late: the same deadline
+    for now in (10.05, 10.99, 11.5, 17.25):
+        due = deadline_after_late(10.0, now, 0.5)
+        assert now < due <= now + 0.5 and ((due - 10.0) / 0.5).is_integer()
+    with pytest.raises(ValueError):
+        deadline_after_late(10.0, 10.3, 0.0)

@@ -341,6 +341,26 @@ def test_health_and_metrics(serve):
     assert samples[("duplexcache_stage_latency_seconds_sum", (("stage", "code2wav"),))] == pytest.approx(0.03 * count)
 
 
+def test_after_a_late_tick_the_loop_keeps_the_grid(serve, monkeypatch):
+    """The deadline after a late tick comes from pacing.deadline_after_late (the grid's next
+    point), not from the time the late tick ended."""
+    import duplexcache.server.app as app_module
+
+    calls = []
+    real = app_module.deadline_after_late
+
+    def recording(deadline, now, period):
+        due = real(deadline, now, period)
+        calls.append((deadline, now, period, due))
+        return due
+
+    monkeypatch.setattr(app_module, "deadline_after_late", recording)
+    engine, srv = serve(tick_delay=0.5)   # 10 periods: every tick is late
+    wait_for(lambda: len(calls) >= 2, timeout=60, what="two late ticks")
+    for deadline, now, period, due in calls:
+        assert now < due and ((due - deadline) / period) == pytest.approx(round((due - deadline) / period))
+
+
 def test_slow_ticks_are_counted_never_overlap_and_leave_the_loop_free(serve):
     slow = 0.5  # 10 periods: every tick is late, however fast the machine
     engine, srv = serve(tick_delay=slow)

@@ -9,8 +9,11 @@ the engine's tick. Three workloads:
   (2..6) units and replies of ``reply_min_units..reply_max_units`` (2..8) units. A session
   starts at a random phase (0..``max_lead_units`` quiet units first) and leaves
   0..``max_gap_units`` quiet units between a reply and the next user turn. The server must run
-  ``engine.speak_policy.mode: reply`` with the same reply range: its first quiet unit after a
-  user turn starts the reply, and the reply's length is ``policy.reply_units(sid, turn, ...)``
+  ``engine.speak_policy.mode: reply`` with the same reply range: the first unit with
+  ``end_quiet_ms`` of quiet after a user turn starts the reply (the first quiet unit, when units
+  are cut where turns end: in process; over the wire the server's units are aligned to its ticks
+  and the reply may start in the unit holding the turn's end), and the reply's length is
+  ``policy.reply_units(sid, turn, ...)``
   (the function the server uses), so the script knows when and how long the server speaks::
 
       unit     0 1 2 3 4 5 6 7 8 9 ...

@@ -134,13 +134,17 @@ class UnitAlignment:
                              f"{self.unit_samples}")
 
     def lead(self, largest_push: int) -> int:
-        return min(self.unit_samples, largest_push + self.margin_samples)
+        return largest_push + self.margin_samples
 
     def first_pad(self, buffered: int, need: int, largest_push: int) -> int | None:
         """Samples of silence before a session's first ``buffered`` samples, whose first unit
         takes ``need``: the fewest that leave ``lead`` samples (plus whole units, a backlog) after
-        the first unit. None while fewer than ``lead`` samples are buffered (wait a tick)."""
+        the first unit. None while fewer than ``lead`` samples are buffered (wait a tick). 0 when
+        the lead is a whole unit or more: a client sending chunks that long completes a unit only
+        when a chunk arrives, and the units are cut from its first sample as without alignment."""
         lead = self.lead(largest_push)
+        if lead >= self.unit_samples:
+            return 0
         if buffered < lead:
             return None
         short = need + lead - buffered

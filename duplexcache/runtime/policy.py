@@ -127,13 +127,6 @@ class DecisionPolicy(Protocol):
         ...
 
 
-def unit_rms(pcm: np.ndarray) -> float:
-    """Root mean square of one unit's PCM (float samples in [-1, 1]); 0 for an empty unit."""
-    if pcm.size == 0:
-        return 0.0
-    return float(np.sqrt(np.mean(np.square(pcm, dtype=np.float64))))
-
-
 def trailing_quiet(pcm: np.ndarray, speech_rms: float, frame: int = QUIET_FRAME_SAMPLES) -> tuple[bool, int]:
     """Whether ``pcm`` holds speech (a frame of RMS above ``speech_rms``), and how many samples
     follow its last speech frame (all of them when it holds none).

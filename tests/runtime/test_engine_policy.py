@@ -27,7 +27,6 @@ from duplexcache.runtime.policy import (
     DEFAULT_END_QUIET_MS,
     text_token_ids,
     trailing_quiet,
-    unit_rms,
 )
 from duplexcache.runtime.voices import VoiceRegistry, synthetic_voice
 
@@ -211,12 +210,6 @@ def test_reply_units_is_deterministic_and_covers_its_range():
     for bad in ((0, 2), (3, 2)):
         with pytest.raises(ValueError):
             reply_units("sess_1", 0, *bad)
-
-
-def test_unit_rms():
-    assert unit_rms(np.zeros(0, np.float32)) == 0.0
-    assert unit_rms(np.full(100, -0.5, np.float32)) == pytest.approx(0.5)
-    assert unit_rms(_unit(LOUD, 0)) == pytest.approx(LOUD, rel=1e-5)
 
 
 def test_reply_policy_decisions():

@@ -20,7 +20,8 @@ LEAD = CHUNK + 800
 def test_first_pad_leaves_the_lead_after_the_first_unit():
     align = UnitAlignment(margin_samples=800, unit_samples=UNIT)
     assert align.lead(CHUNK) == LEAD
-    assert align.lead(40_000) == UNIT                      # a lead is never more than a unit
+    # a client sending a unit or more per chunk: nothing to align (cut from the first sample)
+    assert [align.first_pad(b, FIRST, UNIT) for b in (0, 5_000, FIRST, 40_000)] == [0, 0, 0, 0]
     assert align.first_pad(LEAD - 1, FIRST, CHUNK) is None  # too little audio to place the unit yet
     for buffered in (LEAD, 4_800, FIRST, FIRST + LEAD, 40_000, 123_457):
         pad = align.first_pad(buffered, FIRST, CHUNK)

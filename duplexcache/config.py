@@ -299,6 +299,11 @@ class ServerConfig(_Strict):
     # which every reply waits too (runtime/engine_session.py UnitAlignment).
     align_units_to_ticks: bool = True
     unit_align_margin_ms: float = Field(50.0, ge=0, le=1000)
+    # torch's CPU threads while the server runs. "auto": with the model on the CPU, one fewer than
+    # the CPUs this process may use (at least 1), so the event loop keeps a core (on 2 cores, two
+    # compute threads and the event loop oversubscribe them, and every parallel region waits for a
+    # preempted thread); on CUDA torch's own count. An int sets it.
+    compute_threads: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
 
 
 class ClusterConfig(_Strict):

@@ -3,7 +3,7 @@
 # (a failing step is logged and the next one still runs). Usage:
 #   OUT=/path/to/results bash scripts/gpu_bench.sh MODE [MODE ...]
 # smoke: every benchmark on the tiny preset (catches device bugs in seconds); suite (the whole pytest suite); bench, bench_turn, bench_capacity, setup,
-# ticks, ticks_continuous, ticks_steady, ticks_ragged, ticks_eager, ticks_conversation, serve_conversation, serve_sweep, serve_align, serve_switch,
+# ticks, ticks_continuous, ticks_steady, ticks_ragged, ticks_eager, ticks_conversation, serve_conversation, serve_sweep, serve_align, serve_threads, serve_switch,
 # serve_catch_up, serve_precision, serve_prefill_between, serve_long_context, serve_profile, warm_start,
 # serve_ready, stage0, precision, kv_precision, ticks_conversation_bf16, ticks_conversation_fp8, ticks_capacity,
 # stage2: the minicpmo45 figures (random weights), each a few minutes on an H200 (each fits one 10-minute call).
@@ -154,6 +154,15 @@ case "$mode" in
       read -r tag override <<< "$arm"
       SERVE_STEP_LIMIT=${SERVE_STEP_LIMIT:-400} serve_conversation "serve_align_$tag" \
         "${SERVE_BASE:-examples/minicpmo45-shared.yaml}" "${SERVE_SESSIONS:-1,32}" "${SERVE_DURATION:-45}" "$override"
+    done ;;
+  serve_threads)  # A/B of server.compute_threads, a fresh server per arm in the order 2, auto, auto, 2 (auto: one fewer
+    # than the CPUs on a CPU device, torch's own count on CUDA). For a CPU host: SERVE_BASE=duplexcache/configs/tiny.yaml
+    # SERVE_SESSIONS=20 (the load where the 2-core machine had late ticks)
+    i=0
+    for arm in 2 auto auto 2; do
+      i=$((i+1))
+      serve_conversation "serve_threads_${i}_$arm" "${SERVE_BASE:-examples/minicpmo45-shared.yaml}" "${SERVE_SESSIONS:-20}" \
+        "${SERVE_DURATION:-60}" "server.compute_threads=$arm"
     done ;;
   serve_switch)  # A/B of server.switch_interval_ms: serve_conversation with Python's 5 ms, then with 0.5 ms
     serve_conversation serve_switch_5ms examples/minicpmo45-shared.yaml 32 "${SERVE_DURATION:-60}" server.switch_interval_ms=null

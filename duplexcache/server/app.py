@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -71,6 +72,23 @@ HOUSEKEEPING_PERIOD_S = 0.5
 PREFILL_POLL_S = 0.05
 
 
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the platform has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:   # not on Linux
+        return os.cpu_count() or 1
+
+
+def compute_threads(setting: int | str, device: str, cpus: int) -> int | None:
+    """torch's CPU thread count for ``server.compute_threads`` (None: leave torch's own)."""
+    if setting != "auto":
+        return int(setting)
+    if device.split(":")[0] != "cpu":
+        return None   # on CUDA the host thread launches kernels; torch's CPU pool is not the tick's
+    return max(1, cpus - 1)
+
+
 class RealtimeServer:
     def __init__(self, engine: EngineAPI, config: DeployConfig, metrics: ServerMetrics | None = None):
         missing = [name for name in _CORE_METHODS if not callable(getattr(engine, name, None))]
@@ -94,6 +112,7 @@ class RealtimeServer:
         self.warm_state = "warming"            # -> "ready" | "warmup_failed"
         self.warmup_error: str | None = None
         self._saved_switch_interval: float | None = None  # Python's, while ours is set
+        self._saved_compute_threads: int | None = None    # torch's, while ours is set
         self.failed_ticks_in_a_row = 0         # a cluster replica reports itself unhealthy on a run
         self.last_tick_error: str | None = None
 
@@ -149,6 +168,14 @@ class RealtimeServer:
             sys.setswitchinterval(interval_ms / 1000)
             logger.info("thread switch interval %.2f ms (server.switch_interval_ms; Python's was %.2f ms)",
                         interval_ms, self._saved_switch_interval * 1000)
+        threads = compute_threads(self.config.server.compute_threads, self.config.model.device, available_cpus())
+        if threads is not None:
+            import torch   # the engine has it loaded already
+
+            self._saved_compute_threads = torch.get_num_threads()   # process-wide: restored in stop()
+            torch.set_num_threads(threads)
+            logger.info("torch CPU threads %d (server.compute_threads %s; it was %d)", threads,
+                        self.config.server.compute_threads, self._saved_compute_threads)
         self._tick_task = asyncio.create_task(self._warm_then_tick(), name="duplexcache-tick")
         self._housekeeping_task = asyncio.create_task(self._housekeeping_loop(), name="duplexcache-housekeeping")
 
@@ -189,6 +216,11 @@ class RealtimeServer:
         if self._saved_switch_interval is not None:
             sys.setswitchinterval(self._saved_switch_interval)
             self._saved_switch_interval = None
+        if self._saved_compute_threads is not None:
+            import torch
+
+            torch.set_num_threads(self._saved_compute_threads)
+            self._saved_compute_threads = None
         logger.info("server stopped: closed %d connection(s)", len(sessions))
 
     # ---------------------------------------------------------------- tick loop

@@ -433,6 +433,30 @@ def test_unit_alignment_reaches_the_engine(serve, server, told):
     assert engine.unit_alignment_ms == told
 
 
+def test_compute_threads_auto_leaves_the_event_loop_a_cpu():
+    from duplexcache.server.app import compute_threads
+
+    assert compute_threads("auto", "cpu", 2) == 1
+    assert compute_threads("auto", "cpu", 16) == 15
+    assert compute_threads("auto", "cpu", 1) == 1
+    assert compute_threads("auto", "cuda", 16) is None and compute_threads("auto", "cuda:1", 16) is None
+    assert compute_threads(3, "cuda", 16) == 3
+
+
+def test_compute_threads_reach_torch_while_serving_and_are_restored(serve, monkeypatch):
+    import torch
+
+    before = torch.get_num_threads()
+    calls = []
+    real = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (calls.append(n), real(n)))
+    engine, srv = serve(server={"compute_threads": 1})
+    wait_for(lambda: engine.ticks >= 1, timeout=60, what="a tick")
+    assert calls == [1] and torch.get_num_threads() == 1
+    srv.stop()
+    assert calls == [1, before] and torch.get_num_threads() == before
+
+
 def test_a_failing_prefill_step_leaves_the_chunks_to_the_ticks(serve, caplog):
     engine, srv = serve(tick_seconds=PACED_TICK)
     engine.prefill_cost = 0.0001   # fits any slack: the server tries every period that has one

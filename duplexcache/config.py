@@ -302,7 +302,8 @@ class ServerConfig(_Strict):
     # torch's CPU threads while the server runs. "auto": with the model on the CPU, one fewer than
     # the CPUs this process may use (at least 1), so the event loop keeps a core (on 2 cores, two
     # compute threads and the event loop oversubscribe them, and every parallel region waits for a
-    # preempted thread); on CUDA torch's own count. An int sets it.
+    # preempted thread); on CUDA, or with OMP_NUM_THREADS set (Ray sets it per replica), torch's
+    # own count. An int sets it.
     compute_threads: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
 
 

@@ -80,11 +80,14 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def compute_threads(setting: int | str, device: str, cpus: int) -> int | None:
-    """torch's CPU thread count for ``server.compute_threads`` (None: leave torch's own)."""
+def compute_threads(setting: int | str, device: str, cpus: int, omp_threads: str | None = None) -> int | None:
+    """torch's CPU thread count for ``server.compute_threads`` (None: leave torch's own).
+
+    ``auto`` leaves it alone when ``OMP_NUM_THREADS`` (``omp_threads``) is set: whoever set it
+    knows the host better (Ray sets it for each replica of ``serve --replicas``)."""
     if setting != "auto":
         return int(setting)
-    if device.split(":")[0] != "cpu":
+    if device.split(":")[0] != "cpu" or omp_threads:
         return None   # on CUDA the host thread launches kernels; torch's CPU pool is not the tick's
     return max(1, cpus - 1)
 
@@ -168,7 +171,8 @@ class RealtimeServer:
             sys.setswitchinterval(interval_ms / 1000)
             logger.info("thread switch interval %.2f ms (server.switch_interval_ms; Python's was %.2f ms)",
                         interval_ms, self._saved_switch_interval * 1000)
-        threads = compute_threads(self.config.server.compute_threads, self.config.model.device, available_cpus())
+        threads = compute_threads(self.config.server.compute_threads, self.config.model.device, available_cpus(),
+                                  os.environ.get("OMP_NUM_THREADS"))
         if threads is not None:
             import torch   # the engine has it loaded already
 

@@ -441,6 +441,8 @@ def test_compute_threads_auto_leaves_the_event_loop_a_cpu():
     assert compute_threads("auto", "cpu", 1) == 1
     assert compute_threads("auto", "cuda", 16) is None and compute_threads("auto", "cuda:1", 16) is None
     assert compute_threads(3, "cuda", 16) == 3
+    assert compute_threads("auto", "cpu", 16, omp_threads="4") is None   # set by the host (Ray replicas)
+    assert compute_threads(2, "cpu", 16, omp_threads="4") == 2
 
 
 def test_compute_threads_reach_torch_while_serving_and_are_restored(serve, monkeypatch):

@@ -147,13 +147,19 @@ case "$mode" in
     SERVE_STEP_LIMIT=400 serve_conversation serve_sweep "${SERVE_BASE:-examples/minicpmo45-shared.yaml}" \
       "${SERVE_SESSIONS:-1,32,40}" "${SERVE_DURATION:-45}" ;;
   serve_align)  # issue 10, A/B with a fresh server per arm: units cut from each stream's first sample
-    # (server.align_units_to_ticks off), aligned to the tick grid with the policy's old whole-unit quiet
-    # (engine.speak_policy.end_quiet_ms=1000), aligned with the default 200 ms. SERVE_BASE / SERVE_SESSIONS /
-    # SERVE_DURATION as for serve_sweep; e.g. SERVE_BASE=duplexcache/configs/tiny.yaml SERVE_SESSIONS=1,8 on a CPU
-    for arm in "off server.align_units_to_ticks=false" "on_quiet1000 engine.speak_policy.end_quiet_ms=1000" "on"; do
-      read -r tag override <<< "$arm"
+    # (server.align_units_to_ticks off: arm "off"), aligned to the tick grid with the policy's old whole-unit quiet
+    # (engine.speak_policy.end_quiet_ms=1000: arm "on_quiet1000"), aligned with the default 200 ms (arm "on").
+    # SERVE_ALIGN_ARMS picks arms (default "off on": ~5 min on an H200 at 32 callers; all three on a CPU:
+    # SERVE_ALIGN_ARMS="off on_quiet1000 on" SERVE_BASE=duplexcache/configs/tiny.yaml SERVE_SESSIONS=1,8)
+    for tag in ${SERVE_ALIGN_ARMS:-off on}; do
+      case $tag in
+        off) override=server.align_units_to_ticks=false ;;
+        on_quiet1000) override=engine.speak_policy.end_quiet_ms=1000 ;;
+        on) override= ;;
+        *) echo "serve_align: unknown arm $tag (off, on_quiet1000, on)"; continue ;;
+      esac
       SERVE_STEP_LIMIT=${SERVE_STEP_LIMIT:-400} serve_conversation "serve_align_$tag" \
-        "${SERVE_BASE:-examples/minicpmo45-shared.yaml}" "${SERVE_SESSIONS:-1,32}" "${SERVE_DURATION:-45}" "$override"
+        "${SERVE_BASE:-examples/minicpmo45-shared.yaml}" "${SERVE_SESSIONS:-32}" "${SERVE_DURATION:-45}" "$override"
     done ;;
   serve_threads)  # A/B of server.compute_threads, a fresh server per arm in the order 2, auto, auto, 2 (auto: one fewer
     # than the CPUs on a CPU device, torch's own count on CUDA). For a CPU host: SERVE_BASE=duplexcache/configs/tiny.yaml

@@ -68,10 +68,11 @@ from duplexcache.runtime.engine_api import INPUT_SAMPLE_RATE
 
 MAX_UNIT_TOKENS = 20
 QUIET_FRAME_SAMPLES = 160   # 10 ms at 16 kHz: the ReplyPolicy's speech/quiet resolution
-# Quiet after speech that ends a user turn (ReplyPolicy); a caller's pause inside a turn is
-# shorter. OpenAI's server_vad waits 500 ms; a full-duplex model decides once per unit, so this
-# only decides whether the unit that holds the end of speech already answers.
-DEFAULT_END_QUIET_MS = 200
+# Quiet after speech that ends a user turn (ReplyPolicy; the deploy default, one source): a
+# caller's pause inside a turn is shorter. OpenAI's server_vad waits 500 ms; a full-duplex model
+# decides once per unit, so this only decides whether the unit that holds the end of speech
+# already answers.
+DEFAULT_END_QUIET_MS: int = SpeakPolicy.model_fields["end_quiet_ms"].default
 TURN_EOS_FALLBACK_ID = 151717
 
 

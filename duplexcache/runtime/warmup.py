@@ -135,10 +135,11 @@ def code2wav_keys(engine: DuplexEngine) -> list[Code2WavKey]:
     prompts = sorted({engine.voices.get(v).prompt_frames for v in engine.voices.names()})
     non_final, final = code2wav_chunk_widths(engine)
     starts = {p: code2wav_cache_lengths(p, non_final, cfg.cache_tail_frames) for p in prompts}
-    by_width = {non_final: sorted({n for p in prompts for n in starts[p]}),
-                final: sorted({n for p in prompts for n in starts[p][1:]})}
+    by_width: dict[int, set[int]] = {}   # a union, should the two widths ever coincide
+    by_width.setdefault(non_final, set()).update(n for p in prompts for n in starts[p])
+    by_width.setdefault(final, set()).update(n for p in prompts for n in starts[p][1:])
     tiers = replay_tiers(cfg.graph_grid, arena.rows, max(1, engine.plan.planned_sessions))
-    wanted = [(t, w, n) for t in reversed(tiers) for w, lengths in by_width.items() for n in lengths]
+    wanted = [(t, w, n) for t in reversed(tiers) for w, lengths in by_width.items() for n in sorted(lengths)]
     wanted += [(1, p, 0) for p in prompts]   # the setup pass: one prompt per replay, no cache
     keys, seen = [], set()
     for tier, width, length in wanted:

@@ -273,9 +273,7 @@ def test_reply_answers_in_the_unit_that_holds_the_end_of_speech():
     split = np.concatenate([loud[:11_200], quiet[11_200:]])      # speech to 700 ms, 300 ms of quiet
     r = reply_units("sess_3", 0, 2, 2)
     policy = ReplyPolicy(CONTROL, TEXT, speech_rms=0.05, reply_min_units=2, reply_max_units=2)
-    assert policy.end_quiet_samples == DEFAULT_END_QUIET_MS * 16
-    from duplexcache.config import SpeakPolicy
-    assert SpeakPolicy().end_quiet_ms == DEFAULT_END_QUIET_MS    # the deploy default is the policy's
+    assert DEFAULT_END_QUIET_MS == 200 and policy.end_quiet_samples == 200 * 16
     assert _decisions(policy, [quiet, loud, split, quiet, quiet]) == "LL" + "S" * r + "L"
     patient = ReplyPolicy(CONTROL, TEXT, speech_rms=0.05, reply_min_units=2, reply_max_units=2, end_quiet_ms=400)
     assert _decisions(patient, [quiet, loud, split, quiet, quiet]) == "LLL" + "S" * r

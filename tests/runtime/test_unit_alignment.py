@@ -94,5 +94,8 @@ def test_without_alignment_units_start_at_the_first_sample(tmp_path):
     _, left = _run(eng, stream, 3, ticks=4, taken=taken)
     fed = np.concatenate(taken)
     np.testing.assert_array_equal(fed, stream[:fed.size])
-    assert fed.size < 3 * CHUNK + 3 * UNIT      # the first unit waited for 1.035 s of audio
+    # the first unit waited for 1.035 s of audio: none at the first tick (0.3 s buffered), so
+    # three units in four ticks, and the rest of the stream stays buffered past the phase
+    assert len(taken) == 3 and [t.size for t in taken] == [FIRST, UNIT, UNIT]
+    assert left[-1] == 3 * CHUNK + 3 * UNIT - fed.size
     eng.shutdown()

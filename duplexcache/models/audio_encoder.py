@@ -24,7 +24,8 @@ Streaming mode (``stream_step`` / ``stream_step_mel``), the exact semantics:
   own reflect padding and its own ``max - 8`` clamp) and the conv front end runs on that chunk
   alone (zero padding at the chunk edges). Nothing of the audio or the mel is carried over.
 * What is cached: for every layer, the K and V of every encoder frame seen since the last reset,
-  in a per-session buffer ``(layers, heads, capacity, head_dim)``. The capacity starts at 0 and
+  in a per-session buffer ``(layers, capacity, heads, head_dim)`` (frames before heads, so a
+  session's valid rows of a layer are one contiguous block: see ``store_chunk_kv``). The capacity starts at 0 and
   grows by ``CACHE_GROWTH_FRAMES`` up to ``max_cache_frames`` as audio arrives (a grow copies the
   valid rows into a larger buffer); it is kept across resets. Only rows ``[0, n + F)`` are ever
   read, so the capacity never changes an output.
@@ -57,7 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from duplexcache.kv.kv_quant import dequantize_fp8, is_quantized, quantize_fp8, row_bytes
+from duplexcache.kv.kv_quant import as_bytes, dequantize_fp8, is_quantized, quantize_fp8, row_bytes
 from duplexcache.models.layers import MultiModalProjector
 
 logger = logging.getLogger(__name__)
@@ -340,11 +341,13 @@ class WhisperEncoder(nn.Module):
 class StreamingAudioEncoderState:
     """One session's streaming encoder state. Owned by the session; the encoder only updates it.
 
-    ``k``/``v``: (layers, heads, capacity, head_dim); rows ``[0, num_frames)`` are valid. The
-    capacity grows by ``growth_frames`` (``reserve``) and never exceeds ``max_frames``.
+    ``k``/``v``: (layers, capacity, heads, head_dim); frames ``[0, num_frames)`` are valid. The
+    capacity grows by ``growth_frames`` (``reserve``) and never exceeds ``max_frames``. Frames
+    come before heads so that a layer's valid frames, ``k[layer, :n]``, are one contiguous block:
+    the batch's stores and gathers are then one multi-tensor copy each (``store_chunk_kv``).
 
     ``precision.encoder_cache_dtype: fp8_e4m3``: ``k``/``v`` hold e4m3 and ``k_scale``/``v_scale``
-    (layers, heads, capacity) one float32 scale per frame and head, set when the frame is written
+    (layers, capacity, heads) one float32 scale per frame and head, set when the frame is written
     (kv/kv_quant.py); ``write`` quantizes, ``read`` dequantizes to the layer's dtype.
     """
 
@@ -373,7 +376,7 @@ class StreamingAudioEncoderState:
     @property
     def capacity(self) -> int:
         """Frames the buffers hold room for."""
-        return self.k.shape[2]
+        return self.k.shape[1]
 
     @property
     def nbytes(self) -> int:
@@ -382,7 +385,9 @@ class StreamingAudioEncoderState:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store one layer's K/V rows (heads, n, head_dim) at frames ``[start, start + n)``."""
+        """Store one layer's K/V rows (heads, n, head_dim) at frames ``[start, start + n)`` (the
+        one-session path; a tick stores the batch with ``store_chunk_kv``)."""
+        k, v = k.transpose(0, 1), v.transpose(0, 1)   # (n, heads, head_dim), the stored order
         if self.quantized:
             (k8, ks), (v8, vs) = quantize_fp8(k), quantize_fp8(v)
             self.write_stored(layer, start, k8, v8, ks, vs)
@@ -391,30 +396,32 @@ class StreamingAudioEncoderState:
 
     def write_stored(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor,
                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
-        """``write`` of rows already in the storage format (fp8 rows come with their scales)."""
-        end = start + k.shape[1]
-        self.k[layer, :, start:end] = k
-        self.v[layer, :, start:end] = v
+        """``write`` of rows already in the storage format and order: k/v (n, heads, head_dim),
+        fp8 rows with their scales (n, heads)."""
+        end = start + k.shape[0]
+        self.k[layer, start:end] = k
+        self.v[layer, start:end] = v
         if self.quantized:
-            self.k_scale[layer, :, start:end] = k_scale
-            self.v_scale[layer, :, start:end] = v_scale
+            self.k_scale[layer, start:end] = k_scale
+            self.v_scale[layer, start:end] = v_scale
 
     def stored(self, layer: int, length: int) -> tuple[torch.Tensor, ...]:
-        """Views of one layer's frames ``[0, length)`` as stored: (k, v), plus (k_scale, v_scale)
-        when quantized."""
-        out = (self.k[layer, :, :length], self.v[layer, :, :length])
+        """Views of one layer's frames ``[0, length)`` as stored, each one contiguous block:
+        (k, v) of (length, heads, head_dim), plus (k_scale, v_scale) of (length, heads) when
+        quantized."""
+        out = (self.k[layer, :length], self.v[layer, :length])
         if self.quantized:
-            out += (self.k_scale[layer, :, :length], self.v_scale[layer, :, :length])
+            out += (self.k_scale[layer, :length], self.v_scale[layer, :length])
         return out
 
     def read(self, layer: int, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's K/V of frames ``[0, length)``, each (heads, length, head_dim) in ``dtype``
         (views of the cache when it is not quantized)."""
-        k, v = self.k[layer, :, :length], self.v[layer, :, :length]
+        k, v = self.k[layer, :length], self.v[layer, :length]
         if self.quantized:
-            return (dequantize_fp8(k, self.k_scale[layer, :, :length], dtype),
-                    dequantize_fp8(v, self.v_scale[layer, :, :length], dtype))
-        return k, v
+            k = dequantize_fp8(k, self.k_scale[layer, :length], dtype)
+            v = dequantize_fp8(v, self.v_scale[layer, :length], dtype)
+        return k.transpose(0, 1), v.transpose(0, 1)
 
     def reserve(self, frames: int) -> None:
         """Make room for rows ``[0, frames)``: grow to the next multiple of ``growth_frames``
@@ -435,8 +442,8 @@ class StreamingAudioEncoderState:
 
     def _copy_into(self, old: torch.Tensor, frames: int) -> torch.Tensor:
         # empty, not zeros: rows past num_frames are written before they are ever read.
-        new = old.new_empty(*old.shape[:2], frames, *old.shape[3:])
-        new[:, :, : self.num_frames] = old[:, :, : self.num_frames]
+        new = old.new_empty(old.shape[0], frames, *old.shape[2:])
+        new[:, : self.num_frames] = old[:, : self.num_frames]
         return new
 
     def reset(self) -> None:
@@ -455,41 +462,72 @@ def _one_format(states: list[StreamingAudioEncoderState]) -> bool:
     return formats.pop()
 
 
+def _copy_pairs(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for every i as one multi-tensor copy: on CUDA a single kernel
+    when every pair is dense with equal strides (each pair here is one contiguous block), where
+    a loop of ``copy_`` launches one kernel per pair. The fast path wants one dtype per list, so
+    the pairs go in one call per dtype (fp8 values, moved as bytes, and their float32 scales: two).
+    """
+    by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for d, s in zip(dst, src, strict=True):
+        if is_quantized(d.dtype):
+            d, s = as_bytes(d), as_bytes(s)
+        pair = by_dtype.setdefault(d.dtype, ([], []))
+        pair[0].append(d)
+        pair[1].append(s)
+    for dsts, srcs in by_dtype.values():
+        torch._foreach_copy_(dsts, srcs)
+
+
 def store_chunk_kv(states: list[StreamingAudioEncoderState], layer: int, starts: list[int], lens: list[int],
                    k: torch.Tensor, v: torch.Tensor) -> None:
     """Write row b's first ``lens[b]`` new K/V frames of ``k``/``v`` (B, H, N, D) into session
-    b's cache at ``starts[b]``. fp8 caches: the whole chunk is quantized once (per-row scales, so
-    each row's bytes are those of quantizing it alone), then each session takes its rows."""
+    b's cache at ``starts[b]``: one multi-tensor copy for the whole batch (each session's new
+    frames are one contiguous block on both sides). fp8 caches: the whole chunk is quantized
+    once (per-row scales, so each row's bytes are those of quantizing it alone)."""
+    # (B, N, H, D): the projections' own layout, so no copy (``WhisperAttention._heads``)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)
+    parts: list[tuple[torch.Tensor, ...]] = [(k, v)]
     if _one_format(states):
         (k8, ks), (v8, vs) = quantize_fp8(k), quantize_fp8(v)
-        for b, state in enumerate(states):
-            n = lens[b]
-            state.write_stored(layer, starts[b], k8[b, :, :n], v8[b, :, :n], ks[b, :, :n], vs[b, :, :n])
-        return
+        parts = [(k8, v8), (ks, vs)]
+    dst: list[torch.Tensor] = []
+    src: list[torch.Tensor] = []
     for b, state in enumerate(states):
-        n = lens[b]
-        state.write_stored(layer, starts[b], k[b, :, :n], v[b, :, :n])
+        n, start = lens[b], starts[b]
+        stored = state.stored(layer, start + n)          # frames [0, start + n) of each tensor
+        for cache, new in zip(stored, (t for pair in parts for t in pair)):
+            dst.append(cache[start:])
+            src.append(new[b, :n])
+    _copy_pairs(dst, src)
 
 
 def gather_cache_kv(states: list[StreamingAudioEncoderState], layer: int, key_lens: list[int],
                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Each session's first ``key_lens[b]`` cached frames as one zero-padded (B, H, K, D) batch in
-    ``dtype``, K = max(key_lens). One copy per session and tensor into a zeroed buffer (no pad and
-    stack); fp8 caches are copied as stored and dequantized once for the batch (zero scales on
-    the padding give zeros). Equal to padding each session's ``read`` and stacking (test)."""
+    ``dtype``, K = max(key_lens): a zeroed buffer and one multi-tensor copy of every session's
+    stored block into it; fp8 caches are copied as stored and dequantized once for the batch
+    (zero scales on the padding give zeros). Equal to padding each session's ``read`` and
+    stacking (test)."""
     k_max = max(key_lens)
     first = states[0]
-    heads, head_dim = first.k.shape[1], first.k.shape[3]
-    stored = first.k.new_zeros(2, len(states), heads, k_max, head_dim)
-    scales = first.k_scale.new_zeros(2, len(states), heads, k_max) if _one_format(states) else None
+    heads, head_dim = first.k.shape[2], first.k.shape[3]
+    stored = first.k.new_zeros(2, len(states), k_max, heads, head_dim)
+    buffers = [stored[0], stored[1]]
+    scales = None
+    if _one_format(states):
+        scales = first.k_scale.new_zeros(2, len(states), k_max, heads)
+        buffers += [scales[0], scales[1]]
+    dst: list[torch.Tensor] = []
+    src: list[torch.Tensor] = []
     for b, state in enumerate(states):
         n = key_lens[b]
-        parts = state.stored(layer, n)
-        stored[0, b, :, :n], stored[1, b, :, :n] = parts[0], parts[1]
-        if scales is not None:
-            scales[0, b, :, :n], scales[1, b, :, :n] = parts[2], parts[3]
+        for buf, part in zip(buffers, state.stored(layer, n)):
+            dst.append(buf[b, :n])
+            src.append(part)
+    _copy_pairs(dst, src)
     kv = dequantize_fp8(stored, scales, dtype) if scales is not None else stored.to(dtype)
-    return kv[0], kv[1]
+    return kv[0].transpose(1, 2), kv[1].transpose(1, 2)   # (B, H, K, D) views
 
 
 def _same_length(tensors: list[torch.Tensor], dim: int = -1) -> list[list[int]]:
@@ -557,7 +595,7 @@ class AudioEncoder(nn.Module):
         stores e4m3 values plus a float32 scale per (frame, head)."""
         w = self.apm.conv1.weight
         frames = 0 if grow else self.cfg.max_cache_frames
-        shape = (self.cfg.encoder_layers, self.cfg.encoder_attention_heads, frames, self.cfg.head_dim)
+        shape = (self.cfg.encoder_layers, frames, self.cfg.encoder_attention_heads, self.cfg.head_dim)
         store = w.dtype if storage_dtype is None else storage_dtype
         scales = {}
         if is_quantized(storage_dtype):
@@ -609,12 +647,14 @@ class AudioEncoder(nn.Module):
             self._check_mel(mel, batched=False, finite=False)   # shapes here, values per group below
         # Same-length chunks share one finiteness check (one host sync) and one conv front.
         fronts: list[torch.Tensor] = [torch.empty(0)] * len(mels)
+        groups: list[tuple[list[int], torch.Tensor]] = []   # (sessions, their fronts (G, F, d))
         for idxs in _same_length(mels):
             group = torch.stack([mels[i] for i in idxs])
             if not torch.isfinite(group).all():
                 raise ValueError("log-mel contains NaN or Inf")
-            for i, front in zip(idxs, self.apm.conv_front(group.to(dtype))):
-                fronts[i] = front  # (F_i, d)
+            groups.append((idxs, self.apm.conv_front(group.to(dtype))))
+            for i, front in zip(idxs, groups[-1][1]):
+                fronts[i] = front  # (F_i, d), a view of the group's tensor
         for state, front in zip(states, fronts):
             if front.shape[0] > self.cfg.max_cache_frames:
                 raise ValueError(f"chunk of {front.shape[0]} frames exceeds max_cache_frames "
@@ -624,7 +664,7 @@ class AudioEncoder(nn.Module):
                 state.reset()
         for state, front in zip(states, fronts):  # before any layer writes: a grow copies valid rows
             state.reserve(state.num_frames + front.shape[0])
-        hidden = self._stream_layers(states, fronts)
+        hidden = self._stream_layers(states, fronts, groups)
         for state, front in zip(states, fronts):
             state.num_frames += front.shape[0]
             state.num_chunks += 1
@@ -636,17 +676,29 @@ class AudioEncoder(nn.Module):
                 outs[i] = out
         return outs
 
-    def _stream_layers(self, states: list[StreamingAudioEncoderState],
-                       fronts: list[torch.Tensor]) -> torch.Tensor:
-        """Run the layers over a padded batch of chunks, reading/writing each session's cache."""
+    def _stream_layers(self, states: list[StreamingAudioEncoderState], fronts: list[torch.Tensor],
+                       groups: list[tuple[list[int], torch.Tensor]]) -> torch.Tensor:
+        """Run the layers over a padded batch of chunks, reading/writing each session's cache.
+        ``groups``: the conv fronts of equal-length chunks, one tensor per length (``fronts`` are
+        its rows): the batch is built from them with one indexed write per length."""
         starts = [s.num_frames for s in states]
         lens = [f.shape[0] for f in fronts]
         n_max, key_lens = max(lens), [s + n for s, n in zip(starts, lens)]
         k_max = max(key_lens)
         pos_table = self.apm.embed_positions.weight
-        x = fronts[0].new_zeros(len(fronts), n_max, self.cfg.d_model)  # (B, N, d)
-        for b, (front, start) in enumerate(zip(fronts, starts)):
-            x[b, : lens[b]] = front + pos_table[start:start + lens[b]]
+        device = pos_table.device
+        if len(groups) == 1 and groups[0][0] == list(range(len(states))):
+            x = groups[0][1]   # every chunk has one length (the steady case): no padding
+        else:
+            # Frames past a row's length are padding: computed, never stored, dropped at the end.
+            x = fronts[0].new_zeros(len(fronts), n_max, self.cfg.d_model)  # (B, N, d)
+            for idxs, front in groups:
+                x[torch.tensor(idxs).to(device, non_blocking=True), : front.shape[1]] = front
+        # Frame j of row b sits at position starts[b] + j (clamped on padding, which is dropped)
+        top = pos_table.shape[0] - 1
+        positions = torch.tensor([[min(start + j, top) for j in range(n_max)] for start in starts])
+        # contiguous as the per-session build was: a (B, d, F)-strided sum could change GEMM bits
+        x = (x + pos_table[positions.to(device, non_blocking=True)]).contiguous()
         # Key j of row b is real iff j < key_lens[b]; padded query rows are computed and dropped.
         lengths = torch.tensor(key_lens).to(x.device, non_blocking=True)
         valid = torch.arange(k_max, device=x.device)[None, :] < lengths[:, None]

@@ -366,3 +366,43 @@ def test_batched_cache_store_and_gather_equal_each_session_alone(storage):
     mixed = [ours.new_stream_state(), ours.new_stream_state(storage_dtype=torch.float8_e4m3fn)]
     with pytest.raises(ValueError, match="mixes"):
         gather_cache_kv(mixed, 0, [0, 0], torch.float32)
+
+
+@pytest.mark.parametrize("storage", [None, torch.float8_e4m3fn])
+def test_stream_step_ops_do_not_grow_with_sessions(storage):
+    """A tick's cache stores and gathers are one multi-tensor copy per dtype for the whole batch
+    and the batch is built with one indexed write per chunk length: the compute ops of a steady
+    step (what become kernel launches on CUDA) are the same for 3 sessions and for 12.
+    The per-session copies this replaced added 4 ops per session and layer."""
+    from torch.profiler import ProfilerActivity, profile
+
+    views = {"aten::empty", "aten::empty_strided", "aten::as_strided", "aten::view", "aten::slice",
+             "aten::select", "aten::transpose", "aten::unsqueeze", "aten::expand", "aten::reshape",
+             "aten::t", "aten::permute", "aten::_reshape_alias", "aten::alias", "aten::detach",
+             "aten::lift_fresh", "aten::resolve_conj", "aten::resolve_neg", "aten::result_type",
+             "aten::is_nonzero", "aten::item", "aten::_local_scalar_dense", "aten::unbind",
+             "aten::split", "aten::chunk", "aten::narrow", "aten::view_as", "aten::_unsafe_view"}
+
+    def inside_foreach(e) -> bool:
+        p = e.cpu_parent
+        while p is not None:
+            if p.name.startswith("aten::_foreach_"):
+                return True
+            p = p.cpu_parent
+        return False
+
+    ours = AudioEncoder(AudioEncoderConfig.tiny()).eval()
+    counts = {}
+    for n in (3, 12):
+        states = [ours.new_stream_state(storage_dtype=storage) for _ in range(n)]
+        gen = torch.Generator().manual_seed(n)
+        ours.stream_step(states, [torch.rand(16560, generator=gen) - 0.5 for _ in states])
+        # From log-mels: the PCM checks before them run on the host's copy of each chunk (no
+        # device work), so only the device-side step is counted.
+        mels = list(ours.log_mel(torch.rand(n, 16000, generator=gen) - 0.5))
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            ours.stream_step_mel(states, mels)
+        counts[n] = sum(1 for e in prof.events()
+                        if e.name.startswith("aten::") and e.name not in views and not inside_foreach(e)
+                        and (e.name.startswith("aten::_foreach_") or not e.cpu_children))
+    assert counts[3] == counts[12], counts

@@ -344,7 +344,7 @@ def test_encoder_cache_dtype_reaches_the_sessions_encoder_caches_and_admission(t
         state = eng.table.get_live(sid).encoder_state
         assert state.quantized is fp8 and state.k.dtype == (torch.float8_e4m3fn if fp8 else eng.models.dtype)
         if fp8:
-            assert (state.k_scale[:, :, : state.num_frames] > 0).all()   # written through the quantizing path
+            assert (state.k_scale[:, : state.num_frames] > 0).all()   # written through the quantizing path
         eng.fast_forward(sid, encoder_full_cache=True)
         assert state.nbytes == full == eng.stats().pools["audio_encoder"].private
         eng.shutdown()

@@ -47,7 +47,10 @@ def deadline_after_late(deadline: float, now: float, period: float) -> float:
         raise ValueError(f"period must be > 0, got {period}")
     if now < deadline:
         return deadline
-    return deadline + (math.floor((now - deadline) / period) + 1) * period
+    due = deadline + (math.floor((now - deadline) / period) + 1) * period
+    # (now - deadline) / period can round up to a whole number when now sits a few ulps before a
+    # grid point, and the point found is then ``now`` itself: the next one is due
+    return due if due > now else due + period
 
 
 def prefill_fits(slack_s: float, chunk_s: float | None, period_s: float) -> bool:

@@ -299,6 +299,11 @@ class ServerConfig(_Strict):
     # which every reply waits too (runtime/engine_session.py UnitAlignment).
     align_units_to_ticks: bool = True
     unit_align_margin_ms: float = Field(50.0, ge=0, le=1000)
+    # A session whose client sends nothing (push-to-talk between turns; a manual-turn client that
+    # commits, asks for a reply and waits) would get no more units, so no reply. Once it has sent
+    # nothing for this long beyond its largest chunk, its units are completed with silence until it
+    # sends again (runtime/engine_session.py SilenceFill). None: wait for the client's audio.
+    fill_silence_after_ms: float | None = Field(500.0, ge=0, le=60_000)
     # torch's CPU threads while the server runs. "auto": with the model on the CPU, one fewer than
     # the CPUs this process may use (at least 1), so the event loop keeps a core (on 2 cores, two
     # compute threads and the event loop oversubscribe them, and every parallel region waits for a

@@ -49,7 +49,8 @@ from duplexcache.runtime.code2wav_stage import LOOKAHEAD, Code2WavStage, build_c
 from duplexcache.runtime.engine_api import (INPUT_SAMPLE_RATE, AdmissionError, AudioDelta, EngineEvent, EngineStats,
                                             SessionError, TierBytes)
 from duplexcache.runtime.engine_session import (MAX_BUFFERED_SAMPLES, MAX_BUFFERED_SECONDS, EngineSession,
-                                                SessionInfo, SessionTable, Unit, UnitAlignment, ended, session_info)
+                                                SessionInfo, SessionTable, SilenceFill, Unit, UnitAlignment, ended,
+                                                session_info)
 from duplexcache.runtime.engine_stats import LATENCY_HISTORY, STAGES, EngineStatsRecorder
 from duplexcache.runtime.fast_forward import FastForwardRequest, FastForwardResult, fast_forward
 from duplexcache.runtime.isolation import FaultInjector
@@ -112,6 +113,7 @@ class DuplexEngine:
         self._closed = False
         self.prefill_times = PrefillTimes(models.device)   # prefill chunk times, for a server's pacing
         self._unit_alignment: UnitAlignment | None = None   # set by a server (set_unit_alignment)
+        self._silence_fill: SilenceFill | None = None       # set by a server (set_silence_fill)
         # Graphs captured while the engine was built (each voice's Code2Wav prompt pass at
         # register_voice) were captured before serving: they count with the warm-up's.
         self._warmup_captures = self._graph_captures_total()
@@ -293,7 +295,7 @@ class DuplexEngine:
         events += self._apply_cancels()
         enc = self.models.audio_encoder
         units = self.table.take_units(lambda s: enc.expected_chunk_samples(s.encoder_state), 2 * enc.cfg.chunk_samples,
-                                      self._unit_alignment)
+                                      self._unit_alignment, self._silence_fill)
         if units:
             events += self._run_units(units, lat)
         lat["tick"] = time.perf_counter() - start
@@ -341,6 +343,12 @@ class DuplexEngine:
         (``engine_session.UnitAlignment``); None cuts units from the stream's first sample."""
         self._unit_alignment = None if margin_ms is None else UnitAlignment(
             round(margin_ms * INPUT_SAMPLE_RATE / 1000), self.models.audio_encoder.cfg.chunk_samples)
+
+    def set_silence_fill(self, after_ms: float | None) -> None:
+        """Called by a server (``server.fill_silence_after_ms``): a session whose client has sent
+        nothing for ``after_ms`` longer than its largest chunk takes gets its unit completed with
+        silence (``engine_session.SilenceFill``), so its replies go on; None waits for audio."""
+        self._silence_fill = None if after_ms is None else SilenceFill(round(after_ms * INPUT_SAMPLE_RATE / 1000))
 
     def sessions_behind(self) -> int:
         """Live sessions a whole unit behind their audio (server/app.py ticks early for them)."""

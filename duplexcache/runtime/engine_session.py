@@ -75,6 +75,9 @@ class EngineSession:
     # ahead of real time the client sends, when its buffer is full.
     received: int = 0
     first_push_s: float | None = None
+    last_push_s: float | None = None   # when its latest chunk arrived (SilenceFill)
+    realign: bool = False         # its units were filled with silence: its next audio is aligned again
+    silent_units: int = 0         # units completed with silence because the client sent nothing
     encoder_state: StreamingAudioEncoderState | None = None
     opened: bool = False          # Stage 0 session exists
     ticks_pending: int = 0        # ticks that ended while it was not open yet
@@ -149,6 +152,34 @@ class UnitAlignment:
             return None
         short = need + lead - buffered
         return short if short >= 0 else short % self.unit_samples
+
+
+@dataclass(frozen=True)
+class SilenceFill:
+    """What a server-paced engine hears while a client sends nothing (docs/engine.md, "Pacing").
+
+    The duplex model runs on the session's audio: a tick takes a unit only from a session that
+    holds one. A client that stops sending (push-to-talk between turns, a manual-turn client that
+    commits and waits for ``response.create``'s reply) would stop its session, reply included. So
+    once a session has held less than a unit for ``after_samples`` longer than its largest chunk
+    takes to arrive, its unit is completed with silence, as if the microphone were open and quiet.
+    A client that sends in real time never waits that long between chunks, so its speech is never
+    cut with silence; when it sends again, its audio starts a new aligned stream
+    (``UnitAlignment.first_pad``), as a new session's does.
+    """
+
+    after_samples: int    # quiet beyond the session's largest chunk before silence fills a unit
+
+    def __post_init__(self) -> None:
+        if self.after_samples < 0:
+            raise ValueError(f"after_samples must be >= 0, got {self.after_samples}")
+
+    def due(self, sess: "EngineSession", now: float) -> bool:
+        """Whether ``sess``'s client has sent nothing for long enough at ``now``."""
+        if sess.last_push_s is None:
+            return False
+        quiet = round((now - sess.last_push_s) * INPUT_SAMPLE_RATE)   # whole samples: no float edge
+        return quiet >= sess.largest_push + self.after_samples
 
 
 @dataclass
@@ -360,6 +391,7 @@ class SessionTable:
             now = self.clock()
             if sess.first_push_s is None:
                 sess.first_push_s = now
+            sess.last_push_s = now
             if sess.buffered + pcm.size > MAX_BUFFERED_SAMPLES:
                 # The buffer would otherwise grow without bound; the chunk is refused and the
                 # session goes on. Whose fault it is decides the error: a client more than half
@@ -402,25 +434,37 @@ class SessionTable:
                        and s.buffered >= samples_needed(s))
 
     def take_units(self, samples_needed: Callable[[EngineSession], int], behind: int,
-                   align: UnitAlignment | None = None) -> list[Unit]:
+                   align: UnitAlignment | None = None, fill: SilenceFill | None = None) -> list[Unit]:
         """One unit for every opened session with enough audio buffered
         (``samples_needed(session)``); a session ``behind`` samples past that is logged. With
-        ``align``, a session's first unit starts with the silence ``align.first_pad`` asks for."""
+        ``align``, a session's first unit starts with the silence ``align.first_pad`` asks for,
+        and so does its first unit after a silence fill. With ``fill``, a session whose client
+        has sent nothing for long enough gets its unit completed with silence."""
         units = []
         with self.lock:
+            now = self.clock()
             for sess in self.live.values():
                 if not sess.opened:
                     continue
                 need = samples_needed(sess)
-                if align is not None and not sess.audio_started:
+                if fill is not None and sess.buffered < need and fill.due(sess, now):
+                    if not sess.realign:   # once per pause: every quiet tick would repeat it
+                        logger.info("session %s: no audio for %.2f s; its units are filled with silence until "
+                                    "it sends again", sess.sid, now - sess.last_push_s)
+                    sess.audio.append(np.zeros(need - sess.buffered, np.float32))
+                    sess.buffered = need
+                    sess.silent_units += 1
+                    sess.realign = align is not None
+                elif align is not None and (not sess.audio_started or (sess.realign and sess.buffered)):
                     pad = align.first_pad(sess.buffered, need, sess.largest_push)
                     if pad is None:
                         continue
-                    logger.debug("session %s: first unit starts with %d samples of silence (%d buffered, lead %d)",
+                    logger.debug("session %s: unit starts with %d samples of silence (%d buffered, lead %d)",
                                  sess.sid, pad, sess.buffered, align.lead(sess.largest_push))
                     if pad:
                         sess.audio.insert(0, np.zeros(pad, np.float32))
                         sess.buffered += pad
+                    sess.realign = False
                 if sess.buffered < need:
                     continue
                 if sess.buffered >= need + behind:

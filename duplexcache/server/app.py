@@ -236,10 +236,13 @@ class RealtimeServer:
         pace = getattr(self.engine, "set_prefill_between_ticks", None)   # optional (docs/design.md)
         if pace is not None:
             pace(pacing)
+        server = self.config.server
         align = getattr(self.engine, "set_unit_alignment", None)          # optional too
         if align is not None:
-            server = self.config.server
             align(server.unit_align_margin_ms if server.align_units_to_ticks else None)
+        fill = getattr(self.engine, "set_silence_fill", None)             # and this one
+        if fill is not None:
+            fill(server.fill_silence_after_ms)
         deadline = loop.time() + period
         caught_up_at = None   # the deadline of the period that already had its extra tick
         while not self._stopping.is_set():

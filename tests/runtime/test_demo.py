@@ -156,6 +156,10 @@ def test_model_policy_waits_for_every_unit_and_matches_direct(tmp_path):
     every unit sent (counted in ticks); the server run must hear what the direct run hears."""
     deploy = demo.DeployConfig.default("tiny")
     deploy.engine.speak_policy.mode = "model"
+    # The clients wait ticks past their audio; a server would fill those with silence once they
+    # are quiet (server.fill_silence_after_ms), and the model could answer it, which the direct
+    # run, with no server, never hears. Off, both runs hear exactly the audio the clients sent.
+    deploy.server.fill_silence_after_ms = None
     config = tmp_path / "model.yaml"
     config.write_text(deploy.to_yaml())
     pcm = {}

@@ -67,6 +67,7 @@ class FakeEngine:
         self._ran_between = False
         self.pacing_prefill: bool | None = None    # what the server told set_prefill_between_ticks
         self.unit_alignment_ms: float | None | str = "unset"   # what it told set_unit_alignment
+        self.silence_fill_ms: float | None | str = "unset"     # what it told set_silence_fill
         self.behind_asked = 0
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -222,6 +223,9 @@ class FakeEngine:
 
     def set_unit_alignment(self, margin_ms: float | None) -> None:
         self.unit_alignment_ms = margin_ms
+
+    def set_silence_fill(self, after_ms: float | None) -> None:
+        self.silence_fill_ms = after_ms
 
     def sessions_behind(self) -> int:
         with self._lock:

@@ -195,3 +195,38 @@ def test_sdk_against_the_real_tiny_engine():
 
     with LoopbackServer(create_app(engine, deploy)) as srv:
         asyncio.run(main(srv))
+
+
+@pytest.mark.skipif(not _real_engine_has_turn_api(),
+                    reason="the real engine has no turn API yet (branch `turns` adds it); enabled by merging it")
+def test_sdk_push_to_talk_gets_its_reply_without_sending_more_audio():
+    """A push-to-talk client (turn detection null): it streams while the button is held, commits,
+    asks for a reply and then sends nothing. The server hears silence once the client has been
+    quiet for ``server.fill_silence_after_ms`` (engine_session.SilenceFill), so the model keeps
+    running units and the reply comes; waiting for the client's audio, it never would."""
+    import torch
+
+    from duplexcache.runtime.engine import build_engine
+
+    torch.set_num_threads(1)
+    deploy = _deploy()
+    deploy.engine.tick_seconds = 0.2
+    engine = build_engine(deploy)
+
+    async def main(srv: LoopbackServer) -> list:
+        seen: list = []
+        async with _client(srv).realtime.connect(model="duplexcache-tiny") as conn:
+            await _until(conn, "session.created", seen)
+            await _manual_turns(conn, seen, voice="default")
+            pcm = _tone_24k(1.5)
+            for i in range(0, pcm.size, 2400):   # 100 ms chunks in real time: the button is held
+                await conn.input_audio_buffer.append(audio=base64.b64encode(pcm[i:i + 2400].tobytes()).decode())
+                await asyncio.sleep(0.1)
+            await conn.input_audio_buffer.commit()
+            await _until(conn, "input_audio_buffer.committed", seen)
+            await conn.response.create()          # ... and released: no more audio from here on
+            await _until(conn, "response.output_audio.delta", seen)
+        return seen
+
+    with LoopbackServer(create_app(engine, deploy)) as srv:
+        asyncio.run(main(srv))

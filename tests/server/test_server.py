@@ -433,6 +433,14 @@ def test_unit_alignment_reaches_the_engine(serve, server, told):
     assert engine.unit_alignment_ms == told
 
 
+@pytest.mark.parametrize("server, told", [({}, 500.0), ({"fill_silence_after_ms": 250.0}, 250.0),
+                                          ({"fill_silence_after_ms": None}, None)])
+def test_silence_fill_reaches_the_engine(serve, server, told):
+    engine, _ = serve(server=server)
+    wait_for(lambda: engine.silence_fill_ms != "unset", timeout=30, what="the tick loop to start")
+    assert engine.silence_fill_ms == told
+
+
 def test_compute_threads_auto_leaves_the_event_loop_a_cpu():
     from duplexcache.server.app import compute_threads
 

@@ -147,9 +147,10 @@ def run_mode(flow, hift, sharing: bool, args, device, prompt, mels: dict) -> dic
     out = {"sharing": sharing, "arena_rows": stage.arena.rows, "arena_bytes": stage.arena.nbytes(),
            "arena_alloc_delta": arena_alloc, "graph_keys": [list(k) for k in stage.arena.graph_keys],
            "captures": s.captures, "replays": s.replays, "eager_runs": s.eager_runs, "batches": rows,
-           # Conformer / vocoder calls per step (one per shape group; 1 each at steady state).
-           "batch_stats": {k: getattr(stage.batch_stats, k) for k in ("steps", "conformer_calls", "conformer_rows",
-                                                                      "vocoder_calls", "vocoder_rows")},
+           # Conformer / vocoder calls per step (one per shape group; 1 each at steady state) and
+           # the conformer's attention segments (one per cache length inside a call).
+           "batch_stats": {k: getattr(stage.batch_stats, k) for k in ("steps", "conformer_calls", "conformer_segments",
+                                                                      "conformer_rows", "vocoder_calls", "vocoder_rows")},
            "max_realtime_batch": max([r["batch"] for r in rows if r["realtime"]], default=0)}
     del stage
     gc.collect()

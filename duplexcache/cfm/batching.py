@@ -2,8 +2,10 @@
 
 The conformer and the HiFT vocoder have no per-row cache lengths (no masks): rows batch only when
 their caches and chunks have equal shapes. Sessions are therefore grouped by a shape key and each
-group runs as one call. At steady state (same voice prompt length, full chunks) every session has
-the same key, so a step is one conformer call and one vocoder call whatever the batch size.
+group runs as one call; the conformer's key is the chunk's shape only, and inside a call its
+attention runs once per cache length (a segment). At steady state (full chunks) a step is one
+conformer call and one vocoder call whatever the batch size, with one segment per voice prompt
+length and per stream age below the trim (a stream's first two chunks).
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ class BatchStats:
     prompt_passes_per_voice: dict[str, int] = field(default_factory=dict)
     stream_starts: int = 0           # streams opened from a voice's state (no pass, no model call)
     conformer_calls: int = 0         # batched chunk calls
+    conformer_segments: int = 0      # attention segments inside them (one per cache length)
     conformer_rows: int = 0
     vocoder_calls: int = 0
     vocoder_rows: int = 0
@@ -46,9 +49,10 @@ class BatchStats:
         self.prompt_passes += 1
         self.prompt_passes_per_voice[voice] = self.prompt_passes_per_voice.get(voice, 0) + 1
 
-    def record_step(self, conformer: list[list[str]], vocoder: list[list[str]]) -> None:
+    def record_step(self, conformer: list[list[str]], vocoder: list[list[str]], conformer_segments: int) -> None:
         self.steps += 1
         self.conformer_calls += len(conformer)
+        self.conformer_segments += conformer_segments
         self.conformer_rows += sum(map(len, conformer))
         self.vocoder_calls += len(vocoder)
         self.vocoder_rows += sum(map(len, vocoder))

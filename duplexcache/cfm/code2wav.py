@@ -1,9 +1,10 @@
 """Batched Stage 2: speech tokens of many sessions -> 24 kHz PCM, one estimator solve per group.
 
 Per tick: each session's chunk (25 tokens + 3 lookahead; a final chunk may be shorter and keeps
-its lookahead) goes through the conformer, batched over the sessions whose conformer caches and
-chunks have equal lengths (its rel-pos attention has no per-row mask, so rows batch only at equal
-shapes), then all sessions with the same frame count solve the 10 Euler steps together in the
+its lookahead) goes through the conformer, one call for the sessions whose chunks have equal
+lengths and finality; inside it the attention runs once per conformer cache length (its rel-pos
+attention has no per-row mask, so rows attend together only at equal shapes) and everything
+else once for the call (`UpsampleConformerEncoderV2.forward_chunk_segments`), then all sessions with the same frame count solve the 10 Euler steps together in the
 `EulerArena` (each row with its own cache length and noise offset), then the Token2wav trim
 rule, then the vocoder, batched over the sessions whose vocoder caches and mel chunks have equal
 lengths (`models.vocoder.hift_stream_steps`: mel cache, source cache, Hamming cross-fade; each
@@ -210,11 +211,15 @@ class BatchedCode2Wav:
                 out.errors[sid] = err
         self._open_pending()
         lasts = {sid: bool(last.get(sid, False)) for sid in tokens}
-        conformer_groups = group_by(tokens, lambda sid: self._conformer_key(sid, tokens[sid], lasts[sid]))
+        conformer_calls = group_by(tokens, lambda sid: self._conformer_key(sid, tokens[sid], lasts[sid]))
         encoded: dict[str, _Work] = {}
+        n_segments = 0
         with record_function(PART_RANGE + "conformer"):
-            for members in conformer_groups:
-                encoded.update(self._encode_group(members, tokens, lasts))
+            for i, members in enumerate(conformer_calls):
+                segments = group_by(members, self._attention_key)
+                conformer_calls[i] = [sid for seg in segments for sid in seg]   # the call's row order
+                n_segments += len(segments)
+                encoded.update(self._encode_call(segments, tokens, lasts))
         work = [encoded[sid] for sid in tokens]
         by_width: dict[int, list[_Work]] = {}
         for w in work:
@@ -230,7 +235,7 @@ class BatchedCode2Wav:
                 pcm.update(self._vocode_group(members, lasts))
         for sid in tokens:
             out[sid] = pcm[sid]
-        self._batch_stats.record_step(conformer_groups, vocoder_groups)
+        self._batch_stats.record_step(conformer_calls, vocoder_groups, n_segments)
         return out
 
     def _validate(self, sid: str, chunk: Sequence[int] | torch.Tensor, last: bool) -> torch.Tensor:
@@ -272,7 +277,7 @@ class BatchedCode2Wav:
         cfg = self.config
         pad = torch.full((cfg.pre_lookahead_len,), cfg.prompt_pad_token, dtype=torch.long, device=self.device)
         tokens = torch.cat([vp.tokens.long(), pad])[None]
-        h, spk, ccnn, catt = self._conformer(tokens, vp.spk[None], False, None, None)
+        h, spk, ccnn, (catt,) = self._conformer(tokens, vp.spk[None], False, None, [None], [1])
         work = _Work(voice, False, h[0], spk[0], vp.mel.transpose(0, 1), noise_offset=0)
         width = work.mu.shape[1]
         self._run_rows([(work, None, None)], width, tier=1)
@@ -316,21 +321,28 @@ class BatchedCode2Wav:
             att, dataclasses.replace(self._fresh_vocoder), gen)
 
     # ---- per-chunk pieces ----------------------------------------------------------------
-    def _conformer(self, tokens: torch.Tensor, spk: torch.Tensor, last: bool,
-                   cnn: torch.Tensor | None, att: torch.Tensor | None):
-        """tokens (b, n), prompt x-vectors (b, 192) -> mu (b, 80, frames), projected spk (b, 80),
-        new conformer caches cnn (b, C, 6) and att (layers, b, heads, T, 2*d_k)."""
+    def _conformer(self, tokens: torch.Tensor, spk: torch.Tensor, last: bool, cnn: torch.Tensor | None,
+                   atts: list[torch.Tensor | None], sizes: list[int]):
+        """tokens (b, n), prompt x-vectors (b, 192), rows in segments of ``sizes`` rows with the
+        attention caches ``atts`` -> mu (b, 80, frames), projected spk (b, 80), new conformer
+        caches cnn (b, C, 6) and one att (layers, n_i, heads, T_i, 2*d_k) per segment."""
         flow = self.flow
         # a voice's x-vector is float32; a bfloat16 flow (precision.code2wav_dtype) takes its own
         spk = flow.spk_embed_affine_layer(F.normalize(spk, dim=1).to(self.dtype))
-        h, cnn, att = flow.encoder.forward_chunk(flow.input_embedding(tokens), last, cnn, att)
+        h, cnn, atts = flow.encoder.forward_chunk_segments(flow.input_embedding(tokens), last, cnn, atts, sizes)
         h = flow.encoder_proj(h)                      # (b, frames, 80)
-        return h.transpose(1, 2), spk, cnn, att
+        return h.transpose(1, 2), spk, cnn, atts
 
-    def _conformer_key(self, sid: str, tokens: torch.Tensor, last: bool) -> tuple[int, int, bool]:
-        """Rows batch in one conformer call only with equal cache length, chunk length and `last`
-        (the last chunk pads the lookahead for every row of the call)."""
-        return self.sessions[sid].conformer_att.shape[3], tokens.numel(), last
+    def _conformer_key(self, sid: str, tokens: torch.Tensor, last: bool) -> tuple[int, bool]:
+        """Rows share one conformer call only with equal chunk length and ``last`` (the last
+        chunk pads the lookahead for every row of the call, and the convolutions see the time
+        axis); inside the call, rows attend together only with equal cache lengths
+        (``_attention_key``)."""
+        return tokens.numel(), last
+
+    def _attention_key(self, sid: str) -> int:
+        """The conformer cache length: P of the session's voice plus the frames it has kept."""
+        return self.sessions[sid].conformer_att.shape[3]
 
     def _vocoder_key(self, sid: str) -> tuple[int, int, int, int]:
         """Rows batch in one vocoder call only with equal mel/source/speech cache lengths (first
@@ -339,23 +351,28 @@ class BatchedCode2Wav:
         v = sess.vocoder
         return v.mel.shape[2], v.source.shape[2], v.speech.shape[1], sess.last_mel.shape[1]
 
-    def _encode_group(self, members: list[str], tokens: dict[str, torch.Tensor],
-                      lasts: dict[str, bool]) -> dict[str, _Work]:
-        """One conformer call over sessions with equal `_conformer_key`; each session then gets
-        private copies of its new caches (trimmed to first P + last tail, Token2wav.stream's
-        conformer bound, the same cut as the estimator's)."""
+    def _encode_call(self, segments: list[list[str]], tokens: dict[str, torch.Tensor],
+                     lasts: dict[str, bool]) -> dict[str, _Work]:
+        """One conformer call over sessions with equal `_conformer_key`, in segments of equal
+        cache length; each session then gets private copies of its new caches (trimmed to first
+        P + last tail, Token2wav.stream's conformer bound, the same cut as the estimator's)."""
+        members = [sid for seg in segments for sid in seg]
         sessions = [self.sessions[sid] for sid in members]
         last = lasts[members[0]]
         spk = torch.stack([self.registry.voice(s.voice).spk for s in sessions])       # (b, 192)
-        mu, spk, cnn, catt = self._conformer(
+        mu, spk, cnn, catts = self._conformer(
             torch.stack([tokens[sid] for sid in members]), spk, last,
             torch.cat([s.conformer_cnn for s in sessions]),                          # (b, C, 6)
-            torch.cat([s.conformer_att for s in sessions], dim=1))                  # (L, b, h, T, 2dk)
+            [torch.cat([self.sessions[sid].conformer_att for sid in seg], dim=1)     # (L, n, h, T, 2dk)
+             for seg in segments],
+            [len(seg) for seg in segments])
         tail = self.config.cache_tail_frames
         noise_frames = self.flow.decoder.rand_noise.shape[2]
+        rows = [(catt, j) for catt, seg in zip(catts, segments) for j in range(len(seg))]
         out = {}
         for i, (sid, sess) in enumerate(zip(members, sessions)):
-            att, p = catt[:, i:i + 1], sess.prompt_frames
+            catt, j = rows[i]
+            att, p = catt[:, j:j + 1], sess.prompt_frames
             if att.shape[3] > p + tail:
                 att = torch.cat([att[:, :, :, :p], att[:, :, :, -tail:]], dim=3)
             sess.conformer_att = _own(att)

@@ -198,28 +198,52 @@ class RelPositionMultiHeadedAttention(nn.Module):
         self, x: torch.Tensor, pos_emb: torch.Tensor, cache: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x (b, t1, d); pos_emb (1, 2*t2 - 1, d); cache (b, h, t2 - t1, 2*d_k) or None."""
+        out, caches = self.forward_segments(x, [pos_emb], [cache], [x.size(0)])
+        return out, caches[0]
+
+    def forward_segments(
+        self, x: torch.Tensor, pos_embs: list[torch.Tensor], caches: list[torch.Tensor | None], sizes: list[int]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Rows in consecutive segments of ``sizes`` rows, each with its own cache length: the
+        projections run once over every row (they see one frame at a time); the attention runs per
+        segment, over its keys ``[cache | new]`` with its relative positions ``pos_embs[i]``.
+        One segment is ``forward``. Returns the output (b, t1, d) and each segment's new cache."""
         b = x.size(0)
+        if sum(sizes) != b:
+            raise ValueError(f"segments of {sizes} rows for a batch of {b}")
         q = self.linear_q(x).view(b, -1, self.h, self.d_k)  # (b, t1, h, d_k)
         k = self.linear_k(x).view(b, -1, self.h, self.d_k).transpose(1, 2)  # (b, h, t1, d_k)
         v = self.linear_v(x).view(b, -1, self.h, self.d_k).transpose(1, 2)
+        q_u = (q + self.pos_bias_u).transpose(1, 2)  # (b, h, t1, d_k)
+        q_v = (q + self.pos_bias_v).transpose(1, 2)
+        outs, new_caches, start = [], [], 0
+        for size, pos_emb, cache in zip(sizes, pos_embs, caches, strict=True):
+            rows = slice(start, start + size)
+            start += size
+            out, new_cache = self._attend(q_u[rows], q_v[rows], k[rows], v[rows], pos_emb, cache)
+            outs.append(out)
+            new_caches.append(new_cache)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)   # (b, h, t1, d_k)
+        out = out.transpose(1, 2).contiguous().view(b, -1, self.h * self.d_k)
+        return self.linear_out(out), new_caches
+
+    def _attend(self, q_u: torch.Tensor, q_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                pos_emb: torch.Tensor, cache: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One segment's attention: q_u/q_v/k/v (n, h, t1, d_k) -> (n, h, t1, d_k), new cache."""
         if cache is not None and cache.size(0) > 0:
             k_cache, v_cache = torch.split(cache, cache.size(-1) // 2, dim=-1)
             k = torch.cat([k_cache, k], dim=2)  # keys: [cache | new]
             v = torch.cat([v_cache, v], dim=2)
-        new_cache = torch.cat((k, v), dim=-1)  # (b, h, t2, 2*d_k)
+        new_cache = torch.cat((k, v), dim=-1)  # (n, h, t2, 2*d_k)
 
         p = self.linear_pos(pos_emb).view(pos_emb.size(0), -1, self.h, self.d_k).transpose(1, 2)
-        q_u = (q + self.pos_bias_u).transpose(1, 2)  # (b, h, t1, d_k)
-        q_v = (q + self.pos_bias_v).transpose(1, 2)
-        matrix_ac = torch.matmul(q_u, k.transpose(-2, -1))  # (b, h, t1, t2)
-        matrix_bd = torch.matmul(q_v, p.transpose(-2, -1))  # (b, h, t1, 2*t2 - 1)
+        matrix_ac = torch.matmul(q_u, k.transpose(-2, -1))  # (n, h, t1, t2)
+        matrix_bd = torch.matmul(q_v, p.transpose(-2, -1))  # (n, h, t1, 2*t2 - 1)
         if matrix_ac.shape != matrix_bd.shape:
             matrix_bd = self.rel_shift(matrix_bd)
         scores = (matrix_ac + matrix_bd) / math.sqrt(self.d_k)
         attn = torch.softmax(scores, dim=-1)
-        out = torch.matmul(attn, v)  # (b, h, t1, d_k)
-        out = out.transpose(1, 2).contiguous().view(b, -1, self.h * self.d_k)
-        return self.linear_out(out), new_cache
+        return torch.matmul(attn, v), new_cache
 
 
 class PositionwiseFeedForward(nn.Module):
@@ -246,10 +270,18 @@ class ConformerEncoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, pos_emb: torch.Tensor, att_cache: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        x_att, new_att_cache = self.self_attn(self.norm_mha(x), pos_emb, att_cache)
+        x, caches = self.forward_segments(x, [pos_emb], [att_cache], [x.size(0)])
+        return x, caches[0]
+
+    def forward_segments(
+        self, x: torch.Tensor, pos_embs: list[torch.Tensor], att_caches: list[torch.Tensor | None], sizes: list[int]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``forward`` over rows in segments with their own cache lengths (the attention's
+        ``forward_segments``); the norms and the feed-forward run once over every row."""
+        x_att, new_att_caches = self.self_attn.forward_segments(self.norm_mha(x), pos_embs, att_caches, sizes)
         x = x + x_att
         x = x + self.feed_forward(self.norm_ff(x))
-        return x, new_att_cache
+        return x, new_att_caches
 
 
 class Upsample1D(nn.Module):
@@ -333,15 +365,37 @@ class UpsampleConformerEncoderV2(nn.Module):
 
         On the last chunk the lookahead is zero-padded, so the output is 2*t frames.
         """
+        xs, cnn, att = self.forward_chunk_segments(xs, last_chunk, cnn_cache, [att_cache], [xs.shape[0]])
+        return xs, cnn, att[0]
+
+    def forward_chunk_segments(
+        self,
+        xs: torch.Tensor,
+        last_chunk: bool,
+        cnn_cache: torch.Tensor | None,
+        att_caches: list[torch.Tensor | None],
+        sizes: list[int],
+    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """``forward_chunk`` over rows in consecutive segments of ``sizes`` rows, segment i with
+        its own attention cache ``att_caches[i]`` (layers, n_i, heads, T_i, 2*d_k), so rows whose
+        caches differ in length share one call: everything that sees one frame at a time (the
+        embeddings, norms, projections, feed-forwards, the convolutions over the equal-shaped cnn
+        caches) runs once over every row, the attention once per segment. Returns the output, the
+        new cnn cache (b, C, 6) and each segment's new attention cache."""
         n_enc = len(self.encoders)
-        if att_cache is not None and att_cache.shape[3] % 2:
-            raise ValueError(f"conformer att cache time axis must be even, got {tuple(att_cache.shape)}")
+        if len(sizes) != len(att_caches) or sum(sizes) != xs.shape[0] or min(sizes, default=0) < 1:
+            raise ValueError(f"segments of {sizes} rows with {len(att_caches)} caches for a batch of {xs.shape[0]}")
         if cnn_cache is not None and cnn_cache.shape[2] != 2 + self.up_layer.stride * 2:
             raise ValueError(f"conformer cnn cache must hold {2 + self.up_layer.stride * 2} frames")
-        offset1 = att_cache.shape[3] // 2 if att_cache is not None else 0
-        # first half of the token-rate caches (they are stored tiled twice)
-        att_cache1 = att_cache[:n_enc, :, :, :offset1] if att_cache is not None else [None] * n_enc
-        att_cache2 = att_cache[n_enc:] if att_cache is not None else [None] * len(self.up_encoders)
+        offsets1, caches1, caches2 = [], [], []
+        for att_cache in att_caches:
+            if att_cache is not None and att_cache.shape[3] % 2:
+                raise ValueError(f"conformer att cache time axis must be even, got {tuple(att_cache.shape)}")
+            offset1 = att_cache.shape[3] // 2 if att_cache is not None else 0
+            offsets1.append(offset1)
+            # first half of the token-rate caches (they are stored tiled twice)
+            caches1.append(att_cache[:n_enc, :, :, :offset1] if att_cache is not None else [None] * n_enc)
+            caches2.append(att_cache[n_enc:] if att_cache is not None else [None] * len(self.up_encoders))
         cnn_cache1 = cnn_cache[:, :, :2] if cnn_cache is not None else None
         cnn_cache2 = cnn_cache[:, :, 2:] if cnn_cache is not None else None
 
@@ -351,28 +405,31 @@ class UpsampleConformerEncoderV2(nn.Module):
         xs, new_cnn_cache1 = self.pre_lookahead_layer.forward_chunk(xs, cnn_cache1)
 
         # NOTE: the reference takes both tables from `embed` (they are equal anyway)
-        pos_emb = self.embed.position_encoding(offset1 + xs.shape[1])
-        new_att_cache1 = []
+        pos_embs = [self.embed.position_encoding(offset1 + xs.shape[1]) for offset1 in offsets1]
+        new_att_caches1: list[list[torch.Tensor]] = [[] for _ in sizes]
         for idx, layer in enumerate(self.encoders):
-            xs, c = layer(xs, pos_emb, att_cache1[idx])
-            new_att_cache1.append(c)
+            xs, new = layer.forward_segments(xs, pos_embs, [c[idx] for c in caches1], sizes)
+            for seg, c in zip(new_att_caches1, new):
+                seg.append(c)
 
         xs, new_cnn_cache2 = self.up_layer.forward_chunk(xs.transpose(1, 2).contiguous(), cnn_cache2)
         xs = self.up_embed(xs.transpose(1, 2).contiguous())  # (b, 2t, d)
 
-        pos_emb = self.embed.position_encoding(offset1 * self.up_layer.stride + xs.shape[1])
-        new_att_cache2 = []
+        pos_embs = [self.embed.position_encoding(offset1 * self.up_layer.stride + xs.shape[1])
+                    for offset1 in offsets1]
+        new_att_caches2: list[list[torch.Tensor]] = [[] for _ in sizes]
         for idx, layer in enumerate(self.up_encoders):
-            xs, c = layer(xs, pos_emb, att_cache2[idx])
-            new_att_cache2.append(c)
+            xs, new = layer.forward_segments(xs, pos_embs, [c[idx] for c in caches2], sizes)
+            for seg, c in zip(new_att_caches2, new):
+                seg.append(c)
         xs = self.after_norm(xs)
 
-        new_att_cache = torch.cat(
-            [torch.stack(new_att_cache1, dim=0).repeat(1, 1, 1, 2, 1), torch.stack(new_att_cache2, dim=0)],
-            dim=0,
-        )
+        new_att_caches = [
+            torch.cat([torch.stack(c1, dim=0).repeat(1, 1, 1, 2, 1), torch.stack(c2, dim=0)], dim=0)
+            for c1, c2 in zip(new_att_caches1, new_att_caches2)
+        ]
         new_cnn_cache = torch.cat([new_cnn_cache1, new_cnn_cache2], dim=2)
-        return xs, new_cnn_cache, new_att_cache
+        return xs, new_cnn_cache, new_att_caches
 
 
 # ----------------------------------------------------------------------------------------

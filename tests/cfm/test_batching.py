@@ -72,14 +72,17 @@ def test_mixed_step_forms_the_right_groups():
     stage = new_stage(flow, hift)
     _, stats = drive(stage, MIXED, 4, idle_at=3)
     s = stats[3]
-    # conformer: equal (cache length, chunk tokens, last); first-seen order, rows in session order
-    assert s.last_conformer_groups == (("st1", "st2"), ("fin",), ("stb",), ("new1", "new2"), ("wide",), ("newb",))
+    # conformer calls: equal (chunk tokens, last), first-seen order; inside a call the rows are in
+    # attention segments of equal cache length (first-seen order, sessions in order): st1+st2
+    # (voice a, steady), stb (voice b: another P), new1+new2 and newb (first chunks)
+    assert s.last_conformer_groups == (("st1", "st2", "stb", "new1", "new2", "newb"), ("fin",), ("wide",))
+    assert s.conformer_segments - stats[2].conformer_segments == 6
     # vocoder: equal cache lengths and mel width; final and other-voice chunks join the steady group
     assert s.last_vocoder_groups == (("st1", "fin", "stb", "st2"), ("new1", "new2", "newb"), ("wide",))
     assert "idle" in stage.sessions and stage.sessions["idle"].chunks == 0
     assert s.stream_starts - stats[2].stream_starts == 4     # new1, new2, newb, idle: no pass each
     assert s.prompt_passes == 2                                # one per voice, at register_voice
-    assert s.conformer_calls - stats[2].conformer_calls == 6
+    assert s.conformer_calls - stats[2].conformer_calls == 3
     assert s.vocoder_calls - stats[2].vocoder_calls == 3
     assert s.conformer_rows - stats[2].conformer_rows == s.vocoder_rows - stats[2].vocoder_rows == 8
 
@@ -102,8 +105,7 @@ def _singleton_groups(items, key):
 def test_grouped_equals_one_session_at_a_time(monkeypatch):
     """The same plan with every conformer/vocoder group forced to one session (the pre-batching
     path; the estimator batches the same way in both runs). On CPU a row's GEMMs round differently
-    with the row count, so bits differ; observed (relative L2): mel 1.2e-7, PCM 5.1e-7; and
-    torch.equal where a session's conformer ran alone in both."""
+    with the row count, so bits differ; observed (relative L2): mel 1.2e-7, PCM 5.1e-7."""
     flow, hift = tiny_models()
     grouped, _ = drive(new_stage(flow, hift), MIXED, 6, idle_at=3)
     monkeypatch.setattr(c2w, "group_by", _singleton_groups)
@@ -120,10 +122,6 @@ def test_grouped_equals_one_session_at_a_time(monkeypatch):
             assert a.shape == b.shape
             worst_pcm = max(worst_pcm, _rel(a, b))
     assert worst_mel <= 1e-6 and worst_pcm <= 1e-5, (worst_mel, worst_pcm)
-    # stb (voice b) is alone in its conformer group at every tick, and the estimator batches the
-    # same way in both runs, so its mel is bit-identical (its PCM is not: its vocoder group is shared)
-    for a, b in zip(grouped["stb"][0], alone["stb"][0]):
-        assert torch.equal(a, b)
 
 
 def _record_draws(monkeypatch):

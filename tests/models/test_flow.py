@@ -174,3 +174,35 @@ def test_conformer_forward_chunk_batched_rows_match_rows_alone():
             hi, ci, ai = enc.forward_chunk(xs[i:i + 1], last, cnn[i:i + 1], att[:, i:i + 1])
             assert R.rel_err(h[i:i + 1], hi) <= 1e-5
             assert R.rel_err(new_cnn[i:i + 1], ci) <= 1e-5 and R.rel_err(new_att[:, i:i + 1], ai) <= 1e-5
+
+
+def test_conformer_segments_match_each_segment_alone():
+    """Rows whose conformer caches differ in length share one call in segments
+    (``forward_chunk_segments``: the attention per segment, everything else once): each segment
+    equals ``forward_chunk`` over its rows alone up to the CPU GEMMs' batch-size rounding (the
+    project's float32 bound 1e-5), a segment without a cache (a stream's first chunk) included,
+    and each segment gets its own new cache. Segment sizes that do not add up are refused."""
+    flow = build_flow(FlowConfig.tiny())
+    R.randomize_flow_(flow, 5)
+    enc, cfg = flow.encoder, FlowConfig.tiny()
+    d, heads = cfg.encoder_output_size, cfg.encoder_heads
+    layers = len(enc.encoders) + len(enc.up_encoders)
+    gen = torch.Generator().manual_seed(6)
+    sizes, lengths = [2, 1, 3], [12, None, 20]
+    cnn = torch.randn(sum(sizes), d, 6, generator=gen)
+    atts = [None if t is None else torch.randn(layers, n, heads, t, 2 * d // heads, generator=gen)
+            for n, t in zip(sizes, lengths)]
+    for last, tokens in ((False, 8), (True, 5)):
+        xs = torch.randn(sum(sizes), tokens, d, generator=gen)
+        h, new_cnn, new_atts = enc.forward_chunk_segments(xs, last, cnn, atts, sizes)
+        frames = 2 * (tokens if last else tokens - 3)
+        start = 0
+        for n, t, att, new_att in zip(sizes, lengths, atts, new_atts):
+            rows = slice(start, start + n)
+            start += n
+            hs, cs, as_ = enc.forward_chunk(xs[rows], last, cnn[rows], att)
+            assert new_att.shape == (layers, n, heads, (t or 0) + frames, 2 * d // heads)
+            assert R.rel_err(h[rows], hs) <= 1e-5 and R.rel_err(new_cnn[rows], cs) <= 1e-5
+            assert R.rel_err(new_att, as_) <= 1e-5
+    with pytest.raises(ValueError, match="segments"):
+        enc.forward_chunk_segments(xs, False, cnn, atts, [2, 1, 2])

@@ -113,7 +113,6 @@ class DuplexEngine:
         self._closed = False
         self.prefill_times = PrefillTimes(models.device)   # prefill chunk times, for a server's pacing
         self._unit_alignment: UnitAlignment | None = None   # set by a server (set_unit_alignment)
-        self._silence_fill: SilenceFill | None = None       # set by a server (set_silence_fill)
         # Graphs captured while the engine was built (each voice's Code2Wav prompt pass at
         # register_voice) were captured before serving: they count with the warm-up's.
         self._warmup_captures = self._graph_captures_total()
@@ -295,7 +294,7 @@ class DuplexEngine:
         events += self._apply_cancels()
         enc = self.models.audio_encoder
         units = self.table.take_units(lambda s: enc.expected_chunk_samples(s.encoder_state), 2 * enc.cfg.chunk_samples,
-                                      self._unit_alignment, self._silence_fill)
+                                      self._unit_alignment)
         if units:
             events += self._run_units(units, lat)
         lat["tick"] = time.perf_counter() - start
@@ -347,8 +346,9 @@ class DuplexEngine:
     def set_silence_fill(self, after_ms: float | None) -> None:
         """Called by a server (``server.fill_silence_after_ms``): a session whose client has sent
         nothing for ``after_ms`` longer than its largest chunk takes gets its unit completed with
-        silence (``engine_session.SilenceFill``), so its replies go on; None waits for audio."""
-        self._silence_fill = None if after_ms is None else SilenceFill(round(after_ms * INPUT_SAMPLE_RATE / 1000))
+        silence, and a chunk after such a pause comes after its silence
+        (``engine_session.SilenceFill``), so replies go on and turns stay apart; None waits for audio."""
+        self.table.silence_fill = None if after_ms is None else SilenceFill(round(after_ms * INPUT_SAMPLE_RATE / 1000))
 
     def sessions_behind(self) -> int:
         """Live sessions a whole unit behind their audio (server/app.py ticks early for them)."""

@@ -77,6 +77,7 @@ class EngineSession:
     first_push_s: float | None = None
     last_push_s: float | None = None   # when its latest chunk arrived (SilenceFill)
     realign: bool = False         # its units were filled with silence: its next audio is aligned again
+    pause_filled: bool = False    # a tick filled the current pause (its next chunk brings no silence)
     silent_units: int = 0         # units completed with silence because the client sent nothing
     encoder_state: StreamingAudioEncoderState | None = None
     opened: bool = False          # Stage 0 session exists
@@ -166,6 +167,13 @@ class SilenceFill:
     A client that sends in real time never waits that long between chunks, so its speech is never
     cut with silence; when it sends again, its audio starts a new aligned stream
     (``UnitAlignment.first_pad``), as a new session's does.
+
+    A pause while the session still holds a unit or more (its context was prefilling, or it is
+    behind) never leaves it short at a tick, so no unit is filled then; the audio after the pause
+    would follow the audio before it at once, and the model would hear two turns as one. So a
+    chunk that arrives ``after_samples`` or more later than real time allows (the previous
+    chunk's arrival plus this chunk's duration) is preceded by that much silence, unless the
+    pause was already filled at a tick.
     """
 
     after_samples: int    # quiet beyond the session's largest chunk before silence fills a unit
@@ -173,6 +181,15 @@ class SilenceFill:
     def __post_init__(self) -> None:
         if self.after_samples < 0:
             raise ValueError(f"after_samples must be >= 0, got {self.after_samples}")
+
+    def pause_before(self, sess: "EngineSession", now: float, samples: int) -> int:
+        """Samples of silence to put before a chunk of ``samples`` arriving at ``now``: the time
+        the client sent nothing beyond the chunk's own duration, when that is ``after_samples`` or
+        more and no tick filled the pause (0 otherwise)."""
+        if sess.last_push_s is None or sess.pause_filled:
+            return 0
+        gap = round((now - sess.last_push_s) * INPUT_SAMPLE_RATE) - samples
+        return gap if gap >= self.after_samples else 0
 
     def due(self, sess: "EngineSession", now: float) -> bool:
         """Whether ``sess``'s client has sent nothing for long enough at ``now``."""
@@ -258,6 +275,7 @@ class SessionTable:
         self.closing: list[EngineSession] = []   # closed; their memory is freed by the next tick
         self._ids = itertools.count(1)
         self.clock: Callable[[], float] = time.monotonic   # tests set their own
+        self.silence_fill: SilenceFill | None = None        # set by a server (DuplexEngine.set_silence_fill)
 
     # ------------------------------------------------------------------ membership (lock held)
 
@@ -391,7 +409,10 @@ class SessionTable:
             now = self.clock()
             if sess.first_push_s is None:
                 sess.first_push_s = now
-            sess.last_push_s = now
+            pause = 0 if self.silence_fill is None else self.silence_fill.pause_before(sess, now, int(pcm.size))
+            # the pause's silence fits in what the buffer has left beside the chunk (a longer pause
+            # is heard shorter, never refused)
+            pause = max(0, min(pause, MAX_BUFFERED_SAMPLES - sess.buffered - int(pcm.size)))
             if sess.buffered + pcm.size > MAX_BUFFERED_SAMPLES:
                 # The buffer would otherwise grow without bound; the chunk is refused and the
                 # session goes on. Whose fault it is decides the error: a client more than half
@@ -405,6 +426,12 @@ class SessionTable:
                     raise ValueError(f"{full}; send audio in real time (this client is {ahead_s:.1f} s ahead)")
                 raise ServerBehindError(f"{full}: the server is running behind real time and dropped this "
                                         f"chunk; your audio arrives in real time")
+            if pause:
+                logger.info("session %s: %.2f s without audio before this chunk; the model hears it as silence",
+                            sid, pause / INPUT_SAMPLE_RATE)
+                sess.audio.append(np.zeros(pause, np.float32))
+                sess.buffered += pause
+            sess.last_push_s, sess.pause_filled = now, False
             sess.audio.append(pcm.copy())
             sess.buffered += pcm.size
             sess.received += pcm.size
@@ -434,13 +461,14 @@ class SessionTable:
                        and s.buffered >= samples_needed(s))
 
     def take_units(self, samples_needed: Callable[[EngineSession], int], behind: int,
-                   align: UnitAlignment | None = None, fill: SilenceFill | None = None) -> list[Unit]:
+                   align: UnitAlignment | None = None) -> list[Unit]:
         """One unit for every opened session with enough audio buffered
         (``samples_needed(session)``); a session ``behind`` samples past that is logged. With
         ``align``, a session's first unit starts with the silence ``align.first_pad`` asks for,
-        and so does its first unit after a silence fill. With ``fill``, a session whose client
-        has sent nothing for long enough gets its unit completed with silence."""
+        and so does its first unit after a silence fill. With ``self.silence_fill``, a session
+        whose client has sent nothing for long enough gets its unit completed with silence."""
         units = []
+        fill = self.silence_fill
         with self.lock:
             now = self.clock()
             for sess in self.live.values():
@@ -448,13 +476,13 @@ class SessionTable:
                     continue
                 need = samples_needed(sess)
                 if fill is not None and sess.buffered < need and fill.due(sess, now):
-                    if not sess.realign:   # once per pause: every quiet tick would repeat it
+                    if not sess.pause_filled:   # once per pause: every quiet tick would repeat it
                         logger.info("session %s: no audio for %.2f s; its units are filled with silence until "
                                     "it sends again", sess.sid, now - sess.last_push_s)
                     sess.audio.append(np.zeros(need - sess.buffered, np.float32))
                     sess.buffered = need
                     sess.silent_units += 1
-                    sess.realign = align is not None
+                    sess.pause_filled, sess.realign = True, align is not None
                 elif align is not None and (not sess.audio_started or (sess.realign and sess.buffered)):
                     pad = align.first_pad(sess.buffered, need, sess.largest_push)
                     if pad is None:

@@ -152,3 +152,45 @@ def test_audio_after_a_pause_starts_a_new_aligned_stream(tmp_path):
     assert 0 < pad < UNIT and sess.buffered == lead   # and leaves the lead, as a first unit does
     np.testing.assert_array_equal(resumed[pad:], stream[sent - 4 * CHUNK:sent - 4 * CHUNK + UNIT - pad])
     eng.shutdown()
+
+
+@pytest.mark.parametrize("fill_ms", [AFTER_MS, None])
+def test_a_pause_while_the_session_holds_a_backlog_is_heard_as_silence(tmp_path, fill_ms):
+    """A session still holding a unit or more when its client pauses (its context was still
+    prefilling, or it is behind) is never short at a tick, so no tick fills the pause: the
+    chunk after it is preceded by the pause's silence, or the model would hear the two turns as
+    one. A chunk 0.4 s late is no pause (less than fill_silence_after_ms): nothing is added."""
+    eng, clock, _ = _engine(tmp_path, f"backlog_{fill_ms}", fill_ms)
+    sid = eng.open_session({"voice": "default"})
+    stream = audio(6, 4)
+    sent = _push(eng, sid, clock, stream, 0, 20)     # 2 s of speech, no tick yet
+    clock.now += 0.4
+    sent = _push(eng, sid, clock, stream, sent, 1)   # 0.4 s late
+    sess = eng.table.get_live(sid)
+    assert sess.buffered == 21 * CHUNK
+    clock.now += 3.0                                   # the client sends nothing for 3 s
+    _push(eng, sid, clock, stream, sent, 1)
+    buffered = np.concatenate(sess.audio)
+    pause = 0 if fill_ms is None else 3 * 16_000
+    assert buffered.size == 22 * CHUNK + pause
+    np.testing.assert_array_equal(buffered[:21 * CHUNK], stream[:21 * CHUNK])
+    assert not buffered[21 * CHUNK:21 * CHUNK + pause].any()
+    np.testing.assert_array_equal(buffered[21 * CHUNK + pause:], stream[21 * CHUNK:22 * CHUNK])
+    eng.shutdown()
+
+
+def test_a_pause_filled_at_the_ticks_adds_no_more_silence_when_the_client_resumes(tmp_path):
+    """The ticks filled the pause unit by unit: the chunk that ends it brings its own audio only
+    (and starts a new aligned stream, as above), not the pause a second time."""
+    eng, clock, taken = _engine(tmp_path, "filled_then_resume", AFTER_MS)
+    sid = eng.open_session({"voice": "default"})
+    stream = audio(7, 3)
+    sent = _push(eng, sid, clock, stream, 0, 5)
+    for _ in range(3):
+        clock.now += 1.0
+        eng.tick()
+    sess = eng.table.get_live(sid)
+    assert sess.silent_units >= 2 and sess.buffered == 0
+    _push(eng, sid, clock, stream, sent, 1)
+    assert sess.buffered == CHUNK and not sess.pause_filled
+    eng.shutdown()

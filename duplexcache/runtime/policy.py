@@ -339,15 +339,17 @@ class ReplyPolicy:
                pcm: np.ndarray | None = None) -> int:
         if not isinstance(state, ReplyState) or pcm is None:
             raise ValueError("ReplyPolicy.decide needs the session's ReplyState and the unit's PCM")
-        if state.speaking and state.reply_left > 0:   # inside a reply: keep speaking (no barge-in)
-            state.reply_left -= 1
-            return self.control.speak
-        state.speaking = False
+        # Heard in every unit, a reply's included: a user turn spoken while the reply runs (a
+        # caller that does not wait for it) is answered once the reply ends, never dropped.
         speech, quiet = trailing_quiet(pcm, self.speech_rms)
         if speech:
             state.heard_speech, state.quiet_samples = True, quiet
         else:
             state.quiet_samples += quiet
+        if state.speaking and state.reply_left > 0:   # inside a reply: keep speaking (no barge-in)
+            state.reply_left -= 1
+            return self.control.speak
+        state.speaking = False
         # listen while no user turn waits for an answer, or while its speech may go on
         if not state.heard_speech or state.quiet_samples < self.end_quiet_samples:
             return self.control.listen

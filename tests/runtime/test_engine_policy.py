@@ -221,9 +221,9 @@ def test_reply_policy_decisions():
     logits[ord("k")] = 5.0
     r0, r1 = reply_units("sess_7", 0, 2, 8), reply_units("sess_7", 1, 2, 8)
     # quiet, quiet (nothing to answer), loud, loud, quiet -> reply 0 of r0 units (the quiet unit
-    # that ends the user's turn is its first), loud during the reply is ignored (no barge-in),
-    # then quiet listens until the next loud burst, and the next quiet unit starts reply 1
-    script = [QUIET, QUIET, LOUD, LOUD] + [QUIET] + [LOUD] * (r0 - 1) + [QUIET, LOUD, QUIET]
+    # that ends the user's turn is its first); quiet during the reply, then quiet listens until
+    # the next loud burst, and the next quiet unit starts reply 1
+    script = [QUIET, QUIET, LOUD, LOUD] + [QUIET] * r0 + [QUIET, LOUD, QUIET]
     want = "LLLL" + "S" * r0 + "LLS"
     got, ends = "", []
     for u, rms in enumerate(script):
@@ -238,6 +238,13 @@ def test_reply_policy_decisions():
     assert state.reply_units == r1 and state.turns == 2   # r0's length is in `want` above
     # a threshold just above the loud units: nothing is speech, nothing is answered
     # (10 ms frames of noise vary by a few per cent around the unit's RMS, hence the margin)
+    # A user turn spoken while a reply runs (no barge-in: the reply goes on) is answered as soon
+    # as the reply ends, when its quiet has come: it is never dropped
+    s3 = p.new_session("sess_7")
+    script3 = [LOUD, QUIET] + [LOUD] * (r0 - 1) + [QUIET, QUIET]
+    got3 = "".join("S" if p.decide(u, logits, s3, _unit(rms, u)) == CONTROL.speak else "L"
+                   for u, rms in enumerate(script3))
+    assert got3 == "L" + "S" * r0 + "S" + ("S" if r1 >= 2 else "L") and s3.turns == 2
     deaf = ReplyPolicy(CONTROL, TEXT, speech_rms=LOUD * 1.5, reply_min_units=2, reply_max_units=8)
     s2 = deaf.new_session("sess_7")
     assert all(deaf.decide(u, logits, s2, _unit(r, u)) == CONTROL.listen for u, r in enumerate(script))

@@ -3,7 +3,7 @@
 # (a failing step is logged and the next one still runs). Usage:
 #   OUT=/path/to/results bash scripts/gpu_bench.sh MODE [MODE ...]
 # smoke: every benchmark on the tiny preset (catches device bugs in seconds); suite (the whole pytest suite); bench, bench_turn, bench_capacity, setup,
-# ticks, ticks_continuous, ticks_steady, ticks_ragged, ticks_eager, ticks_conversation, serve_conversation, serve_sweep, serve_align, serve_threads, serve_switch,
+# ticks, ticks_continuous, ticks_steady, ticks_ragged, ticks_eager, ticks_conversation, serve_conversation, serve_sweep, serve_align, serve_ptt, serve_threads, serve_switch,
 # serve_catch_up, serve_precision, serve_prefill_between, serve_long_context, serve_profile, warm_start,
 # serve_ready, stage0, precision, kv_precision, ticks_conversation_bf16, ticks_conversation_fp8, ticks_capacity,
 # stage2: the minicpmo45 figures (random weights), each a few minutes on an H200 (each fits one 10-minute call).
@@ -80,7 +80,7 @@ sys.exit(1)
 PY
   then
     step "$name" "${SERVE_STEP_LIMIT:-300}" python3 -m duplexcache.cli bench serve --url "ws://127.0.0.1:$port/v1/realtime" \
-      --workload conversation --sessions "$sessions" --ramp 5 --duration "$duration" --max-reply-latency "$REPLY_LATENCY_S" \
+      --workload "${SERVE_WORKLOAD:-conversation}" --sessions "$sessions" --ramp 5 --duration "$duration" --max-reply-latency "$REPLY_LATENCY_S" \
       ${SERVE_EXTRA:-} --out "$out/$name"
     # the server's own counters after the run: graph captures inside ticks (0 after a warm-up), late ticks
     python3 -c 'import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=30).read().decode())' \
@@ -160,6 +160,13 @@ case "$mode" in
       esac
       SERVE_STEP_LIMIT=${SERVE_STEP_LIMIT:-400} serve_conversation "serve_align_$tag" \
         "${SERVE_BASE:-examples/minicpmo45-shared.yaml}" "${SERVE_SESSIONS:-32}" "${SERVE_DURATION:-45}" "$override"
+    done ;;
+  serve_ptt)  # callers that keep the microphone open (workload conversation) vs push-to-talk callers that send only their
+    # own turns (push_to_talk: the server hears silence once they are quiet, server.fill_silence_after_ms), a fresh
+    # server per arm. For a CPU host: SERVE_BASE=duplexcache/configs/tiny.yaml SERVE_SESSIONS=8
+    for workload in conversation push_to_talk; do
+      SERVE_WORKLOAD=$workload serve_conversation "serve_ptt_$workload" "${SERVE_BASE:-examples/minicpmo45-shared.yaml}" \
+        "${SERVE_SESSIONS:-32}" "${SERVE_DURATION:-45}"
     done ;;
   serve_threads)  # A/B of server.compute_threads, a fresh server per arm in the order 2, auto, auto, 2 (auto: one fewer
     # than the CPUs on a CPU device, torch's own count on CUDA). For a CPU host: SERVE_BASE=duplexcache/configs/tiny.yaml

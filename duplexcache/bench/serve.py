@@ -2,7 +2,7 @@
 way callers meet it (the ``vllm bench serve`` of duplex speech).
 
     duplexcache bench serve --url ws://127.0.0.1:8000/v1/realtime --sessions 8,16,32
-        [--workload conversation|continuous] [--duration 60] [--ramp 5] [--seed 0] [--out DIR]
+        [--workload conversation|push_to_talk|continuous] [--duration 60] [--ramp 5] [--seed 0] [--out DIR]
 
 Each step of ``--sessions`` (one count, or a comma list: a sweep) connects a fresh set of
 sessions over ``--ramp`` seconds; each streams ``--duration`` seconds of its workload
@@ -12,7 +12,9 @@ sessions. Only ``--url`` (and ``/metrics``, ``/health`` on the same host and por
 
 ``conversation`` needs the server to run ``engine.speak_policy.mode: reply`` with the same
 ``reply_min_units``/``reply_max_units`` as ``--reply-min-units``/``--reply-max-units``: the
-client computes each reply's length with the server's ``policy.reply_units``. ``continuous``
+client computes each reply's length with the server's ``policy.reply_units``. ``push_to_talk``
+is the same conversation from callers that send audio only during their own turns and nothing
+while the server replies (the server hears silence: ``server.fill_silence_after_ms``). ``continuous``
 expects a server that speaks every unit (``every_k_units`` with ``turn_units >= k``).
 
 Per session (bench/serve_client.py): reply latency (end of the user's turn audio sent -> first
@@ -53,7 +55,10 @@ from duplexcache.server.protocol import PLACEMENT_HEADER
 
 logger = logging.getLogger(__name__)
 
-SERVE_WORKLOADS = ("conversation", "continuous")
+SERVE_WORKLOADS = ("conversation", "push_to_talk", "continuous")
+# Workloads with user turns, so with reply latencies: push_to_talk is the conversation of a caller
+# that sends audio only while it speaks (the server hears silence in between: fill_silence_after_ms).
+TURN_WORKLOADS = ("conversation", "push_to_talk")
 MAX_SESSIONS = 1024
 MAX_STEPS = 16
 MAX_DURATION_S = 3600.0
@@ -282,7 +287,7 @@ def summarize_step(n: int, rows: list[dict[str, Any]], before: dict, after: dict
     # later reply: the last reply of a session is then later than its first.
     growth = [r["reply_latency_s"][-1] - r["reply_latency_s"][0] for r in rows if len(r["reply_latency_s"]) >= 2]
     all_audio = all(r["got_audio"] for r in rows)
-    if workload == "conversation":
+    if workload in TURN_WORKLOADS:
         latency_ok = lat["p99"] is not None and lat["p99"] <= max_latency
     else:
         latency_ok = True   # no user turns, no replies: the latency part does not apply
@@ -376,10 +381,10 @@ async def _progress(bar: Any, seconds: float) -> None:
 
 def criterion(args: argparse.Namespace) -> dict[str, Any]:
     return {"every_session_received_audio": True, "late_ticks": 0,
-            "reply_latency_p99_max_s": args.max_reply_latency if args.workload == "conversation" else None,
+            "reply_latency_p99_max_s": args.max_reply_latency if args.workload in TURN_WORKLOADS else None,
             "text": "largest step in which every session received audio, the server counted 0 late ticks "
                     f"and reply latency p99 <= {args.max_reply_latency:g} s"
-                    + ("" if args.workload == "conversation" else " (latency not applicable: no user turns)")}
+                    + ("" if args.workload in TURN_WORKLOADS else " (latency not applicable: no user turns)")}
 
 
 def largest_realtime(steps: list[dict[str, Any]]) -> int | None:

@@ -113,7 +113,7 @@ class Caller:
     drain_s: float = 5.0
 
     def script(self, sid: str) -> wl.SessionScript:
-        if self.workload == "conversation":
+        if self.workload in ("conversation", "push_to_talk"):
             return wl.conversation_script(self.index, sid, self.units, self.seed, self.shape)
         return wl.continuous_script(sid, self.units)
 
@@ -169,15 +169,19 @@ class Caller:
                     ready.set()   # refused before it started (bad voice, admission): stop waiting
 
     async def _send(self, ws: Any, trace: SessionTrace) -> None:
-        """Each unit's chunks at real-time pace from the moment the session was ready."""
+        """Each unit's chunks at real-time pace from the moment the session was ready; a
+        push-to-talk caller sends only the units of its own turns and nothing in between (the
+        button is released), on the same clock."""
         assert trace.script is not None
         loop = asyncio.get_running_loop()
         start, sent = loop.time(), 0
         ends = {t.user_end - 1: t.index for t in trace.script.turns}   # last speech unit -> turn
         for u in range(trace.script.units):
+            silent = self.workload == "push_to_talk" and not trace.script.speech[u]
             for chunk in _unit_chunks(wl.unit_audio(trace.script, self.index, u, self.seed)):
                 await asyncio.sleep(max(0.0, start + sent / Wire.INPUT_RATE - loop.time()))
-                await ws.send(Wire.append(chunk))
+                if not silent:
+                    await ws.send(Wire.append(chunk))
                 sent += chunk.size
             trace.units_sent = u + 1
             if u in ends:

@@ -242,3 +242,27 @@ def test_a_long_context_caller_joins_a_live_step_over_the_wire(tmp_path):
     assert regular["got_audio"] and regular["errors"] == []
     assert step["long_context"]["callers"] == 1 and step["long_context"]["with_errors"] == 0, long["errors"]
     assert long["got_audio"] and long["units_sent"] == DURATION - 1   # joined 1 s in, ended with the others
+
+
+def test_push_to_talk_callers_get_their_replies(tmp_path):
+    """``--workload push_to_talk``: the conversation of a caller that sends only its own turn's
+    units and nothing while the server replies. The server hears silence once the caller has
+    been quiet for ``server.fill_silence_after_ms``, so each reply comes whole; without that,
+    the session would run no unit after the turn and the reply would never start."""
+    deploy = _deploy()
+    engine = DuplexEngine(deploy, build_models(deploy, seed=0))
+    with LoopbackServer(create_app(engine, deploy)) as srv:
+        argv = ["--url", srv.ws_url(REALTIME_PATH), "--sessions", "1", "--duration", str(DURATION),
+                "--workload", "push_to_talk", "--user-units", "2,2", "--max-lead-units", "0",
+                "--reply-min-units", str(REPLY[0]), "--reply-max-units", str(REPLY[1]), "--drain", "8",
+                "--out", str(tmp_path)]
+        assert cli_main(["bench", "serve", *argv]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["config"]["workload"] == "push_to_talk"
+    (row,) = results["steps"][0]["per_session"]
+    assert row["errors"] == [] and row["units_sent"] == DURATION
+    assert row["replies_scheduled"] == row["replies_done"] == row["replies_with_audio"] == 1
+    assert row["audio_received_s"] == pytest.approx(row["audio_scheduled_s"] + 0.12 + 0.16)
+    (latency,) = row["reply_latency_s"]
+    assert latency > 0.5   # the server waits out the caller's quiet before it hears the silence
+    assert results["criterion"]["reply_latency_p99_max_s"] is not None   # replies, so latency counts

@@ -27,6 +27,7 @@ by the caller (the KV manager) at the end of the turn. Positions equal logical i
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -191,6 +192,37 @@ class Talker(nn.Module):
             rows = torch.cat([rows, self.emb_text(torch.tensor(boundary_token_ids).to(dev, non_blocking=True))])
         return rows
 
+    def build_conditions(self, requests: Sequence["TalkerUnitRequest"]) -> tuple[torch.Tensor, list[int]]:
+        """``build_condition`` of every request, concatenated in request order, with each
+        request's row count: one projection of all the Thinker hidden rows, one embedding of all
+        the ids (one host-to-device copy), one add. Per request, that was ~10 kernels (the
+        projector's linears, the normalisation, the embedding, a copy, the add). Row i's values
+        are those of ``build_condition`` up to the projector GEMM's row-count rounding."""
+        dev, dtype = self.emb_text.weight.device, self.emb_text.weight.dtype
+        hidden, ids, text_rows, sizes = [], [], [], []
+        for r in requests:
+            rows = list(r.thinker_hidden.unbind(0)) if isinstance(r.thinker_hidden, torch.Tensor) \
+                else list(r.thinker_hidden)
+            n = r.text_token_ids.numel()
+            if r.text_token_ids.dim() != 1 or len(rows) != n or any(h.shape != (self.config.llm_dim,) for h in rows):
+                raise ValueError(f"build_condition: need ids (T,) and hidden (T, {self.config.llm_dim}), got "
+                                 f"{tuple(r.text_token_ids.shape)} and {len(rows)} rows of "
+                                 f"{sorted({tuple(h.shape) for h in rows})}")
+            start = sum(sizes)
+            text_rows.extend(range(start, start + n))
+            hidden.extend(rows)
+            ids += r.text_token_ids.tolist() + list(r.boundary_token_ids)   # host ids: one copy below
+            sizes.append(n + len(r.boundary_token_ids))
+        sem = self.projector_semantic(torch.stack(hidden).to(dev, dtype))
+        if self.config.normalize_projected_hidden:
+            sem = F.normalize(sem, p=2, dim=-1)
+        rows = self.emb_text(torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True))
+        if len(text_rows) == rows.shape[0]:   # no boundary rows: every row gets its projection
+            return rows + sem, sizes
+        index = torch.tensor(text_rows).to(dev, non_blocking=True)
+        rows[index] = rows[index] + sem       # boundary rows keep their embedding alone
+        return rows, sizes
+
     @classmethod
     def from_pretrained(cls, path: str | Path, config: TalkerConfig | None = None,
                         dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "Talker":
@@ -218,7 +250,7 @@ class TalkerUnitRequest:
     block_table: list[int]
     num_computed: int  # Talker tokens already in the cache this turn
     text_token_ids: torch.Tensor  # (T,)
-    thinker_hidden: torch.Tensor  # (T, llm_dim)
+    thinker_hidden: torch.Tensor | Sequence[torch.Tensor]  # (T, llm_dim), or T rows of (llm_dim,)
     boundary_token_ids: tuple[int, ...] = ()
 
 
@@ -268,11 +300,11 @@ def generate_unit(talker: Talker, cache: PagedKVCache, requests: list[TalkerUnit
         return []
     sampling = sampling or TalkerSampling()
     cfg, bs, dev = talker.config, cache.block_size, cache.device
-    conds = [talker.build_condition(r.text_token_ids, r.thinker_hidden, r.boundary_token_ids) for r in requests]
+    cond_rows, cond_sizes = talker.build_conditions(requests)
     tables = [list(r.block_table) for r in requests]
     computed = [r.num_computed for r in requests]
-    for i, (r, cond) in enumerate(zip(requests, conds)):
-        need = r.num_computed + unit_cache_tokens(cond.shape[0], cfg)
+    for i, (r, n_cond) in enumerate(zip(requests, cond_sizes)):
+        need = r.num_computed + unit_cache_tokens(n_cond, cfg)
         if need > len(r.block_table) * bs:
             raise ValueError(f"generate_unit: request {i} needs {need} cache slots but its block table "
                              f"holds {len(r.block_table) * bs}")
@@ -294,7 +326,7 @@ def generate_unit(talker: Talker, cache: PagedKVCache, requests: list[TalkerUnit
             computed[b] += n
         return talker.code_logits(hidden if last is None else hidden[last])  # (B, codes)
 
-    logits = step(torch.cat(conds), [c.shape[0] for c in conds])
+    logits = step(cond_rows, cond_sizes)
     codes = [_sample(logits, cfg.end_token_id, sampling)]
     ones = [1] * len(requests)
     for _ in range(cfg.tokens_per_unit - 1):

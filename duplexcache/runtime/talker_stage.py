@@ -73,8 +73,9 @@ class TalkerStage:
         speakers = end_all(speakers, errors, events, self.end)
 
         def run(batch: list[Unit]) -> list:
+            # the hidden rows as they are: generate_unit stacks every unit's at once
             reqs = [TalkerUnitRequest(self.kv.block_table(u.session.sid), self.kv.num_tokens(u.session.sid),
-                                      torch.tensor(u.tokens, dtype=torch.long), torch.stack(u.hidden))
+                                      torch.tensor(u.tokens, dtype=torch.long), u.hidden)
                     for u in batch]
             return generate_unit(self.talker, self.cache, reqs, graphs=self.graphs)
 

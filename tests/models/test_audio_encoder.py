@@ -376,20 +376,7 @@ def test_stream_step_ops_do_not_grow_with_sessions(storage):
     The per-session copies this replaced added 4 ops per session and layer."""
     from torch.profiler import ProfilerActivity, profile
 
-    views = {"aten::empty", "aten::empty_strided", "aten::as_strided", "aten::view", "aten::slice",
-             "aten::select", "aten::transpose", "aten::unsqueeze", "aten::expand", "aten::reshape",
-             "aten::t", "aten::permute", "aten::_reshape_alias", "aten::alias", "aten::detach",
-             "aten::lift_fresh", "aten::resolve_conj", "aten::resolve_neg", "aten::result_type",
-             "aten::is_nonzero", "aten::item", "aten::_local_scalar_dense", "aten::unbind",
-             "aten::split", "aten::chunk", "aten::narrow", "aten::view_as", "aten::_unsafe_view"}
-
-    def inside_foreach(e) -> bool:
-        p = e.cpu_parent
-        while p is not None:
-            if p.name.startswith("aten::_foreach_"):
-                return True
-            p = p.cpu_parent
-        return False
+    from duplexcache.bench.op_count import compute_ops
 
     ours = AudioEncoder(AudioEncoderConfig.tiny()).eval()
     counts = {}
@@ -402,7 +389,5 @@ def test_stream_step_ops_do_not_grow_with_sessions(storage):
         mels = list(ours.log_mel(torch.rand(n, 16000, generator=gen) - 0.5))
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             ours.stream_step_mel(states, mels)
-        counts[n] = sum(1 for e in prof.events()
-                        if e.name.startswith("aten::") and e.name not in views and not inside_foreach(e)
-                        and (e.name.startswith("aten::_foreach_") or not e.cpu_children))
+        counts[n] = compute_ops(prof)
     assert counts[3] == counts[12], counts

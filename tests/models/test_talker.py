@@ -161,3 +161,40 @@ def test_minicpmo45_names_and_shapes_on_meta():
     assert sd["emb_text.weight"].shape == (152064, 768)
     # 60 KiB per token in bf16 (SPEC): 20 layers x (K + V) x 768 x 2 bytes.
     assert 20 * 2 * cfg.num_key_value_heads * cfg.head_dim * 2 == 60 * 1024
+
+
+@pytest.mark.parametrize("boundary", [(), (5, 9)])
+def test_conditions_of_a_batch_equal_each_units_own(boundary):
+    """``build_conditions`` (one projection, one embedding, one add for every unit of the tick)
+    gives each unit's ``build_condition`` rows in request order, hidden given as a (T, llm_dim)
+    tensor or as T rows; its compute ops do not grow with the units (they were ~10 per unit)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from duplexcache.bench.op_count import compute_ops
+
+    cfg, talker, _ = make_pair(seed=6)
+    gen = torch.Generator().manual_seed(7)
+
+    def requests(n):
+        out = []
+        for b in range(n):
+            t = 2 + b % 3
+            ids = torch.randint(0, cfg.num_text_tokens, (t,), generator=gen)
+            hidden = torch.randn(t, cfg.llm_dim, generator=gen)
+            out.append(TalkerUnitRequest([1], 0, ids, hidden if b % 2 else list(hidden.unbind(0)), boundary))
+        return out
+
+    reqs = requests(5)
+    with torch.no_grad():
+        rows, sizes = talker.build_conditions(reqs)
+        alone = [talker.build_condition(r.text_token_ids, torch.stack(list(r.thinker_hidden)), r.boundary_token_ids)
+                 for r in reqs]
+    assert sizes == [a.shape[0] for a in alone]
+    assert rel_err(rows, torch.cat(alone)) <= 1e-6   # the projector's GEMM sees 5 units' rows at once
+
+    def ops(n):
+        batch = requests(n)
+        with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            talker.build_conditions(batch)
+        return compute_ops(prof)
+    assert ops(12) == ops(3)

@@ -173,12 +173,12 @@ def test_talker_is_conditioned_on_the_rows_lm_head_consumed(tmp_path, monkeypatc
     finally:
         hook.remove()
     assert len(reqs) == 2
-    for req in reqs:
-        rows = req.thinker_hidden
+    hidden = [torch.stack(list(req.thinker_hidden)) for req in reqs]   # rows as the stage passes them
+    for req, rows in zip(reqs, hidden):
         assert rows.shape == (len(req.text_token_ids), eng.models.thinker.config.hidden_size) and len(rows) >= 2
         for j in range(len(rows)):                # calls[0] is the append that chose <|speak|>
             assert sum(torch.equal(rows[j], r) for r in calls[1 + j]) == 1, j
-    assert not torch.equal(reqs[0].thinker_hidden, reqs[1].thinker_hidden)
+    assert not torch.equal(hidden[0], hidden[1])
 
 
 def test_audio_faster_than_real_time_is_refused_without_losing_the_session(tmp_path):

@@ -85,3 +85,18 @@ def record_sdpa(monkeypatch, record) -> None:
             functional.scaled_dot_product_attention = recording
 
     monkeypatch.setattr(functional, "scaled_dot_product_attention", recording)
+
+
+def record_taken(eng: DuplexEngine) -> list[np.ndarray]:
+    """Wrap ``eng.table.take_units`` so that every unit's PCM it hands out is appended to the
+    returned list (what the model heard, unit by unit)."""
+    taken: list[np.ndarray] = []
+    real = eng.table.take_units
+
+    def recording(*args, **kwargs):
+        units = real(*args, **kwargs)
+        taken.extend(u.pcm for u in units)
+        return units
+
+    eng.table.take_units = recording
+    return taken

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_helpers import FIRST, UNIT, audio, engine
+from engine_helpers import FIRST, UNIT, audio, engine, record_taken
 
 from duplexcache.runtime.engine_session import SilenceFill
 
@@ -27,26 +27,13 @@ class Clock:
         return self.now
 
 
-def _recording(eng) -> list[np.ndarray]:
-    taken: list[np.ndarray] = []
-    real = eng.table.take_units
-
-    def recording(*args, **kwargs):
-        units = real(*args, **kwargs)
-        taken.extend(u.pcm for u in units)
-        return units
-
-    eng.table.take_units = recording
-    return taken
-
-
 def _engine(tmp_path, name: str, fill_ms: float | None, align_ms: float | None = None):
     eng = engine(tmp_path, name)
     clock = Clock()
     eng.table.clock = clock
     eng.set_silence_fill(fill_ms)
     eng.set_unit_alignment(align_ms)
-    return eng, clock, _recording(eng)
+    return eng, clock, record_taken(eng)
 
 
 def _push(eng, sid: str, clock: Clock, stream: np.ndarray, start: int, chunks: int) -> int:

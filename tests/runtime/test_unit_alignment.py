@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_helpers import FIRST, UNIT, audio, collect, engine
+from engine_helpers import FIRST, UNIT, audio, collect, engine, record_taken
 
 from duplexcache.runtime.engine_session import UnitAlignment
 
@@ -36,14 +36,7 @@ def test_first_pad_leaves_the_lead_after_the_first_unit():
 def _run(eng, stream: np.ndarray, before_first_tick: int, ticks: int, taken: list) -> tuple[dict, list[int]]:
     """A real-time client: ``before_first_tick`` chunks, then 1 s of chunks before every later
     tick. Returns the events and the samples left buffered after each tick."""
-    real = eng.table.take_units
-
-    def recording(*args, **kwargs):
-        units = real(*args, **kwargs)
-        taken.extend(u.pcm for u in units)
-        return units
-
-    eng.table.take_units = recording
+    taken_here = record_taken(eng)
     sid = eng.open_session({"voice": "default"})
     sent, events, left = 0, [], []
     for tick in range(ticks):
@@ -53,6 +46,7 @@ def _run(eng, stream: np.ndarray, before_first_tick: int, ticks: int, taken: lis
             sent += CHUNK
         events += eng.tick()
         left.append(eng.table.get_live(sid).buffered)
+    taken.extend(taken_here)
     return collect(events)[sid], left
 
 

@@ -76,13 +76,25 @@ async def _until_seen(conn, kinds: set[str], seen: list) -> None:
 
 
 async def _manual_turns(conn, seen: list, voice: str | None = None) -> None:
-    """GA_UPDATE with turn_detection null (the client commits and asks), answered by session.updated."""
+    """After session.created, GA_UPDATE with turn_detection null (the client commits and asks),
+    answered by session.updated."""
+    await _until(conn, "session.created", seen)
     update = copy.deepcopy(GA_UPDATE)   # never mutate the shared constant
     update["audio"]["input"]["turn_detection"] = None
     if voice is not None:
         update["audio"]["output"]["voice"] = voice
     await conn.session.update(session=update)
     await _until(conn, "session.updated", seen)
+
+
+def _real_tiny_engine(deploy: DeployConfig):
+    """The real engine on the tiny preset (one torch thread: CI's two cores are shared)."""
+    import torch
+
+    from duplexcache.runtime.engine import build_engine
+
+    torch.set_num_threads(1)
+    return build_engine(deploy)
 
 
 async def _stream(conn, pcm: np.ndarray, chunk: int = 4800) -> None:
@@ -136,7 +148,6 @@ def test_sdk_response_cancel_cuts_a_reply():
     async def main(srv: LoopbackServer) -> list:
         seen: list = []
         async with _client(srv).realtime.connect(model="duplexcache-tiny") as conn:
-            await _until(conn, "session.created", seen)
             await _manual_turns(conn, seen)
             await _stream(conn, _tone_24k(1.0))
             await conn.input_audio_buffer.commit()
@@ -167,22 +178,16 @@ def _real_engine_has_turn_api() -> bool:
 @pytest.mark.skipif(not _real_engine_has_turn_api(),
                     reason="the real engine has no turn API yet (branch `turns` adds it); enabled by merging it")
 def test_sdk_against_the_real_tiny_engine():
-    import torch
-
-    from duplexcache.runtime.engine import build_engine
-
-    torch.set_num_threads(1)
     deploy = _deploy()
     deploy.engine.tick_seconds = 0.2
     # One endless speaking turn once a reply is requested, so the reply is still going when the
     # client cancels it (the default scripted turns end after two units).
     deploy.engine.speak_policy.k = deploy.engine.speak_policy.turn_units = 1000
-    engine = build_engine(deploy)
+    engine = _real_tiny_engine(deploy)
 
     async def main(srv: LoopbackServer) -> list:
         seen: list = []
         async with _client(srv).realtime.connect(model="duplexcache-tiny") as conn:
-            await _until(conn, "session.created", seen)
             await _manual_turns(conn, seen, voice="default")
             await _stream(conn, _tone_24k(1.0))
             await conn.response.create()
@@ -204,19 +209,13 @@ def test_sdk_push_to_talk_gets_its_reply_without_sending_more_audio():
     asks for a reply and then sends nothing. The server hears silence once the client has been
     quiet for ``server.fill_silence_after_ms`` (engine_session.SilenceFill), so the model keeps
     running units and the reply comes; waiting for the client's audio, it never would."""
-    import torch
-
-    from duplexcache.runtime.engine import build_engine
-
-    torch.set_num_threads(1)
     deploy = _deploy()
     deploy.engine.tick_seconds = 0.2
-    engine = build_engine(deploy)
+    engine = _real_tiny_engine(deploy)
 
     async def main(srv: LoopbackServer) -> list:
         seen: list = []
         async with _client(srv).realtime.connect(model="duplexcache-tiny") as conn:
-            await _until(conn, "session.created", seen)
             await _manual_turns(conn, seen, voice="default")
             pcm = _tone_24k(1.5)
             for i in range(0, pcm.size, 2400):   # 100 ms chunks in real time: the button is held

@@ -72,6 +72,7 @@ class RealtimeSession:
         self.queue_if_full = False
         self.sid: str | None = None       # engine session (set by RealtimeServer.register only)
         self.opening = False              # engine.open_session in flight
+        self.refusals = 0                 # admission refusals of this connection (logged once)
         self.queued = False
         self.audio: InputAudio | None = None
         self.vad: Any = None
@@ -336,7 +337,12 @@ class RealtimeSession:
                                           queue_if_full=self.queue_if_full, sid=self.id)
         except AdmissionError as exc:
             code = getattr(exc, "code", "admission_refused")
-            logger.warning("session %s refused by the engine: %s: %s", self.id, code, exc.reason)
+            # Each append of a refused connection asks again (it gets in once there is room): warn
+            # once per connection, not once per 100 ms chunk (9 refused callers logged 1406 lines)
+            self.refusals += 1
+            logger.log(logging.WARNING if self.refusals == 1 else logging.DEBUG,
+                       "session %s refused by the engine (%d time(s)): %s: %s", self.id, self.refusals, code,
+                       exc.reason)
             server.metrics.protocol_errors.labels(code=code).inc()
             message = _ADMISSION_MESSAGES.get(code, proto.clip(exc.reason, 300))
             self.send(proto.error_event(code, message, event_id=eid, error_type=(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import threading
 
 import httpx
@@ -268,8 +269,9 @@ def test_client_disconnect_mid_stream_closes_session(serve):
     assert httpx.get(srv.http_url("/health")).json()["connections"] == 0
 
 
-def test_admission_refuses_then_admits_and_queue_gets_notices(serve):
+def test_admission_refuses_then_admits_and_queue_gets_notices(serve, caplog):
     engine, srv = serve(capacity=2)
+    caplog.set_level(logging.DEBUG, logger="duplexcache.server.realtime_session")
     silence = {"type": "input_audio_buffer.append", "audio": pcm16_b64(np.zeros(1600, np.int16))}
 
     async def main():
@@ -296,6 +298,9 @@ def test_admission_refuses_then_admits_and_queue_gets_notices(serve):
             wait_for(lambda: sid_of(engine, "b") in engine.closed, what="b closed")
             await send(c, silence)  # the refused socket stays usable and gets in once there is room
             wait_for(lambda: engine.opened == 4, what="c admitted")
+            # refused twice, warned once (each append of a refused connection asks again)
+            refused = [r for r in caplog.records if "refused by the engine" in r.getMessage()]
+            assert [r.levelno for r in refused] == [logging.WARNING, logging.DEBUG]
             await send(d, silence)
             wait_for(lambda: sum(x.size for x in engine.received[sid_of(engine, "d")]) == 1600, what="d's audio")
 

@@ -50,15 +50,12 @@ import numpy as np
 from duplexcache.bench import workload as wl
 from duplexcache.bench.common import hardware_line, int_list, write_results
 from duplexcache.bench.plot import pyplot, save_figure
-from duplexcache.bench.serve_client import GAP_S, Caller, SessionTrace, session_row
+from duplexcache.bench.serve_client import GAP_S, TURN_WORKLOADS, Caller, SessionTrace, session_row
 from duplexcache.server.protocol import PLACEMENT_HEADER
 
 logger = logging.getLogger(__name__)
 
-SERVE_WORKLOADS = ("conversation", "push_to_talk", "continuous")
-# Workloads with user turns, so with reply latencies: push_to_talk is the conversation of a caller
-# that sends audio only while it speaks (the server hears silence in between: fill_silence_after_ms).
-TURN_WORKLOADS = ("conversation", "push_to_talk")
+SERVE_WORKLOADS = (*TURN_WORKLOADS, "continuous")
 MAX_SESSIONS = 1024
 MAX_STEPS = 16
 MAX_DURATION_S = 3600.0

@@ -92,6 +92,11 @@ class SessionTrace:
     script: wl.SessionScript | None = None
 
 
+# Workloads with user turns, so with reply latencies: push_to_talk is the conversation of a caller
+# that sends audio only while it speaks (the server hears silence in between: fill_silence_after_ms).
+TURN_WORKLOADS = ("conversation", "push_to_talk")
+
+
 def _unit_chunks(pcm: np.ndarray) -> list[np.ndarray]:
     """A unit's samples in <= 0.1 s pieces whose last one ends on the unit boundary."""
     return [pcm[i:i + CHUNK_SAMPLES] for i in range(0, pcm.size, CHUNK_SAMPLES)]
@@ -113,7 +118,7 @@ class Caller:
     drain_s: float = 5.0
 
     def script(self, sid: str) -> wl.SessionScript:
-        if self.workload in ("conversation", "push_to_talk"):
+        if self.workload in TURN_WORKLOADS:
             return wl.conversation_script(self.index, sid, self.units, self.seed, self.shape)
         return wl.continuous_script(sid, self.units)
 

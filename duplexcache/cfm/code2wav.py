@@ -4,7 +4,8 @@ Per tick: each session's chunk (25 tokens + 3 lookahead; a final chunk may be sh
 its lookahead) goes through the conformer, one call for the sessions whose chunks have equal
 lengths and finality; inside it the attention runs once per conformer cache length (its rel-pos
 attention has no per-row mask, so rows attend together only at equal shapes) and everything
-else once for the call (`UpsampleConformerEncoderV2.forward_chunk_segments`), then all sessions with the same frame count solve the 10 Euler steps together in the
+else once for the call (`UpsampleConformerEncoderV2.forward_chunk_segments`), then all sessions
+with the same frame count solve the 10 Euler steps together in the
 `EulerArena` (each row with its own cache length and noise offset), then the Token2wav trim
 rule, then the vocoder, batched over the sessions whose vocoder caches and mel chunks have equal
 lengths (`models.vocoder.hift_stream_steps`: mel cache, source cache, Hamming cross-fade; each
@@ -368,10 +369,9 @@ class BatchedCode2Wav:
             [len(seg) for seg in segments])
         tail = self.config.cache_tail_frames
         noise_frames = self.flow.decoder.rand_noise.shape[2]
-        rows = [(catt, j) for catt, seg in zip(catts, segments) for j in range(len(seg))]
+        seg_rows = [(catt, j) for catt, seg in zip(catts, segments) for j in range(len(seg))]   # member order
         out = {}
-        for i, (sid, sess) in enumerate(zip(members, sessions)):
-            catt, j = rows[i]
+        for i, (sid, sess, (catt, j)) in enumerate(zip(members, sessions, seg_rows)):
             att, p = catt[:, j:j + 1], sess.prompt_frames
             if att.shape[3] > p + tail:
                 att = torch.cat([att[:, :, :, :p], att[:, :, :, -tail:]], dim=3)

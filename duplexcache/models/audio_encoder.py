@@ -696,7 +696,7 @@ class AudioEncoder(nn.Module):
                 x[torch.tensor(idxs).to(device, non_blocking=True), : front.shape[1]] = front
         # Frame j of row b sits at position starts[b] + j (clamped on padding, which is dropped)
         top = pos_table.shape[0] - 1
-        positions = torch.tensor([[min(start + j, top) for j in range(n_max)] for start in starts])
+        positions = (torch.tensor(starts)[:, None] + torch.arange(n_max)).clamp_(max=top)   # on the host
         # contiguous as the per-session build was: a (B, d, F)-strided sum could change GEMM bits
         x = (x + pos_table[positions.to(device, non_blocking=True)]).contiguous()
         # Key j of row b is real iff j < key_lens[b]; padded query rows are computed and dropped.

@@ -180,24 +180,16 @@ class Talker(nn.Module):
     def build_condition(self, text_token_ids: torch.Tensor, thinker_hidden: torch.Tensor,
                         boundary_token_ids: tuple[int, ...] = ()) -> torch.Tensor:
         """Condition rows of one unit: (T,) ids + (T, llm_dim) hidden -> (T + len(boundary), hidden)."""
-        if text_token_ids.dim() != 1 or thinker_hidden.shape != (text_token_ids.shape[0], self.config.llm_dim):
-            raise ValueError(f"build_condition: need ids (T,) and hidden (T, {self.config.llm_dim}), got "
-                             f"{tuple(text_token_ids.shape)} and {tuple(thinker_hidden.shape)}")
-        dev = self.emb_text.weight.device
-        sem = self.projector_semantic(thinker_hidden.to(dev, self.emb_text.weight.dtype))
-        if self.config.normalize_projected_hidden:
-            sem = F.normalize(sem, p=2, dim=-1)
-        rows = self.emb_text(text_token_ids.to(dev, non_blocking=True)) + sem
-        if boundary_token_ids:
-            rows = torch.cat([rows, self.emb_text(torch.tensor(boundary_token_ids).to(dev, non_blocking=True))])
+        rows, _ = self.build_conditions([TalkerUnitRequest([], 0, text_token_ids, thinker_hidden, boundary_token_ids)])
         return rows
 
     def build_conditions(self, requests: Sequence["TalkerUnitRequest"]) -> tuple[torch.Tensor, list[int]]:
-        """``build_condition`` of every request, concatenated in request order, with each
-        request's row count: one projection of all the Thinker hidden rows, one embedding of all
-        the ids (one host-to-device copy), one add. Per request, that was ~10 kernels (the
-        projector's linears, the normalisation, the embedding, a copy, the add). Row i's values
-        are those of ``build_condition`` up to the projector GEMM's row-count rounding."""
+        """The condition rows of every request, concatenated in request order, with each
+        request's row count: per request, the text embeddings plus the L2-normalised semantic
+        projection of its Thinker hidden rows, then its boundary ids' embeddings. One projection of
+        all the hidden rows, one embedding of all the ids (one host-to-device copy), one add: per
+        request that was ~10 kernels. A row's values depend on the other requests only through
+        the projector GEMM's row-count rounding."""
         dev, dtype = self.emb_text.weight.device, self.emb_text.weight.dtype
         hidden, ids, text_rows, sizes = [], [], [], []
         for r in requests:

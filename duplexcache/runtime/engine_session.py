@@ -75,7 +75,9 @@ class EngineSession:
     # ahead of real time the client sends, when its buffer is full.
     received: int = 0
     first_push_s: float | None = None
-    last_push_s: float | None = None   # when its latest chunk arrived (SilenceFill)
+    # Where its audio reaches on the wall clock (SilenceFill): each chunk starts where the one
+    # before it ended, or at its own arrival less its duration when later (a pause, or jitter)
+    audio_until_s: float | None = None
     realign: bool = False         # its units were filled with silence: its next audio is aligned again
     pause_filled: bool = False    # a tick filled the current pause (its next chunk brings no silence)
     silent_units: int = 0         # units completed with silence because the client sent nothing
@@ -173,7 +175,9 @@ class SilenceFill:
     would follow the audio before it at once, and the model would hear two turns as one. So a
     chunk that arrives ``after_samples`` or more later than real time allows (the previous
     chunk's arrival plus this chunk's duration) is preceded by that much silence, unless the
-    pause was already filled at a tick.
+    pause was already filled at a tick. "Real time allows" follows the client's audio, not its
+    sends: a client that sent ahead (a file, faster than real time) and then waits less than it
+    is ahead has not paused (``EngineSession.audio_until_s``).
     """
 
     after_samples: int    # quiet beyond the session's largest chunk before silence fills a unit
@@ -186,16 +190,16 @@ class SilenceFill:
         """Samples of silence to put before a chunk of ``samples`` arriving at ``now``: the time
         the client sent nothing beyond the chunk's own duration, when that is ``after_samples`` or
         more and no tick filled the pause (0 otherwise)."""
-        if sess.last_push_s is None or sess.pause_filled:
+        if sess.audio_until_s is None or sess.pause_filled:
             return 0
-        gap = round((now - sess.last_push_s) * INPUT_SAMPLE_RATE) - samples
+        gap = round((now - sess.audio_until_s) * INPUT_SAMPLE_RATE) - samples
         return gap if gap >= self.after_samples else 0
 
     def due(self, sess: "EngineSession", now: float) -> bool:
         """Whether ``sess``'s client has sent nothing for long enough at ``now``."""
-        if sess.last_push_s is None:
+        if sess.audio_until_s is None:
             return False
-        quiet = round((now - sess.last_push_s) * INPUT_SAMPLE_RATE)   # whole samples: no float edge
+        quiet = round((now - sess.audio_until_s) * INPUT_SAMPLE_RATE)   # whole samples: no float edge
         return quiet >= sess.largest_push + self.after_samples
 
 
@@ -431,7 +435,10 @@ class SessionTable:
                             sid, pause / INPUT_SAMPLE_RATE)
                 sess.audio.append(np.zeros(pause, np.float32))
                 sess.buffered += pause
-            sess.last_push_s, sess.pause_filled = now, False
+            start = now - pcm.size / INPUT_SAMPLE_RATE   # the earliest this chunk can have begun
+            sess.audio_until_s = max(start if sess.audio_until_s is None else sess.audio_until_s, start) \
+                + pcm.size / INPUT_SAMPLE_RATE
+            sess.pause_filled = False
             sess.audio.append(pcm.copy())
             sess.buffered += pcm.size
             sess.received += pcm.size
@@ -446,11 +453,6 @@ class SessionTable:
                 sess.audio = [audio] if audio.size else []
                 sess.buffered = int(audio.size)
         return drop
-
-    def count_with(self, samples_needed: Callable[[EngineSession], int]) -> int:
-        """Opened sessions with at least ``samples_needed(session)`` samples buffered."""
-        with self.lock:
-            return sum(1 for s in self.live.values() if s.opened and s.buffered >= samples_needed(s))
 
     def count_behind(self, unit_samples: int, samples_needed: Callable[[EngineSession], int]) -> int:
         """Opened sessions a whole unit behind: one still held ``unit_samples`` right after its
@@ -478,7 +480,7 @@ class SessionTable:
                 if fill is not None and sess.buffered < need and fill.due(sess, now):
                     if not sess.pause_filled:   # once per pause: every quiet tick would repeat it
                         logger.info("session %s: no audio for %.2f s; its units are filled with silence until "
-                                    "it sends again", sess.sid, now - sess.last_push_s)
+                                    "it sends again", sess.sid, now - sess.audio_until_s)
                     sess.audio.append(np.zeros(need - sess.buffered, np.float32))
                     sess.buffered = need
                     sess.silent_units += 1

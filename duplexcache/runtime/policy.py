@@ -32,7 +32,8 @@ Two policies:
   speech frame (counted across units), and that unit starts a reply of ``R`` units, ``R =``
   :func:`reply_units` ``(session id, turn index, min, max)``; the reply's last unit ends with
   ``<|turn_eos|>``, then the session listens again. Speech during a reply does not interrupt it
-  (no barge-in)::
+  (no barge-in), but it is heard: a turn spoken while a reply runs is answered when the reply
+  ends, once its quiet has come (a caller that does not wait for the reply loses no turn)::
 
       input     q q S S S q q q q q S S q ...       (S: speech to the unit's end)
       decision  L L L L L S S S L L L L S ...       (turn 0: R = 3 units)

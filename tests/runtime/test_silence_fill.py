@@ -49,10 +49,10 @@ def test_fill_is_due_after_the_largest_chunk_plus_the_wait():
     fill = SilenceFill(after_samples=8_000)
 
     class S:   # only the two fields `due` reads
-        last_push_s, largest_push = 10.0, CHUNK
+        audio_until_s, largest_push = 10.0, CHUNK
 
     assert not fill.due(S, 10.0 + QUIET_S - 0.01) and fill.due(S, 10.0 + QUIET_S)
-    S.last_push_s = None
+    S.audio_until_s = None
     assert not fill.due(S, 1e9)   # a session that never sent has nothing to continue
     with pytest.raises(ValueError):
         SilenceFill(after_samples=-1)
@@ -180,4 +180,30 @@ def test_a_pause_filled_at_the_ticks_adds_no_more_silence_when_the_client_resume
     assert sess.silent_units >= 2 and sess.buffered == 0
     _push(eng, sid, clock, stream, sent, 1)
     assert sess.buffered == CHUNK and not sess.pause_filled
+    eng.shutdown()
+
+
+def test_a_client_ahead_of_real_time_that_waits_less_than_it_is_ahead_has_not_paused(tmp_path):
+    """A client that sent 3 s of audio in 0.3 s (a file) and sends again 2 s later has sent
+    nothing late: its audio reaches past that moment, so no silence goes between the two.
+    Waiting past where its audio reaches by 3 s is a pause of 3 s."""
+    eng, clock, _ = _engine(tmp_path, "ahead", AFTER_MS)
+    sid = eng.open_session({"voice": "default"})
+    stream = audio(8, 7)
+    sent = 0
+    for _ in range(30):                 # 3 s of audio, a chunk every 10 ms
+        clock.now += 0.01
+        eng.push_audio(sid, stream[sent:sent + CHUNK])
+        sent += CHUNK
+    clock.now += 2.0                    # 2.3 s after the first chunk: the audio reaches 3 s
+    eng.push_audio(sid, stream[sent:sent + CHUNK])
+    sent += CHUNK
+    sess = eng.table.get_live(sid)
+    assert sess.buffered == 31 * CHUNK
+    # 31 chunks from 0.1 s before the first arrival: the audio reaches 0.71 s past now. The next
+    # chunk arrives so that it starts 3 s after that (its own 0.1 s after the 3 s)
+    clock.now += 0.71 + 3.0 + 0.1
+    eng.push_audio(sid, stream[sent:sent + CHUNK])
+    buffered = np.concatenate(sess.audio)
+    assert buffered.size == 32 * CHUNK + 3 * 16_000 and not buffered[31 * CHUNK:31 * CHUNK + 48_000].any()
     eng.shutdown()

@@ -430,20 +430,19 @@ def test_prefill_chunks_run_before_the_tick_when_they_fit(serve, between, cost):
         assert moved == 0      # switched off, or a chunk longer than the period: the ticks run them
 
 
-@pytest.mark.parametrize("server, told", [({}, 50.0), ({"unit_align_margin_ms": 120.0}, 120.0),
-                                          ({"align_units_to_ticks": False}, None)])
-def test_unit_alignment_reaches_the_engine(serve, server, told):
+@pytest.mark.parametrize("server, told, field", [
+    ({}, 50.0, "unit_alignment_ms"), ({"unit_align_margin_ms": 120.0}, 120.0, "unit_alignment_ms"),
+    ({"align_units_to_ticks": False}, None, "unit_alignment_ms"),
+    ({}, 500.0, "silence_fill_ms"), ({"fill_silence_after_ms": 250.0}, 250.0, "silence_fill_ms"),
+    ({"fill_silence_after_ms": None}, None, "silence_fill_ms"),
+])
+def test_pacing_switches_reach_the_engine(serve, server, told, field):
+    """server.align_units_to_ticks / unit_align_margin_ms -> set_unit_alignment, and
+    server.fill_silence_after_ms -> set_silence_fill, as the tick loop starts (what the fake
+    engine was told; "unset" until then)."""
     engine, _ = serve(server=server)
-    wait_for(lambda: engine.unit_alignment_ms != "unset", timeout=30, what="the tick loop to start")
-    assert engine.unit_alignment_ms == told
-
-
-@pytest.mark.parametrize("server, told", [({}, 500.0), ({"fill_silence_after_ms": 250.0}, 250.0),
-                                          ({"fill_silence_after_ms": None}, None)])
-def test_silence_fill_reaches_the_engine(serve, server, told):
-    engine, _ = serve(server=server)
-    wait_for(lambda: engine.silence_fill_ms != "unset", timeout=30, what="the tick loop to start")
-    assert engine.silence_fill_ms == told
+    wait_for(lambda: getattr(engine, field) != "unset", timeout=30, what="the tick loop to start")
+    assert getattr(engine, field) == told
 
 
 def test_compute_threads_auto_leaves_the_event_loop_a_cpu():

@@ -132,6 +132,9 @@ class Code2WavConfig(_Strict):
     max_num_seqs: int = Field(16, gt=0)
     # Graph tiers (batch sizes captured as graphs). Overridden by DUPLEXCACHE_CFM_GRAPH_GRID.
     graph_grid: tuple[int, ...] | None = None
+    # CUDA: the vocoder (HiFT) replays CUDA graphs of the engine's chunk shapes, like the
+    # estimator's solves (off: eager, the A/B reference).
+    vocoder_cuda_graphs: bool = True
 
     @model_validator(mode="before")
     @classmethod

@@ -54,6 +54,7 @@ class TickBenchConfig:
     encoder_cache_dtype: str = "auto"   # precision.encoder_cache_dtype (fp8_e4m3: capacity mode)
     talker_turn_tokens: int | None = None   # engine.talker_turn_tokens (None: the Talker's limit)
     profile_ticks: int = 0   # ticks run under torch.profiler after the recorded ones (bench/tick_profile.py)
+    vocoder_cuda_graphs: bool = True   # code2wav.vocoder_cuda_graphs (CUDA only; off is the A/B reference)
 
     def __post_init__(self) -> None:
         if self.workload not in wl.WORKLOADS:
@@ -139,6 +140,7 @@ def make_deploy(cfg: TickBenchConfig) -> DeployConfig:
     raw["engine"]["speak_policy"] = cfg.speak_policy()
     raw["engine"]["decode_cuda_graphs"] = cfg.decode_cuda_graphs
     raw["stage0"]["ragged_kernel"] = cfg.ragged_kernel
+    raw["code2wav"]["vocoder_cuda_graphs"] = cfg.vocoder_cuda_graphs
     raw["precision"]["code2wav_dtype"] = cfg.code2wav_dtype
     raw["precision"]["kv_cache_dtype"] = cfg.kv_cache_dtype
     raw["precision"]["encoder_cache_dtype"] = cfg.encoder_cache_dtype
@@ -173,6 +175,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="engine.decode_cuda_graphs: replay the Thinker/Talker decode steps from CUDA graphs")
     p.add_argument("--ragged-kernel", choices=("on", "off"), default="on",
                    help="stage0.ragged_kernel: short ragged steps through the in-place paged kernel")
+    p.add_argument("--vocoder-cuda-graphs", choices=("on", "off"), default="on",
+                   help="code2wav.vocoder_cuda_graphs: the vocoder as CUDA graphs (off: eager, the A/B reference)")
     p.add_argument("--warm-up", choices=("on", "off"), default="on",
                    help="CUDA: DuplexEngine.warmup() before the first tick (as `duplexcache serve`); off: graphs "
                         "are captured inside ticks (the cold A/B)")
@@ -200,4 +204,5 @@ def config_from_args(a: argparse.Namespace) -> TickBenchConfig:
                            a.memory_budget, a.all_switches == "on", a.max_seconds, a.speak_k, a.seed, a.steady_window,
                            a.decode_cuda_graphs == "on", a.turn_units, a.ragged_kernel == "on", a.workload,
                            a.warm_up == "on", a.graph_grid, a.code2wav_dtype, a.kv_cache_dtype,
-                           a.encoder_cache_dtype, a.talker_turn_tokens, a.profile_ticks)
+                           a.encoder_cache_dtype, a.talker_turn_tokens, a.profile_ticks,
+                           a.vocoder_cuda_graphs == "on")

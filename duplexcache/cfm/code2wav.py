@@ -14,8 +14,9 @@ session's NSF noise from its own generator). `batch_stats` counts the batched ca
 CUDA graphs: on a CUDA device every estimator solve (setup passes included) goes through the
 arena's graph path: the first solve of a (tier, width, cache bucket) key captures it, later ones
 replay it (`graph_stats` counts captures, replays and eager runs). On CPU the same solve runs
-eagerly. The conformer and the vocoder run eagerly, one call per shape group (at steady state
-one group each).
+eagerly. The vocoder replays graphs too (`config.vocoder_cuda_graphs`, the shapes of the engine's
+chunks; `cfm.vocoder_graphs`, `vocoder_graph_stats`). The conformer runs eagerly, one call per
+shape group (at steady state one group each).
 
 Voices and streams: `register_voice` runs the voice's prompt setup pass (conformer + estimator
 over the prompt, one row at tier 1) once, and the registry keeps its `PromptState` as long as the
@@ -46,6 +47,7 @@ from duplexcache.cfm.config import Code2WavConfig
 from duplexcache.cfm.graph_grid import arena_rows, replay_groups
 from duplexcache.cfm.prompt_cache import AttCache, PlainAttCache, SharedPromptAttCache
 from duplexcache.cfm.prompt_registry import PromptRegistry, PromptState, VoicePrompt
+from duplexcache.cfm.vocoder_graphs import VocoderGraphs
 from duplexcache.models.vocoder import HiftStreamState, frozen_weight_norm, hift_stream_steps
 
 logger = logging.getLogger(__name__)
@@ -147,11 +149,37 @@ class BatchedCode2Wav:
         # once (the window is a host-to-device copy) and shared read-only: the vocoder replaces a
         # stream's caches with new tensors and never writes the window.
         self._fresh_vocoder = HiftStreamState.create(config.shape.mel_bins, self.device)
+        self.vocoder_graphs = self._vocoder_graphs(self.arena.graph_backend)
+
+    def _vocoder_graphs(self, backend: GraphBackend | None) -> VocoderGraphs | None:
+        """The vocoder's graphs share the arena's backend (on CUDA, its memory pool)."""
+        cfg = self.config
+        if backend is None or not cfg.vocoder_cuda_graphs or not cfg.vocoder_graph_shapes:
+            return None
+        return VocoderGraphs(self.hift, cfg.vocoder_graph_shapes, self.arena.rows, cfg.graph_grid, backend)
+
+    def set_graph_backend(self, backend: GraphBackend) -> None:
+        """Replace the graph backend of the arena and the vocoder before anything was captured
+        (tests give a CPU engine a fake one to exercise the capture logic)."""
+        if self.arena.graph_keys or (self.vocoder_graphs is not None and self.vocoder_graphs.graph_keys):
+            raise RuntimeError("set_graph_backend after graphs were captured")
+        self.arena.graph_backend = backend
+        self.vocoder_graphs = self._vocoder_graphs(backend)
 
     @property
     def graph_stats(self) -> ArenaStats:
         """Counters of the estimator solves: graph captures, replays, eager runs."""
         return self.arena.stats
+
+    @property
+    def vocoder_graph_stats(self) -> ArenaStats:
+        """Counters of the vocoder calls through `vocoder_graphs` (all 0 when it is off)."""
+        return self.vocoder_graphs.stats if self.vocoder_graphs is not None else ArenaStats()
+
+    @property
+    def vocoder_graph_bytes(self) -> int:
+        """Bytes of the vocoder graphs' static buffers, allocated at construction (fixed)."""
+        return self.vocoder_graphs.nbytes() if self.vocoder_graphs is not None else 0
 
     @property
     def batch_stats(self) -> BatchStats:
@@ -410,7 +438,8 @@ class BatchedCode2Wav:
         # The vocoder runs float32 whatever the flow's dtype (a no-op for a float32 flow).
         mel = torch.stack([s.last_mel for s in sessions]).float()                    # (b, 80, W)
         pcms = hift_stream_steps(self.hift, [s.vocoder for s in sessions], mel, flags,
-                                 [s.generator for s in sessions])
+                                 [s.generator for s in sessions],
+                                 self.vocoder_graphs.run if self.vocoder_graphs is not None else None)
         out = {}
         for sid, sess, last, pcm in zip(members, sessions, flags, pcms):
             sess.chunks += 1

@@ -11,7 +11,11 @@ reference's order -- ``rand(b, harmonics+1)``, ``randn(b, L, harmonics+1)``, ``r
 (the last one unused, drawn anyway) -- so seeding the same RNG gives the same waveform.
 ``generator`` may also be a list with one ``torch.Generator`` per batch row (``RowGenerators``):
 then each row draws its own numbers from its own generator, in the order a batch of one would,
-so a batched forward gives every session the noise it would get alone.
+so a batched forward gives every session the noise it would get alone. The draws depend only on
+the batch's shape, so ``HiFTGenerator.draw_noise`` makes them before the forward and
+``forward_drawn`` is a pure function of its tensors: what ``cfm.vocoder_graphs`` captures as a
+CUDA graph. The iSTFT is ``istft``, torch.istft's own ops without its host-side window check
+(the one sync of the forward).
 
 ``HiftStreamState`` + ``hift_stream_step`` reproduce the vocoder half of
 ``Token2wav.stream``: an 8-frame mel cache, a 3840-sample source and speech cache, a Hamming
@@ -23,7 +27,7 @@ caches have equal lengths, in one generator forward.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -71,6 +75,47 @@ def _rand_rows(rows: int, cols: int, device: torch.device, generator: RowGenerat
         return torch.rand(rows, cols, device=device, generator=generator)
     check_row_generators(generator, rows)
     return torch.cat([torch.rand(1, cols, device=device, generator=g) for g in generator])
+
+
+@dataclass(frozen=True)
+class NSFNoise:
+    """The NSF source's random numbers for one forward, drawn by ``HiFTGenerator.draw_noise``.
+
+    ``phases``: each harmonic's initial phase, (b, harmonics + 1), the fundamental's 0.
+    ``additive``: the additive noise before its amplitude, (b, samples, harmonics + 1), laid out
+    as the sine waves are (harmonics-major per row) so each value sits where the reference puts it.
+    """
+
+    phases: torch.Tensor
+    additive: torch.Tensor
+
+
+def istft(spec: torch.Tensor, n_fft: int, hop: int, window: torch.Tensor) -> torch.Tensor:
+    """``torch.istft(spec, n_fft, hop, n_fft, window)`` (centred, one-sided, unnormalised),
+    bit for bit, without the host sync.
+
+    The same ATen ops in the same order (an inverse real FFT over the transposed frames, the
+    window, overlap-add by ``unfold_backward``, the centre trim, the division by the summed
+    squared window). torch.istft also asks the host whether that sum ever falls below 1e-11
+    (NOLA), a blocking read in every call and one a CUDA graph cannot hold; the vocoder's
+    periodic Hann window at hop n_fft / 4 never does (``VocoderConfig`` checks it once).
+    spec (b, n_fft/2 + 1, frames) complex -> (b, hop * (frames - 1)).
+    """
+    frames = spec.shape[-1]
+    length = n_fft + hop * (frames - 1)
+    frames_time = torch.fft.irfft(spec.transpose(1, 2), n=n_fft, dim=-1, norm="backward")   # (b, frames, n_fft)
+    y = torch.ops.aten.unfold_backward(frames_time * window.view(1, 1, n_fft), [spec.shape[0], length], 1, n_fft, hop)
+    envelope = torch.ops.aten.unfold_backward(window.pow(2).expand(1, frames, n_fft), [1, length], 1, n_fft, hop)
+    half = n_fft // 2
+    return y[:, half:-half] / envelope[:, half:-half]
+
+
+def nola_holds(n_fft: int, hop: int, window: torch.Tensor) -> bool:
+    """The overlap-added squared window never falls below torch.istft's 1e-11 inside the trim."""
+    frames = 2 * n_fft // hop + 1
+    length = n_fft + hop * (frames - 1)
+    envelope = torch.ops.aten.unfold_backward(window.pow(2).expand(1, frames, n_fft), [1, length], 1, n_fft, hop)
+    return bool(envelope[:, n_fft // 2:-(n_fft // 2)].abs().min() >= 1e-11)
 
 
 @dataclass(frozen=True)
@@ -184,13 +229,21 @@ class SineGen2(nn.Module):
         self.voiced_threshold = voiced_threshold
         self.upsample_scale = upsample_scale
 
-    def _f02sine(self, f0_values: torch.Tensor, generator: RowGenerators) -> torch.Tensor:
+    def draw(self, rows: int, samples: int, device: torch.device, generator: RowGenerators) -> NSFNoise:
+        """The forward's random numbers, in the reference's order per generator: the initial
+        phases, the additive noise, then a draw the reference makes and discards."""
+        harmonics = self.harmonic_num + 1
+        phases = _rand_rows(rows, harmonics, device, generator)
+        phases[:, 0] = 0   # no random phase for the fundamental
+        # the sine waves' layout (a transposed interpolation output): values land as in the reference
+        additive = _normal_like(torch.empty(rows, harmonics, samples, device=device).transpose(1, 2), generator)
+        _normal_like(torch.empty(rows, samples, 1, device=device), generator)   # SourceModuleHnNSF2's unused branch
+        return NSFNoise(phases, additive)
+
+    def _f02sine(self, f0_values: torch.Tensor, phases: torch.Tensor) -> torch.Tensor:
         """f0_values (b, L, harmonics+1) in Hz -> sines (b, L, harmonics+1)."""
         rad_values = (f0_values / self.sampling_rate) % 1
-        # random initial phase per harmonic, none for the fundamental
-        rand_ini = _rand_rows(f0_values.shape[0], f0_values.shape[2], f0_values.device, generator)
-        rand_ini[:, 0] = 0
-        rad_values[:, 0, :] = rad_values[:, 0, :] + rand_ini
+        rad_values[:, 0, :] = rad_values[:, 0, :] + phases
         rad_values = F.interpolate(rad_values.transpose(1, 2), scale_factor=1 / self.upsample_scale,
                                    mode="linear").transpose(1, 2)
         phase = torch.cumsum(rad_values, dim=1) * 2 * np.pi
@@ -198,18 +251,15 @@ class SineGen2(nn.Module):
                               mode="linear").transpose(1, 2)
         return torch.sin(phase)
 
-    def forward(self, f0: torch.Tensor, generator: RowGenerators = None) -> torch.Tensor:
+    def forward(self, f0: torch.Tensor, noise: NSFNoise) -> torch.Tensor:
         """f0 (b, L, 1) -> voiced sines + noise (b, L, harmonics+1)."""
         # 1..harmonics+1 made on f0's device (exact small integers: the values of the reference's
         # host tensor, without its blocking copy)
         harmonics = torch.arange(1, self.harmonic_num + 2, dtype=torch.float32, device=f0.device).reshape(1, 1, -1)
-        sine_waves = self._f02sine(torch.multiply(f0, harmonics), generator) * self.sine_amp
+        sine_waves = self._f02sine(torch.multiply(f0, harmonics), noise.phases) * self.sine_amp
         uv = (f0 > self.voiced_threshold).type(torch.float32)
         noise_amp = uv * self.noise_std + (1 - uv) * self.sine_amp / 3
-        # like randn_like: same strides as sine_waves (transposed), so the same values land
-        # on the same elements as in the reference
-        noise = noise_amp * _normal_like(sine_waves, generator)
-        return sine_waves * uv + noise
+        return sine_waves * uv + noise_amp * noise.additive
 
 
 class SourceModuleHnNSF2(nn.Module):
@@ -224,14 +274,12 @@ class SourceModuleHnNSF2(nn.Module):
         self.l_linear = nn.Linear(harmonic_num + 1, 1)
         self.l_tanh = nn.Tanh()
 
-    def forward(self, x: torch.Tensor, generator: RowGenerators = None) -> torch.Tensor:
-        """x: f0 (b, L, 1) -> source (b, L, 1)."""
+    def forward(self, x: torch.Tensor, noise: NSFNoise) -> torch.Tensor:
+        """x: f0 (b, L, 1) -> source (b, L, 1). The reference's noise branch is unused (its draw
+        is made by `SineGen2.draw`, to keep the RNG in step)."""
         with torch.no_grad():
-            sine_wavs = self.l_sin_gen(x, generator)
-        sine_merge = self.l_tanh(self.l_linear(sine_wavs))
-        # the reference draws (and discards) a noise branch; draw it to keep the RNG in step
-        _normal_like(sine_merge, generator)
-        return sine_merge
+            sine_wavs = self.l_sin_gen(x, noise)
+        return self.l_tanh(self.l_linear(sine_wavs))
 
 
 class ConvRNNF0Predictor(nn.Module):
@@ -297,6 +345,8 @@ class HiFTGenerator(nn.Module):
         self.conv_post.apply(_init_conv)
         self.reflection_pad = nn.ReflectionPad1d((1, 0))
         window = periodic_hann(cfg.n_fft)
+        if not nola_holds(cfg.n_fft, cfg.hop_len, window):
+            raise ValueError(f"the Hann window at n_fft {cfg.n_fft}, hop {cfg.hop_len} breaks the iSTFT's NOLA condition")
         if torch.empty(0).device.type == "meta":
             window = window.to("meta")
         self.register_buffer("stft_window", window, persistent=False)  # not in hift.pt
@@ -312,7 +362,7 @@ class HiFTGenerator(nn.Module):
         magnitude = torch.clip(magnitude, max=1e2)
         real = magnitude * torch.cos(phase)
         img = magnitude * torch.sin(phase)
-        return torch.istft(torch.complex(real, img), n, hop, n, window=self.stft_window.to(magnitude.device))
+        return istft(torch.complex(real, img), n, hop, self.stft_window.to(magnitude.device))
 
     def decode(self, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         """x mel (b, 80, t); s source (b, 1, 480*t) -> speech (b, 480*t)."""
@@ -348,9 +398,20 @@ class HiFTGenerator(nn.Module):
         """
         if speech_feat.dim() != 3 or speech_feat.shape[1] != self.cfg.in_channels:
             raise ValueError(f"speech_feat must be (b, {self.cfg.in_channels}, t), got {tuple(speech_feat.shape)}")
+        noise = self.draw_noise(speech_feat.shape[0], speech_feat.shape[2], speech_feat.device, generator)
+        return self.forward_drawn(speech_feat, cache_source, noise)
+
+    def draw_noise(self, rows: int, mel_frames: int, device: torch.device, generator: RowGenerators = None) -> NSFNoise:
+        """The random numbers a forward over (rows, mels, mel_frames) uses (see the module docstring)."""
+        return self.m_source.l_sin_gen.draw(rows, mel_frames * SAMPLES_PER_FRAME, device, generator)
+
+    @torch.inference_mode()
+    def forward_drawn(self, speech_feat: torch.Tensor, cache_source: torch.Tensor | None,
+                      noise: NSFNoise) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` with its random numbers given: no RNG, no host sync (CUDA-graph safe)."""
         f0 = self.f0_predictor(speech_feat)  # (b, t)
         s = self.f0_upsamp(f0[:, None]).transpose(1, 2)  # (b, 480t, 1)
-        s = self.m_source(s, generator).transpose(1, 2)  # (b, 1, 480t)
+        s = self.m_source(s, noise).transpose(1, 2)  # (b, 1, 480t)
         if cache_source is not None and cache_source.shape[2] != 0:
             s[:, :, : cache_source.shape[2]] = cache_source
         return self.decode(speech_feat, s), s
@@ -415,8 +476,13 @@ def _stack_states(states: Sequence[HiftStreamState]) -> tuple[torch.Tensor, torc
             torch.cat([s.speech for s in states]))
 
 
+# `HiFTGenerator.forward_drawn`, or something that computes the same (cfm.vocoder_graphs' replay)
+DrawnForward = Callable[[torch.Tensor, torch.Tensor | None, NSFNoise], tuple[torch.Tensor, torch.Tensor]]
+
+
 def hift_stream_steps(hift: HiFTGenerator, states: Sequence[HiftStreamState], chunk_mel: torch.Tensor,
-                      last_chunk: Sequence[bool], generators: Sequence[torch.Generator | None]) -> list[torch.Tensor]:
+                      last_chunk: Sequence[bool], generators: Sequence[torch.Generator | None],
+                      forward: DrawnForward | None = None) -> list[torch.Tensor]:
     """`hift_stream_step` for b streams at once: one generator forward over (b, 80, cache + t).
 
     The streams' caches must have equal lengths (all first chunks, or all past it: the mel, source
@@ -425,6 +491,7 @@ def hift_stream_steps(hift: HiFTGenerator, states: Sequence[HiftStreamState], ch
     `hift_stream_step(hift, states[i], chunk_mel[i:i+1], last_chunk[i], generators[i])` returns
     up to the GEMMs' batch-size rounding. Each state gets new private tensors (clones, never views
     of the batch), so a stream's cache bytes are its own. Returns one (1, n) PCM per row.
+    `forward` runs the generator on the drawn noise (default `hift.forward_drawn`).
     """
     b = len(states)
     if chunk_mel.dim() != 3 or chunk_mel.shape[0] != b or b == 0:
@@ -435,7 +502,8 @@ def hift_stream_steps(hift: HiFTGenerator, states: Sequence[HiftStreamState], ch
     mel_cache, source_cache, speech_cache = _stack_states(states)
     mel = torch.cat([mel_cache, chunk_mel], dim=2)
     # a batch of one passes its generator itself: exactly the single-stream call
-    speech, source = hift(mel, source_cache, generators[0] if b == 1 else list(generators))
+    noise = hift.draw_noise(b, mel.shape[2], mel.device, generators[0] if b == 1 else list(generators))
+    speech, source = (forward or hift.forward_drawn)(mel, source_cache, noise)
     is_first_chunk = speech_cache.shape[-1] == 0
     if not is_first_chunk:
         speech = fade_in_out(speech, speech_cache, states[0].window)

@@ -26,6 +26,7 @@ the Talker KV of the turn (through ``TalkerBlocks``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import zlib
 from collections.abc import Callable
@@ -49,15 +50,32 @@ logger = logging.getLogger(__name__)
 LOOKAHEAD = 3   # codes of a chunk that only condition it (Code2WavConfig.pre_lookahead_len)
 
 
+def chunk_widths(config: CfmConfig, tokens_per_unit: int) -> tuple[int, int]:
+    """Mel frames of the chunks this stage sends: non-final (3 carried + the unit's codes, the
+    last 3 the lookahead the conformer consumes) and final (the 3 carried codes, their lookahead
+    padded)."""
+    return (LOOKAHEAD + tokens_per_unit - config.pre_lookahead_len) * config.up_rate, LOOKAHEAD * config.up_rate
+
+
+def vocoder_graph_shapes(config: CfmConfig, tokens_per_unit: int) -> tuple[tuple[int, int], ...]:
+    """(mel frames with the cache, source-cache samples) of every vocoder call a stream makes:
+    its first chunk (no cache), the continuing ones, its final one, and a final first chunk."""
+    non_final, final = chunk_widths(config, tokens_per_unit)
+    cache, source = config.mel_cache_len, config.source_cache_len
+    return (non_final, 0), (cache + non_final, source), (cache + final, source), (final, 0)
+
+
 def code2wav_config(deploy: DeployConfig, models: ModelBundle) -> CfmConfig:
     """Code2Wav's config for the deploy's switches, its arena sized for the longest voice prompt."""
     c = deploy.code2wav
     prompt = max(models.voices.get(v).prompt_frames for v in models.voices.names())
-    return CfmConfig(shape=Code2WavShape.from_flow(models.flow), max_num_seqs=c.max_num_seqs,
-                     prompt_att_sharing=c.cfm_prompt_att_sharing,
-                     arena_rows_from_graph_grid=c.cfm_arena_rows_from_graph_grid,
-                     graph_grid=c.graph_grid or (), max_prompt_frames=max(prompt, 100),
-                     use_cuda_graphs=models.device.type == "cuda")
+    config = CfmConfig(shape=Code2WavShape.from_flow(models.flow), max_num_seqs=c.max_num_seqs,
+                       prompt_att_sharing=c.cfm_prompt_att_sharing,
+                       arena_rows_from_graph_grid=c.cfm_arena_rows_from_graph_grid,
+                       graph_grid=c.graph_grid or (), max_prompt_frames=max(prompt, 100),
+                       use_cuda_graphs=models.device.type == "cuda", vocoder_cuda_graphs=c.vocoder_cuda_graphs)
+    return dataclasses.replace(
+        config, vocoder_graph_shapes=vocoder_graph_shapes(config, models.talker.config.tokens_per_unit))
 
 
 def build_code2wav(deploy: DeployConfig, models: ModelBundle) -> BatchedCode2Wav:

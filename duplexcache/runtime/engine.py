@@ -159,7 +159,7 @@ class DuplexEngine:
     def _graph_captures_total(self) -> int:
         """Decode-graph keys first used (captures on CUDA) + Code2Wav graphs captured."""
         decode = sum(g.stats.first_uses for g in (self.thinker_graphs, self.talker_graphs) if g is not None)
-        return decode + self.code2wav.graph_stats.captures
+        return decode + self.code2wav.graph_stats.captures + self.code2wav.vocoder_graph_stats.captures
 
     # ------------------------------------------------------------------ model adapters
 

@@ -176,8 +176,9 @@ class SessionSizing:
         # The voices' Code2Wav prompt states were computed by register_voice and live as long as
         # the engine: fixed, once per voice (sharing on or off), never per session.
         fixed = (self.code2wav.arena.nbytes() + sum(self.voices.get(v).nbytes() for v in names)
-                 + sum(self.code2wav.voice_bytes(v) for v in names) + self.code2wav.vocoder_copy_bytes)
-        # The arena, the voices and the vocoder copy are already allocated: free memory is
+                 + sum(self.code2wav.voice_bytes(v) for v in names) + self.code2wav.vocoder_copy_bytes
+                 + self.code2wav.vocoder_graph_bytes)
+        # The arena, the voices, the vocoder copy and its graphs' buffers are already allocated: free memory is
         # measured after them.
         budget = memory_budget.resolve_memory_budget(e, fixed, memory_budget.device_free_bytes(self.models.device),
                                                      where=str(self.models.device)) - e.activation_reserve

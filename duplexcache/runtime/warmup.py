@@ -56,7 +56,7 @@ import torch
 from duplexcache.cfm.graph_grid import replay_tiers
 from duplexcache.kv.decode_graphs import width_classes
 from duplexcache.kv.paged_attention import NULL_BLOCK_ID, PagedBatch, PagedKVCache
-from duplexcache.runtime.code2wav_stage import LOOKAHEAD
+from duplexcache.runtime.code2wav_stage import chunk_widths
 from duplexcache.runtime.stage0_types import SessionContextInput
 
 if TYPE_CHECKING:
@@ -76,15 +76,17 @@ class WarmupReport:
     code2wav_graphs: int = 0
     kernels: tuple[str, ...] = ()                                 # Triton kernels run once
     cancelled: bool = False                                       # stopped early (server shutting down)
+    vocoder_graphs: int = 0
 
     @property
     def graphs(self) -> int:
-        return sum(self.decode_graphs.values()) + self.code2wav_graphs
+        return sum(self.decode_graphs.values()) + self.code2wav_graphs + self.vocoder_graphs
 
     def describe(self) -> str:
         per_model = ", ".join(f"{k} {v}" for k, v in self.decode_graphs.items()) or "none"
         return (f"warm-up took {self.seconds:.2f} s: {self.graphs} graphs (decode: {per_model}; "
-                f"Code2Wav: {self.code2wav_graphs}), kernels: {', '.join(self.kernels) or 'none'}")
+                f"Code2Wav: {self.code2wav_graphs}; vocoder: {self.vocoder_graphs}), "
+                f"kernels: {', '.join(self.kernels) or 'none'}")
 
 
 # ------------------------------------------------------------------------------ key lists
@@ -108,13 +110,8 @@ def decode_keys(engine: DuplexEngine) -> dict[str, list[tuple[int, int]]]:
 
 
 def code2wav_chunk_widths(engine: DuplexEngine) -> tuple[int, int]:
-    """Frames of the chunks the engine sends (runtime/code2wav_stage.py): non-final (3 carried
-    + 25 codes, the last 3 the lookahead the conformer consumes) and final (the 3 carried codes,
-    their lookahead padded)."""
-    cfg = engine.code2wav.config
-    per_unit = engine.models.talker.config.tokens_per_unit
-    non_final = (LOOKAHEAD + per_unit - cfg.pre_lookahead_len) * cfg.up_rate
-    return non_final, LOOKAHEAD * cfg.up_rate
+    """Frames of the chunks the engine sends (runtime/code2wav_stage.chunk_widths)."""
+    return chunk_widths(engine.code2wav.config, engine.models.talker.config.tokens_per_unit)
 
 
 def code2wav_cache_lengths(prompt_frames: int, chunk_width: int, tail: int) -> list[int]:
@@ -148,6 +145,15 @@ def code2wav_keys(engine: DuplexEngine) -> list[Code2WavKey]:
             seen.add(graph_key)
             keys.append((tier, width, length))
     return keys
+
+
+def vocoder_keys(engine: DuplexEngine) -> list[tuple[int, tuple[int, int]]]:
+    """Every (tier, shape) of a vocoder graph a tick can need, largest tier first."""
+    graphs = engine.code2wav.vocoder_graphs
+    if graphs is None:
+        return []
+    tiers = graphs.tiers(max(1, engine.plan.planned_sessions))
+    return [(tier, shape) for tier in reversed(tiers) for shape in graphs.shapes]
 
 
 # ------------------------------------------------------------------------------ kernels
@@ -357,6 +363,11 @@ def warm_up(engine: DuplexEngine, should_stop: Callable[[], bool] = _never) -> W
         if should_stop():
             break
         c2w += arena.warm(tier, width, length)
+    vocoder = 0
+    for tier, shape in vocoder_keys(engine):
+        if should_stop():
+            break
+        vocoder += engine.code2wav.vocoder_graphs.warm(tier, shape)
     if should_stop():
         cancelled = True
     else:
@@ -365,6 +376,6 @@ def warm_up(engine: DuplexEngine, should_stop: Callable[[], bool] = _never) -> W
             kernels += (f"thinker:prefill_{run_prefill_once(engine)}_tokens",
                         f"audio_encoder:batch_{run_encoder_once(engine)}",
                         f"allocator:dynamic_{reserve_dynamic_region(engine) >> 20}_MiB")
-    report = WarmupReport(time.perf_counter() - start, decode, c2w, kernels, cancelled)
+    report = WarmupReport(time.perf_counter() - start, decode, c2w, kernels, cancelled, vocoder)
     logger.info("engine %s%s", report.describe(), " (cancelled)" if cancelled else "")
     return report

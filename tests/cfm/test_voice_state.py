@@ -54,7 +54,7 @@ def test_one_prompt_pass_per_voice_over_many_turns_and_sessions(sharing, monkeyp
     assert stage.batch_stats.prompt_passes_per_voice == {"a": 1, "b": 1}
     # a stream start calls no model: count every conformer call and every estimator solve
     calls = []
-    for obj, name in ((stage.flow.encoder, "forward_chunk"), (stage.arena, "run"), (stage, "hift")):
+    for obj, name in ((stage.flow.encoder, "forward_chunk"), (stage.arena, "run"), (stage.hift, "forward_drawn")):
         real = getattr(obj, name)
         monkeypatch.setattr(obj, name, lambda *a, _real=real, **kw: (calls.append(1), _real(*a, **kw))[1])
     stage.add_session("probe", "a")

@@ -16,7 +16,7 @@ from reference_stage2 import one_thread  # noqa: E402,F401  (autouse fixture)
 from duplexcache.models.checkpoint import CheckpointError, load_strict  # noqa: E402
 from duplexcache.models.vocoder import (  # noqa: E402
     HiftStreamState, VocoderConfig, build_vocoder, hift_state_dict_from_checkpoint, hift_stream_step,
-    hift_stream_steps, periodic_hann,
+    hift_stream_steps, istft, periodic_hann,
 )
 
 
@@ -183,9 +183,10 @@ def test_per_row_generators_draw_like_one_row_each(pair):
     f0 = 100 + 50 * torch.rand(3, 960, 1, generator=torch.Generator().manual_seed(1))
     f0[1, :400] = 0                                                   # an unvoiced stretch: noise only
     gens = [torch.Generator().manual_seed(i) for i in range(3)]
-    batched = ours.m_source.l_sin_gen(f0, gens)
+    sine = ours.m_source.l_sin_gen
+    batched = sine(f0, sine.draw(3, 960, f0.device, gens))
     for i in range(3):
-        alone = ours.m_source.l_sin_gen(f0[i:i + 1], torch.Generator().manual_seed(i))
+        alone = sine(f0[i:i + 1], sine.draw(1, 960, f0.device, torch.Generator().manual_seed(i)))
         assert torch.equal(batched[i:i + 1], alone)
     assert not torch.equal(batched[0, :, 1:], batched[2, :, 1:])    # different seeds, different noise
 
@@ -251,3 +252,29 @@ def test_frozen_weight_norm_leaves_the_global_rng_alone():
     before = torch.random.get_rng_state()
     frozen_weight_norm(ours)
     assert torch.equal(before, torch.random.get_rng_state())
+
+
+def test_istft_is_torch_istft_bit_for_bit():
+    """The sync-free iSTFT runs torch.istft's ops: equal outputs for batches and lengths."""
+    window = periodic_hann(16)
+    gen = torch.Generator().manual_seed(3)
+    for rows, frames in ((1, 5), (3, 233), (2, 6961)):
+        spec = torch.complex(torch.randn(rows, 9, frames, generator=gen), torch.randn(rows, 9, frames, generator=gen))
+        assert torch.equal(istft(spec, 16, 4, window), torch.istft(spec, 16, 4, 16, window=window))
+
+
+def test_forward_drawn_is_forward_with_its_draws(pair):
+    """Drawing the NSF noise first (what a CUDA graph replays around) changes no bit, and leaves
+    each generator where the forward leaves it."""
+    ours, _ = pair
+    mel = torch.randn(2, 80, 12, generator=torch.Generator().manual_seed(4))
+    cache = torch.randn(2, 1, 480, generator=torch.Generator().manual_seed(5))
+    gens = [torch.Generator().manual_seed(10 + i) for i in range(2)]
+    speech, source = ours(mel, cache, gens)
+    drawn_gens = [torch.Generator().manual_seed(10 + i) for i in range(2)]
+    noise = ours.draw_noise(2, 12, mel.device, drawn_gens)
+    speech2, source2 = ours.forward_drawn(mel, cache, noise)
+    assert torch.equal(speech, speech2) and torch.equal(source, source2)
+    for a, b in zip(gens, drawn_gens):
+        assert torch.equal(a.get_state(), b.get_state())
+    assert noise.phases.shape == (2, 9) and torch.equal(noise.phases[:, 0], torch.zeros(2))

@@ -142,6 +142,32 @@ def test_arena_rows_from_graph_grid_and_max_num_seqs(tmp_path, on):
     assert eng.code2wav.arena.rows == (2 if on else 4)
 
 
+class _RunNow:
+    """A graph backend whose capture runs the function and returns it as the replay (CPU)."""
+
+    def capture(self, fn):
+        fn()
+        return fn
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_vocoder_cuda_graphs_reach_the_vocoder(tmp_path, on):
+    eng = engine(tmp_path, "vocoder", {"code2wav": {"vocoder_cuda_graphs": on, "graph_grid": [1, 4]}})
+    cfg = eng.code2wav.config
+    assert cfg.vocoder_cuda_graphs is on
+    per_unit = eng.models.talker.config.tokens_per_unit
+    first = (3 + per_unit - 3) * 2
+    assert cfg.vocoder_graph_shapes[:2] == ((first, 0), (8 + first, 8 * 480))
+    assert eng.code2wav.vocoder_graphs is None          # CPU: no graph backend
+    eng.code2wav.set_graph_backend(_RunNow())           # what CUDA would give it
+    assert (eng.code2wav.vocoder_graphs is not None) is on
+    sid = eng.open_session({"voice": "default"})
+    eng.push_audio(sid, audio(0, 3))
+    for _ in range(3):
+        eng.tick()
+    assert (eng.code2wav.vocoder_graph_stats.replays > 0) is on
+
+
 def test_arena_switch_without_grid_is_an_error(tmp_path):
     with pytest.raises(ConfigError, match="would change nothing"):
         engine(tmp_path, "arena_bad", {"code2wav": {"cfm_arena_rows_from_graph_grid": True}})

@@ -39,7 +39,7 @@ class FakeArenaBackend:
 def graphed_engine(tmp_path, monkeypatch, name: str, sections: dict | None = None) -> DuplexEngine:
     monkeypatch.setattr(DuplexEngine, "_can_capture_decode", lambda self: True)
     eng = engine(tmp_path, name, sections or SMALL)
-    eng.code2wav.arena.graph_backend = FakeArenaBackend()
+    eng.code2wav.set_graph_backend(FakeArenaBackend())
     return eng
 
 
@@ -63,7 +63,8 @@ def test_after_warmup_ticks_capture_nothing(tmp_path, monkeypatch):
     stats = eng.stats()
     assert stats.graph_captures == {"warmup": report.graphs, "tick": 0} and report.graphs > 0
     assert report.decode_graphs["thinker"] > 0 and report.decode_graphs["talker"] > 0
-    assert report.code2wav_graphs == eng.code2wav.arena.graph_backend.captured > 0
+    assert report.code2wav_graphs > 0 and report.vocoder_graphs > 0
+    assert report.code2wav_graphs + report.vocoder_graphs == eng.code2wav.arena.graph_backend.captured
     assert stats.warmup_seconds == report.seconds
     eager_before = eng.code2wav.graph_stats.eager_runs   # the voices' prompt passes at registration
     serve_units(eng)
@@ -72,6 +73,8 @@ def test_after_warmup_ticks_capture_nothing(tmp_path, monkeypatch):
     assert stats.decode_graph_steps["thinker"] > 0 and stats.decode_graph_steps["talker"] > 0
     assert eng.code2wav.graph_stats.replays > report.code2wav_graphs   # the ticks replayed
     assert eng.code2wav.graph_stats.eager_runs == eager_before   # no solve ran op by op in a tick
+    vocoder = eng.code2wav.vocoder_graph_stats                   # every vocoder call replayed
+    assert vocoder.eager_runs == 0 and vocoder.replays > report.vocoder_graphs
 
 
 def test_without_warmup_the_ticks_capture(tmp_path, monkeypatch):
@@ -87,6 +90,8 @@ def test_without_warmup_the_ticks_capture(tmp_path, monkeypatch):
     arena = eng.code2wav.arena
     listed = {(t, w, arena.bucket(w, n)) for t, w, n in W.code2wav_keys(eng)}
     assert set(arena.graph_keys) <= listed and arena.graph_keys
+    vocoder = eng.code2wav.vocoder_graphs
+    assert set(vocoder.graph_keys) <= {(t, *shape) for t, shape in W.vocoder_keys(eng)} and vocoder.graph_keys
 
 
 def test_warmup_touches_no_session_state(tmp_path, monkeypatch):

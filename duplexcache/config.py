@@ -203,7 +203,8 @@ class SpeakPolicy(_Strict):
     ``ReplyPolicy``): a 10 ms frame whose RMS exceeds ``speech_rms`` is user speech; the first
     unit in which ``end_quiet_ms`` of quiet has followed the user's last speech starts a reply of
     ``reply_min_units``..``reply_max_units`` units (a deterministic function of session id and
-    turn index, ``policy.reply_units``)."""
+    turn index, ``policy.reply_units``); with ``end_quiet_lookahead`` that quiet may go on into
+    the audio the server already holds after the unit."""
 
     mode: Literal["model", "every_k_units", "reply"] = "every_k_units"
     k: int = Field(2, gt=0)
@@ -212,6 +213,8 @@ class SpeakPolicy(_Strict):
     reply_min_units: int = Field(2, gt=0)
     reply_max_units: int = Field(8, gt=0)
     end_quiet_ms: int = Field(200, ge=10, le=10_000)
+    # reply: the quiet also counts into the audio already received after the unit (see ReplyPolicy)
+    end_quiet_lookahead: bool = True
 
     @model_validator(mode="after")
     def _reply_range(self) -> "SpeakPolicy":

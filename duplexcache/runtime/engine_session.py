@@ -209,6 +209,7 @@ class Unit:
 
     session: EngineSession
     pcm: np.ndarray
+    ahead: np.ndarray | None = None   # what the session held after the unit when it was taken
     decision: int | None = None
     tokens: list[int] = field(default_factory=list)        # text + end token
     hidden: list[torch.Tensor] = field(default_factory=list)  # Thinker hidden that produced each
@@ -504,7 +505,7 @@ class SessionTable:
                 sess.audio = [rest] if rest.size else []
                 sess.buffered = sess.left_after_take = rest.size
                 sess.audio_started = True
-                units.append(Unit(sess, audio[:need], turn=turns.take_unit_requests(sess.turn)))
+                units.append(Unit(sess, audio[:need], ahead=rest, turn=turns.take_unit_requests(sess.turn)))
         return units
 
     # ------------------------------------------------------------------ turn control (runtime/turns.py)

@@ -45,6 +45,12 @@ Two policies:
       input     q q S S Sq q q ...                  (Sq: speech, then >= end_quiet_ms of quiet)
       decision  L L L L S  S S ...
 
+  With ``end_quiet_lookahead`` (the default) the quiet also counts into the audio the server
+  already holds after the unit when its tick takes it (about ``lead``, 150 ms, with units
+  aligned to the ticks), so a turn ending in the unit's last ``end_quiet_ms`` is answered in that
+  unit too, as a server VAD would hear it, instead of one unit (1 s) later. The decision then
+  depends on how much audio has arrived, not on the unit alone.
+
 Per-session state: the engine asks the policy for a state object when a session opens
 (:meth:`new_session`) and hands it back, with the unit's PCM, on every decision.
 
@@ -117,10 +123,11 @@ class DecisionPolicy(Protocol):
         ...
 
     def decide(self, unit_index: int, logits: Logits, state: Any = None,
-               pcm: np.ndarray | None = None) -> int:
+               pcm: np.ndarray | None = None, ahead: np.ndarray | None = None) -> int:
         """The decision token (listen or speak) of unit ``unit_index`` from the logits (V,)
-        after its audio; ``pcm`` is the unit's 16 kHz input. The engine passes a ``RowLogits``
-        (``TokenSet.argmax`` takes it as is; ``logits_tensor`` gives the row)."""
+        after its audio; ``pcm`` is the unit's 16 kHz input, ``ahead`` the input the server holds
+        after it when the tick takes the unit (the next unit's start). The engine passes a
+        ``RowLogits`` (``TokenSet.argmax`` takes it as is; ``logits_tensor`` gives the row)."""
         ...
 
     def next_token(self, unit_index: int, num_text: int, logits: Logits, state: Any = None) -> int:
@@ -146,6 +153,21 @@ def trailing_quiet(pcm: np.ndarray, speech_rms: float, frame: int = QUIET_FRAME_
     if loud.size == 0:
         return False, int(pcm.size)
     return True, int((frames.size - 1 - loud[-1]) * frame)
+
+
+def leading_quiet(pcm: np.ndarray, speech_rms: float, frame: int = QUIET_FRAME_SAMPLES) -> int:
+    """Samples of ``pcm`` before its first speech frame (all of them when it holds none).
+    Frames are cut from the start (the audio right after a unit); a trailing remainder shorter
+    than ``frame`` is a frame of its own."""
+    if frame <= 0:
+        raise ValueError(f"frame must be > 0, got {frame}")
+    whole = pcm.size - pcm.size % frame
+    power = np.square(pcm, dtype=np.float64)
+    frames = power[:whole].reshape(-1, frame).mean(axis=1)
+    if whole < pcm.size:
+        frames = np.concatenate([frames, [power[whole:].mean()]])
+    loud = np.flatnonzero(frames > speech_rms * speech_rms)
+    return int(pcm.size) if loud.size == 0 else int(loud[0]) * frame
 
 
 def reply_units(sid: str, turn_index: int, min_units: int, max_units: int) -> int:
@@ -264,7 +286,7 @@ class ModelPolicy:
         return None
 
     def decide(self, unit_index: int, logits: torch.Tensor, state: Any = None,
-               pcm: np.ndarray | None = None) -> int:
+               pcm: np.ndarray | None = None, ahead: np.ndarray | None = None) -> int:
         return self._pick(logits, self.decision_ids)
 
     def next_token(self, unit_index: int, num_text: int, logits: torch.Tensor, state: Any = None) -> int:
@@ -292,7 +314,7 @@ class ScriptedPolicy:
         return None
 
     def decide(self, unit_index: int, logits: torch.Tensor, state: Any = None,
-               pcm: np.ndarray | None = None) -> int:
+               pcm: np.ndarray | None = None, ahead: np.ndarray | None = None) -> int:
         return self.control.speak if self.speaks(unit_index) else self.control.listen
 
     def next_token(self, unit_index: int, num_text: int, logits: torch.Tensor, state: Any = None) -> int:
@@ -319,7 +341,8 @@ class ReplyPolicy:
     """Replies after each user turn (see the module docstring)."""
 
     def __init__(self, control: ControlTokens, text_ids: torch.Tensor, speech_rms: float, reply_min_units: int,
-                 reply_max_units: int, text_tokens: int = 3, end_quiet_ms: int = DEFAULT_END_QUIET_MS) -> None:
+                 reply_max_units: int, text_tokens: int = 3, end_quiet_ms: int = DEFAULT_END_QUIET_MS,
+                 end_quiet_lookahead: bool = True) -> None:
         if not 0 < speech_rms < 1 or not 1 <= reply_min_units <= reply_max_units \
                 or not 0 <= text_tokens <= MAX_UNIT_TOKENS - 2 or end_quiet_ms < 10:
             raise ValueError(f"need 0 < speech_rms < 1, 1 <= reply_min_units <= reply_max_units, "
@@ -332,12 +355,13 @@ class ReplyPolicy:
         self.reply_min_units = reply_min_units
         self.reply_max_units = reply_max_units
         self.text_tokens = text_tokens
+        self.end_quiet_lookahead = end_quiet_lookahead
 
     def new_session(self, sid: str) -> ReplyState:
         return ReplyState(sid)
 
     def decide(self, unit_index: int, logits: torch.Tensor, state: Any = None,
-               pcm: np.ndarray | None = None) -> int:
+               pcm: np.ndarray | None = None, ahead: np.ndarray | None = None) -> int:
         if not isinstance(state, ReplyState) or pcm is None:
             raise ValueError("ReplyPolicy.decide needs the session's ReplyState and the unit's PCM")
         # Heard in every unit, a reply's included: a user turn spoken while the reply runs (a
@@ -352,7 +376,14 @@ class ReplyPolicy:
             return self.control.speak
         state.speaking = False
         # listen while no user turn waits for an answer, or while its speech may go on
-        if not state.heard_speech or state.quiet_samples < self.end_quiet_samples:
+        if not state.heard_speech:
+            return self.control.listen
+        quiet = state.quiet_samples
+        if quiet < self.end_quiet_samples and self.end_quiet_lookahead and ahead is not None and ahead.size:
+            # The quiet may go on past the unit's end into audio the server already holds: a
+            # turn that ends in the unit's last end_quiet_ms is answered now, not a unit later.
+            quiet += leading_quiet(ahead, self.speech_rms)
+        if quiet < self.end_quiet_samples:
             return self.control.listen
         length = reply_units(state.sid, state.turns, self.reply_min_units, self.reply_max_units)
         state.reply_units = length
@@ -377,5 +408,6 @@ def make_policy(settings: SpeakPolicy, control: ControlTokens, text_ids: torch.T
         return ScriptedPolicy(control, text_ids, k=settings.k, turn_units=settings.turn_units)
     if settings.mode == "reply":
         return ReplyPolicy(control, text_ids, settings.speech_rms, settings.reply_min_units,
-                           settings.reply_max_units, end_quiet_ms=settings.end_quiet_ms)
+                           settings.reply_max_units, end_quiet_ms=settings.end_quiet_ms,
+                           end_quiet_lookahead=settings.end_quiet_lookahead)
     raise ValueError(f"unknown speak_policy mode {settings.mode!r}")

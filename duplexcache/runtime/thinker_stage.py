@@ -146,7 +146,8 @@ class ThinkerStage:
         step = StepLogits(result.logits)   # policies' argmaxes: one batched pick per step
         for sid in result.logits:
             u = by_sid[sid]
-            decision = self.policy.decide(u.session.unit_index, step.row(sid), u.session.policy_state, u.pcm)
+            decision = self.policy.decide(u.session.unit_index, step.row(sid), u.session.policy_state, u.pcm,
+                                          u.ahead)
             # The decision fed back (into the KV) is the turn-forced one, so the model sees it.
             u.decision = turns.decide(u.turn, u.session.turn, decision, c)
             feed[sid] = u.decision

@@ -8,7 +8,8 @@ The CUDA test at the bottom captures for real and skips on CPU.
 """
 import pytest
 import torch
-from helpers import CHUNK, LOOKAHEAD, new_stage, run_plan, tiny_models, token_stream, voice_inputs
+from helpers import CHUNK, new_stage, run_plan, tiny_models, token_stream, voice_inputs
+from test_graphs import FakeGraphBackend
 
 from duplexcache.cfm.vocoder_graphs import VocoderGraphs
 from duplexcache.models.vocoder import MEL_CACHE_FRAMES, SAMPLES_PER_FRAME
@@ -19,16 +20,6 @@ PLAN = {f"s{i}": ("a" if i % 2 else "b", i // 2, token_stream(60 + i, 3)) for i 
 FIRST = CHUNK * 2                                          # a chunk's frames: (CHUNK + 3 - 3) * up_rate
 SOURCE = MEL_CACHE_FRAMES * SAMPLES_PER_FRAME
 SHAPES = ((FIRST, 0), (MEL_CACHE_FRAMES + FIRST, SOURCE))  # first and continuing chunks (and finals of CHUNK)
-
-
-class FakeGraphBackend:
-    def __init__(self) -> None:
-        self.captured = 0
-
-    def capture(self, fn):
-        fn()
-        self.captured += 1
-        return fn
 
 
 def _pcms(stage, plan=PLAN, ticks=6):

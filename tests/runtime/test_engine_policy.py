@@ -25,6 +25,7 @@ from duplexcache.runtime.policy import (
     ScriptedPolicy,
     reply_units,
     DEFAULT_END_QUIET_MS,
+    leading_quiet,
     text_token_ids,
     trailing_quiet,
 )
@@ -290,12 +291,48 @@ def test_reply_answers_in_the_unit_that_holds_the_end_of_speech():
     assert _decisions(slow, [loud, split, split, quiet, quiet]) == "LLLLS"
 
 
+def test_leading_quiet_counts_to_the_first_speech_frame():
+    quiet, loud = _unit(QUIET, 7), _unit(LOUD, 8)
+    assert leading_quiet(quiet, 0.05) == 16_000 and leading_quiet(loud, 0.05) == 0
+    x = np.concatenate([quiet[:2_400], loud[2_400:]])             # 150 ms quiet, then speech
+    assert leading_quiet(x, 0.05) == 2_400
+    assert leading_quiet(quiet[:2_405], 0.05) == 2_405             # a short last frame counts whole
+    assert leading_quiet(np.zeros(0, np.float32), 0.05) == 0
+
+
+def test_reply_hears_the_quiet_after_the_unit():
+    """Speech to 900 ms leaves 100 ms of quiet in the unit: the unit alone answers one unit later;
+    with the 150 ms already received after it (the lookahead) it answers in that unit. Speech in
+    the lookahead, or lookahead off, keeps the old answer; so does a unit with no audio after it."""
+    loud, quiet = _unit(LOUD, 9), _unit(QUIET, 10)
+    late = np.concatenate([loud[:14_400], quiet[14_400:]])        # speech to 900 ms, 100 ms quiet
+    r = reply_units("sess_3", 0, 2, 2)
+
+    def run(policy, ahead_of_split):
+        state, logits, got = policy.new_session("sess_3"), torch.zeros(151748), ""
+        for u, (x, ahead) in enumerate([(loud, loud[:2_400]), (late, ahead_of_split), (quiet, quiet[:2_400]),
+                                        (quiet, quiet[:2_400]), (quiet, None)]):
+            got += "S" if policy.decide(u, logits, state, x, ahead) == CONTROL.speak else "L"
+        return got
+
+    hear = ReplyPolicy(CONTROL, TEXT, speech_rms=0.05, reply_min_units=2, reply_max_units=2)
+    deaf = ReplyPolicy(CONTROL, TEXT, speech_rms=0.05, reply_min_units=2, reply_max_units=2,
+                       end_quiet_lookahead=False)
+    assert hear.end_quiet_lookahead and r == 2
+    assert run(hear, quiet[:2_400]) == "LSSLL"                     # answered in the unit holding the end
+    assert run(deaf, quiet[:2_400]) == "LLSSL"                     # one unit later
+    assert run(hear, quiet[:800]) == "LLSSL"                       # 100 + 50 ms < 200 ms
+    assert run(hear, np.concatenate([quiet[:800], loud[800:2_400]])) == "LLSSL"   # speech goes on
+    assert run(hear, None) == "LLSSL"
+
+
 def test_reply_mode_settings_reach_the_engine_policy(tmp_path):
     from duplexcache.config import ConfigError
 
     eng = engine(tmp_path, "reply_wiring", {"engine": {"speak_policy": {
-        "mode": "reply", "speech_rms": 0.03, "reply_min_units": 3, "reply_max_units": 5, "end_quiet_ms": 450}}})
-    assert isinstance(eng.policy, ReplyPolicy)
+        "mode": "reply", "speech_rms": 0.03, "reply_min_units": 3, "reply_max_units": 5, "end_quiet_ms": 450,
+        "end_quiet_lookahead": False}}})
+    assert isinstance(eng.policy, ReplyPolicy) and eng.policy.end_quiet_lookahead is False
     assert (eng.policy.speech_rms, eng.policy.reply_min_units, eng.policy.reply_max_units) == (0.03, 3, 5)
     assert eng.policy.end_quiet_samples == 450 * 16
     sid = eng.open_session({"voice": "default"})

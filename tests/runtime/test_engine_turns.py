@@ -159,7 +159,7 @@ class _EndTurnAt:
     def new_session(self, sid):
         return self.policy.new_session(sid)
 
-    def decide(self, unit_index, logits, state=None, pcm=None):
+    def decide(self, unit_index, logits, state=None, pcm=None, ahead=None):
         return self.policy.decide(unit_index, logits, state, pcm)
 
     def next_token(self, unit_index, num_text, logits, state=None):

@@ -8,6 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import audio, deploy_from_yaml, engine, tiny_models
+from test_warmup import FakeArenaBackend
 
 from duplexcache.cfm.prompt_cache import PlainAttCache, SharedPromptAttCache
 from duplexcache.config import ConfigError, SessionConfigError
@@ -142,14 +143,6 @@ def test_arena_rows_from_graph_grid_and_max_num_seqs(tmp_path, on):
     assert eng.code2wav.arena.rows == (2 if on else 4)
 
 
-class _RunNow:
-    """A graph backend whose capture runs the function and returns it as the replay (CPU)."""
-
-    def capture(self, fn):
-        fn()
-        return fn
-
-
 @pytest.mark.parametrize("on", [True, False])
 def test_vocoder_cuda_graphs_reach_the_vocoder(tmp_path, on):
     eng = engine(tmp_path, "vocoder", {"code2wav": {"vocoder_cuda_graphs": on, "graph_grid": [1, 4]}})
@@ -159,7 +152,7 @@ def test_vocoder_cuda_graphs_reach_the_vocoder(tmp_path, on):
     first = (3 + per_unit - 3) * 2
     assert cfg.vocoder_graph_shapes[:2] == ((first, 0), (8 + first, 8 * 480))
     assert eng.code2wav.vocoder_graphs is None          # CPU: no graph backend
-    eng.code2wav.set_graph_backend(_RunNow())           # what CUDA would give it
+    eng.code2wav.set_graph_backend(FakeArenaBackend())           # what CUDA would give it
     assert (eng.code2wav.vocoder_graphs is not None) is on
     sid = eng.open_session({"voice": "default"})
     eng.push_audio(sid, audio(0, 3))

@@ -43,7 +43,7 @@ class _Spy:
     def new_session(self, sid):
         return self.policy.new_session(sid)
 
-    def decide(self, unit_index, logits, state=None, pcm=None):
+    def decide(self, unit_index, logits, state=None, pcm=None, ahead=None):
         return self.policy.decide(unit_index, self._logits(logits), state, pcm)
 
     def next_token(self, unit_index, num_text, logits, state=None):

@@ -133,8 +133,9 @@ class Code2WavConfig(_Strict):
     # Graph tiers (batch sizes captured as graphs). Overridden by DUPLEXCACHE_CFM_GRAPH_GRID.
     graph_grid: tuple[int, ...] | None = None
     # CUDA: the vocoder (HiFT) replays CUDA graphs of the engine's chunk shapes, like the
-    # estimator's solves (off: eager, the A/B reference).
-    vocoder_cuda_graphs: bool = True
+    # estimator's solves. Faster (docs/benchmarks.md) but off by default: two captures on the
+    # H200 gave different PCM, and the fix (deterministic cuDNN inside captures) is not yet run there.
+    vocoder_cuda_graphs: bool = False
 
     @model_validator(mode="before")
     @classmethod

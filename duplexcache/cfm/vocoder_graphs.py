@@ -19,11 +19,13 @@ A call of another shape runs eagerly (counted). A graph is captured by `warm` (t
 warm-up) or, failing that, at its first use. Padded rows hold what an earlier call left there
 (finite values; every op of the vocoder is per row) and their outputs are never read.
 
-Bits: a replay computes the ops of an eager call over `tier` rows. Replays are deterministic (two
-graphed engines give the same bits, what the sharing on/off checks compare). Against the eager
-vocoder a row differs only by rounding, as batches of different sizes do: cuDNN may choose other
+Bits: a replay computes the ops of an eager call over `tier` rows. Against the eager vocoder a
+row differs only by rounding, as batches of different sizes do: cuDNN may choose other
 convolution algorithms per batch size and inside a capture (on CPU, where a fake backend runs the
-same ops, a tier that covers the group gives the eager bits).
+same ops, a tier that covers the group gives the eager bits). Two graphed engines must give the
+same bits (what the sharing on/off checks compare). On the H200 two captures gave different PCM;
+captures now allow only deterministic cuDNN algorithms, which has not been run on a GPU yet, so
+the switch is off by default (docs/stage2.md).
 """
 from __future__ import annotations
 
@@ -150,7 +152,12 @@ class VocoderGraphs:
                 buf.speech[:tier].copy_(speech)
                 buf.source[:tier].copy_(source)
 
-            replay = self.backend.capture(forward)
+            # Deterministic cuDNN algorithms only: the algorithm a capture picks is baked into the
+            # replays, and two graphed engines (sharing on / off) must give the same bits. On the
+            # H200 two captures without this gave different PCM (tests/cfm/test_vocoder_graphs.py).
+            with torch.backends.cudnn.flags(enabled=torch.backends.cudnn.enabled, benchmark=False,
+                                            deterministic=True, allow_tf32=torch.backends.cudnn.allow_tf32):
+                replay = self.backend.capture(forward)
             self._graphs[key] = replay
             self.stats.captures += 1
         replay()

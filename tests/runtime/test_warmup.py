@@ -38,7 +38,7 @@ class FakeArenaBackend:
 
 def graphed_engine(tmp_path, monkeypatch, name: str, sections: dict | None = None) -> DuplexEngine:
     monkeypatch.setattr(DuplexEngine, "_can_capture_decode", lambda self: True)
-    eng = engine(tmp_path, name, sections or SMALL)
+    eng = engine(tmp_path, name, {**(sections or SMALL), "code2wav": {"vocoder_cuda_graphs": True}})
     eng.code2wav.set_graph_backend(FakeArenaBackend())
     return eng
 
@@ -178,7 +178,8 @@ def test_cuda_warmup_captures_and_ticks_capture_nothing(tmp_path):
     from duplexcache.runtime.bundle import build_models
     from engine_helpers import deploy_from_yaml
 
-    deploy = deploy_from_yaml(tmp_path, "cuda", {**SMALL, "model": {"device": "cuda"}})
+    deploy = deploy_from_yaml(tmp_path, "cuda", {**SMALL, "model": {"device": "cuda"},
+                                                 "code2wav": {"vocoder_cuda_graphs": True, "max_num_seqs": 4}})
     eng = DuplexEngine(deploy, build_models(deploy))
     # The voices' Code2Wav prompt passes captured their graph at construction (before serving).
     at_start = eng.code2wav.graph_stats.captures
@@ -186,6 +187,7 @@ def test_cuda_warmup_captures_and_ticks_capture_nothing(tmp_path):
     report = eng.warmup()
     assert eng.thinker_graphs is not None and eng.thinker_graphs.stats.captures == report.decode_graphs["thinker"]
     assert eng.code2wav.graph_stats.captures - at_start == report.code2wav_graphs > 0
+    assert eng.code2wav.vocoder_graph_stats.captures == report.vocoder_graphs > 0
     serve_units(eng)
     assert eng.stats().graph_captures == {"warmup": at_start + report.graphs, "tick": 0}
     eng.shutdown()

@@ -25,7 +25,7 @@ Streaming mode (``stream_step`` / ``stream_step_mel``), the exact semantics:
   alone (zero padding at the chunk edges). Nothing of the audio or the mel is carried over.
 * What is cached: for every layer, the K and V of every encoder frame seen since the last reset,
   in a per-session buffer ``(layers, capacity, heads, head_dim)`` (frames before heads, so a
-  session's valid rows of a layer are one contiguous block: see ``store_chunk_kv``). The capacity starts at 0 and
+  session's valid rows of a layer are one contiguous block: see ``TickKV``). The capacity starts at 0 and
   grows by ``CACHE_GROWTH_FRAMES`` up to ``max_cache_frames`` as audio arrives (a grow copies the
   valid rows into a larger buffer); it is kept across resets. Only rows ``[0, n + F)`` are ever
   read, so the capacity never changes an output.
@@ -344,7 +344,7 @@ class StreamingAudioEncoderState:
     ``k``/``v``: (layers, capacity, heads, head_dim); frames ``[0, num_frames)`` are valid. The
     capacity grows by ``growth_frames`` (``reserve``) and never exceeds ``max_frames``. Frames
     come before heads so that a layer's valid frames, ``k[layer, :n]``, are one contiguous block:
-    the batch's stores and gathers are then one multi-tensor copy each (``store_chunk_kv``).
+    the batch's stores and gathers are then one multi-tensor copy each (``TickKV``).
 
     ``precision.encoder_cache_dtype: fp8_e4m3``: ``k``/``v`` hold e4m3 and ``k_scale``/``v_scale``
     (layers, capacity, heads) one float32 scale per frame and head, set when the frame is written
@@ -386,7 +386,7 @@ class StreamingAudioEncoderState:
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one layer's K/V rows (heads, n, head_dim) at frames ``[start, start + n)`` (the
-        one-session path; a tick stores the batch with ``store_chunk_kv``)."""
+        one-session path; a tick stores the batch with ``TickKV``)."""
         k, v = k.transpose(0, 1), v.transpose(0, 1)   # (n, heads, head_dim), the stored order
         if self.quantized:
             (k8, ks), (v8, vs) = quantize_fp8(k), quantize_fp8(v)
@@ -413,6 +413,14 @@ class StreamingAudioEncoderState:
         if self.quantized:
             out += (self.k_scale[layer, :length], self.v_scale[layer, :length])
         return out
+
+    def layer_blocks(self, start: int, end: int) -> tuple[tuple[torch.Tensor, ...], ...]:
+        """Frames ``[start, end)`` of every layer as stored: per stored tensor (k, v, then the fp8
+        scales), one view per layer, ``blocks[tensor][layer]`` is ``stored(layer, end)[tensor][start:]``.
+        Made with one ``unbind`` per tensor, so a tick's per-layer copy lists index tuples
+        instead of making views (`AudioEncoder._stream_layers`)."""
+        tensors = (self.k, self.v) + ((self.k_scale, self.v_scale) if self.quantized else ())
+        return tuple(t[:, start:end].unbind(0) for t in tensors)
 
     def read(self, layer: int, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's K/V of frames ``[0, length)``, each (heads, length, head_dim) in ``dtype``
@@ -479,55 +487,61 @@ def _copy_pairs(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
         torch._foreach_copy_(dsts, srcs)
 
 
-def store_chunk_kv(states: list[StreamingAudioEncoderState], layer: int, starts: list[int], lens: list[int],
-                   k: torch.Tensor, v: torch.Tensor) -> None:
-    """Write row b's first ``lens[b]`` new K/V frames of ``k``/``v`` (B, H, N, D) into session
-    b's cache at ``starts[b]``: one multi-tensor copy for the whole batch (each session's new
-    frames are one contiguous block on both sides). fp8 caches: the whole chunk is quantized
-    once (per-row scales, so each row's bytes are those of quantizing it alone)."""
-    # (B, N, H, D): the projections' own layout, so no copy (``WhisperAttention._heads``)
-    k, v = k.transpose(1, 2), v.transpose(1, 2)
-    parts: list[tuple[torch.Tensor, ...]] = [(k, v)]
-    if _one_format(states):
-        (k8, ks), (v8, vs) = quantize_fp8(k), quantize_fp8(v)
-        parts = [(k8, v8), (ks, vs)]
-    dst: list[torch.Tensor] = []
-    src: list[torch.Tensor] = []
-    for b, state in enumerate(states):
-        n, start = lens[b], starts[b]
-        stored = state.stored(layer, start + n)          # frames [0, start + n) of each tensor
-        for cache, new in zip(stored, (t for pair in parts for t in pair)):
-            dst.append(cache[start:])
-            src.append(new[b, :n])
-    _copy_pairs(dst, src)
+class TickKV:
+    """One tick's traffic between a batch's encoder caches and the layers' attention.
 
+    Each layer stores its new K/V frames into every session's cache and gathers every session's
+    valid frames into one zero-padded batch. The views both need (each session's block of each
+    layer, via ``layer_blocks``; each session's row of the padded buffer) are made here, once for
+    the tick, and the buffer is zeroed once and reused by every layer (rows past a session's
+    length are never written, so they stay zero). A layer's store and gather are then a list built
+    by tuple indexing and one multi-tensor copy each: the host work per layer no longer grows
+    with views per session. Call ``reserve`` on the states first (views must not outlive a grow).
+    """
 
-def gather_cache_kv(states: list[StreamingAudioEncoderState], layer: int, key_lens: list[int],
-                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each session's first ``key_lens[b]`` cached frames as one zero-padded (B, H, K, D) batch in
-    ``dtype``, K = max(key_lens): a zeroed buffer and one multi-tensor copy of every session's
-    stored block into it; fp8 caches are copied as stored and dequantized once for the batch
-    (zero scales on the padding give zeros). Equal to padding each session's ``read`` and
-    stacking (test)."""
-    k_max = max(key_lens)
-    first = states[0]
-    heads, head_dim = first.k.shape[2], first.k.shape[3]
-    stored = first.k.new_zeros(2, len(states), k_max, heads, head_dim)
-    buffers = [stored[0], stored[1]]
-    scales = None
-    if _one_format(states):
-        scales = first.k_scale.new_zeros(2, len(states), k_max, heads)
-        buffers += [scales[0], scales[1]]
-    dst: list[torch.Tensor] = []
-    src: list[torch.Tensor] = []
-    for b, state in enumerate(states):
-        n = key_lens[b]
-        for buf, part in zip(buffers, state.stored(layer, n)):
-            dst.append(buf[b, :n])
-            src.append(part)
-    _copy_pairs(dst, src)
-    kv = dequantize_fp8(stored, scales, dtype) if scales is not None else stored.to(dtype)
-    return kv[0].transpose(1, 2), kv[1].transpose(1, 2)   # (B, H, K, D) views
+    def __init__(self, states: list[StreamingAudioEncoderState], starts: list[int], lens: list[int]) -> None:
+        self.quantized = _one_format(states)
+        self.lens = lens
+        self.key_lens = [b + n for b, n in zip(starts, lens)]
+        # per session, per stored tensor (k, v, then the fp8 scales), per layer
+        self.new_blocks = [s.layer_blocks(b, b + n) for s, b, n in zip(states, starts, lens)]
+        self.valid_blocks = [s.layer_blocks(0, n) for s, n in zip(states, self.key_lens)]
+        k_max = max(self.key_lens)
+        first = states[0]
+        heads, head_dim = first.k.shape[2], first.k.shape[3]
+        self.stored = first.k.new_zeros(2, len(states), k_max, heads, head_dim)
+        self.scales = first.k_scale.new_zeros(2, len(states), k_max, heads) if self.quantized else None
+        buffers = [self.stored[0], self.stored[1]]
+        if self.scales is not None:
+            buffers += [self.scales[0], self.scales[1]]
+        rows = [buf.unbind(0) for buf in buffers]
+        self._gather_dst = [r[b] if n == k_max else r[b][:n] for b, n in enumerate(self.key_lens) for r in rows]
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write row b's first ``lens[b]`` new K/V frames of ``k``/``v`` (B, H, N, D) into session
+        b's cache after its earlier frames: one multi-tensor copy for the batch. fp8 caches: the
+        chunk is quantized once (per-row scales: each row's bytes are those of quantizing it alone)."""
+        # (B, N, H, D): the projections' own layout, so no copy (``WhisperAttention._heads``)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        new = [k, v]
+        if self.quantized:
+            (k8, ks), (v8, vs) = quantize_fp8(k), quantize_fp8(v)
+            new = [k8, v8, ks, vs]
+        rows = [t.unbind(0) for t in new]                 # one call per tensor, not a view per row
+        width = k.shape[1]
+        dst = [cache[layer] for blocks in self.new_blocks for cache in blocks]
+        src = [r[b] if n == width else r[b][:n] for b, n in enumerate(self.lens) for r in rows]
+        _copy_pairs(dst, src)
+
+    def gather(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each session's first ``key_lens[b]`` frames of ``layer`` as one zero-padded (B, H, K, D)
+        batch in ``dtype``, K = max(key_lens): one multi-tensor copy into the tick's buffer; fp8
+        caches are copied as stored and dequantized once for the batch (zero scales on the padding
+        give zeros). Equal to padding each session's ``read`` and stacking (test). The result may
+        be a view of the buffer: valid until the next layer's gather."""
+        _copy_pairs(self._gather_dst, [cache[layer] for blocks in self.valid_blocks for cache in blocks])
+        kv = dequantize_fp8(self.stored, self.scales, dtype) if self.scales is not None else self.stored.to(dtype)
+        return kv[0].transpose(1, 2), kv[1].transpose(1, 2)   # (B, H, K, D) views
 
 
 def _same_length(tensors: list[torch.Tensor], dim: int = -1) -> list[list[int]]:
@@ -704,10 +718,11 @@ class AudioEncoder(nn.Module):
         valid = torch.arange(k_max, device=x.device)[None, :] < lengths[:, None]
         mask = valid[:, None, None, :]  # (B, 1, 1, K)
 
+        traffic = TickKV(states, starts, lens)   # every layer's cache views, made once for the tick
         for idx, layer in enumerate(self.apm.layers):
             def kv_hook(k, v, idx=idx):  # k, v: (B, H, N, D) for this chunk
-                store_chunk_kv(states, idx, starts, lens, k, v)
-                keys, values = gather_cache_kv(states, idx, key_lens, k.dtype)
+                traffic.store(idx, k, v)
+                keys, values = traffic.gather(idx, k.dtype)
                 return keys, values, mask
 
             x = layer(x, kv_hook)

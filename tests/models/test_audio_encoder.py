@@ -331,10 +331,11 @@ def test_same_length_chunks_are_featurised_together_with_the_per_session_result(
 
 @pytest.mark.parametrize("storage", [None, torch.float8_e4m3fn])
 def test_batched_cache_store_and_gather_equal_each_session_alone(storage):
-    """store_chunk_kv / gather_cache_kv (one quantize and one dequantize per layer for the batch,
-    one copy per session into a zeroed buffer) give torch.equal caches and keys to each
-    session's own write, then read, zero-padded and stacked: the per-session path they replace."""
-    from duplexcache.models.audio_encoder import gather_cache_kv, store_chunk_kv
+    """TickKV's store / gather (one quantize and one dequantize per layer for the batch, one
+    multi-tensor copy into a zeroed buffer reused by every layer) give torch.equal caches and keys
+    to each session's own write, then read, zero-padded and stacked: the per-session path they
+    replace. Two layers in a row: the second gather must not see the first layer's rows."""
+    from duplexcache.models.audio_encoder import TickKV
 
     ours = AudioEncoder(AudioEncoderConfig.tiny()).eval()
     gen = torch.Generator().manual_seed(5)
@@ -348,24 +349,27 @@ def test_batched_cache_store_and_gather_equal_each_session_alone(storage):
         for st in (batched[b], alone[b]):
             st.reserve(starts[b] + lens[b])
             if starts[b]:
-                st.write(1, 0, old[b, :, :starts[b]], old[b, :, :starts[b]] * 2)
-    store_chunk_kv(batched, 1, starts, lens, k, v)
-    for b, st in enumerate(alone):
-        st.write(1, starts[b], k[b, :, :lens[b]], v[b, :, :lens[b]])
+                for layer in (0, 1):
+                    st.write(layer, 0, old[b, :, :starts[b]] + layer, old[b, :, :starts[b]] * 2)
+    traffic = TickKV(batched, starts, lens)
     key_lens = [s + n for s, n in zip(starts, lens)]
-    keys, values = gather_cache_kv(batched, 1, key_lens, torch.float32)
     k_max = max(key_lens)
-    reads = [st.read(1, n, torch.float32) for st, n in zip(alone, key_lens)]
-    want_k = torch.stack([F.pad(kb, (0, 0, 0, k_max - kb.shape[1])) for kb, _ in reads])
-    want_v = torch.stack([F.pad(vb, (0, 0, 0, k_max - vb.shape[1])) for _, vb in reads])
-    assert torch.equal(keys, want_k) and torch.equal(values, want_v)
-    for a, b, n in zip(batched, alone, key_lens):   # frames past n are unwritten (empty) in both
-        assert all(torch.equal(x.view(torch.uint8) if x.dtype == storage else x,
-                               y.view(torch.uint8) if y.dtype == storage else y)
-                   for x, y in zip(a.stored(1, n), b.stored(1, n)))
+    for layer, scale in ((1, 1.0), (0, -2.0)):       # the buffer is reused: layer 0 must not see layer 1
+        traffic.store(layer, k * scale, v * scale)
+        for b, st in enumerate(alone):
+            st.write(layer, starts[b], k[b, :, :lens[b]] * scale, v[b, :, :lens[b]] * scale)
+        keys, values = traffic.gather(layer, torch.float32)
+        reads = [st.read(layer, n, torch.float32) for st, n in zip(alone, key_lens)]
+        want_k = torch.stack([F.pad(kb, (0, 0, 0, k_max - kb.shape[1])) for kb, _ in reads])
+        want_v = torch.stack([F.pad(vb, (0, 0, 0, k_max - vb.shape[1])) for _, vb in reads])
+        assert torch.equal(keys, want_k) and torch.equal(values, want_v)
+        for a, b, n in zip(batched, alone, key_lens):   # frames past n are unwritten (empty) in both
+            assert all(torch.equal(x.view(torch.uint8) if x.dtype == storage else x,
+                                   y.view(torch.uint8) if y.dtype == storage else y)
+                       for x, y in zip(a.stored(layer, n), b.stored(layer, n)))
     mixed = [ours.new_stream_state(), ours.new_stream_state(storage_dtype=torch.float8_e4m3fn)]
     with pytest.raises(ValueError, match="mixes"):
-        gather_cache_kv(mixed, 0, [0, 0], torch.float32)
+        TickKV(mixed, [0, 0], [1, 1])
 
 
 @pytest.mark.parametrize("storage", [None, torch.float8_e4m3fn])

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from duplexcache.cfm.arena import ArenaStats, GraphBackend
-from duplexcache.cfm.graph_grid import replay_groups
+from duplexcache.cfm.graph_grid import replay_groups, replay_tiers
 from duplexcache.models.vocoder import SAMPLES_PER_FRAME, HiFTGenerator, NSFNoise
 
 logger = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ class VocoderGraphs:
 
     def tiers(self, max_batch: int) -> tuple[int, ...]:
         """The tiers `run` can pick for batches of 1..max_batch rows."""
-        return tuple(sorted({g.tier for n in range(1, max_batch + 1) for g in replay_groups(n, self.grid, self.rows)}))
+        return replay_tiers(self.grid, self.rows, max_batch)
 
     @torch.inference_mode()
     def run(self, mel: torch.Tensor, source_cache: torch.Tensor | None, noise: NSFNoise) -> tuple[torch.Tensor, torch.Tensor]:

@@ -136,37 +136,40 @@ class DecisionPolicy(Protocol):
         ...
 
 
+def _loud_frames(pcm: np.ndarray, speech_rms: float, frame: int, from_end: bool) -> np.ndarray:
+    """Indices of the 10 ms frames of ``pcm`` whose RMS is above ``speech_rms``. Frames are cut
+    from the end (``from_end``) or from the start, and the remainder shorter than ``frame`` at
+    the other end is a frame of its own."""
+    if frame <= 0:
+        raise ValueError(f"frame must be > 0, got {frame}")
+    short = pcm.size % frame
+    power = np.square(pcm, dtype=np.float64)
+    whole = power[short:] if from_end else power[:pcm.size - short]
+    frames = whole.reshape(-1, frame).mean(axis=1)
+    if short:
+        rest = [power[:short].mean()] if from_end else [power[pcm.size - short:].mean()]
+        frames = np.concatenate([rest, frames] if from_end else [frames, rest])
+    return np.flatnonzero(frames > speech_rms * speech_rms)
+
+
 def trailing_quiet(pcm: np.ndarray, speech_rms: float, frame: int = QUIET_FRAME_SAMPLES) -> tuple[bool, int]:
     """Whether ``pcm`` holds speech (a frame of RMS above ``speech_rms``), and how many samples
     follow its last speech frame (all of them when it holds none).
 
     Frames are cut from the end, so the unit's last samples always form a whole frame; a leading
     remainder shorter than ``frame`` is a frame of its own."""
-    if frame <= 0:
-        raise ValueError(f"frame must be > 0, got {frame}")
-    head = pcm.size % frame
-    power = np.square(pcm, dtype=np.float64)
-    frames = power[head:].reshape(-1, frame).mean(axis=1)
-    if head:
-        frames = np.concatenate([[power[:head].mean()], frames])
-    loud = np.flatnonzero(frames > speech_rms * speech_rms)
+    loud = _loud_frames(pcm, speech_rms, frame, from_end=True)
     if loud.size == 0:
         return False, int(pcm.size)
-    return True, int((frames.size - 1 - loud[-1]) * frame)
+    frames = -(-pcm.size // frame)
+    return True, int((frames - 1 - loud[-1]) * frame)
 
 
 def leading_quiet(pcm: np.ndarray, speech_rms: float, frame: int = QUIET_FRAME_SAMPLES) -> int:
     """Samples of ``pcm`` before its first speech frame (all of them when it holds none).
     Frames are cut from the start (the audio right after a unit); a trailing remainder shorter
     than ``frame`` is a frame of its own."""
-    if frame <= 0:
-        raise ValueError(f"frame must be > 0, got {frame}")
-    whole = pcm.size - pcm.size % frame
-    power = np.square(pcm, dtype=np.float64)
-    frames = power[:whole].reshape(-1, frame).mean(axis=1)
-    if whole < pcm.size:
-        frames = np.concatenate([frames, [power[whole:].mean()]])
-    loud = np.flatnonzero(frames > speech_rms * speech_rms)
+    loud = _loud_frames(pcm, speech_rms, frame, from_end=False)
     return int(pcm.size) if loud.size == 0 else int(loud[0]) * frame
 
 

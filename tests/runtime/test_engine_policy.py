@@ -342,6 +342,30 @@ def test_reply_mode_settings_reach_the_engine_policy(tmp_path):
         engine(tmp_path, "reply_bad", {"engine": {"speak_policy": {"reply_min_units": 9, "reply_max_units": 8}}})
 
 
+@pytest.mark.parametrize("lookahead", [True, False])
+def test_the_engine_gives_the_policy_what_it_holds_after_the_unit(tmp_path, lookahead):
+    """Through the engine, tick by tick: the second unit's speech ends 100 ms before its end and
+    the client has already sent 150 ms of quiet after it when the tick takes it. With the
+    lookahead the reply starts in that unit's tick; without it (or if the engine did not pass
+    what it holds after the unit) one tick later."""
+    eng = engine(tmp_path, f"lookahead_{lookahead}", {"engine": {"speak_policy": {
+        "mode": "reply", "speech_rms": 0.05, "reply_min_units": 2, "reply_max_units": 2,
+        "end_quiet_lookahead": lookahead}}})
+    sid = eng.open_session({"voice": "default"})
+    loud, quiet = _unit(LOUD, 11), _unit(QUIET, 12)
+    late = np.concatenate([loud[:14_400], quiet[14_400:]])          # speech to 900 ms, 100 ms quiet
+    pushes = [_unit(LOUD, 10, FIRST_UNIT), np.concatenate([late, quiet[:2_400]]),
+              quiet[2_400:], np.concatenate([quiet[:2_400], quiet[2_400:]]), quiet]
+    spoke = []
+    for pcm in pushes:                   # one unit (plus what follows it) per tick
+        eng.push_audio(sid, pcm)
+        out = collect(eng.tick()).get(sid, {"text": [], "errors": []})
+        assert not out["errors"]
+        spoke.append(bool(out["text"]))
+    eng.shutdown()
+    assert spoke == ([False, True, True, False, False] if lookahead else [False, False, True, True, False])
+
+
 def test_reply_through_the_engine_has_the_scripted_length(tmp_path):
     """A 2-unit burst, then quiet: one reply of reply_units(sid, 0) units, then silence. The
     quiet units are above the default threshold (0.01) and below the YAML's (0.05), so this

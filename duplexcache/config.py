@@ -306,6 +306,12 @@ class ServerConfig(_Strict):
     # which every reply waits too (runtime/engine_session.py UnitAlignment).
     align_units_to_ticks: bool = True
     unit_align_margin_ms: float = Field(50.0, ge=0, le=1000)
+    # Ticks per unit (engine.tick_seconds): with 2, the server ticks every half unit and each
+    # tick takes the units that are complete, so the sessions' units fall on two phases of the
+    # grid; a session whose caller's turn has ended (the speak policy's would_answer) gets its
+    # unit closed with silence at the next tick instead of waiting for the rest of it, and stays
+    # on that phase (runtime/engine_session.py EarlyClose). 1: one tick per unit.
+    tick_phases: Literal[1, 2, 4] = 1
     # A session whose client sends nothing (push-to-talk between turns; a manual-turn client that
     # commits, asks for a reply and waits) would get no more units, so no reply. Once it has sent
     # nothing for this long beyond its largest chunk, its units are completed with silence until it

@@ -4,7 +4,7 @@
 #   OUT=/path/to/results bash scripts/gpu_bench.sh MODE [MODE ...]
 # smoke: every benchmark on the tiny preset (catches device bugs in seconds); suite (the whole pytest suite); bench, bench_turn, bench_capacity, setup,
 # ticks, ticks_continuous, ticks_steady, ticks_ragged, ticks_eager, ticks_conversation, serve_conversation, serve_sweep, serve_align, serve_ptt, serve_threads, serve_switch,
-# serve_catch_up, serve_vocoder, ticks_vocoder, serve_lookahead, serve_precision, serve_prefill_between, serve_long_context, serve_profile, warm_start,
+# serve_catch_up, serve_vocoder, ticks_vocoder, vocoder_exact, serve_lookahead, serve_phases, serve_precision, serve_prefill_between, serve_long_context, serve_profile, warm_start,
 # serve_ready, stage0, precision, kv_precision, ticks_conversation_bf16, ticks_conversation_fp8, ticks_capacity,
 # stage2: the minicpmo45 figures (random weights), each a few minutes on an H200 (each fits one 10-minute call).
 # Every step is a `duplexcache bench BENCHMARK` command (run as `python3 -m duplexcache.cli`, so no install is needed).
@@ -36,8 +36,9 @@ REPLY_LATENCY_S=${REPLY_LATENCY_S:-3.0}
 
 serve_conversation() {  # NAME BASE_YAML SESSIONS DURATION [OVERRIDES]: start `duplexcache serve` with the reply policy,
   # wait for /health 200, run `bench serve --workload conversation`, stop the server. OVERRIDES: space-separated
-  # SECTION.KEY=VALUE (a YAML value), e.g. "server.switch_interval_ms=0.5 server.catch_up_ticks=false"
-  local name=$1 base=$2 sessions=$3 duration=$4 overrides=${5:-} port=${SERVE_PORT:-8000}
+  # SECTION.KEY=VALUE (a YAML value), e.g. "server.switch_interval_ms=0.5 server.catch_up_ticks=false";
+  # SERVE_OVERRIDES adds more to every arm
+  local name=$1 base=$2 sessions=$3 duration=$4 overrides="${5:-} ${SERVE_OVERRIDES:-}" port=${SERVE_PORT:-8000}
   local cfg="$out/$name.yaml"
   python3 - "$cfg" "$base" $overrides <<'PY' || return 1
 import sys
@@ -85,7 +86,7 @@ PY
     # the server's own counters after the run: graph captures inside ticks (0 after a warm-up), late ticks
     python3 -c 'import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=30).read().decode())' \
       "http://127.0.0.1:$port/metrics" >"$out/${name}_metrics.txt" 2>&1
-    grep -E '^duplexcache_(graph_captures_total|warmup_seconds|cfm_prompt_passes_total|late_ticks|catch_up_ticks|prefill_chunks_between_ticks|tick_errors|tick_duration_seconds_(count|sum))' "$out/${name}_metrics.txt"
+    grep -E '^duplexcache_(graph_captures_total|warmup_seconds|cfm_prompt_passes_total|late_ticks|catch_up_ticks|early_closes|prefill_chunks_between_ticks|tick_errors|tick_duration_seconds_(count|sum))' "$out/${name}_metrics.txt"
   else
     echo "=== $name: the server exited or was not healthy within 240 s ==="
   fi
@@ -192,6 +193,12 @@ case "$mode" in
     step vocoder_gpu_tests 120 python3 -m pytest -q -rs tests/cfm/test_vocoder_graphs.py tests/cfm/test_graphs.py tests/runtime/test_warmup.py -p no:cacheprovider
     step engine_ticks_vocoder_off 200 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 40 --workload conversation --steady-window --all-switches on --ticks 6 --warmup-ticks 8 --profile-ticks 2 --max-seconds 190 --memory-budget auto --graph-grid 1,4,8,16 --vocoder-cuda-graphs off --out "$out/engine_ticks_vocoder_off"
     step engine_ticks_vocoder_on 200 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 40 --workload conversation --steady-window --all-switches on --ticks 6 --warmup-ticks 8 --profile-ticks 2 --max-seconds 190 --memory-budget auto --graph-grid 1,4,8,16 --vocoder-cuda-graphs on --out "$out/engine_ticks_vocoder_on" ;;
+  vocoder_exact)  # is code2wav.vocoder_cuda_graphs bit-exact? The vocoder's CUDA tests (two graphed stages give the same
+    # bits), then the `duplexcache bench memory` equality check (every sharing switch vs all_off) with the switch on
+    step vocoder_gpu_tests 150 python3 -m pytest -q -rs tests/cfm/test_vocoder_graphs.py tests/cfm/test_graphs.py tests/runtime/test_warmup.py -p no:cacheprovider
+    python3 -c 'import sys; from duplexcache.config import DeployConfig
+d = DeployConfig.from_packaged_yaml("minicpmo45"); d.code2wav.vocoder_cuda_graphs = True; open(sys.argv[1], "w").write(d.to_yaml())' "$out/vocoder_on.yaml"
+    step bench_vocoder_on 330 python3 -m duplexcache.cli bench memory --config "$out/vocoder_on.yaml" --preset minicpmo45 --device cuda --sessions 1,2,4 --memory-budget 80GiB --talker-turn-tokens 1024 --out "$out/bench_vocoder_on" ;;
   serve_vocoder)  # A/B of code2wav.vocoder_cuda_graphs over the wire: serve_conversation, a fresh server per arm (off
     # first); SERVE_BASE / SERVE_SESSIONS / SERVE_DURATION as for serve_catch_up
     for arm in false true; do
@@ -203,6 +210,13 @@ case "$mode" in
     for arm in false true; do
       serve_conversation "serve_lookahead_$arm" "${SERVE_BASE:-examples/minicpmo45-shared.yaml}" "${SERVE_SESSIONS:-32}" \
         "${SERVE_DURATION:-45}" "engine.speak_policy.end_quiet_lookahead=$arm"
+    done ;;
+  serve_phases)  # A/B of server.tick_phases (issue 10): serve_conversation with one tick per unit, then two (a
+    # turn's unit closed with silence at the next half-unit tick), a fresh server per arm; SERVE_BASE /
+    # SERVE_SESSIONS / SERVE_DURATION as for serve_catch_up, SERVE_PHASE_ARMS the arms (default "1 2")
+    for arm in ${SERVE_PHASE_ARMS:-1 2}; do
+      serve_conversation "serve_phases_$arm" "${SERVE_BASE:-examples/minicpmo45-shared.yaml}" "${SERVE_SESSIONS:-32}" \
+        "${SERVE_DURATION:-45}" "server.tick_phases=$arm"
     done ;;
   ticks_conversation_large)  # ticks_conversation at 40 and 48 sessions only, with the shared graph grid warm
     step engine_ticks_conversation_large 560 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 40,48 --workload conversation --steady-window --all-switches on --ticks 8 --warmup-ticks 8 --max-seconds 420 --memory-budget auto --graph-grid 1,4,8,16 --out "$out/engine_ticks_conversation_large" ;;

@@ -108,6 +108,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma list of server voices the sessions use in turn (the server must know them)")
     parser.add_argument("--user-units", type=_unit_range, default=(2, 6),
                         help="conversation: user turns last MIN,MAX units (seconds)")
+    parser.add_argument("--turn-ends", choices=("unit", "random"), default="unit",
+                        help="conversation: where a user turn's speech ends: on a unit boundary of the caller's "
+                             "stream (every turn of a call at one phase of the server's grid), or at a seeded "
+                             "random 10 ms frame of the turn's last unit (any phase, as calls do)")
     parser.add_argument("--max-lead-units", type=int, default=wl.ConversationShape.max_lead_units,
                         help="conversation: a session starts after 0..this many quiet units (its random phase)")
     parser.add_argument("--reply-min-units", type=int, default=wl.ConversationShape.reply_min_units,
@@ -142,7 +146,7 @@ def http_base(url: str) -> str:
 
 # The server counters a step reports (their differences over the step), by a part of the family name.
 COUNTERS = {"late_ticks": "late_tick", "graph_captures": "graph_capture", "catch_up_ticks": "catch_up_tick",
-            "prefill_chunks_between_ticks": "prefill_chunks_between"}
+            "prefill_chunks_between_ticks": "prefill_chunks_between", "early_closes": "early_closes"}
 
 
 def _no_counters() -> dict[str, float | None]:
@@ -330,7 +334,8 @@ def _voice_names(args: argparse.Namespace) -> list[str]:
 async def run_step(n: int, args: argparse.Namespace, client: Any, base: str, bar: Any = None) -> dict[str, Any]:
     shape = wl.ConversationShape(user_min_units=args.user_units[0], user_max_units=args.user_units[1],
                                  reply_min_units=args.reply_min_units, reply_max_units=args.reply_max_units,
-                                 max_lead_units=args.max_lead_units)
+                                 max_lead_units=args.max_lead_units,
+                                 ragged_turn_ends=getattr(args, "turn_ends", "unit") == "random")
     voices = wl.pick_voices(n, _voice_names(args), args.seed)
     units = max(1, int(args.duration))
     callers = [Caller(i, voices[i], args.workload, units, args.seed, shape, INSTRUCTIONS,
@@ -397,6 +402,7 @@ def _results(args: argparse.Namespace, argv: list[str], steps: list[dict[str, An
         "config": {"sessions": list(args.sessions), "workload": args.workload, "duration_s": args.duration,
                    "ramp_s": args.ramp, "seed": args.seed, "voices": _voice_names(args),
                    "user_units": list(args.user_units), "max_lead_units": args.max_lead_units,
+                   "turn_ends": getattr(args, "turn_ends", "unit"),
                    "reply_units": [args.reply_min_units, args.reply_max_units], "drain_s": args.drain,
                    "gap_threshold_s": GAP_S, "input": "16 kHz pcm16 in 0.1 s chunks at real-time pace"},
         "criterion": criterion(args),
@@ -473,7 +479,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         print(f"{s['sessions']:>4} sessions: audio {s['sessions_with_audio']}/{s['sessions']}, reply latency "
               f"p50/p95/p99 {lat['p50']}/{lat['p95']}/{lat['p99']} s (last - first reply of a session: p50 "
               f"{s['reply_latency_growth_s']['p50']} s), gaps > 200 ms {s['gaps_over_200ms']}, "
-              f"late ticks {s['late_ticks']} (catch-up ticks {s['catch_up_ticks']}), errors in {s['sessions_with_errors']} sessions, "
+              f"late ticks {s['late_ticks']} (catch-up ticks {s['catch_up_ticks']}, early closes {s.get('early_closes')}), errors in {s['sessions_with_errors']} sessions, "
               f"real-time {s['realtime']}")
         if s.get("stage_ms_mean"):
             print("      server ms per tick (mean): " + ", ".join(f"{k} {v}" for k, v in s["stage_ms_mean"].items()))

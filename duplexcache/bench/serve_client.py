@@ -183,14 +183,17 @@ class Caller:
         ends = {t.user_end - 1: t.index for t in trace.script.turns}   # last speech unit -> turn
         for u in range(trace.script.units):
             silent = self.workload == "push_to_talk" and not trace.script.speech[u]
-            for chunk in _unit_chunks(wl.unit_audio(trace.script, self.index, u, self.seed)):
+            # the turn ends when the chunk holding its last speech sample has been sent
+            last = (wl.speech_samples(trace.script, self.index, u, self.seed) - 1) // CHUNK_SAMPLES \
+                if u in ends else None
+            for c, chunk in enumerate(_unit_chunks(wl.unit_audio(trace.script, self.index, u, self.seed))):
                 await asyncio.sleep(max(0.0, start + sent / Wire.INPUT_RATE - loop.time()))
                 if not silent:
                     await ws.send(Wire.append(chunk))
                 sent += chunk.size
+                if c == last:
+                    trace.turn_ends[ends[u]] = loop.time()
             trace.units_sent = u + 1
-            if u in ends:
-                trace.turn_ends[ends[u]] = loop.time()
 
     async def _drain(self, trace: SessionTrace) -> None:
         """Wait (at most ``drain_s``) for every reply that was scheduled in full."""

@@ -61,6 +61,12 @@ class ConversationShape:
     reply_max_units: int = 8     # ... and reply_max_units
     max_lead_units: int = 6      # random phase: quiet units before the first user turn
     max_gap_units: int = 1       # quiet units between a reply's end and the next user turn
+    # The last unit of each user turn holds speech up to a seeded random 10 ms frame (1..100),
+    # then quiet, so turns end at any point of the server's grid as a caller's do; without it
+    # every turn of a session ends on a unit boundary of its stream, at one phase for the whole
+    # call (`bench serve --turn-ends random`; over the wire only: the in-process script answers
+    # in the first quiet unit)
+    ragged_turn_ends: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.user_min_units <= self.user_max_units:
@@ -102,6 +108,7 @@ class SessionScript:
     speech: tuple[bool, ...]
     speaks: tuple[bool, ...]
     turns: tuple[Turn, ...] = ()
+    ragged_turn_ends: bool = False   # ConversationShape.ragged_turn_ends
 
     @property
     def units(self) -> int:
@@ -139,7 +146,7 @@ def conversation_script(index: int, sid: str, units: int, seed: int = 0,
         for u in range(turn.user_end, min(turn.reply_end, units)):
             speaks[u] = True
         at = turn.reply_end + int(rng.integers(0, shape.max_gap_units + 1))
-    return SessionScript(sid, "conversation", tuple(speech), tuple(speaks), tuple(turns))
+    return SessionScript(sid, "conversation", tuple(speech), tuple(speaks), tuple(turns), shape.ragged_turn_ends)
 
 
 def continuous_script(sid: str, units: int) -> SessionScript:
@@ -157,12 +164,31 @@ def unit_samples(unit_index: int) -> int:
     return FIRST_UNIT_SAMPLES if unit_index == 0 else UNIT_SAMPLES
 
 
+END_FRAME_SAMPLES = 160   # ragged turn ends fall on 10 ms frames
+
+
+def speech_samples(script: SessionScript, index: int, unit_index: int, seed: int = 0) -> int:
+    """Samples of speech at the start of unit ``unit_index``: all of a speech unit, none of a
+    quiet one, and with ``ragged_turn_ends`` a seeded 1..100 frames of a turn's last unit."""
+    n = unit_samples(unit_index)
+    if not script.speech[unit_index]:
+        return 0
+    last = script.ragged_turn_ends and any(t.user_end - 1 == unit_index for t in script.turns)
+    if not last:
+        return n
+    frames = int(_rng(seed, index, unit_index, zlib.crc32(b"turn end")).integers(1, 101))
+    return min(n, frames * END_FRAME_SAMPLES)
+
+
 def unit_audio(script: SessionScript, index: int, unit_index: int, seed: int = 0) -> np.ndarray:
-    """16 kHz float32 input of one unit: speech-level noise in a user turn, near-silence otherwise."""
+    """16 kHz float32 input of one unit: speech-level noise in a user turn, near-silence otherwise
+    (a ragged turn end: speech for ``speech_samples``, then near-silence)."""
     if not 0 <= unit_index < script.units:
         raise ValueError(f"unit {unit_index} is outside the script's {script.units} units")
-    rms = SPEECH_RMS if script.speech[unit_index] else QUIET_RMS
-    noise = _rng(seed, index, unit_index, zlib.crc32(b"audio")).standard_normal(unit_samples(unit_index))
+    n = unit_samples(unit_index)
+    rms = np.full(n, QUIET_RMS)
+    rms[:speech_samples(script, index, unit_index, seed)] = SPEECH_RMS
+    noise = _rng(seed, index, unit_index, zlib.crc32(b"audio")).standard_normal(n)
     return np.clip(noise * rms, -1.0, 1.0).astype(np.float32)
 
 

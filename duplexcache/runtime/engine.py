@@ -48,8 +48,8 @@ from duplexcache.runtime.bundle import ModelBundle, build_models
 from duplexcache.runtime.code2wav_stage import LOOKAHEAD, Code2WavStage, build_code2wav, pcm16_bytes
 from duplexcache.runtime.engine_api import (INPUT_SAMPLE_RATE, AdmissionError, AudioDelta, EngineEvent, EngineStats,
                                             SessionError, TierBytes)
-from duplexcache.runtime.engine_session import (MAX_BUFFERED_SAMPLES, MAX_BUFFERED_SECONDS, EngineSession,
-                                                SessionInfo, SessionTable, SilenceFill, Unit, UnitAlignment, ended,
+from duplexcache.runtime.engine_session import (MAX_BUFFERED_SAMPLES, MAX_BUFFERED_SECONDS, EarlyClose,
+                                                EngineSession, SessionInfo, SessionTable, SilenceFill, Unit, UnitAlignment, ended,
                                                 session_info)
 from duplexcache.runtime.engine_stats import LATENCY_HISTORY, STAGES, EngineStatsRecorder
 from duplexcache.runtime.fast_forward import FastForwardRequest, FastForwardResult, fast_forward
@@ -301,7 +301,7 @@ class DuplexEngine:
         # The cost model learns the unit work only: prefill is bounded separately (one chunk).
         self.tick_cost.observe(lat["tick"] - prefill_s, len(units))
         self.table.note_tick_for_pending()
-        self.recorder.finish_tick(lat, self.deploy.engine.tick_seconds)
+        self.recorder.finish_tick(lat, self.deploy.engine.tick_seconds / self.tick_cost.phases)
         return self._for_live(events)
 
     def _for_live(self, events: list[EngineEvent]) -> list[EngineEvent]:
@@ -342,6 +342,25 @@ class DuplexEngine:
         (``engine_session.UnitAlignment``); None cuts units from the stream's first sample."""
         self._unit_alignment = None if margin_ms is None else UnitAlignment(
             round(margin_ms * INPUT_SAMPLE_RATE / 1000), self.models.audio_encoder.cfg.chunk_samples)
+
+    def set_tick_phases(self, phases: int) -> None:
+        """Called by a server that ticks ``phases`` times per unit (``server.tick_phases``): admission
+        by time counts ``phases`` ticks per unit, and with more than one, a session whose caller's
+        turn has ended has its unit closed with silence at the next tick (``engine_session.EarlyClose``)
+        when the speak policy would answer it (a policy without ``would_answer`` never does)."""
+        if phases < 1:
+            raise ValueError(f"tick phases must be >= 1, got {phases}")
+        self.tick_cost.set_phases(phases)
+        # the audio that arrives between two ticks: a cut at whole periods of it keeps the
+        # session's units where they were on the grid, a whole number of ticks earlier
+        unit = self.models.audio_encoder.cfg.chunk_samples
+        period = round(self.deploy.engine.tick_seconds / phases * INPUT_SAMPLE_RATE)
+        early = phases > 1 and 0 < period < unit   # 1: the server's ticks as they were, no early close
+        self.table.early_close = EarlyClose(period, unit, self._would_answer) if early else None
+
+    def _would_answer(self, sess: EngineSession, pcm: np.ndarray, after: np.ndarray) -> bool:
+        would_answer = getattr(self.policy, "would_answer", None)   # the policy in use now (tests swap it)
+        return would_answer is not None and bool(would_answer(sess.policy_state, pcm, after))
 
     def set_silence_fill(self, after_ms: float | None) -> None:
         """Called by a server (``server.fill_silence_after_ms``): a session whose client has sent

@@ -184,6 +184,9 @@ class EngineStats:
     graph_captures: Mapping[str, int] = field(default_factory=dict)
     # How long the warm-up took; None before (or without) one.
     warmup_seconds: float | None = None
+    # Units closed with silence at the first tick after their caller's turn ended
+    # (server.tick_phases > 1, runtime/engine_session.py EarlyClose).
+    early_closes: int = 0
 
 
 # --------------------------------------------------------------------------------------------

@@ -81,6 +81,8 @@ class EngineSession:
     realign: bool = False         # its units were filled with silence: its next audio is aligned again
     pause_filled: bool = False    # a tick filled the current pause (its next chunk brings no silence)
     silent_units: int = 0         # units completed with silence because the client sent nothing
+    early_closes: int = 0         # units closed early at a turn's end (EarlyClose)
+    early_silence: int = 0        # samples of silence those units were completed with
     encoder_state: StreamingAudioEncoderState | None = None
     opened: bool = False          # Stage 0 session exists
     ticks_pending: int = 0        # ticks that ended while it was not open yet
@@ -203,6 +205,44 @@ class SilenceFill:
         return quiet >= sess.largest_push + self.after_samples
 
 
+@dataclass(frozen=True)
+class EarlyClose:
+    """Where a server that ticks ``phases`` times per unit (``server.tick_phases``) closes a
+    session's unit early: at the first tick after its caller's turn ended (docs/engine.md,
+    "Phased ticks").
+
+    A reply starts in the tick that takes the unit holding the end of the caller's turn. With
+    one tick per unit that unit completes up to a whole unit after the turn ended, and the reply
+    waits for it. With ticks every ``period_samples`` of audio, a session whose unit is only
+    partly received, whose audio ends with the end of a turn (the speak policy's
+    ``would_answer``, on the received audio alone) and which holds at least one period, has its
+    unit cut after the last whole period it holds and completed with silence, and the tick takes
+    it now. What it holds past the cut (less than a period, quiet) starts its next unit, so its
+    units now complete one or more periods earlier, on another phase of the tick grid, with the
+    same lead before their tick: its later units, and the reply's audio chunks, stay one unit
+    apart. The model hears the silence it was completed with, at most a unit less one period per
+    turn answered, as a longer pause after the caller's turn.
+    """
+
+    period_samples: int   # samples of audio between two ticks (tick_seconds / phases)
+    unit_samples: int     # samples of every unit after the first
+    # Whether the session's speak policy would start a reply on a unit of (received audio,
+    # silence), given the audio held past the cut (ReplyPolicy.would_answer)
+    answers: Callable[["EngineSession", np.ndarray, np.ndarray], bool]
+
+    def __post_init__(self) -> None:
+        if not 0 < self.period_samples < self.unit_samples:
+            raise ValueError(f"need 0 < period_samples < unit_samples, got {self.period_samples}, {self.unit_samples}")
+
+    def cut(self, sess: "EngineSession", need: int) -> int:
+        """Samples of ``sess``'s buffered audio its unit would take if closed now (whole periods,
+        fewer than ``need``); 0 when it cannot be closed early: its first unit (whose length
+        differs), a unit right after a silence fill or alignment, or less than a period held."""
+        if need != self.unit_samples or not sess.audio_started or sess.realign or sess.buffered >= need:
+            return 0
+        return sess.buffered // self.period_samples * self.period_samples
+
+
 @dataclass
 class Unit:
     """One session's unit inside a tick; each stage fills its part."""
@@ -281,6 +321,8 @@ class SessionTable:
         self._ids = itertools.count(1)
         self.clock: Callable[[], float] = time.monotonic   # tests set their own
         self.silence_fill: SilenceFill | None = None        # set by a server (DuplexEngine.set_silence_fill)
+        self.early_close: EarlyClose | None = None          # set by a server (DuplexEngine.set_tick_phases)
+        self.early_closes = 0                               # units closed early, all sessions
 
     # ------------------------------------------------------------------ membership (lock held)
 
@@ -497,6 +539,9 @@ class SessionTable:
                         sess.buffered += pad
                     sess.realign = False
                 if sess.buffered < need:
+                    unit = self._close_early(sess, need)
+                    if unit is not None:
+                        units.append(unit)
                     continue
                 if sess.buffered >= need + behind:
                     logger.debug("session %s is %.1f s behind", sess.sid, sess.buffered / INPUT_SAMPLE_RATE)
@@ -507,6 +552,27 @@ class SessionTable:
                 sess.audio_started = True
                 units.append(Unit(sess, audio[:need], ahead=rest, turn=turns.take_unit_requests(sess.turn)))
         return units
+
+    def _close_early(self, sess: EngineSession, need: int) -> Unit | None:
+        """``sess``'s unit closed now with silence (``EarlyClose``), or None (lock held)."""
+        early = self.early_close
+        cut = 0 if early is None else early.cut(sess, need)
+        if not cut:
+            return None
+        audio = np.concatenate(sess.audio)
+        heard, rest = audio[:cut], audio[cut:]
+        if not early.answers(sess, heard, rest):
+            return None
+        silence = need - cut
+        logger.debug("session %s: turn ended; its unit is closed after %d samples with %d of silence",
+                      sess.sid, cut, silence)
+        sess.audio = [rest] if rest.size else []
+        sess.buffered = sess.left_after_take = rest.size
+        sess.early_closes += 1
+        sess.early_silence += silence
+        self.early_closes += 1
+        pcm = np.concatenate([heard, np.zeros(silence, np.float32)])
+        return Unit(sess, pcm, ahead=rest, turn=turns.take_unit_requests(sess.turn))
 
     # ------------------------------------------------------------------ turn control (runtime/turns.py)
 

@@ -59,7 +59,7 @@ class EngineStatsRecorder:
             # "other": what the tick did outside the four stages (opening sessions in Stage 0,
             # cancels, prefill chunks run inside the tick, the stats themselves)
             breakdown = ", ".join(f"{s} {v * 1e3:.0f}" for s, v in parts.items())
-            logger.warning("tick %d ran late: %.3f s > tick_seconds %.3f s (ms: %s, other %.0f; back-pressure: "
+            logger.warning("tick %d ran late: %.3f s > its period %.3f s (ms: %s, other %.0f; back-pressure: "
                            "%d late ticks)", self.ticks + 1, lat["tick"], period, breakdown,
                            (lat["tick"] - sum(parts.values())) * 1e3, self.late_ticks)
         self.refresh_pools()
@@ -118,4 +118,4 @@ class EngineStatsRecorder:
                 stage_latency_s=dict(self.last_latency),
                 decode_graph_steps={name: g.stats.replays for name, g in decode_graphs.items() if g is not None},
                 graph_captures={"warmup": warmup_captures, "tick": captures_total - warmup_captures},
-                warmup_seconds=warmup_seconds)
+                warmup_seconds=warmup_seconds, early_closes=table.early_closes)

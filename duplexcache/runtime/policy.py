@@ -394,6 +394,26 @@ class ReplyPolicy:
         state.speaking, state.reply_left = True, length - 1
         return self.control.speak
 
+    def would_answer(self, state: ReplyState, pcm: np.ndarray, after: np.ndarray) -> bool:
+        """Whether a unit holding ``pcm`` and then silence would start a reply, judged on the
+        audio received only: a user turn waits for its answer, no reply is running, ``after``
+        (what the server holds past ``pcm``) holds no speech, and the quiet after the turn's last
+        speech frame, counted through ``after``, is ``end_quiet_ms`` or more. Changes no state.
+
+        The engine asks this to close a unit early (``server.tick_phases``): the silence it
+        completes the unit with then never makes a turn end that the caller's audio did not."""
+        if not isinstance(state, ReplyState):
+            raise ValueError("ReplyPolicy.would_answer needs the session's ReplyState")
+        if state.speaking and state.reply_left > 0:
+            return False
+        if leading_quiet(after, self.speech_rms) < after.size:   # the turn goes on past the cut
+            return False
+        speech, quiet = trailing_quiet(pcm, self.speech_rms)
+        if not (speech or state.heard_speech):
+            return False
+        heard_quiet = quiet if speech else state.quiet_samples + quiet
+        return heard_quiet + after.size >= self.end_quiet_samples
+
     def next_token(self, unit_index: int, num_text: int, logits: torch.Tensor, state: Any = None) -> int:
         if not isinstance(state, ReplyState):
             raise ValueError("ReplyPolicy.next_token needs the session's ReplyState")

@@ -11,7 +11,7 @@ Ownership:
   sender task writes to the socket, so the tick loop never waits on a slow client.
 
 The tick task calls ``engine.tick()`` in a worker thread (``asyncio.to_thread``) every
-``engine.tick_seconds`` and awaits it before the next one, so two ticks never overlap; a tick
+``engine.tick_seconds`` / ``server.tick_phases`` and awaits it before the next one, so two ticks never overlap; a tick
 that overruns its period is logged and counted (``late_ticks``) and the next one starts at
 once, without a catch-up burst. Other engine calls also go through worker threads so a busy
 engine never stalls the event loop (the engine is thread-safe per ``engine_api``).
@@ -231,18 +231,25 @@ class RealtimeServer:
 
     async def _tick_loop(self) -> None:
         loop = asyncio.get_running_loop()
-        period = self.config.engine.tick_seconds
+        server = self.config.server
+        # server.tick_phases ticks per unit: each takes the units complete by then
+        period = self.config.engine.tick_seconds / server.tick_phases
         pacing = self._pacing_prefill()   # decided once: the config and the engine do not change
         pace = getattr(self.engine, "set_prefill_between_ticks", None)   # optional (docs/design.md)
         if pace is not None:
             pace(pacing)
-        server = self.config.server
         align = getattr(self.engine, "set_unit_alignment", None)          # optional too
         if align is not None:
             align(server.unit_align_margin_ms if server.align_units_to_ticks else None)
         fill = getattr(self.engine, "set_silence_fill", None)             # and this one
         if fill is not None:
             fill(server.fill_silence_after_ms)
+        phases = getattr(self.engine, "set_tick_phases", None)            # and this one
+        if phases is not None:
+            phases(server.tick_phases)
+        elif server.tick_phases != 1:
+            logger.warning("server.tick_phases %d: this engine has no set_tick_phases; the server ticks %d times "
+                           "per unit without closing turns early", server.tick_phases, server.tick_phases)
         deadline = loop.time() + period
         caught_up_at = None   # the deadline of the period that already had its extra tick
         while not self._stopping.is_set():
@@ -251,7 +258,7 @@ class RealtimeServer:
             if now > deadline + LATE_SLACK * period:
                 self.metrics.late_ticks.inc()
                 # debug only: the engine logs the warning for each late tick (one line, not two)
-                logger.debug("tick ran late: ended %.3f s past its deadline (tick_seconds %.3f); "
+                logger.debug("tick ran late: ended %.3f s past its deadline (period %.3f s); "
                              "the next tick starts now", now - deadline, period)
                 # the next tick starts now and is due at the grid's next point (runtime/pacing.py)
                 deadline = deadline_after_late(deadline, now, period)

@@ -23,7 +23,7 @@ PREFIX = "duplexcache_"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 # EngineStats counter field -> metric attribute name on ServerMetrics
-_ENGINE_COUNTERS = ("context_cache_hits", "context_cache_misses", "cfm_fallbacks")
+_ENGINE_COUNTERS = ("context_cache_hits", "context_cache_misses", "cfm_fallbacks", "early_closes")
 GRAPH_CAPTURE_PLACES = ("warmup", "tick")
 
 
@@ -50,6 +50,8 @@ class ServerMetrics:
         self.prefill_chunks_between_ticks = Counter(
             PREFIX + "prefill_chunks_between_ticks", "Prefill chunks run before a tick instead of inside it "
             "(server.prefill_between_ticks)", registry=r)
+        self.early_closes = Counter(PREFIX + "early_closes", "Units closed with silence at the first tick after "
+                                    "their caller's turn ended (server.tick_phases > 1)", registry=r)
         self.tick_errors = Counter(PREFIX + "tick_errors", "Ticks that raised an exception", registry=r)
         self.protocol_errors = Counter(PREFIX + "protocol_errors", "Error events sent to clients",
                                        ["code"], registry=r)

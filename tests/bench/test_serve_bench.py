@@ -134,9 +134,10 @@ def test_counters_from_prometheus_text():
             "duplexcache_graph_captures_total{model=\"thinker\"} 2.0\n"
             "duplexcache_graph_captures_total{model=\"talker\"} 5.0\n"
             "# TYPE duplexcache_catch_up_ticks counter\nduplexcache_catch_up_ticks_total 4.0\n"
+            "# TYPE duplexcache_early_closes counter\nduplexcache_early_closes_total 6.0\n"
             "# TYPE duplexcache_live_sessions gauge\nduplexcache_live_sessions 4.0\n")
     assert serve.counters(text) == {"late_ticks": 3.0, "graph_captures": 7.0, "catch_up_ticks": 4.0,
-                                    "prefill_chunks_between_ticks": None}
+                                    "prefill_chunks_between_ticks": None, "early_closes": 6.0}
     assert serve.counters("# TYPE x counter\nx_total 1.0\n") == dict.fromkeys(serve.COUNTERS)
 
 

@@ -67,6 +67,31 @@ def test_unit_audio_levels_and_lengths():
         wl.unit_audio(s, 0, UNITS)
 
 
+def test_ragged_turn_ends_stop_speech_inside_the_last_unit_of_each_turn():
+    """--turn-ends random: the last unit of every user turn is speech up to a seeded 10 ms frame,
+    then quiet (the RMS of each frame tells), at many different points; other units unchanged."""
+    shape = wl.ConversationShape(ragged_turn_ends=True)
+    plain = wl.conversation_script(2, "sess_3", UNITS, 7)
+    ragged = wl.conversation_script(2, "sess_3", UNITS, 7, shape)
+    assert ragged.ragged_turn_ends and ragged.turns == plain.turns and ragged.speech == plain.speech
+    last_units = {t.user_end - 1 for t in ragged.turns if t.user_end <= UNITS}
+    ends = set()
+    for u in range(UNITS):
+        n = wl.speech_samples(ragged, 2, u, seed=7)
+        pcm = wl.unit_audio(ragged, 2, u, seed=7)
+        if u not in last_units:
+            assert n == (pcm.size if ragged.speech[u] else 0)
+            np.testing.assert_array_equal(pcm, wl.unit_audio(plain, 2, u, seed=7))
+            continue
+        assert 0 < n <= pcm.size and n % wl.END_FRAME_SAMPLES == 0
+        frames = pcm[:pcm.size // 160 * 160].reshape(-1, 160)
+        loud = np.sqrt(np.mean(frames.astype(np.float64) ** 2, axis=1)) > 0.01
+        assert loud[:n // 160].all() and not loud[n // 160:].any()
+        ends.add(n)
+    assert len(ends) >= len(last_units) // 2 and len(last_units) >= 10
+    assert wl.speech_samples(plain, 2, min(last_units), seed=7) == 16_000
+
+
 def test_reply_policy_follows_the_script():
     """The server's policy, fed the script's audio, speaks exactly the script's reply units."""
     tok = ByteTokenizer()

@@ -339,6 +339,6 @@ def test_a_late_tick_is_logged_with_its_stage_breakdown(tmp_path, caplog):
         eng.recorder.finish_tick(lat, period=1.0)
         eng.recorder.finish_tick({**lat, "tick": 0.99}, period=1.0)     # on time: not logged
     (record,) = [r for r in caplog.records if "ran late" in r.getMessage()]
-    assert ("1.500 s > tick_seconds 1.000 s (ms: encoder 100, thinker 200, talker 300, code2wav 400, other 500; "
+    assert ("1.500 s > its period 1.000 s (ms: encoder 100, thinker 200, talker 300, code2wav 400, other 500; "
             "back-pressure: 1 late ticks)") in record.getMessage()
     assert eng.recorder.late_ticks == 1

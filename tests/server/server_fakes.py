@@ -68,6 +68,8 @@ class FakeEngine:
         self.pacing_prefill: bool | None = None    # what the server told set_prefill_between_ticks
         self.unit_alignment_ms: float | None | str = "unset"   # what it told set_unit_alignment
         self.silence_fill_ms: float | None | str = "unset"     # what it told set_silence_fill
+        self.tick_phases: int | str = "unset"                   # what it told set_tick_phases
+        self.tick_starts: list[float] = []                      # time.monotonic() at each tick
         self.behind_asked = 0
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -180,6 +182,7 @@ class FakeEngine:
 
     def tick(self) -> list[EngineEvent]:
         with self._lock:
+            self.tick_starts.append(time.monotonic())
             self.ticks_in_flight += 1
             self.max_ticks_in_flight = max(self.max_ticks_in_flight, self.ticks_in_flight)
         if self.tick_delay:
@@ -226,6 +229,9 @@ class FakeEngine:
 
     def set_silence_fill(self, after_ms: float | None) -> None:
         self.silence_fill_ms = after_ms
+
+    def set_tick_phases(self, phases: int) -> None:
+        self.tick_phases = phases
 
     def sessions_behind(self) -> int:
         with self._lock:

@@ -445,6 +445,24 @@ def test_pacing_switches_reach_the_engine(serve, server, told, field):
     assert getattr(engine, field) == told
 
 
+@pytest.mark.parametrize("phases", [1, 2])
+def test_tick_phases_reach_the_engine_and_divide_the_period(serve, phases):
+    """server.tick_phases -> set_tick_phases, and the tick loop runs that many ticks per
+    engine.tick_seconds. The ticks may run late on a busy machine (intervals grow), never early:
+    the shortest interval is at least the phased period, and with 2 phases the median is under
+    3/4 of tick_seconds (a loop that ignored the setting would tick every 0.3 s)."""
+    import statistics
+
+    engine, _ = serve(tick_seconds=0.3, server={"tick_phases": phases})
+    wait_for(lambda: len(engine.tick_starts) >= 9, timeout=60, what="nine ticks")
+    assert engine.tick_phases == phases
+    starts = engine.tick_starts[1:9]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert min(gaps) >= 0.3 / phases * 0.9, gaps
+    if phases == 2:
+        assert statistics.median(gaps) < 0.3 * 0.75, gaps
+
+
 def test_compute_threads_auto_leaves_the_event_loop_a_cpu():
     from duplexcache.server.app import compute_threads
 

@@ -1,0 +1,167 @@
+"""Phased ticks (server.tick_phases): a turn's unit closed with silence at the next tick
+(engine_session.EarlyClose, ReplyPolicy.would_answer)."""
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_helpers import FIRST, UNIT, collect, engine, record_taken
+
+from duplexcache.context.tokenizer import ByteTokenizer
+from duplexcache.runtime.engine_session import EarlyClose, EngineSession
+from duplexcache.runtime.policy import ControlTokens, ReplyPolicy, ReplyState, text_token_ids
+
+CONTROL = ControlTokens.from_tokenizer(ByteTokenizer())
+TEXT = text_token_ids(ByteTokenizer(), 151748)
+LOUD, QUIET = 0.1, 0.02
+CHUNK = 1_600            # 100 ms chunks
+MARGIN_MS = 50.0
+LEAD = CHUNK + 800       # what an aligned session holds after each unit
+PERIOD = UNIT // 2       # two phases: a tick every 8000 samples of audio
+
+
+def _noise(rms: float, seed: int, n: int) -> np.ndarray:
+    if n == 0:
+        return np.zeros(0, np.float32)
+    x = np.random.default_rng(seed).standard_normal(n)
+    return (x * rms / np.sqrt(np.mean(x * x))).astype(np.float32)
+
+
+def _policy() -> ReplyPolicy:
+    return ReplyPolicy(CONTROL, TEXT, speech_rms=0.05, reply_min_units=2, reply_max_units=2, end_quiet_ms=200)
+
+
+def test_would_answer_judges_the_received_audio_and_changes_nothing():
+    p = _policy()
+    speech_then = lambda quiet_ms: np.concatenate([_noise(LOUD, 1, 4_800), _noise(QUIET, 2, quiet_ms * 16)])
+    quiet = lambda ms, seed=3: _noise(QUIET, seed, ms * 16)
+    state = ReplyState("s")
+    before = copy.deepcopy(state)
+    assert p.would_answer(state, speech_then(200), quiet(0))              # 200 ms of quiet after the turn
+    assert p.would_answer(state, speech_then(150), quiet(50))             # counted through what follows the cut
+    assert not p.would_answer(state, speech_then(100), quiet(50))         # 150 ms: the turn may go on
+    assert not p.would_answer(state, speech_then(300), np.concatenate([quiet(50), _noise(LOUD, 4, 800)]))
+    assert not p.would_answer(state, quiet(500), quiet(100))              # no user turn waits
+    assert state == before                                                # a question, not a decision
+    waiting = ReplyState("s", heard_speech=True, quiet_samples=1_000)     # speech ended in the last unit
+    assert p.would_answer(waiting, quiet(150), quiet(0))                  # 62.5 + 150 ms
+    assert not p.would_answer(ReplyState("s", heard_speech=True), quiet(100), quiet(50))
+    replying = ReplyState("s", speaking=True, reply_left=1)
+    assert not p.would_answer(replying, speech_then(400), quiet(50))      # a reply runs: no early close
+    last = ReplyState("s", speaking=True, reply_left=0)                   # its last unit was the one before
+    assert p.would_answer(last, speech_then(400), quiet(50))
+    with pytest.raises(ValueError, match="ReplyState"):
+        p.would_answer(None, quiet(10), quiet(0))
+    # What the engine does with a yes: the unit completed with silence is a reply for decide too.
+    pcm = np.concatenate([speech_then(200)[:PERIOD], np.zeros(UNIT - PERIOD, np.float32)])
+    assert p.decide(3, None, ReplyState("s"), pcm) == CONTROL.speak
+
+
+def test_early_close_cuts_whole_periods_of_a_later_unit_only():
+    close = EarlyClose(PERIOD, UNIT, lambda *_: True)
+    sess = EngineSession("s", None, None, None, audio_started=True)
+    for buffered, cut in ((0, 0), (PERIOD - 1, 0), (PERIOD, PERIOD), (PERIOD + LEAD, PERIOD), (UNIT - 1, PERIOD)):
+        sess.buffered = buffered
+        assert close.cut(sess, UNIT) == cut, buffered
+    sess.buffered = UNIT
+    assert close.cut(sess, UNIT) == 0                  # a whole unit: the tick takes it anyway
+    sess.buffered = PERIOD + LEAD
+    assert close.cut(sess, FIRST) == 0                 # the first unit is longer: never closed early
+    sess.realign = True
+    assert close.cut(sess, UNIT) == 0                  # its next audio is aligned first
+    sess.realign, sess.audio_started = False, False
+    assert close.cut(sess, UNIT) == 0
+    quarters = EarlyClose(UNIT // 4, UNIT, lambda *_: True)
+    sess.audio_started, sess.buffered = True, 3 * UNIT // 4 + LEAD
+    assert quarters.cut(sess, UNIT) == 3 * UNIT // 4
+    for bad in ((0, UNIT), (UNIT, UNIT), (UNIT + 1, UNIT)):
+        with pytest.raises(ValueError):
+            EarlyClose(*bad, lambda *_: True)
+
+
+def _stream() -> np.ndarray:
+    """Quiet, 1 s of speech from sample 4000 to 20000, then quiet: with units aligned (the first
+    taken at tick 0 ends at stream sample 2400), the turn ends 1600 samples into the unit
+    stream[18400:34400]."""
+    return np.concatenate([_noise(QUIET, 10, 4_000), _noise(LOUD, 11, 16_000), _noise(QUIET, 12, 60_000)])
+
+
+def _call(tmp_path, name: str, phases: int, mode: str = "reply") -> tuple:
+    """A real-time client sending 100 ms chunks to an engine ticking every half unit of audio
+    (0.3 s before the first tick), for 9 ticks. Returns the engine (shut down), the units it
+    heard, the samples left after each tick, and which ticks spoke."""
+    policy = {"mode": mode, "speech_rms": 0.05, "reply_min_units": 2, "reply_max_units": 2, "end_quiet_ms": 200}
+    eng = engine(tmp_path, name, {"engine": {"speak_policy": policy}})
+    eng.set_unit_alignment(MARGIN_MS)
+    eng.set_tick_phases(phases)
+    taken = record_taken(eng)
+    sid = eng.open_session({"voice": "default"})
+    stream, sent, left, spoke = _stream(), 0, [], []
+    for tick in range(9):
+        for _ in range(3 if tick == 0 else PERIOD // CHUNK):
+            eng.push_audio(sid, stream[sent:sent + CHUNK])
+            sent += CHUNK
+        out = collect(eng.tick()).get(sid, {"text": [], "audio": [], "errors": []})
+        assert not out["errors"]
+        left.append(eng.table.get_live(sid).buffered)
+        spoke.append(bool(out["text"]))
+    stats, sess = eng.stats(), eng.table.get_live(sid)
+    eng.shutdown()
+    return stats, sess, taken, left, spoke, stream
+
+
+def test_a_turn_is_answered_at_the_next_half_unit_tick_and_its_session_stays_on_that_phase(tmp_path):
+    stats1, _, taken1, _, spoke1, stream = _call(tmp_path, "one_phase", 1)
+    stats2, sess, taken2, left2, spoke2, _ = _call(tmp_path, "two_phases", 2)
+    # One phase: the unit holding the end of the turn completes at tick 4 and answers there.
+    assert spoke1 == [False] * 4 + [True, False, True, False, False] and stats1.early_closes == 0
+    # Two phases: at tick 3 the session holds 10400 samples of that unit, the last 6400 + 2400
+    # of them quiet: the unit is closed after one period, completed with silence, and answered
+    # half a unit sooner; the reply's second unit follows a whole unit later (tick 5), not at
+    # the old phase (tick 4, half a unit after the first, or 6, a gap).
+    assert spoke2 == [False] * 3 + [True, False, True, False, False, False]
+    assert stats2.early_closes == 1 and sess.early_closes == 1 and sess.early_silence == UNIT - PERIOD
+    # What the model heard: the stream after the first unit's alignment silence, with one half
+    # unit of silence where the unit was closed; nothing dropped or reordered.
+    pad = FIRST - LEAD
+    heard = np.concatenate(taken2)
+    want = np.concatenate([np.zeros(pad, np.float32), stream[:26_400], np.zeros(UNIT - PERIOD, np.float32),
+                           stream[26_400:26_400 + heard.size - pad - 26_400 - (UNIT - PERIOD)]])
+    np.testing.assert_array_equal(heard, want)
+    assert [t.size for t in taken2] == [FIRST] + [UNIT] * (len(taken2) - 1)
+    # Units are taken every other tick, on the even ticks before the close and the odd ones
+    # after, each leaving the same lead as the alignment gave
+    taken_at = [0, 2, 3, 5, 7]
+    assert len(taken2) == len(taken_at)
+    assert [left2[t] for t in taken_at] == [LEAD] * len(taken_at)
+    assert np.concatenate(taken1).size == FIRST + 4 * UNIT   # ticks 0, 2, 4, 6, 8 without the close
+
+
+def test_no_early_close_without_a_policy_that_can_tell_a_turn_ended(tmp_path):
+    """The scripted every_k_units policy has no would_answer: phased ticks, no early close."""
+    stats, sess, taken, _, _, stream = _call(tmp_path, "scripted", 2, mode="every_k_units")
+    assert stats.early_closes == 0 and sess.early_silence == 0
+    heard = np.concatenate(taken)[FIRST - LEAD:]
+    np.testing.assert_array_equal(heard, stream[:heard.size])
+
+
+def test_the_early_close_period_is_the_audio_between_two_ticks(tmp_path):
+    eng = engine(tmp_path, "phases")
+    with pytest.raises(ValueError, match="tick phases"):
+        eng.set_tick_phases(0)
+    eng.set_tick_phases(4)
+    assert eng.table.early_close.period_samples == UNIT // 4 and eng.tick_cost.phases == 4
+    eng.set_tick_phases(1)                       # a tick per unit: nothing to close early
+    assert eng.table.early_close is None and eng.tick_cost.phases == 1
+    eng.shutdown()
+    fast = engine(tmp_path, "fast", {"engine": {"tick_seconds": 0.25}})
+    fast.set_tick_phases(2)                      # ticks every 0.125 s of audio
+    assert fast.table.early_close.period_samples == 2_000
+    fast.set_tick_phases(1)                      # one phase: no early close, whatever the period
+    assert fast.table.early_close is None
+    fast.shutdown()

@@ -356,11 +356,17 @@ class DuplexEngine:
         unit = self.models.audio_encoder.cfg.chunk_samples
         period = round(self.deploy.engine.tick_seconds / phases * INPUT_SAMPLE_RATE)
         early = phases > 1 and 0 < period < unit   # 1: the server's ticks as they were, no early close
-        self.table.early_close = EarlyClose(period, unit, self._would_answer) if early else None
+        self.table.early_close = EarlyClose(period, unit, self._would_answer, self._tick_has_room) if early else None
 
     def _would_answer(self, sess: EngineSession, pcm: np.ndarray, after: np.ndarray) -> bool:
         would_answer = getattr(self.policy, "would_answer", None)   # the policy in use now (tests swap it)
         return would_answer is not None and bool(would_answer(sess.policy_state, pcm, after))
+
+    def _tick_has_room(self, units: int) -> bool:
+        """Whether a tick of ``units`` units has room for one more within its phased period
+        (the measured tick cost; before any measurement, yes)."""
+        predicted = self.tick_cost.predicted_s(units + 1)
+        return predicted is None or predicted <= self.tick_cost.tick_limit_s
 
     def set_silence_fill(self, after_ms: float | None) -> None:
         """Called by a server (``server.fill_silence_after_ms``): a session whose client has sent

@@ -217,7 +217,7 @@ class EarlyClose:
     partly received, whose audio ends with the end of a turn (the speak policy's
     ``would_answer``, on the received audio alone) and which holds at least one period, has its
     unit cut after the last whole period it holds and completed with silence, and the tick takes
-    it now. What it holds past the cut (less than a period, quiet) starts its next unit, so its
+    it now, if the tick has ``room`` for it. What it holds past the cut (less than a period, quiet) starts its next unit, so its
     units now complete one or more periods earlier, on another phase of the tick grid, with the
     same lead before their tick: its later units, and the reply's audio chunks, stay one unit
     apart. The model hears the silence it was completed with, at most a unit less one period per
@@ -229,6 +229,10 @@ class EarlyClose:
     # Whether the session's speak policy would start a reply on a unit of (received audio,
     # silence), given the audio held past the cut (ReplyPolicy.would_answer)
     answers: Callable[["EngineSession", np.ndarray, np.ndarray], bool]
+    # Whether a tick already holding this many units has room for one more (the engine's
+    # measured tick cost against the phased period): a session moves into a phase only while its
+    # ticks keep time, so the phases fill evenly and a full one is left alone
+    room: Callable[[int], bool] = lambda units: True
 
     def __post_init__(self) -> None:
         if not 0 < self.period_samples < self.unit_samples:
@@ -511,8 +515,11 @@ class SessionTable:
         (``samples_needed(session)``); a session ``behind`` samples past that is logged. With
         ``align``, a session's first unit starts with the silence ``align.first_pad`` asks for,
         and so does its first unit after a silence fill. With ``self.silence_fill``, a session
-        whose client has sent nothing for long enough gets its unit completed with silence."""
+        whose client has sent nothing for long enough gets its unit completed with silence. With
+        ``self.early_close``, a session whose received audio ends a caller's turn gets its unit
+        cut after its last whole period and completed with silence (``EarlyClose``)."""
         units = []
+        short: list[tuple[EngineSession, int]] = []   # sessions holding part of a unit, with its size
         fill = self.silence_fill
         with self.lock:
             now = self.clock()
@@ -539,9 +546,8 @@ class SessionTable:
                         sess.buffered += pad
                     sess.realign = False
                 if sess.buffered < need:
-                    unit = self._close_early(sess, need)
-                    if unit is not None:
-                        units.append(unit)
+                    if self.early_close is not None:
+                        short.append((sess, need))
                     continue
                 if sess.buffered >= need + behind:
                     logger.debug("session %s is %.1f s behind", sess.sid, sess.buffered / INPUT_SAMPLE_RATE)
@@ -551,12 +557,17 @@ class SessionTable:
                 sess.buffered = sess.left_after_take = rest.size
                 sess.audio_started = True
                 units.append(Unit(sess, audio[:need], ahead=rest, turn=turns.take_unit_requests(sess.turn)))
+            # after the whole units: an early close joins this tick only while the tick has room
+            for sess, need in short:
+                if self.early_close.room(len(units)):
+                    unit = self._close_early(self.early_close, sess, need)
+                    if unit is not None:
+                        units.append(unit)
         return units
 
-    def _close_early(self, sess: EngineSession, need: int) -> Unit | None:
+    def _close_early(self, early: EarlyClose, sess: EngineSession, need: int) -> Unit | None:
         """``sess``'s unit closed now with silence (``EarlyClose``), or None (lock held)."""
-        early = self.early_close
-        cut = 0 if early is None else early.cut(sess, need)
+        cut = early.cut(sess, need)
         if not cut:
             return None
         audio = np.concatenate(sess.audio)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_helpers import FIRST, UNIT, collect, engine, record_taken
+from engine_helpers import FIRST, UNIT, collect, engine
 
 from duplexcache.context.tokenizer import ByteTokenizer
 from duplexcache.runtime.engine_session import EarlyClose, EngineSession
@@ -91,28 +92,47 @@ def _stream() -> np.ndarray:
     return np.concatenate([_noise(QUIET, 10, 4_000), _noise(LOUD, 11, 16_000), _noise(QUIET, 12, 60_000)])
 
 
-def _call(tmp_path, name: str, phases: int, mode: str = "reply") -> tuple:
-    """A real-time client sending 100 ms chunks to an engine ticking every half unit of audio
-    (0.3 s before the first tick), for 9 ticks. Returns the engine (shut down), the units it
-    heard, the samples left after each tick, and which ticks spoke."""
+def _call(tmp_path, name: str, phases: int, mode: str = "reply", callers: int = 1, room=None) -> tuple:
+    """Real-time clients sending 100 ms chunks (the same stream) to an engine ticking every half
+    unit of audio (0.3 s before the first tick), for 9 ticks. Returns the engine's stats, the
+    first caller's session, the units it heard, the samples left after each tick, which ticks
+    spoke, and the stream. ``room`` replaces the early close's room test."""
     policy = {"mode": mode, "speech_rms": 0.05, "reply_min_units": 2, "reply_max_units": 2, "end_quiet_ms": 200}
     eng = engine(tmp_path, name, {"engine": {"speak_policy": policy}})
     eng.set_unit_alignment(MARGIN_MS)
     eng.set_tick_phases(phases)
-    taken = record_taken(eng)
-    sid = eng.open_session({"voice": "default"})
+    if room is not None:
+        eng.table.early_close = dataclasses.replace(eng.table.early_close, room=room)
+    taken: list[np.ndarray] = []
+    sids = [eng.open_session({"voice": "default"}) for _ in range(callers)]
+    first_taken = _record_first(eng, sids[0], taken)
     stream, sent, left, spoke = _stream(), 0, [], []
     for tick in range(9):
         for _ in range(3 if tick == 0 else PERIOD // CHUNK):
-            eng.push_audio(sid, stream[sent:sent + CHUNK])
+            for sid in sids:
+                eng.push_audio(sid, stream[sent:sent + CHUNK])
             sent += CHUNK
-        out = collect(eng.tick()).get(sid, {"text": [], "audio": [], "errors": []})
-        assert not out["errors"]
-        left.append(eng.table.get_live(sid).buffered)
-        spoke.append(bool(out["text"]))
-    stats, sess = eng.stats(), eng.table.get_live(sid)
+        got = collect(eng.tick())
+        assert not any(got.get(sid, {"errors": []})["errors"] for sid in sids)
+        left.append(eng.table.get_live(sids[0]).buffered)
+        spoke.append([bool(got.get(sid, {"text": []})["text"]) for sid in sids])
+    stats, sess = eng.stats(), eng.table.get_live(sids[0])
     eng.shutdown()
-    return stats, sess, taken, left, spoke, stream
+    spoke = [s[0] for s in spoke] if callers == 1 else spoke
+    return stats, sess, first_taken, left, spoke, stream
+
+
+def _record_first(eng, sid: str, taken: list) -> list:
+    """Keep the PCM of every unit of ``sid`` the table hands out."""
+    real = eng.table.take_units
+
+    def recording(*args, **kwargs):
+        units = real(*args, **kwargs)
+        taken.extend(u.pcm for u in units if u.session.sid == sid)
+        return units
+
+    eng.table.take_units = recording
+    return taken
 
 
 def test_a_turn_is_answered_at_the_next_half_unit_tick_and_its_session_stays_on_that_phase(tmp_path):
@@ -140,6 +160,25 @@ def test_a_turn_is_answered_at_the_next_half_unit_tick_and_its_session_stays_on_
     assert len(taken2) == len(taken_at)
     assert [left2[t] for t in taken_at] == [LEAD] * len(taken_at)
     assert np.concatenate(taken1).size == FIRST + 4 * UNIT   # ticks 0, 2, 4, 6, 8 without the close
+
+
+def test_an_early_close_joins_a_tick_only_while_it_has_room(tmp_path):
+    """Two callers whose turns end alike: with room for one unit per tick, the first is closed
+    early at tick 3 and the second waits for its whole unit at tick 4, as without phases."""
+    stats, _, _, _, spoke, _ = _call(tmp_path, "room", 2, callers=2, room=lambda units: units < 1)
+    assert stats.early_closes == 1
+    assert [t for t, s in enumerate(spoke) if s[0]][:1] == [3] and [t for t, s in enumerate(spoke) if s[1]][:1] == [4]
+
+
+def test_the_room_is_the_measured_tick_cost_against_the_phased_period(tmp_path):
+    eng = engine(tmp_path, "room_cost", {"engine": {"tick_headroom": 0.9}})
+    eng.set_tick_phases(2)
+    assert eng._tick_has_room(50)                       # nothing measured yet: room
+    for units in (1, 3, 5):                             # 0.1 s + 0.1 s per unit
+        eng.tick_cost.observe(0.1 + 0.1 * units, units)
+    # a phased tick may take 1.0 / 2 x 0.9 = 0.45 s: room while 0.1 + 0.1 (n + 1) <= 0.45
+    assert [eng.table.early_close.room(n) for n in range(4)] == [True, True, True, False]
+    eng.shutdown()
 
 
 def test_no_early_close_without_a_policy_that_can_tell_a_turn_ended(tmp_path):

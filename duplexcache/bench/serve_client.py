@@ -237,6 +237,21 @@ def playback_gaps(deltas: list[tuple[float, int]], rate: int = Wire.OUTPUT_RATE)
     return gaps
 
 
+def pair_replies(turn_ends: dict[int, float], starts: list[float]) -> list[tuple[int, float]]:
+    """(turn index, latency) of each reply: it answers the latest user turn that ended before its
+    first audio and that no earlier reply answered. A reply that is missing (a refused append, an
+    ended session) then leaves its turn unanswered instead of shifting every later reply onto the
+    turn before its own (the k-th reply was paired with the k-th turn: seen as 34-38 s latencies)."""
+    pairs: list[tuple[int, float]] = []
+    answered = -1
+    for start in starts:
+        before = [k for k, end in turn_ends.items() if end <= start and k > answered]
+        if before:
+            answered = max(before)
+            pairs.append((answered, start - turn_ends[answered]))
+    return pairs
+
+
 def session_row(trace: SessionTrace) -> dict[str, Any]:
     """The per-session row of results.json."""
     script = trace.script
@@ -248,9 +263,7 @@ def session_row(trace: SessionTrace) -> dict[str, Any]:
     if script is not None and script.workload == "conversation":
         complete = len(script.complete_turns(trace.units_sent))
         scheduled_s = float(sum(t.reply_units for t in script.complete_turns(trace.units_sent)))
-        for k, reply in enumerate(replies):
-            if k in trace.turn_ends:   # the k-th reply answers the k-th user turn
-                latencies.append(reply[0][0] - trace.turn_ends[k])
+        latencies = [latency for _, latency in pair_replies(trace.turn_ends, [r[0][0] for r in replies])]
     elif script is not None:
         scheduled_s = float(trace.units_sent)   # every unit speaks, its audio out in its own tick
     gaps = [g for reply in replies for g in playback_gaps(reply)]

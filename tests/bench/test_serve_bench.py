@@ -128,6 +128,18 @@ def test_split_replies_and_gaps():
     assert row["reply_latency_s"] == []
 
 
+def test_each_reply_answers_the_latest_turn_before_it():
+    from duplexcache.bench.serve_client import pair_replies
+
+    ends = {0: 10.0, 1: 20.0, 2: 30.0}
+    assert pair_replies(ends, [11.0, 21.5, 30.8]) == [(0, 1.0), (1, 1.5), (2, pytest.approx(0.8))]
+    # the reply to turn 1 never came: the next reply is turn 2's, not a 20.8 s answer to turn 1
+    assert pair_replies(ends, [11.0, 30.8]) == [(0, 1.0), (2, pytest.approx(0.8))]
+    assert pair_replies(ends, [5.0, 11.0]) == [(0, 1.0)]            # audio before any turn ended
+    assert pair_replies(ends, [11.0, 12.0]) == [(0, 1.0)]           # a second reply to one turn
+    assert pair_replies({}, [3.0]) == []
+
+
 def test_counters_from_prometheus_text():
     text = ("# TYPE duplexcache_late_ticks counter\nduplexcache_late_ticks_total 3.0\n"
             "# TYPE duplexcache_graph_captures counter\n"

@@ -198,7 +198,7 @@ case "$mode" in
     step vocoder_gpu_tests 150 python3 -m pytest -q -rs tests/cfm/test_vocoder_graphs.py tests/cfm/test_graphs.py tests/runtime/test_warmup.py -p no:cacheprovider
     python3 -c 'import sys; from duplexcache.config import DeployConfig
 d = DeployConfig.from_packaged_yaml("minicpmo45"); d.code2wav.vocoder_cuda_graphs = True; open(sys.argv[1], "w").write(d.to_yaml())' "$out/vocoder_on.yaml"
-    step bench_vocoder_on 330 python3 -m duplexcache.cli bench memory --config "$out/vocoder_on.yaml" --preset minicpmo45 --device cuda --sessions 1,2,4 --memory-budget 80GiB --talker-turn-tokens 1024 --out "$out/bench_vocoder_on" ;;
+    step bench_vocoder_on 330 python3 -m duplexcache.cli bench memory --config "$out/vocoder_on.yaml" --preset minicpmo45 --device cuda --sessions ${BENCH_SESSIONS:-1,2,4} --memory-budget 80GiB --talker-turn-tokens 1024 --out "$out/bench_vocoder_on" ;;
   serve_vocoder)  # A/B of code2wav.vocoder_cuda_graphs over the wire: serve_conversation, a fresh server per arm (off
     # first); SERVE_BASE / SERVE_SESSIONS / SERVE_DURATION as for serve_catch_up
     for arm in false true; do

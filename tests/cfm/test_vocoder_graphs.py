@@ -122,7 +122,22 @@ def test_cuda_graph_replays_are_deterministic_and_close_to_eager():
     replayed vocoder is within batch-size rounding of the eager one at the same tier (cuDNN may
     pick other convolution algorithms inside a capture, so not bit for bit). On the H200
     (2026-12-05) the first assertion failed before captures were limited to deterministic cuDNN
-    algorithms; not yet run since: this is why code2wav.vocoder_cuda_graphs is off by default."""
+    algorithms; on an H100 after that change it passed, and the eager arm, run with torch's
+    defaults (TF32 convolutions), was 2.1e-4 off. The engine pins cuDNN to deterministic
+    algorithms without TF32 (device_setup.pin_cuda_numerics), so this test does too."""
+    from duplexcache.runtime.device_setup import pin_cuda_numerics
+
+    saved = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32,
+             torch.backends.cuda.matmul.allow_tf32)
+    pin_cuda_numerics(torch.device("cuda"))
+    try:
+        _graphs_against_eager()
+    finally:
+        (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32,
+         torch.backends.cuda.matmul.allow_tf32) = saved
+
+
+def _graphs_against_eager() -> None:
     cpu_flow, cpu_hift = tiny_models()
     flow, hift = copy.deepcopy(cpu_flow).cuda(), copy.deepcopy(cpu_hift).cuda()   # the shared CPU models stay
     grid = (1, 4, 8)

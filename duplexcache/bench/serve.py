@@ -335,7 +335,7 @@ async def run_step(n: int, args: argparse.Namespace, client: Any, base: str, bar
     shape = wl.ConversationShape(user_min_units=args.user_units[0], user_max_units=args.user_units[1],
                                  reply_min_units=args.reply_min_units, reply_max_units=args.reply_max_units,
                                  max_lead_units=args.max_lead_units,
-                                 ragged_turn_ends=getattr(args, "turn_ends", "unit") == "random")
+                                 ragged_turn_ends=args.turn_ends == "random")
     voices = wl.pick_voices(n, _voice_names(args), args.seed)
     units = max(1, int(args.duration))
     callers = [Caller(i, voices[i], args.workload, units, args.seed, shape, INSTRUCTIONS,
@@ -402,7 +402,7 @@ def _results(args: argparse.Namespace, argv: list[str], steps: list[dict[str, An
         "config": {"sessions": list(args.sessions), "workload": args.workload, "duration_s": args.duration,
                    "ramp_s": args.ramp, "seed": args.seed, "voices": _voice_names(args),
                    "user_units": list(args.user_units), "max_lead_units": args.max_lead_units,
-                   "turn_ends": getattr(args, "turn_ends", "unit"),
+                   "turn_ends": args.turn_ends,
                    "reply_units": [args.reply_min_units, args.reply_max_units], "drain_s": args.drain,
                    "gap_threshold_s": GAP_S, "input": "16 kHz pcm16 in 0.1 s chunks at real-time pace"},
         "criterion": criterion(args),

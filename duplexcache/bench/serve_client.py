@@ -97,6 +97,12 @@ class SessionTrace:
 TURN_WORKLOADS = ("conversation", "push_to_talk")
 
 
+def turn_end_chunk(script: wl.SessionScript, index: int, unit: int, seed: int) -> int:
+    """The chunk of ``unit`` (0.1 s pieces, ``_unit_chunks``) that holds a turn's last speech
+    sample: the turn ends, for its reply latency, when that chunk has been sent."""
+    return (wl.speech_samples(script, index, unit, seed) - 1) // CHUNK_SAMPLES
+
+
 def _unit_chunks(pcm: np.ndarray) -> list[np.ndarray]:
     """A unit's samples in <= 0.1 s pieces whose last one ends on the unit boundary."""
     return [pcm[i:i + CHUNK_SAMPLES] for i in range(0, pcm.size, CHUNK_SAMPLES)]
@@ -183,9 +189,7 @@ class Caller:
         ends = {t.user_end - 1: t.index for t in trace.script.turns}   # last speech unit -> turn
         for u in range(trace.script.units):
             silent = self.workload == "push_to_talk" and not trace.script.speech[u]
-            # the turn ends when the chunk holding its last speech sample has been sent
-            last = (wl.speech_samples(trace.script, self.index, u, self.seed) - 1) // CHUNK_SAMPLES \
-                if u in ends else None
+            last = turn_end_chunk(trace.script, self.index, u, self.seed) if u in ends else None
             for c, chunk in enumerate(_unit_chunks(wl.unit_audio(trace.script, self.index, u, self.seed))):
                 await asyncio.sleep(max(0.0, start + sent / Wire.INPUT_RATE - loop.time()))
                 if not silent:

@@ -244,9 +244,9 @@ class RealtimeServer:
         fill = getattr(self.engine, "set_silence_fill", None)             # and this one
         if fill is not None:
             fill(server.fill_silence_after_ms)
-        phases = getattr(self.engine, "set_tick_phases", None)            # and this one
-        if phases is not None:
-            phases(server.tick_phases)
+        set_phases = getattr(self.engine, "set_tick_phases", None)        # and this one
+        if set_phases is not None:
+            set_phases(server.tick_phases)
         elif server.tick_phases != 1:
             logger.warning("server.tick_phases %d: this engine has no set_tick_phases; the server ticks %d times "
                            "per unit without closing turns early", server.tick_phases, server.tick_phases)

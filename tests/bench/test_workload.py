@@ -90,6 +90,14 @@ def test_ragged_turn_ends_stop_speech_inside_the_last_unit_of_each_turn():
         ends.add(n)
     assert len(ends) >= len(last_units) // 2 and len(last_units) >= 10
     assert wl.speech_samples(plain, 2, min(last_units), seed=7) == 16_000
+    # bench serve takes the turn's end when the 0.1 s chunk holding its last speech sample is sent
+    from duplexcache.bench.serve_client import _unit_chunks, turn_end_chunk
+    for u in last_units:
+        c = turn_end_chunk(ragged, 2, u, seed=7)
+        chunks = _unit_chunks(wl.unit_audio(ragged, 2, u, seed=7))
+        start = sum(x.size for x in chunks[:c])
+        assert start < wl.speech_samples(ragged, 2, u, seed=7) <= start + chunks[c].size
+    assert turn_end_chunk(plain, 2, min(last_units), seed=7) == 9    # a whole unit: its last chunk
 
 
 def test_reply_policy_follows_the_script():

@@ -103,9 +103,8 @@ def _call(tmp_path, name: str, phases: int, mode: str = "reply", callers: int = 
     eng.set_tick_phases(phases)
     if room is not None:
         eng.table.early_close = dataclasses.replace(eng.table.early_close, room=room)
-    taken: list[np.ndarray] = []
     sids = [eng.open_session({"voice": "default"}) for _ in range(callers)]
-    first_taken = _record_first(eng, sids[0], taken)
+    first_taken = _record_first(eng, sids[0])
     stream, sent, left, spoke = _stream(), 0, [], []
     for tick in range(9):
         for _ in range(3 if tick == 0 else PERIOD // CHUNK):
@@ -122,8 +121,9 @@ def _call(tmp_path, name: str, phases: int, mode: str = "reply", callers: int = 
     return stats, sess, first_taken, left, spoke, stream
 
 
-def _record_first(eng, sid: str, taken: list) -> list:
-    """Keep the PCM of every unit of ``sid`` the table hands out."""
+def _record_first(eng, sid: str) -> list[np.ndarray]:
+    """The PCM of every unit of ``sid`` the table hands out, as they are handed out."""
+    taken: list[np.ndarray] = []
     real = eng.table.take_units
 
     def recording(*args, **kwargs):
@@ -187,6 +187,18 @@ def test_no_early_close_without_a_policy_that_can_tell_a_turn_ended(tmp_path):
     assert stats.early_closes == 0 and sess.early_silence == 0
     heard = np.concatenate(taken)[FIRST - LEAD:]
     np.testing.assert_array_equal(heard, stream[:heard.size])
+
+
+def test_a_phased_engine_judges_late_ticks_against_the_phased_period(tmp_path, monkeypatch):
+    eng = engine(tmp_path, "late_period", {"engine": {"tick_seconds": 1.0}})
+    periods = []
+    real = eng.recorder.finish_tick
+    monkeypatch.setattr(eng.recorder, "finish_tick", lambda lat, period: (periods.append(period), real(lat, period)))
+    eng.tick()
+    eng.set_tick_phases(2)
+    eng.tick()
+    eng.shutdown()
+    assert periods == [1.0, 0.5]
 
 
 def test_the_early_close_period_is_the_audio_between_two_ticks(tmp_path):

@@ -69,7 +69,6 @@ class FakeEngine:
         self.unit_alignment_ms: float | None | str = "unset"   # what it told set_unit_alignment
         self.silence_fill_ms: float | None | str = "unset"     # what it told set_silence_fill
         self.tick_phases: int | str = "unset"                   # what it told set_tick_phases
-        self.tick_starts: list[float] = []                      # time.monotonic() at each tick
         self.behind_asked = 0
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -182,7 +181,6 @@ class FakeEngine:
 
     def tick(self) -> list[EngineEvent]:
         with self._lock:
-            self.tick_starts.append(time.monotonic())
             self.ticks_in_flight += 1
             self.max_ticks_in_flight = max(self.max_ticks_in_flight, self.ticks_in_flight)
         if self.tick_delay:

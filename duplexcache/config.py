@@ -312,6 +312,15 @@ class ServerConfig(_Strict):
     # unit closed with silence at the next tick instead of waiting for the rest of it, and stays
     # on that phase (runtime/engine_session.py EarlyClose). 1: one tick per unit.
     tick_phases: Literal[1, 2, 4] = 1
+    # Where sessions' units sit with tick_phases > 1. "spread": on whichever phase they fell (a
+    # session closed early stays on its new phase), so every tick runs part of the sessions and the
+    # fixed part of a tick (decode steps bound by launches and weight reads on a GPU) is paid
+    # tick_phases times per unit. "home": every session's units stay on the unit tick (the grid's
+    # first phase); the ticks between take only early closes, and only while the measured cost
+    # leaves time before the next unit tick; a session closed early is aligned to the unit tick
+    # again with silence (one unit of it per early close; docs/engine.md, "Phased ticks").
+    # "home" needs align_units_to_ticks.
+    phase_units: Literal["spread", "home"] = "spread"
     # A session whose client sends nothing (push-to-talk between turns; a manual-turn client that
     # commits, asks for a reply and waits) would get no more units, so no reply. Once it has sent
     # nothing for this long beyond its largest chunk, its units are completed with silence until it
@@ -323,6 +332,13 @@ class ServerConfig(_Strict):
     # preempted thread); on CUDA, or with OMP_NUM_THREADS set (Ray sets it per replica), torch's
     # own count. An int sets it.
     compute_threads: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
+
+    @model_validator(mode="after")
+    def _home_phase_needs_alignment(self) -> "ServerConfig":
+        if self.tick_phases > 1 and self.phase_units == "home" and not self.align_units_to_ticks:
+            raise ValueError("server.phase_units 'home' keeps units on the unit tick by aligning them: it needs "
+                             "server.align_units_to_ticks (or phase_units 'spread')")
+        return self
 
 
 class ClusterConfig(_Strict):

@@ -213,10 +213,13 @@ d = DeployConfig.from_packaged_yaml("minicpmo45"); d.code2wav.vocoder_cuda_graph
     done ;;
   serve_phases)  # A/B of server.tick_phases (issue 10): serve_conversation with one tick per unit, then two (a
     # turn's unit closed with silence at the next half-unit tick), a fresh server per arm; SERVE_BASE /
-    # SERVE_SESSIONS / SERVE_DURATION as for serve_catch_up, SERVE_PHASE_ARMS the arms (default "1 2")
+    # SERVE_SESSIONS / SERVE_DURATION as for serve_catch_up, SERVE_PHASE_ARMS the arms (default "1 2"; an arm
+    # N is tick_phases N with phase_units spread, Nhome the same with phase_units home)
     for arm in ${SERVE_PHASE_ARMS:-1 2}; do
+      units=spread
+      [[ $arm == *home ]] && units=home
       serve_conversation "serve_phases_$arm" "${SERVE_BASE:-examples/minicpmo45-shared.yaml}" "${SERVE_SESSIONS:-32}" \
-        "${SERVE_DURATION:-45}" "server.tick_phases=$arm"
+        "${SERVE_DURATION:-45}" "server.tick_phases=${arm%home} server.phase_units=$units"
     done ;;
   ticks_conversation_large)  # ticks_conversation at 40 and 48 sessions only, with the shared graph grid warm
     step engine_ticks_conversation_large 560 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 40,48 --workload conversation --steady-window --all-switches on --ticks 8 --warmup-ticks 8 --max-seconds 420 --memory-budget auto --graph-grid 1,4,8,16 --out "$out/engine_ticks_conversation_large" ;;

@@ -113,6 +113,10 @@ class DuplexEngine:
         self._closed = False
         self.prefill_times = PrefillTimes(models.device)   # prefill chunk times, for a server's pacing
         self._unit_alignment: UnitAlignment | None = None   # set by a server (set_unit_alignment)
+        # server.phase_units home (set_tick_phases): when the last unit tick started, for the room
+        # of the ticks between (perf_counter; None before the first)
+        self._unit_tick_started: float | None = None
+        self._unit_tick = True   # whether the tick in progress is a unit tick
         # Graphs captured while the engine was built (each voice's Code2Wav prompt pass at
         # register_voice) were captured before serving: they count with the warm-up's.
         self._warmup_captures = self._graph_captures_total()
@@ -269,14 +273,20 @@ class DuplexEngine:
 
     # ------------------------------------------------------------------ the tick
 
-    def tick(self) -> list[EngineEvent]:
+    def tick(self, unit_tick: bool = True) -> list[EngineEvent]:
+        """One tick. ``unit_tick`` False: a tick between unit ticks of a server whose units stay
+        on the unit tick (``server.phase_units: home``): it takes early closes and the whole units
+        sessions already hold, and starts no session's units (no alignment, no silence fill)."""
         with self._tick_lock:
-            return self._tick()
+            return self._tick(unit_tick)
 
-    def _tick(self) -> list[EngineEvent]:
+    def _tick(self, unit_tick: bool = True) -> list[EngineEvent]:
         if self._closed:
             raise RuntimeError("engine is shut down")
         start = time.perf_counter()
+        self._unit_tick = unit_tick
+        if unit_tick:
+            self._unit_tick_started = start
         lat = dict.fromkeys(STAGES, 0.0)
         events: list[EngineEvent] = []
         for sess in self.table.take_closing():
@@ -294,7 +304,7 @@ class DuplexEngine:
         events += self._apply_cancels()
         enc = self.models.audio_encoder
         units = self.table.take_units(lambda s: enc.expected_chunk_samples(s.encoder_state), 2 * enc.cfg.chunk_samples,
-                                      self._unit_alignment)
+                                      self._unit_alignment, unit_tick)
         if units:
             events += self._run_units(units, lat)
         lat["tick"] = time.perf_counter() - start
@@ -343,30 +353,44 @@ class DuplexEngine:
         self._unit_alignment = None if margin_ms is None else UnitAlignment(
             round(margin_ms * INPUT_SAMPLE_RATE / 1000), self.models.audio_encoder.cfg.chunk_samples)
 
-    def set_tick_phases(self, phases: int) -> None:
-        """Called by a server that ticks ``phases`` times per unit (``server.tick_phases``): admission
-        by time counts ``phases`` ticks per unit, and with more than one, a session whose caller's
-        turn has ended has its unit closed with silence at the next tick (``engine_session.EarlyClose``)
-        when the speak policy would answer it (a policy without ``would_answer`` never does)."""
+    def set_tick_phases(self, phases: int, home: bool = False) -> None:
+        """Called by a server that ticks ``phases`` times per unit (``server.tick_phases``): with
+        more than one, a session whose caller's turn has ended has its unit closed with silence at
+        the next tick (``engine_session.EarlyClose``) when the speak policy would answer it (a
+        policy without ``would_answer`` never does). Spread (``home`` False), the sessions' units
+        fall on every phase and admission by time counts ``phases`` ticks per unit. ``home``
+        (``server.phase_units: home``): units stay on the unit tick, the server says which tick is
+        one (``tick(unit_tick=...)``), admission counts one tick per unit, and a tick between
+        takes an early close only while it would end before the next unit tick is due."""
         if phases < 1:
             raise ValueError(f"tick phases must be >= 1, got {phases}")
-        self.tick_cost.set_phases(phases)
+        home = home and phases > 1
+        self.tick_cost.set_phases(1 if home else phases)
         # the audio that arrives between two ticks: a cut at whole periods of it keeps the
         # session's units where they were on the grid, a whole number of ticks earlier
         unit = self.models.audio_encoder.cfg.chunk_samples
         period = round(self.deploy.engine.tick_seconds / phases * INPUT_SAMPLE_RATE)
         early = phases > 1 and 0 < period < unit   # 1: the server's ticks as they were, no early close
-        self.table.early_close = EarlyClose(period, unit, self._would_answer, self._tick_has_room) if early else None
+        self.table.early_close = EarlyClose(period, unit, self._would_answer, self._tick_has_room,
+                                            home) if early else None
 
     def _would_answer(self, sess: EngineSession, pcm: np.ndarray, after: np.ndarray) -> bool:
         would_answer = getattr(self.policy, "would_answer", None)   # the policy in use now (tests swap it)
         return would_answer is not None and bool(would_answer(sess.policy_state, pcm, after))
 
     def _tick_has_room(self, units: int) -> bool:
-        """Whether a tick of ``units`` units has room for one more within its phased period
-        (the measured tick cost; before any measurement, yes)."""
+        """Whether a tick of ``units`` units has room for one more (the measured tick cost;
+        before any measurement, yes): within its phased period, or, for a tick between unit ticks
+        (``server.phase_units: home``), before the next unit tick is due, one unit after the
+        last one started: that unit tick runs every session, and its start is what keeps them
+        in real time."""
         predicted = self.tick_cost.predicted_s(units + 1)
-        return predicted is None or predicted <= self.tick_cost.tick_limit_s
+        if predicted is None:
+            return True
+        if self._unit_tick or self._unit_tick_started is None:
+            return predicted <= self.tick_cost.tick_limit_s
+        since_unit_tick = time.perf_counter() - self._unit_tick_started
+        return since_unit_tick + predicted <= self.deploy.engine.tick_seconds
 
     def set_silence_fill(self, after_ms: float | None) -> None:
         """Called by a server (``server.fill_silence_after_ms``): a session whose client has sent

@@ -247,7 +247,9 @@ class EngineAPI(Protocol):
         ...
 
     def tick(self) -> list[EngineEvent]:
-        """Run one 1-second unit for every live session with >= 1 s of audio buffered."""
+        """Run one 1-second unit for every live session with >= 1 s of audio buffered. (An engine
+        with ``set_tick_phases(phases, home=True)`` also takes ``tick(unit_tick=False)``: a tick
+        between unit ticks, server.phase_units home.)"""
         ...
 
     def stats(self) -> EngineStats:

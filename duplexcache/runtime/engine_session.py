@@ -222,6 +222,14 @@ class EarlyClose:
     same lead before their tick: its later units, and the reply's audio chunks, stay one unit
     apart. The model hears the silence it was completed with, at most a unit less one period per
     turn answered, as a longer pause after the caller's turn.
+
+    With ``home`` (``server.phase_units: home``) every session's units stay on the unit tick
+    instead: the ticks between take only early closes, and a session closed early is aligned to
+    the unit tick again (``UnitAlignment.first_pad``) at the next one, so its next unit starts
+    with the silence that puts it back. Its caller's turn is still answered at the tick between,
+    the ticks between stay small (a GPU pays the fixed part of a tick again for each), and the
+    model hears a whole unit of silence in all after the turn: the reply's audio runs one unit
+    further ahead of what the caller has heard.
     """
 
     period_samples: int   # samples of audio between two ticks (tick_seconds / phases)
@@ -233,6 +241,7 @@ class EarlyClose:
     # measured tick cost against the phased period): a session moves into a phase only while its
     # ticks keep time, so the phases fill evenly and a full one is left alone
     room: Callable[[int], bool] = lambda units: True
+    home: bool = False    # units stay on the unit tick: realign a session after its early close
 
     def __post_init__(self) -> None:
         if not 0 < self.period_samples < self.unit_samples:
@@ -510,14 +519,16 @@ class SessionTable:
                        and s.buffered >= samples_needed(s))
 
     def take_units(self, samples_needed: Callable[[EngineSession], int], behind: int,
-                   align: UnitAlignment | None = None) -> list[Unit]:
+                   align: UnitAlignment | None = None, unit_tick: bool = True) -> list[Unit]:
         """One unit for every opened session with enough audio buffered
         (``samples_needed(session)``); a session ``behind`` samples past that is logged. With
         ``align``, a session's first unit starts with the silence ``align.first_pad`` asks for,
         and so does its first unit after a silence fill. With ``self.silence_fill``, a session
         whose client has sent nothing for long enough gets its unit completed with silence. With
         ``self.early_close``, a session whose received audio ends a caller's turn gets its unit
-        cut after its last whole period and completed with silence (``EarlyClose``)."""
+        cut after its last whole period and completed with silence (``EarlyClose``). A tick
+        between unit ticks (``unit_tick`` False, ``server.phase_units: home``) fills and aligns
+        no session: both start units, which stay on the unit tick."""
         units = []
         short: list[tuple[EngineSession, int]] = []   # sessions holding part of a unit, with its size
         fill = self.silence_fill
@@ -528,6 +539,8 @@ class SessionTable:
                     continue
                 need = samples_needed(sess)
                 if fill is not None and sess.buffered < need and fill.due(sess, now):
+                    if not unit_tick:
+                        continue
                     if not sess.pause_filled:   # once per pause: every quiet tick would repeat it
                         logger.info("session %s: no audio for %.2f s; its units are filled with silence until "
                                     "it sends again", sess.sid, now - sess.audio_until_s)
@@ -536,6 +549,8 @@ class SessionTable:
                     sess.silent_units += 1
                     sess.pause_filled, sess.realign = True, align is not None
                 elif align is not None and (not sess.audio_started or (sess.realign and sess.buffered)):
+                    if not unit_tick:
+                        continue
                     pad = align.first_pad(sess.buffered, need, sess.largest_push)
                     if pad is None:
                         continue
@@ -581,6 +596,7 @@ class SessionTable:
         sess.buffered = sess.left_after_take = rest.size
         sess.early_closes += 1
         sess.early_silence += silence
+        sess.realign = early.home   # home: the next unit tick puts its units back on the unit tick
         self.early_closes += 1
         pcm = np.concatenate([heard, np.zeros(silence, np.float32)])
         return Unit(sess, pcm, ahead=rest, turn=turns.take_unit_requests(sess.turn))

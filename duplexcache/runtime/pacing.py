@@ -19,6 +19,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -51,6 +52,37 @@ def deadline_after_late(deadline: float, now: float, period: float) -> float:
     # (now - deadline) / period can round up to a whole number when now sits a few ulps before a
     # grid point, and the point found is then ``now`` itself: the next one is due
     return due if due > now else due + period
+
+
+@dataclass(frozen=True)
+class UnitGrid:
+    """The server's tick grid, ``period`` apart from ``origin``, with a unit tick at every
+    ``phases``-th point (``server.phase_units: home``; 1: every tick is one).
+
+    A tick runs at the grid point before its deadline (the loop's ``deadline`` is the end of the
+    tick's period; after a late tick the one that starts at once is due at the next point,
+    ``deadline_after_late``), so the tick due at point ``k`` belongs to point ``k - 1``."""
+
+    origin: float
+    period: float
+    phases: int = 1
+
+    def __post_init__(self) -> None:
+        if self.period <= 0 or self.phases < 1:
+            raise ValueError(f"UnitGrid: need period > 0 and phases >= 1, got {self.period}, {self.phases}")
+
+    def point(self, t: float) -> int:
+        """The index of the grid point nearest ``t``."""
+        return round((t - self.origin) / self.period)
+
+    def unit_tick(self, deadline: float) -> bool:
+        """Whether the tick due at ``deadline`` (a grid point) is a unit tick."""
+        return (self.point(deadline) - 1) % self.phases == 0
+
+    def next_unit_point(self, deadline: float) -> float:
+        """The first point at or after the grid point ``deadline`` where a unit tick starts."""
+        k = self.point(deadline)
+        return self.origin + -(-k // self.phases) * self.phases * self.period
 
 
 def prefill_fits(slack_s: float, chunk_s: float | None, period_s: float) -> bool:

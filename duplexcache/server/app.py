@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -46,7 +47,7 @@ from duplexcache.config import DeployConfig
 from duplexcache.runtime.engine_api import (
     TURN_CONTROL_METHODS, AudioDelta, EngineAPI, EngineEvent, ResponseDone, SessionAdmitted, SessionError, TextDelta,
 )
-from duplexcache.runtime.pacing import deadline_after_late, prefill_fits
+from duplexcache.runtime.pacing import UnitGrid, deadline_after_late, prefill_fits
 from duplexcache.server import protocol as proto
 from duplexcache.server.auth import Refusal, bearer_ok, check_handshake
 from duplexcache.server.connection import Connection
@@ -245,16 +246,29 @@ class RealtimeServer:
         if fill is not None:
             fill(server.fill_silence_after_ms)
         set_phases = getattr(self.engine, "set_tick_phases", None)        # and this one
+        # phase_units home: units stay on the unit tick (every tick_phases-th point of the grid),
+        # and the engine is told which tick is one
+        home = server.tick_phases > 1 and server.phase_units == "home" and set_phases is not None
         if set_phases is not None:
-            set_phases(server.tick_phases)
+            if home:
+                set_phases(server.tick_phases, home=True)
+            else:
+                set_phases(server.tick_phases)
         elif server.tick_phases != 1:
             logger.warning("server.tick_phases %d: this engine has no set_tick_phases; the server ticks %d times "
                            "per unit without closing turns early", server.tick_phases, server.tick_phases)
-        deadline = loop.time() + period
+        grid = UnitGrid(loop.time(), period, server.tick_phases if home else 1)
+        deadline = grid.origin + period
         caught_up_at = None   # the deadline of the period that already had its extra tick
         while not self._stopping.is_set():
-            await self._tick_once()
+            unit_tick = grid.unit_tick(deadline)
+            await self._tick_once(unit_tick if home else None)
             now = loop.time()
+            if home and deadline < now <= grid.next_unit_point(deadline) + LATE_SLACK * period:
+                # A unit tick ran into the time of the ticks between: they start now (and take
+                # early closes only while there is room), the unit tick after them is on time
+                deadline = deadline_after_late(deadline, now, period)
+                continue
             if now > deadline + LATE_SLACK * period:
                 self.metrics.late_ticks.inc()
                 # debug only: the engine logs the warning for each late tick (one line, not two)
@@ -319,11 +333,14 @@ class RealtimeServer:
             logger.exception("engine.sessions_behind failed")
             return 0
 
-    async def _tick_once(self) -> None:
+    async def _tick_once(self, unit_tick: bool | None = None) -> None:
+        """One engine tick; ``unit_tick`` (``server.phase_units: home`` only) says whether it is
+        one: None calls ``engine.tick()`` as every engine takes it."""
         loop = asyncio.get_running_loop()
         start = loop.time()
+        tick = self.engine.tick if unit_tick is None else functools.partial(self.engine.tick, unit_tick=unit_tick)
         try:
-            events = await asyncio.to_thread(self.engine.tick)
+            events = await asyncio.to_thread(tick)
         except Exception as exc:  # noqa: BLE001 - an engine bug must not kill the server loop
             logger.exception("engine tick failed")
             self.metrics.tick_errors.inc()

@@ -5,7 +5,8 @@ import torch
 
 import pytest
 
-from duplexcache.runtime.pacing import PREFILL_MARGIN, RECENT_CHUNKS, PrefillTimes, deadline_after_late, prefill_fits
+from duplexcache.runtime.pacing import (PREFILL_MARGIN, RECENT_CHUNKS, PrefillTimes, UnitGrid, deadline_after_late,
+                                       prefill_fits)
 
 
 def test_a_chunk_fits_with_its_margin_and_an_unmeasured_one_needs_half_a_period():
@@ -86,3 +87,18 @@ def test_after_a_late_tick_the_grid_keeps_its_phase():
     assert now < deadline_after_late(deadline, now, 0.05) <= now + 0.05
     with pytest.raises(ValueError):
         deadline_after_late(10.0, 10.3, 0.0)
+
+
+def test_unit_grid_marks_every_phases_th_tick_and_finds_the_next_unit_point():
+    grid = UnitGrid(100.0, 0.5, 2)
+    # the tick due at 100.5 runs at the origin (a unit tick), the one due at 101.0 between
+    assert [grid.unit_tick(100.0 + 0.5 * k) for k in range(1, 6)] == [True, False, True, False, True]
+    assert grid.next_unit_point(100.5) == 101.0 and grid.next_unit_point(101.0) == 101.0
+    assert grid.next_unit_point(101.5) == 102.0
+    four = UnitGrid(0.0, 0.25, 4)
+    assert [four.unit_tick(0.25 * k) for k in range(1, 9)] == [True, False, False, False] * 2
+    assert four.next_unit_point(0.25) == 1.0 and four.next_unit_point(1.25) == 2.0
+    one = UnitGrid(3.0, 1.0)
+    assert all(one.unit_tick(3.0 + k) for k in range(1, 5)) and one.next_unit_point(5.0) == 5.0
+    with pytest.raises(ValueError):
+        UnitGrid(0.0, 0.0)

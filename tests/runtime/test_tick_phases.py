@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -92,15 +93,17 @@ def _stream() -> np.ndarray:
     return np.concatenate([_noise(QUIET, 10, 4_000), _noise(LOUD, 11, 16_000), _noise(QUIET, 12, 60_000)])
 
 
-def _call(tmp_path, name: str, phases: int, mode: str = "reply", callers: int = 1, room=None) -> tuple:
+def _call(tmp_path, name: str, phases: int, mode: str = "reply", callers: int = 1, room=None,
+          home: bool = False) -> tuple:
     """Real-time clients sending 100 ms chunks (the same stream) to an engine ticking every half
     unit of audio (0.3 s before the first tick), for 9 ticks. Returns the engine's stats, the
     first caller's session, the units it heard, the samples left after each tick, which ticks
-    spoke, and the stream. ``room`` replaces the early close's room test."""
+    spoke, and the stream. ``room`` replaces the early close's room test. ``home``: units stay on
+    the unit tick (server.phase_units home), the even ticks."""
     policy = {"mode": mode, "speech_rms": 0.05, "reply_min_units": 2, "reply_max_units": 2, "end_quiet_ms": 200}
     eng = engine(tmp_path, name, {"engine": {"speak_policy": policy}})
     eng.set_unit_alignment(MARGIN_MS)
-    eng.set_tick_phases(phases)
+    eng.set_tick_phases(phases, home=home)
     if room is not None:
         eng.table.early_close = dataclasses.replace(eng.table.early_close, room=room)
     sids = [eng.open_session({"voice": "default"}) for _ in range(callers)]
@@ -111,7 +114,7 @@ def _call(tmp_path, name: str, phases: int, mode: str = "reply", callers: int = 
             for sid in sids:
                 eng.push_audio(sid, stream[sent:sent + CHUNK])
             sent += CHUNK
-        got = collect(eng.tick())
+        got = collect(eng.tick(unit_tick=tick % phases == 0) if home else eng.tick())
         assert not any(got.get(sid, {"errors": []})["errors"] for sid in sids)
         left.append(eng.table.get_live(sids[0]).buffered)
         spoke.append([bool(got.get(sid, {"text": []})["text"]) for sid in sids])
@@ -162,6 +165,60 @@ def test_a_turn_is_answered_at_the_next_half_unit_tick_and_its_session_stays_on_
     assert np.concatenate(taken1).size == FIRST + 4 * UNIT   # ticks 0, 2, 4, 6, 8 without the close
 
 
+def test_home_phase_answers_between_unit_ticks_and_puts_the_session_back_on_the_unit_tick(tmp_path):
+    """server.phase_units home: the turn is answered at the tick between (3), as spread; the
+    reply's second unit comes at the next unit tick (4) and every later unit on the unit ticks
+    (even), each leaving the lead; the model heard one whole unit of silence after the turn."""
+    stats, sess, taken, left, spoke, stream = _call(tmp_path, "home", 2, home=True)
+    assert spoke == [False] * 3 + [True, True, False, False, False, False]
+    assert stats.early_closes == 1 and sess.early_closes == 1 and sess.early_silence == UNIT - PERIOD
+    pad = FIRST - LEAD
+    heard = np.concatenate(taken)
+    rest = heard.size - pad - 26_400 - UNIT
+    want = np.concatenate([np.zeros(pad, np.float32), stream[:26_400], np.zeros(UNIT, np.float32),
+                           stream[26_400:26_400 + rest]])
+    np.testing.assert_array_equal(heard, want)
+    taken_at = [0, 2, 3, 4, 6, 8]
+    assert len(taken) == len(taken_at) and [t.size for t in taken] == [FIRST] + [UNIT] * (len(taken) - 1)
+    assert [left[t] for t in taken_at] == [LEAD] * len(taken_at)
+
+
+def test_a_tick_between_unit_ticks_starts_no_session(tmp_path):
+    """A new session's first unit (aligned) and a quiet client's silence fill wait for a unit tick."""
+    eng = engine(tmp_path, "between")
+    eng.set_unit_alignment(MARGIN_MS)
+    eng.set_silence_fill(0.0)
+    eng.set_tick_phases(2, home=True)
+    sid = eng.open_session({"voice": "default"})
+    for seed in range(3):
+        eng.push_audio(sid, _noise(QUIET, seed, CHUNK))
+    eng.tick(unit_tick=False)
+    sess = eng.table.get_live(sid)
+    assert not sess.audio_started and sess.buffered == 3 * CHUNK
+    eng.tick()
+    assert sess.audio_started and sess.buffered == LEAD
+    eng.table.clock = lambda: sess.audio_until_s + 10.0        # the client went quiet long ago
+    eng.tick(unit_tick=False)
+    assert sess.silent_units == 0 and sess.buffered == LEAD
+    eng.tick()
+    assert sess.silent_units == 1
+    eng.shutdown()
+
+
+def test_the_room_between_unit_ticks_is_the_time_left_before_the_next_one(tmp_path, monkeypatch):
+    eng = engine(tmp_path, "room_home", {"engine": {"tick_seconds": 1.0, "tick_headroom": 0.9}})
+    eng.set_tick_phases(2, home=True)
+    assert eng.tick_cost.phases == 1                    # admission: one tick per unit
+    for units in (1, 3, 5):                             # 0.1 s + 0.1 s per unit
+        eng.tick_cost.observe(0.1 + 0.1 * units, units)
+    eng._unit_tick, eng._unit_tick_started = False, time.perf_counter() - 0.65
+    # 0.65 s since the unit tick started: room while 0.65 + 0.1 + 0.1 (n + 1) <= 1.0
+    assert [eng.table.early_close.room(n) for n in range(3)] == [True, True, False]
+    eng._unit_tick = True                               # a unit tick: a unit x headroom, 0.9 s
+    assert eng.table.early_close.room(6) and not eng.table.early_close.room(8)
+    eng.shutdown()
+
+
 def test_an_early_close_joins_a_tick_only_while_it_has_room(tmp_path):
     """Two callers whose turns end alike: with room for one unit per tick, the first is closed
     early at tick 3 and the second waits for its whole unit at tick 4, as without phases."""
@@ -197,8 +254,10 @@ def test_a_phased_engine_judges_late_ticks_against_the_phased_period(tmp_path, m
     eng.tick()
     eng.set_tick_phases(2)
     eng.tick()
+    eng.set_tick_phases(2, home=True)                  # units on the unit tick: a unit's time
+    eng.tick(unit_tick=False)
     eng.shutdown()
-    assert periods == [1.0, 0.5]
+    assert periods == [1.0, 0.5, 1.0]
 
 
 def test_the_early_close_period_is_the_audio_between_two_ticks(tmp_path):

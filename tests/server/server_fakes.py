@@ -69,6 +69,8 @@ class FakeEngine:
         self.unit_alignment_ms: float | None | str = "unset"   # what it told set_unit_alignment
         self.silence_fill_ms: float | None | str = "unset"     # what it told set_silence_fill
         self.tick_phases: int | str = "unset"                   # what it told set_tick_phases
+        self.home_phase: bool | str = "unset"                   # and its home argument
+        self.unit_ticks: list[bool] = []                        # each tick's unit_tick argument
         self.behind_asked = 0
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -179,7 +181,8 @@ class FakeEngine:
             if self.live.pop(sid, None) is not None or self.queued.pop(sid, None) is not None:
                 self.closed.append(sid)
 
-    def tick(self) -> list[EngineEvent]:
+    def tick(self, unit_tick: bool = True) -> list[EngineEvent]:
+        self.unit_ticks.append(unit_tick)
         with self._lock:
             self.ticks_in_flight += 1
             self.max_ticks_in_flight = max(self.max_ticks_in_flight, self.ticks_in_flight)
@@ -228,8 +231,9 @@ class FakeEngine:
     def set_silence_fill(self, after_ms: float | None) -> None:
         self.silence_fill_ms = after_ms
 
-    def set_tick_phases(self, phases: int) -> None:
+    def set_tick_phases(self, phases: int, home: bool = False) -> None:
         self.tick_phases = phases
+        self.home_phase = home
 
     def sessions_behind(self) -> int:
         with self._lock:

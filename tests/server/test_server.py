@@ -465,6 +465,17 @@ def test_tick_phases_reach_the_engine_and_divide_the_period(serve, monkeypatch, 
     assert periods[:2] == [pytest.approx(0.3 / phases)] * 2
 
 
+@pytest.mark.parametrize("units", ["spread", "home"])
+def test_phase_units_reach_the_engine_and_mark_the_unit_ticks(serve, units):
+    """server.phase_units -> set_tick_phases(home=...) and, home, tick(unit_tick=...) on every
+    tick_phases-th tick of the grid (the fake engine records both; spread ticks take no argument)."""
+    engine, _ = serve(tick_seconds=0.4, server={"tick_phases": 2, "phase_units": units})
+    wait_for(lambda: len(engine.unit_ticks) >= 5, timeout=60, what="five ticks")
+    assert engine.home_phase == (units == "home")
+    want = [True, False, True, False, True] if units == "home" else [True] * 5
+    assert engine.unit_ticks[:5] == want
+
+
 def test_compute_threads_auto_leaves_the_event_loop_a_cpu():
     from duplexcache.server.app import compute_threads
 

@@ -133,9 +133,10 @@ class Code2WavConfig(_Strict):
     # Graph tiers (batch sizes captured as graphs). Overridden by DUPLEXCACHE_CFM_GRAPH_GRID.
     graph_grid: tuple[int, ...] | None = None
     # CUDA: the vocoder (HiFT) replays CUDA graphs of the engine's chunk shapes, like the
-    # estimator's solves. Faster (docs/benchmarks.md) but off by default: two captures on the
-    # H200 gave different PCM, and the fix (deterministic cuDNN inside captures) is not yet run there.
-    vocoder_cuda_graphs: bool = False
+    # estimator's solves: ~100 ms shorter ticks at 32-40 sessions (docs/benchmarks.md). Two captures
+    # give the same PCM once cuDNN is limited to deterministic algorithms without TF32 (as the engine
+    # pins it); False is the eager A/B reference.
+    vocoder_cuda_graphs: bool = True
 
     @model_validator(mode="before")
     @classmethod

@@ -54,7 +54,7 @@ class TickBenchConfig:
     encoder_cache_dtype: str = "auto"   # precision.encoder_cache_dtype (fp8_e4m3: capacity mode)
     talker_turn_tokens: int | None = None   # engine.talker_turn_tokens (None: the Talker's limit)
     profile_ticks: int = 0   # ticks run under torch.profiler after the recorded ones (bench/tick_profile.py)
-    vocoder_cuda_graphs: bool = False   # code2wav.vocoder_cuda_graphs (CUDA only; off is the default)
+    vocoder_cuda_graphs: bool = True   # code2wav.vocoder_cuda_graphs (CUDA only; on is the default)
 
     def __post_init__(self) -> None:
         if self.workload not in wl.WORKLOADS:
@@ -175,8 +175,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="engine.decode_cuda_graphs: replay the Thinker/Talker decode steps from CUDA graphs")
     p.add_argument("--ragged-kernel", choices=("on", "off"), default="on",
                    help="stage0.ragged_kernel: short ragged steps through the in-place paged kernel")
-    p.add_argument("--vocoder-cuda-graphs", choices=("on", "off"), default="off",
-                   help="code2wav.vocoder_cuda_graphs: the vocoder as CUDA graphs (off, the default: eager)")
+    p.add_argument("--vocoder-cuda-graphs", choices=("on", "off"), default="on",
+                   help="code2wav.vocoder_cuda_graphs: the vocoder as CUDA graphs (the default; off: eager)")
     p.add_argument("--warm-up", choices=("on", "off"), default="on",
                    help="CUDA: DuplexEngine.warmup() before the first tick (as `duplexcache serve`); off: graphs "
                         "are captured inside ticks (the cold A/B)")

@@ -89,7 +89,7 @@ class Code2WavConfig:
     # The vocoder as CUDA graphs too (code2wav.vocoder_cuda_graphs; with the arena's graph
     # backend, so CUDA only), for calls of these (mel frames with the cache, source-cache
     # samples) shapes: the engine's chunks (runtime/code2wav_stage.vocoder_graph_shapes).
-    vocoder_cuda_graphs: bool = False
+    vocoder_cuda_graphs: bool = True
     vocoder_graph_shapes: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:

@@ -217,10 +217,10 @@ def test_deploy_switches_policy_and_bad_input():
     cfg, _ = parse_args(["--decode-cuda-graphs", "off", "--ragged-kernel", "off", "--speak-k", "9",
                             "--turn-units", "9", "--code2wav-dtype", "bfloat16", "--kv-cache-dtype", "fp8_e4m3",
                             "--encoder-cache-dtype", "fp8_e4m3", "--talker-turn-tokens", "1024",
-                            "--vocoder-cuda-graphs", "on"])
+                            "--vocoder-cuda-graphs", "off"])
     fast = et.make_deploy(cfg)
     assert fast.engine.decode_cuda_graphs is False and fast.stage0.ragged_kernel is False
-    assert fast.code2wav.vocoder_cuda_graphs is True and on.code2wav.vocoder_cuda_graphs is False   # off: the default
+    assert fast.code2wav.vocoder_cuda_graphs is False and on.code2wav.vocoder_cuda_graphs is True   # on: the default
     assert fast.precision.code2wav_dtype == "bfloat16" and on.precision.code2wav_dtype == "float32"
     assert fast.precision.kv_cache_dtype == "fp8_e4m3" and on.precision.kv_cache_dtype == "auto"
     assert fast.precision.encoder_cache_dtype == "fp8_e4m3" and on.precision.encoder_cache_dtype == "auto"

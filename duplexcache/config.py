@@ -320,8 +320,9 @@ class ServerConfig(_Strict):
     # first phase); the ticks between take only early closes, and only while the measured cost
     # leaves time before the next unit tick; a session closed early is aligned to the unit tick
     # again with silence (one unit of it per early close; docs/engine.md, "Phased ticks").
-    # "home" needs align_units_to_ticks.
-    phase_units: Literal["spread", "home"] = "spread"
+    # "home" needs align_units_to_ticks. Home is the default: on the CPU it answered sooner, with
+    # more early closes and fewer late ticks, than spread (docs/benchmarks.md, "Units on the unit tick").
+    phase_units: Literal["spread", "home"] = "home"
     # A session whose client sends nothing (push-to-talk between turns; a manual-turn client that
     # commits, asks for a reply and waits) would get no more units, so no reply. Once it has sent
     # nothing for this long beyond its largest chunk, its units are completed with silence until it

@@ -123,10 +123,6 @@ class DuplexEngine:
         self.warmup_report: WarmupReport | None = None
         # Admission by time: the measured per-session tick cost (runtime/admission.py).
         self.tick_cost = TickCostModel(deploy.engine.tick_seconds, deploy.engine.tick_headroom)
-        # server.phase_units home: the ticks between unit ticks, measured apart. They run the
-        # sessions whose turn just ended (and any a whole unit behind), i.e. mostly reply starts,
-        # which cost more than the unit ticks' line predicts for so few units.
-        self.between_tick_cost = TickCostModel(deploy.engine.tick_seconds, deploy.engine.tick_headroom)
         # Fault injection for tests (runtime/isolation.py); None when serving: no YAML key or
         # client message reaches it, only ``install_faults``.
         self.faults: FaultInjector | None = None
@@ -313,7 +309,7 @@ class DuplexEngine:
             events += self._run_units(units, lat)
         lat["tick"] = time.perf_counter() - start
         # The cost model learns the unit work only: prefill is bounded separately (one chunk).
-        (self.tick_cost if unit_tick else self.between_tick_cost).observe(lat["tick"] - prefill_s, len(units))
+        self.tick_cost.observe(lat["tick"] - prefill_s, len(units))
         self.table.note_tick_for_pending()
         self.recorder.finish_tick(lat, self.deploy.engine.tick_seconds / self.tick_cost.phases)
         return self._for_live(events)
@@ -387,17 +383,13 @@ class DuplexEngine:
         before any measurement, yes): within its phased period, or, for a tick between unit ticks
         (``server.phase_units: home``), before the next unit tick is due, one unit after the
         last one started: that unit tick runs every session, and its start is what keeps them
-        in real time. A tick between is predicted from the ticks between measured so far (each
-        an early close, so a reply start), from the unit ticks' line until there is one."""
-        between = not self._unit_tick and self._unit_tick_started is not None
-        predicted = self.between_tick_cost.predicted_s(units + 1) if between else None
-        if predicted is None:
-            predicted = self.tick_cost.predicted_s(units + 1)
+        in real time."""
+        predicted = self.tick_cost.predicted_s(units + 1)
         if predicted is None:
             return True
-        if not between:
+        if self._unit_tick or self._unit_tick_started is None:
             return predicted <= self.tick_cost.tick_limit_s
-        since_unit_tick = time.perf_counter() - self._unit_tick_started   # type: ignore[operator]
+        since_unit_tick = time.perf_counter() - self._unit_tick_started
         return since_unit_tick + predicted <= self.deploy.engine.tick_seconds
 
     def set_silence_fill(self, after_ms: float | None) -> None:

@@ -219,37 +219,6 @@ def test_the_room_between_unit_ticks_is_the_time_left_before_the_next_one(tmp_pa
     eng.shutdown()
 
 
-def test_the_ticks_between_are_predicted_from_their_own_cost(tmp_path, monkeypatch):
-    """Home: a tick between runs reply starts, dearer than the unit ticks' line says for so few
-    units; once one is measured, the room between is predicted from the ticks between alone,
-    and they do not bend the line that admission and unit ticks use."""
-    eng = engine(tmp_path, "room_between", {"engine": {"tick_seconds": 1.0, "tick_headroom": 0.9}})
-    eng.set_tick_phases(2, home=True)
-    for units in (1, 3, 5):                             # unit ticks: 0.1 s + 0.1 s per unit
-        eng.tick_cost.observe(0.1 + 0.1 * units, units)
-    eng._unit_tick, eng._unit_tick_started = False, time.perf_counter() - 0.5
-    assert eng._tick_has_room(1)                        # the line: 0.5 + 0.3 <= 1.0
-    seen = []                                           # which model each tick reports to
-    for name in ("tick_cost", "between_tick_cost"):
-        model = getattr(eng, name)
-        monkeypatch.setattr(model, "observe", lambda s, n, name=name, f=model.observe: (seen.append(name), f(s, n)))
-    eng._tick(unit_tick=False)
-    eng._tick(unit_tick=True)
-    eng._unit_tick, eng._unit_tick_started = False, time.perf_counter() - 0.5
-    assert seen == ["between_tick_cost", "tick_cost"]
-    assert eng.between_tick_cost.samples == 0 and eng._tick_has_room(1)   # ticks with no unit: no point
-    eng.between_tick_cost.observe(0.3, 1)               # measured: one reply start took 0.3 s
-    eng.between_tick_cost.observe(0.6, 2)               # and two 0.6 s
-    # flat at the dearest count seen (0.6 s), so 0.5 + 0.6 > 1.0: no room, where the line (0.4 s) had
-    assert not eng._tick_has_room(0) and not eng._tick_has_room(1)
-    eng._unit_tick_started = time.perf_counter() - 0.3
-    assert eng._tick_has_room(1)                        # 0.3 + 0.6 <= 1.0
-    assert eng.tick_cost.predicted_s(2) == pytest.approx(0.3)   # the unit ticks' line is unchanged
-    eng._unit_tick = True
-    assert eng.table.early_close.room(6) and not eng.table.early_close.room(8)   # unit ticks: the line
-    eng.shutdown()
-
-
 def test_an_early_close_joins_a_tick_only_while_it_has_room(tmp_path):
     """Two callers whose turns end alike: with room for one unit per tick, the first is closed
     early at tick 3 and the second waits for its whole unit at tick 4, as without phases."""

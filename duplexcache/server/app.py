@@ -271,9 +271,12 @@ class RealtimeServer:
                 continue
             if now > deadline + LATE_SLACK * period:
                 self.metrics.late_ticks.inc()
-                # debug only: the engine logs the warning for each late tick (one line, not two)
-                logger.debug("tick ran late: ended %.3f s past its deadline (period %.3f s); "
-                             "the next tick starts now", now - deadline, period)
+                # The engine logs the warning for a tick over its own period (one line, not two);
+                # home, that period is a unit and this grid's half of one, so the server says it.
+                (logger.warning if home else logger.debug)(
+                    "%s ran late: ended %.3f s past its deadline (period %.3f s); the next tick starts now",
+                    "tick" if not home else "unit tick" if unit_tick else "tick between unit ticks",
+                    now - deadline, period)
                 # the next tick starts now and is due at the grid's next point (runtime/pacing.py)
                 deadline = deadline_after_late(deadline, now, period)
                 continue

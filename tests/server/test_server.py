@@ -476,6 +476,16 @@ def test_phase_units_reach_the_engine_and_mark_the_unit_ticks(serve, units):
     assert engine.unit_ticks[:5] == want
 
 
+def test_a_late_tick_of_home_phases_is_logged_by_the_server(serve, caplog):
+    """Home, the engine judges its ticks against a unit and the server against half of one: the
+    server logs the late ticks the engine does not see (which kind of tick, how late)."""
+    caplog.set_level(logging.WARNING, logger="duplexcache.server.app")
+    engine, srv = serve(tick_seconds=0.4, tick_delay=1.0, server={"tick_phases": 2, "phase_units": "home"})
+    wait_for(lambda: _metric(srv, "duplexcache_late_ticks_total") >= 1, timeout=60, what="a late tick")
+    late = [r.getMessage() for r in caplog.records if "ran late" in r.getMessage()]
+    assert late and late[0].startswith(("unit tick ran late", "tick between unit ticks ran late"))
+
+
 def test_compute_threads_auto_leaves_the_event_loop_a_cpu():
     from duplexcache.server.app import compute_threads
 

@@ -260,8 +260,12 @@ class RealtimeServer:
         grid = UnitGrid(loop.time(), period, server.tick_phases if home else 1)
         deadline = grid.origin + period
         caught_up_at = None   # the deadline of the period that already had its extra tick
+        catching_up = False
         while not self._stopping.is_set():
-            unit_tick = grid.unit_tick(deadline)
+            # a catch-up tick is an extra tick, never a unit tick: it must not move the start that
+            # the room of the ticks between is measured from (engine._tick_has_room)
+            unit_tick = grid.unit_tick(deadline) and not catching_up
+            catching_up = False
             await self._tick_once(unit_tick if home else None)
             now = loop.time()
             if home and deadline < now <= grid.next_unit_point(deadline) + LATE_SLACK * period:
@@ -284,7 +288,7 @@ class RealtimeServer:
                 # The sessions behind real time get one extra tick now, before the deadline
                 # (docs/engine.md, "Pacing"); the deadline stays where it was.
                 self.metrics.catch_up_ticks.inc()
-                caught_up_at = deadline
+                caught_up_at, catching_up = deadline, True
                 await asyncio.sleep(0)   # let the event loop take the frames that arrived meanwhile
                 continue
             await self._wait_for(deadline, period, pacing)

@@ -476,6 +476,16 @@ def test_phase_units_reach_the_engine_and_mark_the_unit_ticks(serve, units):
     assert engine.unit_ticks[:5] == want
 
 
+def test_a_catch_up_tick_of_home_phases_is_not_a_unit_tick(serve):
+    """Home with sessions behind: the extra tick after a unit tick is a tick between (a second
+    unit tick would restart the time the room between unit ticks is measured from)."""
+    engine, srv = serve(tick_seconds=0.4, server={"tick_phases": 2, "phase_units": "home"})
+    engine.behind = 1
+    wait_for(lambda: _metric(srv, "duplexcache_catch_up_ticks_total") >= 4, timeout=60, what="catch-up ticks")
+    ticks = list(engine.unit_ticks)
+    assert True in ticks and not any(a and b for a, b in zip(ticks, ticks[1:]))
+
+
 def test_a_late_tick_of_home_phases_is_logged_by_the_server(serve, caplog):
     """Home, the engine judges its ticks against a unit and the server against half of one: the
     server logs the late ticks the engine does not see (which kind of tick, how late)."""

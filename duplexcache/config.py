@@ -319,7 +319,7 @@ class ServerConfig(_Strict):
     # tick_phases times per unit. "home": every session's units stay on the unit tick (the grid's
     # first phase); the ticks between take only early closes, and only while the measured cost
     # leaves time before the next unit tick; a session closed early is aligned to the unit tick
-    # again with silence (one unit of it per early close; docs/engine.md, "Phased ticks").
+    # again with silence (one unit of it per early close; docs/engine.md, "Units on the unit tick").
     # "home" needs align_units_to_ticks. Home is the default: on the CPU it answered sooner, with
     # more early closes and fewer late ticks, than spread (docs/benchmarks.md, "Units on the unit tick").
     phase_units: Literal["spread", "home"] = "home"

@@ -51,7 +51,6 @@ NON_DEFAULT = {
 }
 
 
-
 def _leaves(d: dict, prefix: str = "") -> dict[str, object]:
     out = {}
     for k, v in d.items():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import sys
-import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import FIRST, UNIT, collect, engine
 
+import duplexcache.runtime.engine as engine_module
 from duplexcache.context.tokenizer import ByteTokenizer
 from duplexcache.runtime.engine_session import EarlyClose, EngineSession
 from duplexcache.runtime.policy import ControlTokens, ReplyPolicy, ReplyState, text_token_ids
@@ -211,7 +212,9 @@ def test_the_room_between_unit_ticks_is_the_time_left_before_the_next_one(tmp_pa
     assert eng.tick_cost.phases == 1                    # admission: one tick per unit
     for units in (1, 3, 5):                             # 0.1 s + 0.1 s per unit
         eng.tick_cost.observe(0.1 + 0.1 * units, units)
-    eng._unit_tick, eng._unit_tick_started = False, time.perf_counter() - 0.65
+    # the engine's clock stands still (no test waits on this machine's speed)
+    monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(perf_counter=lambda: 100.0))
+    eng._unit_tick, eng._unit_tick_started = False, 100.0 - 0.65
     # 0.65 s since the unit tick started: room while 0.65 + 0.1 + 0.1 (n + 1) <= 1.0
     assert [eng.table.early_close.room(n) for n in range(3)] == [True, True, False]
     eng._unit_tick = True                               # a unit tick: a unit x headroom, 0.9 s

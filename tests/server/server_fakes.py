@@ -71,6 +71,8 @@ class FakeEngine:
         self.tick_phases: int | str = "unset"                   # what it told set_tick_phases
         self.home_phase: bool | str = "unset"                   # and its home argument
         self.unit_ticks: list[bool] = []                        # each tick's unit_tick argument
+        self.catch_ups: list[bool] = []                         # each tick: did it follow a "behind" answer?
+        self._behind_answered = False
         self.behind_asked = 0
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -183,6 +185,9 @@ class FakeEngine:
 
     def tick(self, unit_tick: bool = True) -> list[EngineEvent]:
         self.unit_ticks.append(unit_tick)
+        with self._lock:   # the server ticks at once after sessions_behind() > 0: a catch-up tick
+            self.catch_ups.append(self._behind_answered)
+            self._behind_answered = False
         with self._lock:
             self.ticks_in_flight += 1
             self.max_ticks_in_flight = max(self.max_ticks_in_flight, self.ticks_in_flight)
@@ -238,6 +243,7 @@ class FakeEngine:
     def sessions_behind(self) -> int:
         with self._lock:
             self.behind_asked += 1
+            self._behind_answered = self.behind > 0
             return self.behind
 
     def stats(self) -> EngineStats:

@@ -17,6 +17,7 @@ from server_fakes import FakeEngine, f32_b64, pcm16_b64, recv, recv_type, send, 
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
+import duplexcache.server.app as app_module
 from duplexcache.config import DeployConfig
 from duplexcache.server.app import REALTIME_PATH, create_app
 from duplexcache.server.loopback import LoopbackServer
@@ -349,7 +350,6 @@ def test_health_and_metrics(serve):
 def test_after_a_late_tick_the_loop_keeps_the_grid(serve, monkeypatch):
     """The deadline after a late tick comes from pacing.deadline_after_late (the grid's next
     point), not from the time the late tick ended."""
-    import duplexcache.server.app as app_module
 
     calls = []
     real = app_module.deadline_after_late
@@ -465,25 +465,54 @@ def test_tick_phases_reach_the_engine_and_divide_the_period(serve, monkeypatch, 
     assert periods[:2] == [pytest.approx(0.3 / phases)] * 2
 
 
+class _RecordingGrid(app_module.UnitGrid):
+    """The tick loop's grid, recording its verdict for each deadline asked (which points are unit
+    ticks is pacing.UnitGrid's, tested in tests/runtime/test_pacing.py)."""
+
+    verdicts: list[bool] = []
+
+    def unit_tick(self, deadline: float) -> bool:
+        verdict = super().unit_tick(deadline)
+        self.verdicts.append(verdict)
+        return verdict
+
+
+@pytest.fixture
+def recording_grid(monkeypatch):
+    monkeypatch.setattr(_RecordingGrid, "verdicts", [])
+    monkeypatch.setattr(app_module, "UnitGrid", _RecordingGrid)
+    return _RecordingGrid
+
+
 @pytest.mark.parametrize("units", ["spread", "home"])
-def test_phase_units_reach_the_engine_and_mark_the_unit_ticks(serve, units):
-    """server.phase_units -> set_tick_phases(home=...) and, home, tick(unit_tick=...) on every
-    tick_phases-th tick of the grid (the fake engine records both; spread ticks take no argument)."""
+def test_phase_units_reach_the_engine_and_mark_the_unit_ticks(serve, recording_grid, units):
+    """server.phase_units -> set_tick_phases(home=...) and, home, tick(unit_tick=...) with the
+    grid's verdict for the tick's deadline (the fake engine records both; spread ticks take no
+    argument, so every one is a unit tick). Compared tick by tick with what the grid said, so a
+    slow machine whose late tick skips a grid point cannot fail it."""
     engine, _ = serve(tick_seconds=0.4, server={"tick_phases": 2, "phase_units": units})
     wait_for(lambda: len(engine.unit_ticks) >= 5, timeout=60, what="five ticks")
     assert engine.home_phase == (units == "home")
-    want = [True, False, True, False, True] if units == "home" else [True] * 5
-    assert engine.unit_ticks[:5] == want
+    ticks = engine.unit_ticks[:5]
+    if units == "home":
+        assert ticks == recording_grid.verdicts[:5] and False in ticks and True in ticks
+    else:
+        assert ticks == [True] * 5 and not any(v is False for v in recording_grid.verdicts)
 
 
-def test_a_catch_up_tick_of_home_phases_is_not_a_unit_tick(serve):
-    """Home with sessions behind: the extra tick after a unit tick is a tick between (a second
-    unit tick would restart the time the room between unit ticks is measured from)."""
+def test_a_catch_up_tick_of_home_phases_is_not_a_unit_tick(serve, recording_grid):
+    """Home with sessions behind: the extra tick the server runs at once after sessions_behind()
+    > 0 is a tick between, even where the grid's deadline is a unit tick's (a second unit tick
+    would restart the time the room between unit ticks is measured from)."""
     engine, srv = serve(tick_seconds=0.4, server={"tick_phases": 2, "phase_units": "home"})
     engine.behind = 1
-    wait_for(lambda: _metric(srv, "duplexcache_catch_up_ticks_total") >= 4, timeout=60, what="catch-up ticks")
-    ticks = list(engine.unit_ticks)
-    assert True in ticks and not any(a and b for a, b in zip(ticks, ticks[1:]))
+    wait_for(lambda: sum(engine.catch_ups) >= 4, timeout=60, what="catch-up ticks")
+    n = len(engine.catch_ups)
+    pairs = list(zip(engine.unit_ticks[:n], engine.catch_ups, recording_grid.verdicts[:n]))
+    catch_ups = [(tick, verdict) for tick, catch_up, verdict in pairs if catch_up]
+    assert catch_ups and all(tick is False for tick, _ in catch_ups)
+    assert any(verdict for _, verdict in catch_ups)        # one came where the grid said "unit tick"
+    assert any(tick for tick, catch_up, _ in pairs if not catch_up)
 
 
 def test_a_late_tick_of_home_phases_is_logged_by_the_server(serve, caplog):

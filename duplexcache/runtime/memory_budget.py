@@ -47,8 +47,22 @@ def device_free_bytes(device: torch.device) -> int | None:
     return None
 
 
-def host_available_bytes() -> int | None:
-    """RAM available now (``os.sysconf``), None where the platform does not say."""
+def host_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """RAM available now for a new allocation without swapping: Linux's ``MemAvailable`` (free
+    pages plus the page cache and slabs the kernel can reclaim). ``MemFree`` alone (what
+    ``os.sysconf("SC_AVPHYS_PAGES")`` reports) is small on any machine that has read many files,
+    such as a CI runner after ``pip install``, and would shrink the budget for no reason; it is
+    the fallback only where ``/proc/meminfo`` has no ``MemAvailable``. None where the platform
+    says neither."""
+    try:
+        with open(meminfo, encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    value, unit = line.split()[1:3]
+                    if unit.lower() == "kb":
+                        return int(value) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, ValueError, OSError):
@@ -68,7 +82,8 @@ def resolve_memory_budget(engine: EngineConfig, fixed_bytes: int, free_bytes: in
             ram = host_available_bytes()
             cap = CPU_AUTO_BUDGET if ram is None else int(engine.memory_fraction * ram)
             budget = min(CPU_AUTO_BUDGET, cap)
-            how = f"auto on a host device: {format_bytes(CPU_AUTO_BUDGET)} capped by available RAM"
+            how = (f"auto on a host device: {format_bytes(CPU_AUTO_BUDGET)} capped by {engine.memory_fraction} x "
+                   f"{'unknown' if ram is None else f'{ram / 2**30:.1f} GiB'} RAM available")
         else:
             budget = fixed_bytes + int(engine.memory_fraction * free_bytes)
             how = (f"auto: fixed {fixed_bytes / 2**30:.2f} GiB + {engine.memory_fraction} x "

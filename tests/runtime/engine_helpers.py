@@ -32,12 +32,18 @@ def tiny_models() -> ModelBundle:
 # Admission by time measures this machine's ticks; tests must not depend on its speed, so
 # the engines of these tests admit by memory only unless a test sets engine.tick_headroom.
 NO_COMPUTE_LIMIT = 1e9
+# Nor on its free RAM: ``memory_budget: auto`` on CPU is capped by what the host has available
+# at start-up, so the tests' engines get the budget auto gives on a roomy machine unless a test
+# sets engine.memory_budget (test_memory_budget.py tests auto itself).
+TEST_MEMORY_BUDGET = "512MiB"
 
 
 def deploy_from_yaml(tmp_path, name: str, sections: dict) -> DeployConfig:
     """Write ``sections`` as a deploy YAML and load it the way `duplexcache serve` does
-    (``engine.tick_headroom`` defaults to ``NO_COMPUTE_LIMIT`` here)."""
-    sections = {**sections, "engine": {"tick_headroom": NO_COMPUTE_LIMIT, **sections.get("engine", {})}}
+    (``engine.tick_headroom`` defaults to ``NO_COMPUTE_LIMIT`` and ``engine.memory_budget`` to
+    ``TEST_MEMORY_BUDGET`` here)."""
+    defaults = {"tick_headroom": NO_COMPUTE_LIMIT, "memory_budget": TEST_MEMORY_BUDGET}
+    sections = {**sections, "engine": {**defaults, **sections.get("engine", {})}}
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(sections))
     return DeployConfig.from_yaml(path, environ={})

@@ -58,6 +58,20 @@ def test_fixed_budget_must_fit_what_is_free():
     assert MB.resolve_memory_budget(ok, fixed, H200_AVAILABLE - fixed) == 100 * 2**30
 
 
+def test_host_ram_is_memavailable_not_memfree(tmp_path, monkeypatch):
+    """A machine that has read many files (a CI runner after pip install) has little MemFree and
+    much reclaimable page cache; auto on CPU must count the cache (CI once refused the tests'
+    sessions with capacity_memory when this read MemFree)."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:        8000000 kB\nMemFree:          300000 kB\n"
+                       "MemAvailable:    6000000 kB\nCached:          5000000 kB\n")
+    assert MB.host_available_bytes(str(meminfo)) == 6_000_000 * 1024
+    monkeypatch.setattr(MB.os, "sysconf", lambda name: {"SC_AVPHYS_PAGES": 10, "SC_PAGE_SIZE": 4096}[name])
+    assert MB.host_available_bytes(str(tmp_path / "absent")) == 40960          # no /proc: sysconf
+    meminfo.write_text("MemTotal:        8000000 kB\nMemFree:          300000 kB\n")   # old kernels
+    assert MB.host_available_bytes(str(meminfo)) == 40960
+
+
 def test_auto_on_a_host_device(monkeypatch):
     cfg = _engine_cfg()
     monkeypatch.setattr(MB, "host_available_bytes", lambda: 64 * GB)
@@ -68,7 +82,7 @@ def test_auto_on_a_host_device(monkeypatch):
 
 def test_tiny_default_serves_with_auto_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(MB, "host_available_bytes", lambda: 64 * GB)
-    eng = engine(tmp_path, "auto", {})       # the packaged defaults: memory_budget auto
+    eng = engine(tmp_path, "auto", {"engine": {"memory_budget": "auto"}})   # the packaged default
     assert eng.deploy.engine.memory_budget == "auto"
     assert eng.plan.budget_bytes == MB.CPU_AUTO_BUDGET - eng.deploy.engine.activation_reserve
     assert eng.plan.planned_sessions >= 4

@@ -230,7 +230,7 @@ class EngineConfig(_Strict):
     """Admission and ticking."""
 
     # "auto": memory_fraction of the device memory still free after the weights and the fixed
-    # allocations (runtime/memory_budget.py; on CPU a fixed 512 MiB, capped by free RAM), or a
+    # allocations (runtime/memory_budget.py; on CPU a fixed 512 MiB, capped by available RAM), or a
     # byte size, refused at start-up when it exceeds what is free.
     memory_budget: BudgetSize = AUTO
     # Share of the free device memory an "auto" budget takes; the rest stays for the CUDA

@@ -596,7 +596,8 @@ class SessionTable:
         sess.buffered = sess.left_after_take = rest.size
         sess.early_closes += 1
         sess.early_silence += silence
-        sess.realign = early.home   # home: the next unit tick puts its units back on the unit tick
+        if early.home:   # the next unit tick puts its units back on the unit tick
+            sess.realign = True
         self.early_closes += 1
         pcm = np.concatenate([heard, np.zeros(silence, np.float32)])
         return Unit(sess, pcm, ahead=rest, turn=turns.take_unit_requests(sess.turn))

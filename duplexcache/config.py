@@ -323,12 +323,6 @@ class ServerConfig(_Strict):
     # "home" needs align_units_to_ticks. Home is the default: on the CPU it answered sooner, with
     # more early closes and fewer late ticks, than spread (docs/benchmarks.md, "Units on the unit tick").
     phase_units: Literal["spread", "home"] = "home"
-    # In a tick where some sessions start a reply and others go on with theirs, vocode the reply
-    # starts in a Code2Wav step of their own first and send their events (text, first audio) at
-    # once, instead of after every session's audio: a reply's first audio waits for its own
-    # Code2Wav work, not the tick's (runtime/code2wav_stage.py). Costs one more Code2Wav step in
-    # such ticks. False: one step, every event when the tick ends.
-    reply_audio_first: bool = False
     # A session whose client sends nothing (push-to-talk between turns; a manual-turn client that
     # commits, asks for a reply and waits) would get no more units, so no reply. Once it has sent
     # nothing for this long beyond its largest chunk, its units are completed with silence until it

@@ -4,7 +4,7 @@
 #   OUT=/path/to/results bash scripts/gpu_bench.sh MODE [MODE ...]
 # smoke: every benchmark on the tiny preset (catches device bugs in seconds); suite (the whole pytest suite); bench, bench_turn, bench_capacity, setup,
 # ticks, ticks_continuous, ticks_steady, ticks_ragged, ticks_eager, ticks_conversation, serve_conversation, serve_sweep, serve_align, serve_ptt, serve_threads, serve_switch,
-# serve_catch_up, serve_vocoder, ticks_vocoder, vocoder_exact, serve_lookahead, serve_reply_first, serve_phases, serve_precision, serve_prefill_between, serve_long_context, serve_profile, warm_start,
+# serve_catch_up, serve_vocoder, ticks_vocoder, vocoder_exact, serve_lookahead, serve_phases, serve_precision, serve_prefill_between, serve_long_context, serve_profile, warm_start,
 # serve_ready, stage0, precision, kv_precision, ticks_conversation_bf16, ticks_conversation_fp8, ticks_capacity,
 # stage2: the minicpmo45 figures (random weights), each a few minutes on an H200 (each fits one 10-minute call).
 # Every step is a `duplexcache bench BENCHMARK` command (run as `python3 -m duplexcache.cli`, so no install is needed).
@@ -210,12 +210,6 @@ d = DeployConfig.from_packaged_yaml("minicpmo45"); d.code2wav.vocoder_cuda_graph
     for arm in false true; do
       serve_conversation "serve_lookahead_$arm" "${SERVE_BASE:-examples/minicpmo45-shared.yaml}" "${SERVE_SESSIONS:-32}" \
         "${SERVE_DURATION:-45}" "engine.speak_policy.end_quiet_lookahead=$arm"
-    done ;;
-  serve_reply_first)  # A/B of server.reply_audio_first (issue 10): serve_conversation, a fresh server per arm (off
-    # first); SERVE_BASE / SERVE_SESSIONS / SERVE_DURATION as for serve_catch_up, SERVE_OVERRIDES for both arms
-    for arm in false true; do
-      serve_conversation "serve_reply_first_$arm" "${SERVE_BASE:-examples/minicpmo45-shared.yaml}" "${SERVE_SESSIONS:-32}" \
-        "${SERVE_DURATION:-45}" "server.reply_audio_first=$arm"
     done ;;
   serve_phases)  # A/B of server.tick_phases (issue 10): serve_conversation with one tick per unit, then two (a
     # turn's unit closed with silence at the next half-unit tick), a fresh server per arm; SERVE_BASE /

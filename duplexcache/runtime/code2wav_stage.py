@@ -152,21 +152,14 @@ class Code2WavStage:
 
     # ------------------------------------------------------------------ the stage
 
-    def run(self, units: list[Unit], finals: dict[str, FinalChunk],
-            send_early: Callable[[list[EngineEvent]], None] | None = None) -> list[EngineEvent]:
+    def run(self, units: list[Unit], finals: dict[str, FinalChunk]) -> list[EngineEvent]:
         """Every speaking unit's chunk (carried codes + its 25) in one batched step, then the
         final chunks of every turn that ended in this tick in a second one.
 
         ``finals`` holds the turns the Talker stage closed before this unit. One of them whose
         session speaks again in this unit (a Talker turn at its limit restarts the audio stream)
-        is flushed in a step of its own first, so the old turn's tail plays before the new one.
-
-        ``send_early`` (``server.reply_audio_first``): when some units start an audio turn and
-        others continue one, the starts are vocoded in a step of their own first and their events
-        handed to ``send_early`` before the continuing step runs, so a reply's first audio does
-        not wait for every other session's; the events returned are the rest."""
+        is flushed in a step of its own first, so the old turn's tail plays before the new one."""
         chunks: dict[str, torch.Tensor] = {}
-        starting: set[str] = set()   # streams opened by this unit (a reply's first audio)
         owner = {csid: f.session for csid, f in finals.items()}
         closed_before = set(finals)
         silence = self.code2wav.config.silence_token
@@ -179,7 +172,6 @@ class Code2WavStage:
                 s.c2w_sid = f"{s.sid}#{s.turn_index}"
                 seed = zlib.crc32(f"{s.seed_name}#{s.turn_index}".encode())
                 self.code2wav.add_session(s.c2w_sid, s.voice.name, seed=seed)
-                starting.add(s.c2w_sid)
                 s.held = torch.full((LOOKAHEAD,), silence, dtype=u.codes.dtype, device=u.codes.device)
             owner[s.c2w_sid] = s
             chunks[s.c2w_sid] = torch.cat([s.held, u.codes])
@@ -191,18 +183,7 @@ class Code2WavStage:
         restarted = {csid: f.codes for csid, f in finals.items()
                      if csid in closed_before and f.session.sid in speaking}
         final_chunks = {csid: f.codes for csid, f in finals.items() if csid not in restarted}
-        starts = {csid: codes for csid, codes in chunks.items() if csid in starting}
-        split = send_early is not None and 0 < len(starts) < len(chunks)
-        steps = [(restarted, True), (chunks, False), (final_chunks, True)] if not split else \
-            [(restarted, True), (starts, False), None,
-             ({c: codes for c, codes in chunks.items() if c not in starting}, False), (final_chunks, True)]
-        sent = 0   # events[:sent] went to send_early
-        for step in steps:
-            if step is None:   # the reply starts' audio (and a restarted turn's tail before it) leaves now
-                send_early(events[sent:])
-                sent = len(events)
-                continue
-            batch, last = step
+        for batch, last in ((restarted, True), (chunks, False), (final_chunks, True)):
             gone = ended(events)   # a session ended by an earlier step has no later chunk
             batch = {csid: codes for csid, codes in batch.items() if owner[csid].sid not in gone}
             if batch:
@@ -212,7 +193,7 @@ class Code2WavStage:
             self.code2wav.remove_session(csid)
             if f.response_done:
                 events.append(ResponseDone(f.session.sid, "completed", self.table.finish_reply(f.session)))
-        return events[sent:]
+        return events
 
     def _step(self, batch: dict[str, torch.Tensor], last: bool, owner: dict[str, EngineSession]) -> list[EngineEvent]:
         """One Code2Wav step. A chunk that fails its check (the injected fault, or

@@ -117,9 +117,6 @@ class DuplexEngine:
         # of the ticks between (perf_counter; None before the first)
         self._unit_tick_started: float | None = None
         self._unit_tick = True   # whether the tick in progress is a unit tick
-        # server.reply_audio_first (set_event_sink): where a tick sends its reply starts' events
-        # before the tick ends; None: every event leaves with the tick's return value
-        self._event_sink: Callable[[list[EngineEvent]], None] | None = None
         # Graphs captured while the engine was built (each voice's Code2Wav prompt pass at
         # register_voice) were captured before serving: they count with the warm-up's.
         self._warmup_captures = self._graph_captures_total()
@@ -309,7 +306,7 @@ class DuplexEngine:
         units = self.table.take_units(lambda s: enc.expected_chunk_samples(s.encoder_state), 2 * enc.cfg.chunk_samples,
                                       self._unit_alignment, unit_tick)
         if units:
-            self._run_units(units, lat, events)
+            events += self._run_units(units, lat)
         lat["tick"] = time.perf_counter() - start
         # The cost model learns the unit work only: prefill is bounded separately (one chunk).
         self.tick_cost.observe(lat["tick"] - prefill_s, len(units))
@@ -395,23 +392,6 @@ class DuplexEngine:
         since_unit_tick = time.perf_counter() - self._unit_tick_started
         return since_unit_tick + predicted <= self.deploy.engine.tick_seconds
 
-    def set_event_sink(self, sink: Callable[[list[EngineEvent]], None] | None) -> None:
-        """Called by a server (``server.reply_audio_first``): in a unit tick where some sessions
-        start a reply and others continue theirs, Code2Wav vocodes the reply starts in a step of
-        their own first, and their events so far (the tick's text, their first audio) go to
-        ``sink`` from the tick thread at once instead of after every session's audio; the other
-        events are returned by ``tick`` as before. None: one Code2Wav step, every event returned."""
-        self._event_sink = sink
-
-    def _send_early(self, tick_events: list[EngineEvent], audio: list[EngineEvent]) -> None:
-        """``audio`` (the reply starts' Code2Wav events) and every event ``tick_events`` holds for
-        the same sessions, in their order, to the sink now; ``tick_events`` keeps the others."""
-        sids = {e.sid for e in audio}
-        early = [e for e in tick_events if e.sid in sids] + audio
-        tick_events[:] = [e for e in tick_events if e.sid not in sids]
-        if self._event_sink is not None:
-            self._event_sink(self._for_live(early))
-
     def set_silence_fill(self, after_ms: float | None) -> None:
         """Called by a server (``server.fill_silence_after_ms``): a session whose client has sent
         nothing for ``after_ms`` longer than its largest chunk takes gets its unit completed with
@@ -424,11 +404,10 @@ class DuplexEngine:
         enc = self.models.audio_encoder
         return self.table.count_behind(enc.cfg.chunk_samples, lambda s: enc.expected_chunk_samples(s.encoder_state))
 
-    def _run_units(self, units: list[Unit], lat: dict[str, float], events: list[EngineEvent]) -> None:
-        """The tick's stages over ``units``; their events are appended to ``events`` (the tick's,
-        from which ``_send_early`` may take the reply starts' before the tick ends)."""
+    def _run_units(self, units: list[Unit], lat: dict[str, float]) -> list[EngineEvent]:
         # Each stage runs inside a profiler range named STAGE_RANGE + stage, so a torch.profiler
         # trace (`bench ticks --profile-ticks`) charges kernels to the stage that launched them.
+        events: list[EngineEvent] = []
         t = time.perf_counter()
         with record_function(STAGE_RANGE + "encoder"):
             units, embeds = self.thinker_stage.encode(units, events)
@@ -448,18 +427,13 @@ class DuplexEngine:
             lat["talker"] = time.perf_counter() - t
         t = time.perf_counter()
         with record_function(STAGE_RANGE + "code2wav"):
-            sent: list[EngineEvent] = []   # the reply starts' Code2Wav events, sent before the tick ends
-
-            def send_early(audio: list[EngineEvent]) -> None:
-                sent.extend(audio)
-                self._send_early(events, audio)
-
-            audio = self.code2wav_stage.run(units, finals, None if self._event_sink is None else send_early)
-        if any(isinstance(e, AudioDelta) for e in audio + sent):
+            audio = self.code2wav_stage.run(units, finals)
+        if any(isinstance(e, AudioDelta) for e in audio):
             lat["code2wav"] = time.perf_counter() - t
         events += audio
         for u in units:
             u.session.unit_index += 1
+        return events
 
     def _apply_cancels(self) -> list[EngineEvent]:
         """Cancels recorded since the last tick, at this unit boundary (before any unit runs)."""

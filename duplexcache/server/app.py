@@ -117,9 +117,6 @@ class RealtimeServer:
         self.warmup_error: str | None = None
         self._saved_switch_interval: float | None = None  # Python's, while ours is set
         self._saved_compute_threads: int | None = None    # torch's, while ours is set
-        # server.reply_audio_first: routings of the events a tick sent before it ended, awaited
-        # before the tick's own events are routed (a session's events keep their order)
-        self._early_routes: list[asyncio.Task[None]] = []
         self.failed_ticks_in_a_row = 0         # a cluster replica reports itself unhealthy on a run
         self.last_tick_error: str | None = None
 
@@ -248,11 +245,6 @@ class RealtimeServer:
         fill = getattr(self.engine, "set_silence_fill", None)             # and this one
         if fill is not None:
             fill(server.fill_silence_after_ms)
-        sink = getattr(self.engine, "set_event_sink", None)               # and this one
-        if sink is not None:
-            sink(functools.partial(self._events_from_tick_thread, loop) if server.reply_audio_first else None)
-        elif server.reply_audio_first:
-            logger.info("server.reply_audio_first: this engine has no set_event_sink; a tick's events leave when it ends")
         set_phases = getattr(self.engine, "set_tick_phases", None)        # and this one
         # phase_units home: units stay on the unit tick (every tick_phases-th point of the grid),
         # and the engine is told which tick is one
@@ -365,19 +357,11 @@ class RealtimeServer:
         else:
             self.failed_ticks_in_a_row = 0
         self.metrics.tick_duration.observe(loop.time() - start)
-        if self._early_routes:   # the tick's early events first (scheduled before the tick returned)
-            early, self._early_routes = self._early_routes, []
-            await asyncio.gather(*early)
         await self._route(events)
         try:
             self.metrics.update(await asyncio.to_thread(self.engine.stats))
         except Exception:  # noqa: BLE001
             logger.exception("engine stats failed")
-
-    def _events_from_tick_thread(self, loop: asyncio.AbstractEventLoop, events: list[EngineEvent]) -> None:
-        """The engine's event sink (``server.reply_audio_first``), called in the tick thread:
-        the events are routed on the event loop now, before the tick's own."""
-        loop.call_soon_threadsafe(lambda: self._early_routes.append(loop.create_task(self._route(events))))
 
     async def _route(self, events: list[EngineEvent]) -> None:
         for event in events:

@@ -86,7 +86,7 @@ PY
     # the server's own counters after the run: graph captures inside ticks (0 after a warm-up), late ticks
     python3 -c 'import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=30).read().decode())' \
       "http://127.0.0.1:$port/metrics" >"$out/${name}_metrics.txt" 2>&1
-    grep -E '^duplexcache_(graph_captures_total|warmup_seconds|cfm_prompt_passes_total|late_ticks|catch_up_ticks|early_closes|prefill_chunks_between_ticks|tick_errors|tick_duration_seconds_(count|sum))' "$out/${name}_metrics.txt"
+    grep -E '^duplexcache_(graph_captures_total|warmup_seconds|cfm_prompt_passes_total|late_ticks|catch_up_ticks|early_closes|prefill_chunks_between_ticks|tick_errors|(between_)?tick_duration_seconds_(count|sum))' "$out/${name}_metrics.txt"
   else
     echo "=== $name: the server exited or was not healthy within 240 s ==="
   fi

@@ -169,6 +169,7 @@ def counters(metrics_text: str) -> dict[str, float | None]:
 
 
 STAGE_HISTOGRAM = "stage_latency_seconds"   # the server's per-stage tick latency (server/metrics.py)
+BETWEEN_HISTOGRAM = "between_tick_duration_seconds"   # its ticks between unit ticks that ran units
 
 
 def stage_totals(metrics_text: str) -> dict[str, float]:
@@ -178,6 +179,12 @@ def stage_totals(metrics_text: str) -> dict[str, float]:
 
     found: dict[str, float] = {}
     for family in text_string_to_metric_families(metrics_text):
+        if family.name.endswith(BETWEEN_HISTOGRAM):
+            for s in family.samples:
+                kind = s.name.rsplit("_", 1)[-1]
+                if kind in ("sum", "count"):
+                    found[f"between_{kind}"] = found.get(f"between_{kind}", 0.0) + s.value
+            continue
         if not family.name.endswith(STAGE_HISTOGRAM):
             continue
         for s in family.samples:
@@ -201,6 +208,14 @@ def stage_ms_mean(before: dict, after: dict) -> dict[str, float] | None:
         if total is not None and ticks:
             out[stage] = round(total / ticks * 1e3, 1)
     return out or None
+
+
+def between_tick_ms_mean(before: dict, after: dict) -> float | None:
+    """Mean ms of the server's ticks between unit ticks that ran units (``server.phase_units``
+    home) over a step; None when it exports no such histogram or ran none."""
+    total = _delta(after.get("between_sum"), before.get("between_sum"))
+    ticks = _delta(after.get("between_count"), before.get("between_count"))
+    return round(total / ticks * 1e3, 1) if total is not None and ticks else None
 
 
 def _scraped(metrics_text: str) -> dict[str, float | None]:
@@ -313,6 +328,7 @@ def summarize_step(n: int, rows: list[dict[str, Any]], before: dict, after: dict
         "replies_done": sum(r["replies_done"] for r in rows),
         **{key: _delta(after.get(key), before.get(key)) for key in COUNTERS},   # late_ticks, catch_up_ticks, ...
         "stage_ms_mean": stage_ms_mean(before, after),   # per tick, the server's own timers
+        "between_tick_ms_mean": between_tick_ms_mean(before, after),   # home phases' ticks between, with units
         "realtime": bool(all_audio and late == 0 and latency_ok),
         **({"long_context": _long_context_summary(long_rows)} if long_rows else {}),
         "per_session": rows + long_rows,
@@ -483,6 +499,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
               f"real-time {s['realtime']}")
         if s.get("stage_ms_mean"):
             print("      server ms per tick (mean): " + ", ".join(f"{k} {v}" for k, v in s["stage_ms_mean"].items()))
+        if s.get("between_tick_ms_mean") is not None:
+            print(f"      server ms per tick between unit ticks that ran units (mean): {s['between_tick_ms_mean']}")
         if "long_context" in s:
             lc = s["long_context"]
             print(f"      + {lc['callers']} long-context callers: audio {lc['with_audio']}/{lc['callers']}, reply "

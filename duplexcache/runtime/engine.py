@@ -117,6 +117,7 @@ class DuplexEngine:
         # of the ticks between (perf_counter; None before the first)
         self._unit_tick_started: float | None = None
         self._unit_tick = True   # whether the tick in progress is a unit tick
+        self.last_tick_units = 0   # units the last tick ran (a server times its ticks between by it)
         # Graphs captured while the engine was built (each voice's Code2Wav prompt pass at
         # register_voice) were captured before serving: they count with the warm-up's.
         self._warmup_captures = self._graph_captures_total()
@@ -305,6 +306,7 @@ class DuplexEngine:
         enc = self.models.audio_encoder
         units = self.table.take_units(lambda s: enc.expected_chunk_samples(s.encoder_state), 2 * enc.cfg.chunk_samples,
                                       self._unit_alignment, unit_tick)
+        self.last_tick_units = len(units)
         if units:
             events += self._run_units(units, lat)
         lat["tick"] = time.perf_counter() - start

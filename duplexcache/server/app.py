@@ -357,6 +357,8 @@ class RealtimeServer:
         else:
             self.failed_ticks_in_a_row = 0
         self.metrics.tick_duration.observe(loop.time() - start)
+        if unit_tick is False and self.failed_ticks_in_a_row == 0 and getattr(self.engine, "last_tick_units", 0) > 0:
+            self.metrics.between_tick_duration.observe(loop.time() - start)
         await self._route(events)
         try:
             self.metrics.update(await asyncio.to_thread(self.engine.stats))

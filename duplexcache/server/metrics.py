@@ -61,6 +61,10 @@ class ServerMetrics:
                                     "(idle_timeout_s, max_session_s)", ["reason"], registry=r)
         self.tick_duration = Histogram(PREFIX + "tick_duration_seconds", "Wall time of one engine tick",
                                        buckets=LATENCY_BUCKETS, registry=r)
+        self.between_tick_duration = Histogram(
+            PREFIX + "between_tick_duration_seconds", "Wall time of a tick between unit ticks that ran units "
+            "(server.phase_units home: the turns that just ended; what the room test must predict)",
+            buckets=LATENCY_BUCKETS, registry=r)
         self.stage_latency = Histogram(PREFIX + "stage_latency_seconds", "Per-stage latency within a tick",
                                        ["stage"], buckets=LATENCY_BUCKETS, registry=r)
         self.graph_captures = Counter(PREFIX + "graph_captures",

@@ -90,6 +90,7 @@ def test_results_schema_and_every_session_got_its_reply(sweep):
         means = step["stage_ms_mean"]
         assert set(means) == {"encoder", "thinker", "talker", "code2wav", "tick"} and means["tick"] > 0
         assert all(0 <= v <= means["tick"] for v in means.values())
+        assert step["between_tick_ms_mean"] is None      # one tick phase: no ticks between unit ticks
         assert len(step["per_session"]) == n and step["sessions_with_audio"] == n
         assert step["sessions_with_errors"] == 0, [row["errors"] for row in step["per_session"]]
         for row in step["per_session"]:
@@ -169,6 +170,21 @@ def test_stage_means_from_the_servers_histogram():
     assert serve.stage_ms_mean(before, after) == {"encoder": 100.0, "code2wav": 600.0}
     assert serve.stage_ms_mean(before, before) is None          # no tick in the step
     assert serve.stage_totals("# TYPE x counter\nx_total 1.0\n") == {}
+
+
+def test_the_mean_tick_between_unit_ticks_from_its_histogram():
+    """between_tick_ms_mean: the server's ticks between unit ticks that ran units, mean ms over a
+    step; None when it ran none or exports no such histogram."""
+    def text(total, n):
+        return ("# TYPE duplexcache_between_tick_duration_seconds histogram\n"
+                f'duplexcache_between_tick_duration_seconds_bucket{{le="+Inf"}} {n}\n'
+                f"duplexcache_between_tick_duration_seconds_count {n}\n"
+                f"duplexcache_between_tick_duration_seconds_sum {total}\n")
+    before, after = serve.stage_totals(text(0.5, 2)), serve.stage_totals(text(2.0, 5))
+    assert before == {"between_sum": 0.5, "between_count": 2.0}
+    assert serve.between_tick_ms_mean(before, after) == 500.0
+    assert serve.between_tick_ms_mean(before, before) is None
+    assert serve.between_tick_ms_mean({}, {}) is None
 
 
 def test_url_and_arguments_are_checked():

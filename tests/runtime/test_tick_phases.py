@@ -196,8 +196,9 @@ def test_a_tick_between_unit_ticks_starts_no_session(tmp_path):
     eng.tick(unit_tick=False)
     sess = eng.table.get_live(sid)
     assert not sess.audio_started and sess.buffered == 3 * CHUNK
+    assert eng.last_tick_units == 0          # what the server times ticks between by
     eng.tick()
-    assert sess.audio_started and sess.buffered == LEAD
+    assert sess.audio_started and sess.buffered == LEAD and eng.last_tick_units == 1
     eng.table.clock = lambda: sess.audio_until_s + 10.0        # the client went quiet long ago
     eng.tick(unit_tick=False)
     assert sess.silent_units == 0 and sess.buffered == LEAD

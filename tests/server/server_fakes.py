@@ -71,6 +71,8 @@ class FakeEngine:
         self.tick_phases: int | str = "unset"                   # what it told set_tick_phases
         self.home_phase: bool | str = "unset"                   # and its home argument
         self.unit_ticks: list[bool] = []                        # each tick's unit_tick argument
+        self.tick_units: int | None = None   # what every tick reports in last_tick_units (None: its live sessions)
+        self.last_tick_units = 0      # DuplexEngine's: units the last tick ran
         self.catch_ups: list[bool] = []                         # each tick: did it follow a "behind" answer?
         self._behind_answered = False
         self.behind_asked = 0
@@ -205,6 +207,7 @@ class FakeEngine:
                 events.append(SessionAdmitted(sid))
             for sid, session in list(self.live.items()):
                 events.extend(self._run_unit(sid, session))
+            self.last_tick_units = len(self.live) if self.tick_units is None else self.tick_units
             self.ticks += 1
             self.ticks_in_flight -= 1
         return events

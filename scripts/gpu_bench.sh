@@ -5,7 +5,7 @@
 # smoke: every benchmark on the tiny preset (catches device bugs in seconds); suite (the whole pytest suite); bench, bench_turn, bench_capacity, setup,
 # ticks, ticks_continuous, ticks_steady, ticks_ragged, ticks_eager, ticks_conversation, serve_conversation, serve_sweep, serve_align, serve_ptt, serve_threads, serve_switch,
 # serve_catch_up, serve_vocoder, ticks_vocoder, vocoder_exact, serve_lookahead, serve_phases, serve_precision, serve_prefill_between, serve_long_context, serve_profile, warm_start,
-# serve_ready, stage0, precision, kv_precision, ticks_conversation_bf16, ticks_conversation_fp8, ticks_capacity,
+# serve_ready, stage0, precision, kv_precision, ticks_conversation_bf16, ticks_conversation_fp8, ticks_capacity, ticks_profile_small,
 # stage2: the minicpmo45 figures (random weights), each a few minutes on an H200 (each fits one 10-minute call).
 # Every step is a `duplexcache bench BENCHMARK` command (run as `python3 -m duplexcache.cli`, so no install is needed).
 # Needs torch with CUDA, triton, numpy, pyyaml, safetensors, pydantic, tqdm, matplotlib; the serve modes also
@@ -243,6 +243,10 @@ d = DeployConfig.from_packaged_yaml("minicpmo45"); d.code2wav.vocoder_cuda_graph
   ticks_profile)  # issue 15 per-stage cost: conversation ticks in exact mode at 40 sessions, then 2 ticks under
     # torch.profiler (host and device ms, syncs and launches per stage and Code2Wav part; the lines that synchronise)
     step engine_ticks_profile_exact 200 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 40 --workload conversation --steady-window --all-switches on --ticks 6 --warmup-ticks 8 --profile-ticks 2 --max-seconds 190 --memory-budget auto --graph-grid 1,4,8,16 --out "$out/engine_ticks_profile_exact" ;;
+  ticks_profile_small)  # issue 10: what the fixed part of a tick is made of. A tick between unit ticks of 1-2 reply
+    # starts took 0.25-0.5 s on the H200 at 32 callers (docs/benchmarks.md, "Units on the unit tick"); this profiles
+    # conversation ticks of 1 and 2 sessions in exact mode (host and device ms, launches, syncs per stage; ~2 min)
+    step engine_ticks_profile_small 200 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 1,2 --workload conversation --steady-window --all-switches on --ticks 6 --warmup-ticks 8 --profile-ticks 2 --max-seconds 190 --memory-budget auto --graph-grid 1,4,8,16 --out "$out/engine_ticks_profile_small" ;;
   ticks_capacity_mid)  # issue 15 capacity mode (every format) at 64 sessions, conversation workload
     step engine_ticks_capacity_mid 250 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 64 --workload conversation --steady-window --all-switches on --ticks 6 --warmup-ticks 8 --max-seconds 240 --memory-budget auto --graph-grid 1,4,8,16 --code2wav-dtype bfloat16 --kv-cache-dtype fp8_e4m3 --encoder-cache-dtype fp8_e4m3 --talker-turn-tokens 1024 --out "$out/engine_ticks_capacity_mid" ;;
   ticks_wire_gap)  # issue 10: in-process conversation ticks at 32 sessions, to set against serve_conversation's 32 callers

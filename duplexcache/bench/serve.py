@@ -174,7 +174,8 @@ BETWEEN_HISTOGRAM = "between_tick_duration_seconds"   # its ticks between unit t
 
 def stage_totals(metrics_text: str) -> dict[str, float]:
     """``stage_sum:<stage>`` and ``stage_count:<stage>`` of the server's per-stage latency
-    histogram (seconds, ticks); empty when it exports none."""
+    histogram (seconds, ticks), and ``between_sum`` / ``between_count`` of its ticks between unit
+    ticks that ran units; empty when it exports neither."""
     from prometheus_client.parser import text_string_to_metric_families
 
     found: dict[str, float] = {}

@@ -202,6 +202,7 @@ def test_a_tick_between_unit_ticks_starts_no_session(tmp_path):
     eng.table.clock = lambda: sess.audio_until_s + 10.0        # the client went quiet long ago
     eng.tick(unit_tick=False)
     assert sess.silent_units == 0 and sess.buffered == LEAD
+    assert eng.last_tick_units == 0          # not the last tick's that ran any
     eng.tick()
     assert sess.silent_units == 1
     eng.shutdown()

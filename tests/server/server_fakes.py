@@ -51,7 +51,7 @@ class _FakeSession:
 
 class FakeEngine:
     def __init__(self, deploy: DeployConfig, capacity: int = 16, done_after_units: int = 3,
-                 tick_delay: float = 0.0):
+                 tick_delay: float = 0.0, tick_units: int | None = None):
         self.deploy = deploy
         self.capacity = capacity
         self.done_after_units = done_after_units
@@ -71,7 +71,7 @@ class FakeEngine:
         self.tick_phases: int | str = "unset"                   # what it told set_tick_phases
         self.home_phase: bool | str = "unset"                   # and its home argument
         self.unit_ticks: list[bool] = []                        # each tick's unit_tick argument
-        self.tick_units: int | None = None   # what every tick reports in last_tick_units (None: its live sessions)
+        self.tick_units = tick_units   # what every tick reports in last_tick_units (None: its live sessions)
         self.last_tick_units = 0      # DuplexEngine's: units the last tick ran
         self.catch_ups: list[bool] = []                         # each tick: did it follow a "behind" answer?
         self._behind_answered = False

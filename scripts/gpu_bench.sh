@@ -244,9 +244,12 @@ d = DeployConfig.from_packaged_yaml("minicpmo45"); d.code2wav.vocoder_cuda_graph
     # torch.profiler (host and device ms, syncs and launches per stage and Code2Wav part; the lines that synchronise)
     step engine_ticks_profile_exact 200 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 40 --workload conversation --steady-window --all-switches on --ticks 6 --warmup-ticks 8 --profile-ticks 2 --max-seconds 190 --memory-budget auto --graph-grid 1,4,8,16 --out "$out/engine_ticks_profile_exact" ;;
   ticks_profile_small)  # issue 10: what the fixed part of a tick is made of. A tick between unit ticks of 1-2 reply
-    # starts took 0.25-0.5 s on the H200 at 32 callers (docs/benchmarks.md, "Units on the unit tick"); this profiles
-    # conversation ticks of 1 and 2 sessions in exact mode (host and device ms, launches, syncs per stage; ~2 min)
-    step engine_ticks_profile_small 200 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 1,2 --workload conversation --steady-window --all-switches on --ticks 6 --warmup-ticks 8 --profile-ticks 2 --max-seconds 190 --memory-budget auto --graph-grid 1,4,8,16 --out "$out/engine_ticks_profile_small" ;;
+    # starts took 0.25-0.5 s on the H200 at 32 callers (docs/benchmarks.md, "Units on the unit tick"). Profiles ticks
+    # of 1, 2 and 4 sessions in exact mode (host and device ms, launches, syncs per stage): first every session
+    # speaking every tick (continuous: every profiled tick speaks), then one-unit replies every other tick (turns
+    # k=2: a reply start every second tick); ~4 min
+    step engine_ticks_profile_small 230 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 1,2,4 --workload continuous --steady-window --all-switches on --ticks 6 --warmup-ticks 8 --profile-ticks 2 --max-seconds 220 --memory-budget auto --graph-grid 1,4,8,16 --out "$out/engine_ticks_profile_small"
+    step engine_ticks_profile_small_turns 160 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 1,2 --workload turns --speak-k 2 --turn-units 1 --steady-window --all-switches on --ticks 8 --warmup-ticks 8 --profile-ticks 2 --max-seconds 150 --memory-budget auto --graph-grid 1,4,8,16 --out "$out/engine_ticks_profile_small_turns" ;;
   ticks_capacity_mid)  # issue 15 capacity mode (every format) at 64 sessions, conversation workload
     step engine_ticks_capacity_mid 250 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 64 --workload conversation --steady-window --all-switches on --ticks 6 --warmup-ticks 8 --max-seconds 240 --memory-budget auto --graph-grid 1,4,8,16 --code2wav-dtype bfloat16 --kv-cache-dtype fp8_e4m3 --encoder-cache-dtype fp8_e4m3 --talker-turn-tokens 1024 --out "$out/engine_ticks_capacity_mid" ;;
   ticks_wire_gap)  # issue 10: in-process conversation ticks at 32 sessions, to set against serve_conversation's 32 callers

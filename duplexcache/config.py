@@ -249,6 +249,11 @@ class EngineConfig(_Strict):
     # CUDA devices: the Thinker's and the Talker's one-token decode steps replay CUDA graphs
     # (kv/decode_graphs.py); ignored on CPU. Off: every step is launched eagerly (A/B reference).
     decode_cuda_graphs: bool = True
+    # With decode graphs and stage0.ragged_kernel: short ragged steps (a unit's append to the
+    # Thinker, the Talker's condition) replay the same graphs as one row per token when their
+    # tokens fit a batch bucket (kv/decode_graphs.py run_ragged), instead of ~900 eager
+    # launches each. Off: those steps launch eagerly (A/B reference).
+    ragged_step_graphs: bool = False
     # Most Talker KV tokens one audio turn may hold; None = the Talker's max_position_embeddings
     # (4096 for minicpmo45, ~150 s of speech). Admission reserves this many tokens' blocks per
     # live session (as a count: blocks are taken as tokens arrive), so it bounds the pool. A

@@ -6,6 +6,7 @@
 # ticks, ticks_continuous, ticks_steady, ticks_ragged, ticks_eager, ticks_conversation, serve_conversation, serve_sweep, serve_align, serve_ptt, serve_threads, serve_switch,
 # serve_catch_up, serve_vocoder, ticks_vocoder, vocoder_exact, serve_lookahead, serve_phases, serve_precision, serve_prefill_between, serve_long_context, serve_profile, warm_start,
 # serve_ready, stage0, precision, kv_precision, ticks_conversation_bf16, ticks_conversation_fp8, ticks_capacity, ticks_profile_small,
+# ticks_ragged_graphs, serve_ragged_graphs,
 # stage2: the minicpmo45 figures (random weights), each a few minutes on an H200 (each fits one 10-minute call).
 # Every step is a `duplexcache bench BENCHMARK` command (run as `python3 -m duplexcache.cli`, so no install is needed).
 # Needs torch with CUDA, triton, numpy, pyyaml, safetensors, pydantic, tqdm, matplotlib; the serve modes also
@@ -250,6 +251,19 @@ d = DeployConfig.from_packaged_yaml("minicpmo45"); d.code2wav.vocoder_cuda_graph
     # k=2: a reply start every second tick); ~4 min
     step engine_ticks_profile_small 230 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 1,2,4 --workload continuous --steady-window --all-switches on --ticks 6 --warmup-ticks 8 --profile-ticks 2 --max-seconds 220 --memory-budget auto --graph-grid 1,4,8,16 --out "$out/engine_ticks_profile_small"
     step engine_ticks_profile_small_turns 160 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 1,2 --workload turns --speak-k 2 --turn-units 1 --steady-window --all-switches on --ticks 8 --warmup-ticks 8 --profile-ticks 2 --max-seconds 150 --memory-budget auto --graph-grid 1,4,8,16 --out "$out/engine_ticks_profile_small_turns" ;;
+  ticks_ragged_graphs)  # A/B of engine.ragged_step_graphs (issue 10): ticks of 1 and 2 sessions, every session speaking
+    # every tick (continuous), eager ragged steps (off) then as token rows through the decode graphs (on), one process
+    # per arm, 2 profiled ticks each (launches per stage); ~3.5 min
+    for arm in off on; do
+      step "engine_ticks_ragged_graphs_$arm" 170 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 1,2 --workload continuous --steady-window --all-switches on --ticks 6 --warmup-ticks 8 --profile-ticks 2 --max-seconds 160 --memory-budget auto --graph-grid 1,4,8,16 --ragged-step-graphs "$arm" --out "$out/engine_ticks_ragged_graphs_$arm"
+    done ;;
+  serve_ragged_graphs)  # A/B of engine.ragged_step_graphs over the wire (issue 10): serve_conversation, a fresh server per
+    # arm (off first); SERVE_BASE / SERVE_SESSIONS / SERVE_DURATION as for serve_catch_up, SERVE_OVERRIDES for both arms
+    # (e.g. "server.tick_phases=2 server.phase_units=home": the ticks between are where the fixed part matters)
+    for arm in false true; do
+      serve_conversation "serve_ragged_graphs_$arm" "${SERVE_BASE:-examples/minicpmo45-shared.yaml}" "${SERVE_SESSIONS:-32}" \
+        "${SERVE_DURATION:-45}" "engine.ragged_step_graphs=$arm"
+    done ;;
   ticks_capacity_mid)  # issue 15 capacity mode (every format) at 64 sessions, conversation workload
     step engine_ticks_capacity_mid 250 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 64 --workload conversation --steady-window --all-switches on --ticks 6 --warmup-ticks 8 --max-seconds 240 --memory-budget auto --graph-grid 1,4,8,16 --code2wav-dtype bfloat16 --kv-cache-dtype fp8_e4m3 --encoder-cache-dtype fp8_e4m3 --talker-turn-tokens 1024 --out "$out/engine_ticks_capacity_mid" ;;
   ticks_wire_gap)  # issue 10: in-process conversation ticks at 32 sessions, to set against serve_conversation's 32 callers

@@ -2,7 +2,7 @@
 
     duplexcache bench ticks [--preset tiny|minicpmo45] [--device cpu|cuda]
         [--sessions 1,8,16,32] [--ticks 6] [--warmup-ticks 2] [--memory-budget 80GiB]
-        [--all-switches on|off] [--steady-window] [--decode-cuda-graphs on|off] [--ragged-kernel on|off]
+        [--all-switches on|off] [--steady-window] [--decode-cuda-graphs on|off] [--ragged-kernel on|off] [--ragged-step-graphs on|off]
         [--workload turns|continuous|conversation] [--speak-k 2] [--turn-units 2]
         [--warm-up on|off] [--graph-grid 1,4,8,16] [--profile-ticks 0] [--max-seconds 420]
         [--out DIR]
@@ -157,6 +157,7 @@ class RunResult:
     session_errors: int = 0
     late_ticks: int = 0
     decode_graph_steps: dict[str, int] = field(default_factory=dict)   # over the recorded ticks
+    ragged_graph_steps: dict[str, int] = field(default_factory=dict)   # over the recorded ticks
     warmup_s: float | None = None          # DuplexEngine.warmup() (None: not run)
     warmup_graphs: int | None = None
     tick_graph_captures: int = 0           # graphs captured inside recorded ticks (0 when warm)
@@ -180,7 +181,8 @@ class RunResult:
                 "text_sessions_per_tick": self.text_sessions, "scheduled_speakers_per_tick": self.scheduled_speakers,
                 "schedule_mismatches": self.schedule_mismatches, "audio_chunks_per_tick": self.audio_chunks,
                 "session_errors": self.session_errors, "late_ticks": self.late_ticks,
-                "decode_graph_steps": self.decode_graph_steps, "warmup_s": self.warmup_s,
+                "decode_graph_steps": self.decode_graph_steps, "ragged_graph_steps": self.ragged_graph_steps,
+                "warmup_s": self.warmup_s,
                 "warmup_graphs": self.warmup_graphs, "tick_graph_captures": self.tick_graph_captures,
                 "max_memory_allocated": self.max_memory_allocated,
                 "memory_allocated_after": self.memory_allocated_after, "seconds": round(self.seconds, 3),
@@ -321,6 +323,7 @@ def _drive(eng: DuplexEngine, n: int, cfg: TickBenchConfig, res: RunResult, dead
         _run_tick(eng, feed, res, device)
     late_before = eng.late_ticks
     graphs_before = dict(eng.stats().decode_graph_steps)
+    ragged_before = dict(eng.stats().ragged_graph_steps)
     captures_before = eng.stats().graph_captures["tick"]
     for k in range(cfg.ticks):
         if deadline.passed():
@@ -333,6 +336,7 @@ def _drive(eng: DuplexEngine, n: int, cfg: TickBenchConfig, res: RunResult, dead
     res.late_ticks = eng.late_ticks - late_before
     res.tick_graph_captures = eng.stats().graph_captures["tick"] - captures_before
     res.decode_graph_steps = {k: v - graphs_before.get(k, 0) for k, v in eng.stats().decode_graph_steps.items()}
+    res.ragged_graph_steps = {k: v - ragged_before.get(k, 0) for k, v in eng.stats().ragged_graph_steps.items()}
     if cfg.profile_ticks and res.status == "ok":
         # After the recorded ticks, so the profiler's overhead never reaches the latency figures.
         res.profile = profile_ticks(lambda: _run_tick(eng, feed, res, device)[1], cfg.profile_ticks, device)
@@ -486,6 +490,7 @@ def _results(cfg: TickBenchConfig, deploy: DeployConfig, models: ModelBundle, ro
                    "all_switches": cfg.all_switches, "workload": cfg.workload, "speak_policy": cfg.describe_policy(),
                    "max_seconds": cfg.max_seconds, "seed": cfg.seed, "steady_window": cfg.steady_window,
                    "decode_cuda_graphs": cfg.decode_cuda_graphs, "ragged_kernel": cfg.ragged_kernel,
+                   "ragged_step_graphs": deploy.engine.ragged_step_graphs,
                    "warm_up": cfg.warm_up, "graph_grid": list(deploy.code2wav.graph_grid or ()),
                    "code2wav_dtype": deploy.precision.code2wav_dtype,
                    "kv_cache_dtype": deploy.precision.kv_cache_dtype,

@@ -55,6 +55,7 @@ class TickBenchConfig:
     talker_turn_tokens: int | None = None   # engine.talker_turn_tokens (None: the Talker's limit)
     profile_ticks: int = 0   # ticks run under torch.profiler after the recorded ones (bench/tick_profile.py)
     vocoder_cuda_graphs: bool = True   # code2wav.vocoder_cuda_graphs (CUDA only; on is the default)
+    ragged_step_graphs: bool | None = None   # engine.ragged_step_graphs (CUDA only); None: the preset's default
 
     def __post_init__(self) -> None:
         if self.workload not in wl.WORKLOADS:
@@ -141,6 +142,8 @@ def make_deploy(cfg: TickBenchConfig) -> DeployConfig:
     raw["engine"]["decode_cuda_graphs"] = cfg.decode_cuda_graphs
     raw["stage0"]["ragged_kernel"] = cfg.ragged_kernel
     raw["code2wav"]["vocoder_cuda_graphs"] = cfg.vocoder_cuda_graphs
+    if cfg.ragged_step_graphs is not None:
+        raw["engine"]["ragged_step_graphs"] = cfg.ragged_step_graphs
     raw["precision"]["code2wav_dtype"] = cfg.code2wav_dtype
     raw["precision"]["kv_cache_dtype"] = cfg.kv_cache_dtype
     raw["precision"]["encoder_cache_dtype"] = cfg.encoder_cache_dtype
@@ -177,6 +180,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="stage0.ragged_kernel: short ragged steps through the in-place paged kernel")
     p.add_argument("--vocoder-cuda-graphs", choices=("on", "off"), default="on",
                    help="code2wav.vocoder_cuda_graphs: the vocoder as CUDA graphs (the default; off: eager)")
+    p.add_argument("--ragged-step-graphs", choices=("on", "off"), default=None,
+                   help="engine.ragged_step_graphs: short ragged steps (unit appends, Talker conditions) replay the "
+                        "decode graphs as token rows (default: the preset's)")
     p.add_argument("--warm-up", choices=("on", "off"), default="on",
                    help="CUDA: DuplexEngine.warmup() before the first tick (as `duplexcache serve`); off: graphs "
                         "are captured inside ticks (the cold A/B)")
@@ -205,4 +211,5 @@ def config_from_args(a: argparse.Namespace) -> TickBenchConfig:
                            a.decode_cuda_graphs == "on", a.turn_units, a.ragged_kernel == "on", a.workload,
                            a.warm_up == "on", a.graph_grid, a.code2wav_dtype, a.kv_cache_dtype,
                            a.encoder_cache_dtype, a.talker_turn_tokens, a.profile_ticks,
-                           a.vocoder_cuda_graphs == "on")
+                           a.vocoder_cuda_graphs == "on",
+                           None if a.ragged_step_graphs is None else a.ragged_step_graphs == "on")

@@ -30,6 +30,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"{'filled to (low + high) / 2 before the recorded ticks' if c.get('steady_window') else 'as the units left them'}; "
         f"decode CUDA graphs {'on' if c.get('decode_cuda_graphs') else 'off'}; "
         f"ragged kernel {'on' if c.get('ragged_kernel') else 'off'}; "
+        f"ragged step graphs {'on' if c.get('ragged_step_graphs') else 'off'}; "
         f"Code2Wav graph grid {c.get('graph_grid') or 'none (every tier)'}, "
         f"{c.get('code2wav_dtype', 'float32')}; KV {c.get('kv_cache_dtype', 'auto')}; encoder cache {c.get('encoder_cache_dtype', 'auto')}; "
         f"Talker turn {c.get('talker_turn_tokens') or 'model limit'}; "
@@ -51,8 +52,10 @@ def markdown(results: dict[str, Any]) -> str:
         text = f"{min(r['text_sessions_per_tick'])}..{max(r['text_sessions_per_tick'])}" \
             if r["text_sessions_per_tick"] else "-"
         mem = "-" if r["max_memory_allocated"] is None else f"{r['max_memory_allocated'] / 2**30:.2f}"
-        steps = r.get("decode_graph_steps") or {}
+        steps, ragged = r.get("decode_graph_steps") or {}, r.get("ragged_graph_steps") or {}
         graphed = f"{steps['thinker']}/{steps['talker']}" if steps else "-"
+        if any(ragged.values()):
+            graphed += f" (+{ragged['thinker']}/{ragged['talker']} ragged)"
         warm = "-" if r.get("warmup_s") is None else f"{r['warmup_s']:.1f} ({r['warmup_graphs']})"
         lines.append(f"| {r['sessions']} | {r['status']} | " + " | ".join(cells)
                      + f" | {under} | {text} | {graphed} | {warm} | {r.get('tick_graph_captures', '-')} | {mem} |")

@@ -29,6 +29,13 @@ run the same sessions in the same ticks (sharing on vs off) still agree bit for 
 
 ``capture=False`` runs the same padded static-buffer step eagerly; that is how the CPU tests
 exercise the buffer filling, padding and bucketing without a GPU.
+
+Short ragged steps (``run_ragged``, deploy key ``engine.ragged_step_graphs``): the in-place
+kernel already runs a ragged step as one decode row per new token (its sequence's table, its
+causal length; ``PagedBatch.token_rows``), and every other operation is row-wise, so a step of
+a few tokens per sequence (a unit's append, the Talker's condition) is a decode step over its
+token rows. When they fit a batch bucket it replays the same graphs, one launch instead of the
+~900 of an eager step: at one or two sessions those launches were most of a tick.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from duplexcache.kv.paged_attention import NULL_BLOCK_ID, PagedBatch, PagedKVCache
+from duplexcache.kv.paged_attention import NULL_BLOCK_ID, RAGGED_KERNEL_MAX_NEW, PagedBatch, PagedKVCache
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +84,7 @@ class DecodeGraphStats:
     """Counters of one runner (cumulative)."""
 
     replays: int = 0          # steps run through the static buffers (graph replays, or eager when capture=False)
+    ragged_replays: int = 0   # of those, ragged steps run as token rows (run_ragged), not counted in replays
     captures: int = 0         # graphs captured
     # First uses of a (batch, width) key: a capture on CUDA; with capture=False the step that would
     # have captured (how CPU tests prove that a warm-up leaves nothing to capture in a tick).
@@ -134,10 +142,40 @@ class PagedDecodeGraphs:
             self.stats.eager_fallbacks += 1
         return ok
 
+    def accepts_ragged(self, block_tables: list[list[int]], num_new: list[int]) -> bool:
+        """Whether ``run_ragged`` takes this step: the cache sends short ragged steps through the
+        in-place kernel (``stage0.ragged_kernel``; off, they keep the reference path), no
+        sequence adds more than that kernel's limit, and the token rows fit a graph. A refusal
+        is not a fallback: long steps (context prefill, many sessions) are eager by design."""
+        rows = sum(num_new)
+        longest = max((len(t) for t, n in zip(block_tables, num_new) if n > 0), default=0)
+        return (self.cache.ragged_steps_in_kernel and rows > 0 and max(num_new) <= RAGGED_KERNEL_MAX_NEW
+                and self.can_run(rows, longest))
+
+    def run_ragged(self, embeds: torch.Tensor, block_tables: list[list[int]], num_computed: list[int],
+                   num_new: list[int]) -> torch.Tensor:
+        """A ragged step as one decode row per new token: ``embeds`` (N, H), the tokens of each
+        sequence in order, ``num_new[b]`` of them at logical indices ``num_computed[b]``... of
+        ``block_tables[b]``. Each row writes its token's K/V and attends over its causal length,
+        as the ragged kernel path does (``accepts_ragged`` first). Returns the hidden states (N, H)."""
+        row_tables: list[list[int]] = []
+        row_computed: list[int] = []
+        for table, computed, n in zip(block_tables, num_computed, num_new):
+            row_tables += [table] * n
+            row_computed += range(computed, computed + n)
+        out = self._run(embeds, row_tables, row_computed)
+        self.stats.ragged_replays += 1
+        return out
+
     def run(self, embeds: torch.Tensor, block_tables: list[list[int]], num_computed: list[int]) -> torch.Tensor:
         """Append one token per sequence: ``embeds`` (B, H), the token of sequence ``b`` at
         logical index ``num_computed[b]`` of ``block_tables[b]`` (which must cover it).
         Returns the final hidden states (B, H)."""
+        out = self._run(embeds, block_tables, num_computed)
+        self.stats.replays += 1
+        return out
+
+    def _run(self, embeds: torch.Tensor, block_tables: list[list[int]], num_computed: list[int]) -> torch.Tensor:
         num_seqs = len(block_tables)
         if embeds.shape[0] != num_seqs or len(num_computed) != num_seqs:
             raise ValueError(f"{self.name}: {embeds.shape[0]} rows, {num_seqs} tables, {len(num_computed)} lengths")
@@ -156,7 +194,6 @@ class PagedDecodeGraphs:
         else:
             self._fill(embeds, block_tables, num_computed, batch, width)
             out = self._step(batch, width, num_computed)
-        self.stats.replays += 1
         return out[:num_seqs].clone()
 
     def keys(self, max_width: int | None = None) -> list[tuple[int, int]]:

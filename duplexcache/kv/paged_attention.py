@@ -273,12 +273,7 @@ class PagedBatch:
     @property
     def last_token_indices(self) -> list[int | None]:
         """Flat index of each sequence's last new token (None when it has no new token)."""
-        out: list[int | None] = []
-        start = 0
-        for n in self.num_new_list:
-            out.append(start + n - 1 if n > 0 else None)
-            start += n
-        return out
+        return last_token_rows(self.num_new_list)
 
     @classmethod
     def build(
@@ -350,6 +345,17 @@ def _check_sequence(b: int, table: list[int], computed: int, new: int, block_siz
         )
     if NULL_BLOCK_ID in table[:needed]:
         raise ValueError(f"PagedBatch: sequence {b} uses the null block {NULL_BLOCK_ID} for live tokens: {table}")
+
+
+def last_token_rows(num_new: list[int]) -> list[int | None]:
+    """Flat index of each sequence's last new token in a step that adds ``num_new[b]`` tokens to
+    sequence ``b``, in order (None for a sequence with none)."""
+    out: list[int | None] = []
+    start = 0
+    for n in num_new:
+        out.append(start + n - 1 if n > 0 else None)
+        start += n
+    return out
 
 
 def write_kv(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -37,7 +37,7 @@ from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
 
 from duplexcache.kv.decode_graphs import PagedDecodeGraphs
-from duplexcache.kv.paged_attention import PagedBatch, PagedKVCache
+from duplexcache.kv.paged_attention import PagedBatch, PagedKVCache, last_token_rows
 from duplexcache.kv.rope import rope_cos_sin
 from duplexcache.models.layers import (
     DecoderLayer, GQAttention, MultiModalProjector, RMSNorm, SwiGLUMLP, check_paged_step,
@@ -282,12 +282,14 @@ def _sample(logits: torch.Tensor, end_id: int, sampling: TalkerSampling) -> torc
 @torch.no_grad()
 def generate_unit(talker: Talker, cache: PagedKVCache, requests: list[TalkerUnitRequest],
                   sampling: TalkerSampling | None = None,
-                  graphs: PagedDecodeGraphs | None = None) -> list[TalkerUnitResult]:
+                  graphs: PagedDecodeGraphs | None = None, ragged_graphs: bool = False) -> list[TalkerUnitResult]:
     """Generate one speaking unit (25 codes + end) for every request, batched over sessions.
 
     ``graphs``: when the batch fits them, the 24 one-token steps and the closing step (as two
     one-token steps) replay these CUDA graphs (``kv/decode_graphs.py``); the condition step
-    (several tokens per request) runs eagerly."""
+    (several tokens per request) runs eagerly, or with ``ragged_graphs``
+    (``engine.ragged_step_graphs``) through the same graphs as one row per token when its rows
+    fit (``PagedDecodeGraphs.accepts_ragged``)."""
     if not requests:
         return []
     sampling = sampling or TalkerSampling()
@@ -310,6 +312,9 @@ def generate_unit(talker: Talker, cache: PagedKVCache, requests: list[TalkerUnit
         if one_token_graphs is not None and all(n == 1 for n in num_new):
             hidden = one_token_graphs.run(embeds, tables, computed)   # (B, hidden), one row per request
             last = None
+        elif ragged_graphs and graphs is not None and graphs.accepts_ragged(tables, num_new):
+            hidden = graphs.run_ragged(embeds, tables, computed, num_new)   # (N, hidden), one row per token
+            last = torch.tensor(last_token_rows(num_new)).to(hidden.device, non_blocking=True)
         else:
             batch = PagedBatch.build(tables, computed, num_new, None, bs, dev)
             hidden = talker.forward_paged(embeds, batch, cache)

@@ -106,7 +106,8 @@ class DuplexEngine:
         self.code2wav_stage = Code2WavStage(self.code2wav, self.talker_kv, self.control, self.table, self._end,
                                             self.recorder.note_code2wav_peak)
         self.talker_stage = TalkerStage(models.talker, self.talker_cache, self.talker_kv, self.talker_graphs,
-                                        self.control, self.code2wav_stage, self._end, self.sizing.talker_turn_tokens)
+                                        self.control, self.code2wav_stage, self._end, self.sizing.talker_turn_tokens,
+                                        ragged_graphs=deploy.engine.ragged_step_graphs)
         self.thinker_stage = ThinkerStage(self.stage0, models.audio_encoder, self.builder, models.tokenizer,
                                           self.control, policy, self._embed_tokens, self.table, self._end,
                                           kv_storage_dtype(deploy.precision.encoder_cache_dtype))
@@ -142,7 +143,7 @@ class DuplexEngine:
         if self.deploy.engine.decode_cuda_graphs and self._can_capture_decode():
             self.thinker_graphs, self.talker_graphs = device_setup.make_decode_graphs(
                 self.models, kv, max(1, self.plan.planned_sessions), self.sizing.talker_turn_tokens, capture=self.models.device.type == "cuda")
-        self.stage0.use_decode_graphs(self.thinker_graphs)
+        self.stage0.use_decode_graphs(self.thinker_graphs, ragged_steps=self.deploy.engine.ragged_step_graphs)
 
     def _can_capture_decode(self) -> bool:
         return device_setup.decode_graphs_supported(self.models.device, (self.thinker_cache, self.talker_cache))

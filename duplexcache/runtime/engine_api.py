@@ -179,6 +179,9 @@ class EngineStats:
     stage_latency_s: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
     # Decode steps run through CUDA graphs, per model ("thinker", "talker"); empty when off.
     decode_graph_steps: Mapping[str, int] = field(default_factory=dict)
+    # Short ragged steps (unit appends, Talker conditions) run through the same graphs as token
+    # rows (engine.ragged_step_graphs), per model; not counted in decode_graph_steps.
+    ragged_graph_steps: Mapping[str, int] = field(default_factory=dict)
     # Graphs captured (decode + Code2Wav), by where: "warmup" (before serving) or "tick" (lazily,
     # inside a tick: a warm engine keeps this at 0). Empty for an engine that does not count them.
     graph_captures: Mapping[str, int] = field(default_factory=dict)

@@ -117,5 +117,6 @@ class EngineStatsRecorder:
                 cfm_prompt_passes=dict(self.code2wav.batch_stats.prompt_passes_per_voice), ticks=self.ticks,
                 stage_latency_s=dict(self.last_latency),
                 decode_graph_steps={name: g.stats.replays for name, g in decode_graphs.items() if g is not None},
+                ragged_graph_steps={name: g.stats.ragged_replays for name, g in decode_graphs.items() if g is not None},
                 graph_captures={"warmup": warmup_captures, "tick": captures_total - warmup_captures},
                 warmup_seconds=warmup_seconds, early_closes=table.early_closes)

@@ -70,7 +70,7 @@ from duplexcache.kv.kv_cache_manager import (
     SessionBytes,
 )
 from duplexcache.kv.decode_graphs import PagedDecodeGraphs
-from duplexcache.kv.paged_attention import PagedBatch, PagedKVCache, copy_blocks
+from duplexcache.kv.paged_attention import PagedBatch, PagedKVCache, copy_blocks, last_token_rows
 from duplexcache.kv.window import ContextLengthExceeded, WindowConfig, plan_compaction
 from duplexcache.runtime.isolation import FaultInjector, check_faults, run_isolated
 from duplexcache.runtime.stage0_types import (
@@ -163,16 +163,20 @@ class Stage0Runner:
         self.sessions: dict[str, Stage0Session] = {}
         # One-token steps replay CUDA graphs when the engine installs them (use_decode_graphs).
         self.decode_graphs: PagedDecodeGraphs | None = None
+        self.ragged_step_graphs = False
         # Chunked opens (enqueue_open / prefill), FIFO; only the head holds blocks.
         self._prefills: OrderedDict[str, _Prefill] = OrderedDict()
         # Test hook (runtime/isolation.py): None when serving.
         self.faults: FaultInjector | None = None
 
-    def use_decode_graphs(self, graphs: PagedDecodeGraphs | None) -> None:
-        """Run decode steps (one new token per session) through ``graphs``; None: eager."""
+    def use_decode_graphs(self, graphs: PagedDecodeGraphs | None, ragged_steps: bool = False) -> None:
+        """Run decode steps (one new token per session) through ``graphs``; None: eager.
+        ``ragged_steps`` (``engine.ragged_step_graphs``): short ragged steps (a unit's append)
+        too, as one row per token, when they fit (``PagedDecodeGraphs.accepts_ragged``)."""
         if graphs is not None and graphs.cache is not self.cache:
             raise ValueError("decode graphs were built over another KV cache")
         self.decode_graphs = graphs
+        self.ragged_step_graphs = graphs is not None and ragged_steps
 
     # ------------------------------------------------------------------ admission
 
@@ -531,6 +535,9 @@ class Stage0Runner:
             if graphs is not None and all(n == 1 for n in num_new) and graphs.accepts(tables):
                 hidden = graphs.run(embeds, tables, computed)
                 last: list[int | None] = list(range(len(work)))
+            elif graphs is not None and self.ragged_step_graphs and graphs.accepts_ragged(tables, num_new):
+                hidden = graphs.run_ragged(embeds, tables, computed, num_new)
+                last = last_token_rows(num_new)
             else:
                 hidden, last = self._forward_eager(embeds, tables, computed, num_new)
             wanted = [i for i, w in enumerate(work) if w.wants_logits and w.embeds.shape[0] > 0]

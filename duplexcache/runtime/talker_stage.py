@@ -36,12 +36,14 @@ class TalkerStage:
     """Speaking units -> codes, over one Talker, its paged cache and ``TalkerBlocks``."""
 
     def __init__(self, talker: Talker, cache: PagedKVCache, kv: TalkerBlocks, graphs: PagedDecodeGraphs | None,
-                 control: ControlTokens, audio: Code2WavStage, end: EndSession, turn_tokens: int) -> None:
+                 control: ControlTokens, audio: Code2WavStage, end: EndSession, turn_tokens: int,
+                 ragged_graphs: bool = False) -> None:
         self.talker = talker
         self.turn_tokens = resolve_turn_tokens(turn_tokens, talker.config)   # what admission reserved
         self.cache = cache
         self.kv = kv
         self.graphs = graphs
+        self.ragged_graphs = ragged_graphs   # engine.ragged_step_graphs: the condition step through the graphs too
         self.control = control
         self.audio = audio              # ends audio turns (the turn's stream and Talker KV go together)
         self.end = end
@@ -77,7 +79,7 @@ class TalkerStage:
             reqs = [TalkerUnitRequest(self.kv.block_table(u.session.sid), self.kv.num_tokens(u.session.sid),
                                       torch.tensor(u.tokens, dtype=torch.long), u.hidden)
                     for u in batch]
-            return generate_unit(self.talker, self.cache, reqs, graphs=self.graphs)
+            return generate_unit(self.talker, self.cache, reqs, graphs=self.graphs, ragged_graphs=self.ragged_graphs)
 
         # A retry rewrites the same Talker KV slots (the computed length only moves below), so a
         # failed batch is probed per session (runtime/isolation.py).

@@ -183,6 +183,81 @@ def test_generate_unit_with_graphs_gives_the_same_codes():
     assert small.stats.replays == 0 and small.stats.eager_fallbacks == 1
 
 
+@pytest.mark.parametrize("storage", [None, torch.float8_e4m3fn], ids=["model_dtype", "fp8"])
+def test_ragged_step_as_token_rows_matches_the_eager_ragged_step(storage):
+    """``run_ragged`` (engine.ragged_step_graphs): a unit-sized append of 12, 11 and 1 tokens to
+    three sequences of different lengths, run as 24 token rows (bucket 24 of max_batch 30),
+    gives the eager ragged step's hidden states and writes the same K/V; a second ragged step
+    then reads what the first wrote. Padding rows touch only the null block."""
+    model = make_thinker()
+    eager_cache, graph_cache = two_caches(model, storage_dtype=storage)
+    tables = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
+    lengths = [20, 17, 250]
+    for cache in (eager_cache, graph_cache):
+        prefill(model, cache, tables, lengths, seed=1)
+        cache.ragged_steps_in_kernel = True   # what stage0.ragged_kernel sets; run_ragged needs it
+    runner = PagedDecodeGraphs("thinker", model.forward_paged, graph_cache, model.config.hidden_size,
+                               torch.float32, max_batch=30, max_blocks_per_seq=40, capture=False)
+    computed = list(lengths)
+    g = torch.Generator().manual_seed(2)
+    for num_new in ([12, 11, 1], [3, 0, 5]):
+        assert runner.accepts_ragged(tables, num_new)
+        embeds = torch.randn(sum(num_new), model.config.hidden_size, generator=g)
+        batch = PagedBatch.build(tables, computed, num_new, None, BS)
+        with torch.inference_mode():
+            want = model.forward_paged(embeds, batch, eager_cache)
+            got = runner.run_ragged(embeds, tables, computed, num_new)
+        assert got.shape == want.shape == (sum(num_new), model.config.hidden_size)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        computed = [c + n for c, n in zip(computed, num_new)]
+    assert runner.stats.ragged_replays == 2 and runner.stats.replays == 0
+    (gk, gv), (ek, ev) = _values(graph_cache), _values(eager_cache)
+    torch.testing.assert_close(gk, ek, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gv, ev, rtol=1e-5, atol=1e-5)
+
+
+def test_accepts_ragged_only_short_steps_that_fit_with_the_ragged_kernel():
+    model = make_thinker()
+    cache, _ = two_caches(model)
+    runner = PagedDecodeGraphs("thinker", model.forward_paged, cache, model.config.hidden_size, torch.float32,
+                               max_batch=40, max_blocks_per_seq=16, capture=False)
+    tables = [[1, 2], [3]]
+    assert not runner.accepts_ragged(tables, [12, 10])      # stage0.ragged_kernel off: the reference path
+    cache.ragged_steps_in_kernel = True
+    assert runner.accepts_ragged(tables, [12, 10])
+    assert not runner.accepts_ragged(tables, [33, 1])       # past the ragged kernel's tokens per sequence
+    assert not runner.accepts_ragged(tables, [30, 11])      # 41 rows: past the largest bucket
+    assert not runner.accepts_ragged([list(range(1, 18)), [3]], [1, 1])   # a table past the widest graph
+    assert runner.accepts_ragged([list(range(1, 18)), [3]], [0, 2])       # ... unless it adds no token
+    assert not runner.accepts_ragged(tables, [0, 0])
+    assert runner.stats.eager_fallbacks == 0                # long steps are eager by design, not fallbacks
+
+
+def test_generate_unit_runs_its_condition_step_as_token_rows():
+    """With ``ragged_graphs`` the condition step (3 + 5 + 4 rows) replays the runner too, and the
+    codes are the eager unit's."""
+    torch.manual_seed(5)
+    cfg = TalkerConfig.tiny()
+    talker = Talker(cfg).eval()
+    caches = [PagedKVCache(cfg.num_hidden_layers, 20, BS, cfg.num_key_value_heads, cfg.head_dim) for _ in range(2)]
+    caches[1].ragged_steps_in_kernel = True
+    graphs = PagedDecodeGraphs("talker", talker.forward_paged, caches[1], cfg.hidden_size, torch.float32,
+                               max_batch=16, max_blocks_per_seq=8, capture=False)
+    tables = [[1, 4, 6, 8], [2, 3, 5, 7], [9, 10, 11, 12]]
+    g = torch.Generator().manual_seed(6)
+    reqs = [TalkerUnitRequest(t, 0, torch.randint(0, cfg.num_text_tokens, (n,), generator=g),
+                              torch.randn(n, cfg.llm_dim, generator=g)) for t, n in zip(tables, (3, 5, 4))]
+    want = generate_unit(talker, caches[0], reqs)
+    got = generate_unit(talker, caches[1], reqs, graphs=graphs, ragged_graphs=True)
+    for w, r in zip(want, got):
+        assert torch.equal(w.codes, r.codes) and w.num_computed == r.num_computed
+    assert graphs.stats.ragged_replays == 1 and graphs.stats.replays == cfg.tokens_per_unit + 1
+    # Without the switch the condition step stays eager (the A/B reference).
+    again = [dataclasses.replace(r, num_computed=w.num_computed) for r, w in zip(reqs, want)]
+    generate_unit(talker, caches[1], again, graphs=graphs)
+    assert graphs.stats.ragged_replays == 1
+
+
 def test_talker_position_limit_is_checked_without_the_device():
     cfg = dataclasses.replace(TalkerConfig.tiny(), max_position_embeddings=20)
     talker = Talker(cfg).eval()
@@ -246,3 +321,35 @@ def test_cuda_graph_replay_equals_the_same_padded_step_eagerly(storage):
     if storage is not None:
         assert torch.equal(caches[0].k_scale[:, 1:], caches[1].k_scale[:, 1:])
         assert torch.equal(caches[0].v_scale[:, 1:], caches[1].v_scale[:, 1:])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_ragged_step_as_graph_rows_matches_the_eager_ragged_kernel_step():
+    """On the device: a unit-sized ragged step (12 and 11 tokens) replayed from a captured decode
+    graph as token rows gives the eager ragged-kernel step's hidden states and K/V to float32
+    rounding (another row count and split plan), and a second replay reads what the first wrote."""
+    pytest.importorskip("triton")
+    model = make_thinker().cuda()
+    c = model.config
+    caches = [PagedKVCache(c.num_hidden_layers, 40, BS, c.num_key_value_heads, c.head_dim, device="cuda")
+              for _ in range(2)]
+    tables, lengths = [[1, 2, 3, 6], [4, 5, 7]], [30, 20]
+    for cache in caches:
+        cache.set_decode_backend("triton")
+        cache.ragged_steps_in_kernel = True
+        prefill(model, cache, tables, lengths, seed=1)
+    runner = PagedDecodeGraphs("thinker", model.forward_paged, caches[1], c.hidden_size, torch.float32,
+                               max_batch=24, max_blocks_per_seq=8, capture=True)
+    computed = list(lengths)
+    for step, num_new in enumerate(([12, 11], [2, 9])):
+        embeds = torch.randn(sum(num_new), c.hidden_size, generator=torch.Generator().manual_seed(step)).cuda()
+        batch = PagedBatch.build(tables, computed, num_new, None, BS, "cuda")
+        with torch.inference_mode():
+            want = model.forward_paged(embeds, batch, caches[0])
+            assert runner.accepts_ragged(tables, num_new)
+            got = runner.run_ragged(embeds, tables, computed, num_new)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        computed = [n + k for n, k in zip(computed, num_new)]
+    assert caches[0].path_counts["ragged_kernel"] > 0 and runner.stats.ragged_replays == 2
+    torch.testing.assert_close(caches[1].k[:, 1:], caches[0].k[:, 1:], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(caches[1].v[:, 1:], caches[0].v[:, 1:], rtol=1e-4, atol=1e-4)

@@ -13,7 +13,7 @@ from test_warmup import FakeArenaBackend
 from duplexcache.cfm.prompt_cache import PlainAttCache, SharedPromptAttCache
 from duplexcache.config import ConfigError, SessionConfigError
 from duplexcache.kv.window import WindowConfig
-from duplexcache.runtime.engine_api import TextDelta
+from duplexcache.runtime.engine_api import AudioDelta, TextDelta
 from duplexcache.runtime.policy import ModelPolicy, ScriptedPolicy
 
 
@@ -212,6 +212,43 @@ def test_decode_cuda_graphs_reach_the_thinker_and_the_talker(tmp_path, monkeypat
     assert steps["talker"] == 2 * (eng.models.talker.config.tokens_per_unit + 1)
     eng.shutdown()
     assert eng.thinker_graphs is None and eng.stage0.decode_graphs is None
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_ragged_step_graphs_reach_the_unit_append_and_the_talker_condition(tmp_path, monkeypatch, on):
+    """``engine.ragged_step_graphs``: each unit's append to the Thinker and each speaking unit's
+    Talker condition step go through the decode runners as token rows (on), or stay eager (off,
+    the A/B reference); the text and audio agree either way. As the decode-graph test above, the
+    CPU engine is let treat itself as capable (runners with ``capture=False``)."""
+    import numpy as np
+
+    from duplexcache.runtime.engine import DuplexEngine
+
+    monkeypatch.setattr(DuplexEngine, "_can_capture_decode", lambda self: True)
+    outputs = {}
+    for arm in (on, not on):
+        sections = {"engine": {"ragged_step_graphs": arm, "speak_policy": {"k": 100, "turn_units": 100}}}
+        eng = engine(tmp_path, f"ragged_graphs_{arm}", sections)
+        assert eng.stage0.ragged_step_graphs is arm and eng.talker_stage.ragged_graphs is arm
+        sids = [eng.open_session({"voice": v}) for v in ("default", "alt")]
+        for i, sid in enumerate(sids):
+            eng.push_audio(sid, audio(i, 3))
+        events = [e for _ in range(3) for e in eng.tick()]
+        ragged = eng.stats().ragged_graph_steps
+        if arm:
+            assert ragged["thinker"] >= 3 and ragged["talker"] >= 3   # a unit append and a condition per tick
+        else:
+            assert ragged == {"thinker": 0, "talker": 0}
+        outputs[arm] = ([(e.sid, e.text) for e in events if isinstance(e, TextDelta)],
+                        {sid: b"".join(e.pcm16 for e in events if isinstance(e, AudioDelta) and e.sid == sid)
+                         for sid in sids})
+        eng.shutdown()
+    (text_on, pcm_on), (text_off, pcm_off) = outputs[True], outputs[False]
+    assert text_on == text_off and len(text_on) == 6
+    for sid in pcm_on:
+        a = np.frombuffer(pcm_on[sid], dtype=np.int16).astype(np.int32)
+        b = np.frombuffer(pcm_off[sid], dtype=np.int16).astype(np.int32)
+        assert a.size == b.size > 0 and np.abs(a - b).max() <= 2   # padded rows: float32 GEMMs may round apart
 
 
 @pytest.mark.parametrize("on", [True, False])

@@ -34,8 +34,10 @@ Short ragged steps (``run_ragged``, deploy key ``engine.ragged_step_graphs``): t
 kernel already runs a ragged step as one decode row per new token (its sequence's table, its
 causal length; ``PagedBatch.token_rows``), and every other operation is row-wise, so a step of
 a few tokens per sequence (a unit's append, the Talker's condition) is a decode step over its
-token rows. When they fit a batch bucket it replays the same graphs, one launch instead of the
-~900 of an eager step: at one or two sessions those launches were most of a tick.
+token rows. When they fit a bucket it replays the same graphs, one launch instead of the ~900
+of an eager step: at one or two sessions those launches were most of a tick. A runner built with
+``max_rows`` adds coarse row buckets past ``max_batch`` (powers of two) for such steps, so a unit
+tick of every session (~12 rows each) replays a graph too.
 """
 
 from __future__ import annotations
@@ -66,6 +68,15 @@ def batch_buckets(max_batch: int) -> tuple[int, ...]:
     while buckets[-1] < max_batch:
         last = buckets[-1]
         buckets.append(last * 2 if last < 8 else last + 8)
+    return tuple(buckets)
+
+
+def row_buckets(max_batch: int, max_rows: int = 0) -> tuple[int, ...]:
+    """``batch_buckets(max_batch)``, then powers of two up to the first that holds ``max_rows``
+    (coarse: each is a graph per width class, and a padded row costs only its GEMM share)."""
+    buckets = list(batch_buckets(max_batch))
+    while buckets[-1] < max_rows:
+        buckets.append(1 << buckets[-1].bit_length())   # the next power of two above the last
     return tuple(buckets)
 
 
@@ -106,7 +117,8 @@ class PagedDecodeGraphs:
     """
 
     def __init__(self, name: str, forward: PagedForward, cache: PagedKVCache, hidden_size: int,
-                 dtype: torch.dtype, *, max_batch: int, max_blocks_per_seq: int, capture: bool = True) -> None:
+                 dtype: torch.dtype, *, max_batch: int, max_blocks_per_seq: int, capture: bool = True,
+                 max_rows: int = 0) -> None:
         if capture and cache.device.type != "cuda":
             raise ValueError(f"{name}: CUDA graphs need a CUDA cache, got {cache.device}")
         if capture and cache.decode_backend != "triton":
@@ -118,13 +130,15 @@ class PagedDecodeGraphs:
         self.forward = forward
         self.cache = cache
         self.capture = capture
-        self.buckets = batch_buckets(max_batch)
+        self.buckets = batch_buckets(max_batch)            # decode steps: one row per sequence
+        self.row_buckets = row_buckets(max_batch, max_rows)   # ragged steps as token rows (run_ragged)
         self.widths = width_classes(max_blocks_per_seq)
         self.max_batch, self.max_width = self.buckets[-1], self.widths[-1]
+        self.max_rows = self.row_buckets[-1]
         dev = cache.device
-        self._embeds = torch.zeros(self.max_batch, hidden_size, dtype=dtype, device=dev)
-        self._packed = torch.zeros(self.max_batch, _TABLE + self.max_width, dtype=torch.int64, device=dev)
-        self._query_start = torch.arange(self.max_batch + 1, dtype=torch.int64, device=dev)
+        self._embeds = torch.zeros(self.max_rows, hidden_size, dtype=dtype, device=dev)
+        self._packed = torch.zeros(self.max_rows, _TABLE + self.max_width, dtype=torch.int64, device=dev)
+        self._query_start = torch.arange(self.max_rows + 1, dtype=torch.int64, device=dev)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self._used: set[tuple[int, int]] = set()   # keys run (captured) at least once
@@ -149,8 +163,8 @@ class PagedDecodeGraphs:
         is not a fallback: long steps (context prefill, many sessions) are eager by design."""
         rows = sum(num_new)
         longest = max((len(t) for t, n in zip(block_tables, num_new) if n > 0), default=0)
-        return (self.cache.ragged_steps_in_kernel and rows > 0 and max(num_new) <= RAGGED_KERNEL_MAX_NEW
-                and self.can_run(rows, longest))
+        return (self.cache.ragged_steps_in_kernel and 0 < rows <= self.max_rows
+                and max(num_new) <= RAGGED_KERNEL_MAX_NEW and longest <= self.max_width)
 
     def run_ragged(self, embeds: torch.Tensor, block_tables: list[list[int]], num_computed: list[int],
                    num_new: list[int]) -> torch.Tensor:
@@ -163,7 +177,7 @@ class PagedDecodeGraphs:
         for table, computed, n in zip(block_tables, num_computed, num_new):
             row_tables += [table] * n
             row_computed += range(computed, computed + n)
-        out = self._run(embeds, row_tables, row_computed)
+        out = self._run(embeds, row_tables, row_computed, self.max_rows)
         self.stats.ragged_replays += 1
         return out
 
@@ -171,19 +185,21 @@ class PagedDecodeGraphs:
         """Append one token per sequence: ``embeds`` (B, H), the token of sequence ``b`` at
         logical index ``num_computed[b]`` of ``block_tables[b]`` (which must cover it).
         Returns the final hidden states (B, H)."""
-        out = self._run(embeds, block_tables, num_computed)
+        out = self._run(embeds, block_tables, num_computed, self.max_batch)
         self.stats.replays += 1
         return out
 
-    def _run(self, embeds: torch.Tensor, block_tables: list[list[int]], num_computed: list[int]) -> torch.Tensor:
+    def _run(self, embeds: torch.Tensor, block_tables: list[list[int]], num_computed: list[int],
+             most_rows: int) -> torch.Tensor:
         num_seqs = len(block_tables)
         if embeds.shape[0] != num_seqs or len(num_computed) != num_seqs:
             raise ValueError(f"{self.name}: {embeds.shape[0]} rows, {num_seqs} tables, {len(num_computed)} lengths")
         longest = max((len(t) for t in block_tables), default=0)
-        if not self.can_run(num_seqs, longest):
+        if not (0 < num_seqs <= most_rows and longest <= self.max_width):
             raise ValueError(f"{self.name}: {num_seqs} sequences / {longest} blocks is outside the captured range "
-                             f"({self.max_batch} / {self.max_width}); check can_run first")
-        batch = next(b for b in self.buckets if b >= num_seqs)
+                             f"({most_rows} / {self.max_width}); check can_run first")
+        # the row buckets begin with the decode buckets: a decode step picks the same bucket either way
+        batch = next(b for b in self.row_buckets if b >= num_seqs)
         width = next(w for w in self.widths if w >= longest)
         self._note_use(batch, width)
         if self.capture:
@@ -197,10 +213,10 @@ class PagedDecodeGraphs:
         return out[:num_seqs].clone()
 
     def keys(self, max_width: int | None = None) -> list[tuple[int, int]]:
-        """Every (batch bucket, width class), widths up to ``max_width`` blocks (default: all),
+        """Every (row bucket, width class), widths up to ``max_width`` blocks (default: all),
         largest first: the order a warm-up captures them in."""
         widths = [w for w in self.widths if max_width is None or w <= max_width] or [self.widths[0]]
-        return [(b, w) for b in reversed(self.buckets) for w in reversed(widths)]
+        return [(b, w) for b in reversed(self.row_buckets) for w in reversed(widths)]
 
     def is_warm(self, batch: int, width: int) -> bool:
         return (batch, width) in self._used
@@ -209,9 +225,9 @@ class PagedDecodeGraphs:
         """Prepare key (batch, width) without touching any sequence: capture its graph (CUDA), or
         with ``capture=False`` run its step once. Every row is a padding row (slot 0 of the null
         block), as in a capture. Returns False when the key was ready already."""
-        if batch not in self.buckets or width not in self.widths:
+        if batch not in self.row_buckets or width not in self.widths:
             raise ValueError(f"{self.name}: ({batch}, {width}) is not a bucket x width class "
-                             f"({self.buckets} x {self.widths})")
+                             f"({self.row_buckets} x {self.widths})")
         if self.is_warm(batch, width):
             return False
         self._note_use(batch, width)

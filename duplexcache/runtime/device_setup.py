@@ -109,17 +109,27 @@ def decode_graphs_supported(device: torch.device, caches: tuple[PagedKVCache, ..
     return True
 
 
+# Token rows per session that the ragged-step graphs cover (engine.ragged_step_graphs): a unit's
+# append is 12 rows (</unit>, <unit>, 10 audio embeddings), a speaking unit's Talker condition
+# ~5 (its text and end token, a boundary); steps with more rows than this per session run eagerly.
+RAGGED_ROWS_PER_SESSION = 16
+
+
 def make_decode_graphs(models: ModelBundle, kv: KVPools, max_batch: int, talker_turn_tokens: int,
-                       capture: bool) -> tuple[PagedDecodeGraphs, PagedDecodeGraphs]:
+                       capture: bool, ragged_steps: bool = False) -> tuple[PagedDecodeGraphs, PagedDecodeGraphs]:
     """CUDA graphs for the one-token steps of the Thinker and the Talker: batch buckets up to
     ``max_batch``, block-table widths up to the longest table a session can hold (the
-    Thinker's model positions, the Talker's turn: ``talker_turn_tokens``)."""
+    Thinker's model positions, the Talker's turn: ``talker_turn_tokens``). ``ragged_steps``
+    (``engine.ragged_step_graphs``): row buckets up to ``RAGGED_ROWS_PER_SESSION`` rows per
+    session too, for the short ragged steps run as token rows."""
     bs = kv.stage0.block_size
+    max_rows = RAGGED_ROWS_PER_SESSION * max_batch if ragged_steps else 0
     thinker = PagedDecodeGraphs("thinker", models.thinker.forward_paged, kv.thinker_cache,
                                 models.thinker.config.hidden_size, models.dtype, max_batch=max_batch,
-                                max_blocks_per_seq=-(-kv.stage0.max_positions // bs), capture=capture)
+                                max_blocks_per_seq=-(-kv.stage0.max_positions // bs), capture=capture,
+                                max_rows=max_rows)
     tc = models.talker.config
     talker = PagedDecodeGraphs("talker", models.talker.forward_paged, kv.talker_cache, tc.hidden_size, models.dtype,
                                max_batch=max_batch, max_blocks_per_seq=-(-talker_turn_tokens // bs),
-                               capture=capture)
+                               capture=capture, max_rows=max_rows)
     return thinker, talker

@@ -142,7 +142,8 @@ class DuplexEngine:
         # CUDA graphs for the one-token steps (``engine.decode_cuda_graphs``).
         if self.deploy.engine.decode_cuda_graphs and self._can_capture_decode():
             self.thinker_graphs, self.talker_graphs = device_setup.make_decode_graphs(
-                self.models, kv, max(1, self.plan.planned_sessions), self.sizing.talker_turn_tokens, capture=self.models.device.type == "cuda")
+                self.models, kv, max(1, self.plan.planned_sessions), self.sizing.talker_turn_tokens,
+                capture=self.models.device.type == "cuda", ragged_steps=self.deploy.engine.ragged_step_graphs)
         self.stage0.use_decode_graphs(self.thinker_graphs, ragged_steps=self.deploy.engine.ragged_step_graphs)
 
     def _can_capture_decode(self) -> bool:

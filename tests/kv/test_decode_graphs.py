@@ -233,6 +233,37 @@ def test_accepts_ragged_only_short_steps_that_fit_with_the_ragged_kernel():
     assert runner.stats.eager_fallbacks == 0                # long steps are eager by design, not fallbacks
 
 
+def test_row_buckets_past_max_batch_take_a_unit_tick_of_every_session():
+    """``max_rows``: coarse power-of-two row buckets past the decode buckets, for ragged steps only
+    (a decode step of more sequences than ``max_batch`` still falls back); 5 sessions x 12 rows
+    on a max_batch-4 runner replay the 64-row bucket and match the eager ragged step."""
+    from duplexcache.kv.decode_graphs import row_buckets
+
+    assert row_buckets(48, 768) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 64, 128, 256, 512, 1024)
+    assert row_buckets(4) == batch_buckets(4) and row_buckets(1, 3) == (1, 2, 4)
+    model = make_thinker()
+    eager_cache, graph_cache = two_caches(model)
+    tables = [[1, 2], [3, 4], [5, 6], [7, 8], [9, 10]]
+    lengths = [5, 9, 1, 14, 3]
+    for cache in (eager_cache, graph_cache):
+        prefill(model, cache, tables, lengths, seed=1)
+        cache.ragged_steps_in_kernel = True
+    runner = PagedDecodeGraphs("thinker", model.forward_paged, graph_cache, model.config.hidden_size,
+                               torch.float32, max_batch=4, max_blocks_per_seq=16, capture=False, max_rows=64)
+    assert runner.buckets == (1, 2, 4) and runner.row_buckets == (1, 2, 4, 8, 16, 32, 64) and runner.max_rows == 64
+    assert [b for b, _ in runner.keys()][:1] == [64]         # the warm-up captures the row buckets, largest first
+    num_new = [12] * 5
+    assert runner.accepts_ragged(tables, num_new) and not runner.accepts_ragged(tables * 2, [12] * 10)
+    assert not runner.accepts(tables)                        # a 5-sequence decode step: past max_batch
+    embeds = torch.randn(60, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        want = model.forward_paged(embeds, PagedBatch.build(tables, lengths, num_new, None, BS), eager_cache)
+        got = runner.run_ragged(embeds, tables, lengths, num_new)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(_values(graph_cache)[0], _values(eager_cache)[0], rtol=1e-5, atol=1e-5)
+    assert runner.is_warm(64, 16)
+
+
 def test_generate_unit_runs_its_condition_step_as_token_rows():
     """With ``ragged_graphs`` the condition step (3 + 5 + 4 rows) replays the runner too, and the
     codes are the eager unit's."""

@@ -230,6 +230,8 @@ def test_ragged_step_graphs_reach_the_unit_append_and_the_talker_condition(tmp_p
         sections = {"engine": {"ragged_step_graphs": arm, "speak_policy": {"k": 100, "turn_units": 100}}}
         eng = engine(tmp_path, f"ragged_graphs_{arm}", sections)
         assert eng.stage0.ragged_step_graphs is arm and eng.talker_stage.ragged_graphs is arm
+        for graphs in (eng.thinker_graphs, eng.talker_graphs):   # row buckets for a tick of every session's unit
+            assert (graphs.max_rows >= 16 * eng.plan.planned_sessions) is arm and graphs.max_batch >= eng.plan.planned_sessions
         sids = [eng.open_session({"voice": v}) for v in ("default", "alt")]
         for i, sid in enumerate(sids):
             eng.push_audio(sid, audio(i, 3))

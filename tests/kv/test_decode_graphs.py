@@ -159,17 +159,25 @@ def test_stage0_decode_goes_through_the_runner_and_falls_back_when_too_many():
     assert graphs.stats.replays == 2 and graphs.stats.eager_fallbacks == 1
 
 
-def test_generate_unit_with_graphs_gives_the_same_codes():
+def talker_units(max_batch: int, ragged_kernel: bool = False):
+    """A tiny Talker, an eager cache and a runner's cache, a runner, and three speaking units'
+    requests (condition rows 3, 5 and 4)."""
     torch.manual_seed(5)
     cfg = TalkerConfig.tiny()
     talker = Talker(cfg).eval()
     caches = [PagedKVCache(cfg.num_hidden_layers, 20, BS, cfg.num_key_value_heads, cfg.head_dim) for _ in range(2)]
+    caches[1].ragged_steps_in_kernel = ragged_kernel
     graphs = PagedDecodeGraphs("talker", talker.forward_paged, caches[1], cfg.hidden_size, torch.float32,
-                               max_batch=4, max_blocks_per_seq=8, capture=False)
+                               max_batch=max_batch, max_blocks_per_seq=8, capture=False)
     tables = [[1, 4, 6, 8], [2, 3, 5, 7], [9, 10, 11, 12]]
     g = torch.Generator().manual_seed(6)
     reqs = [TalkerUnitRequest(t, 0, torch.randint(0, cfg.num_text_tokens, (n,), generator=g),
                               torch.randn(n, cfg.llm_dim, generator=g)) for t, n in zip(tables, (3, 5, 4))]
+    return cfg, talker, caches, graphs, reqs
+
+
+def test_generate_unit_with_graphs_gives_the_same_codes():
+    cfg, talker, caches, graphs, reqs = talker_units(max_batch=4)
     want = generate_unit(talker, caches[0], reqs)
     got = generate_unit(talker, caches[1], reqs, graphs=graphs)
     for w, r in zip(want, got):
@@ -267,17 +275,7 @@ def test_row_buckets_past_max_batch_take_a_unit_tick_of_every_session():
 def test_generate_unit_runs_its_condition_step_as_token_rows():
     """With ``ragged_graphs`` the condition step (3 + 5 + 4 rows) replays the runner too, and the
     codes are the eager unit's."""
-    torch.manual_seed(5)
-    cfg = TalkerConfig.tiny()
-    talker = Talker(cfg).eval()
-    caches = [PagedKVCache(cfg.num_hidden_layers, 20, BS, cfg.num_key_value_heads, cfg.head_dim) for _ in range(2)]
-    caches[1].ragged_steps_in_kernel = True
-    graphs = PagedDecodeGraphs("talker", talker.forward_paged, caches[1], cfg.hidden_size, torch.float32,
-                               max_batch=16, max_blocks_per_seq=8, capture=False)
-    tables = [[1, 4, 6, 8], [2, 3, 5, 7], [9, 10, 11, 12]]
-    g = torch.Generator().manual_seed(6)
-    reqs = [TalkerUnitRequest(t, 0, torch.randint(0, cfg.num_text_tokens, (n,), generator=g),
-                              torch.randn(n, cfg.llm_dim, generator=g)) for t, n in zip(tables, (3, 5, 4))]
+    cfg, talker, caches, graphs, reqs = talker_units(max_batch=16, ragged_kernel=True)
     want = generate_unit(talker, caches[0], reqs)
     got = generate_unit(talker, caches[1], reqs, graphs=graphs, ragged_graphs=True)
     for w, r in zip(want, got):

@@ -95,7 +95,7 @@ class DecodeGraphStats:
     """Counters of one runner (cumulative)."""
 
     replays: int = 0          # steps run through the static buffers (graph replays, or eager when capture=False)
-    ragged_replays: int = 0   # of those, ragged steps run as token rows (run_ragged), not counted in replays
+    ragged_replays: int = 0   # ragged steps run as token rows (run_ragged); not counted in replays
     captures: int = 0         # graphs captured
     # First uses of a (batch, width) key: a capture on CUDA; with capture=False the step that would
     # have captured (how CPU tests prove that a warm-up leaves nothing to capture in a tick).

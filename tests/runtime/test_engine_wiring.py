@@ -253,6 +253,16 @@ def test_ragged_step_graphs_reach_the_unit_append_and_the_talker_condition(tmp_p
         assert a.size == b.size > 0 and np.abs(a - b).max() <= 2   # padded rows: float32 GEMMs may round apart
 
 
+def test_ragged_step_graphs_that_cannot_act_say_so(tmp_path, caplog):
+    """On this CPU there are no decode graphs, so the switch cannot act: the engine says so and
+    the Thinker's appends stay eager (a switch that silently does nothing is a bug)."""
+    with caplog.at_level("WARNING", logger="duplexcache.runtime.engine"):
+        eng = engine(tmp_path, "ragged_graphs_cpu", {"engine": {"ragged_step_graphs": True}})
+    assert eng.thinker_graphs is None and eng.stage0.ragged_step_graphs is False
+    assert any("ragged_step_graphs needs decode graphs" in r.getMessage() for r in caplog.records)
+    eng.shutdown()
+
+
 @pytest.mark.parametrize("on", [True, False])
 def test_ragged_kernel_reaches_both_kv_caches(tmp_path, on):
     """``stage0.ragged_kernel`` sets the dispatch flag of the Thinker's and the Talker's caches

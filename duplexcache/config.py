@@ -254,6 +254,11 @@ class EngineConfig(_Strict):
     # tokens fit a batch bucket (kv/decode_graphs.py run_ragged), instead of ~900 eager
     # launches each. Off: those steps launch eagerly (A/B reference).
     ragged_step_graphs: bool = False
+    # With decode graphs: the Talker's 26 one-token steps of a speaking unit after its condition
+    # (24 codes picked greedily on the device, then t25 and the end code) replay as one graph
+    # (kv/decode_graphs.py run_loop) instead of 26 replays with ~30 eager launches around each.
+    # Off: one graph replay per step (A/B reference).
+    talker_unit_graphs: bool = False
     # Most Talker KV tokens one audio turn may hold; None = the Talker's max_position_embeddings
     # (4096 for minicpmo45, ~150 s of speech). Admission reserves this many tokens' blocks per
     # live session (as a count: blocks are taken as tokens arrive), so it bounds the pool. A

@@ -182,6 +182,9 @@ class EngineStats:
     # Short ragged steps (unit appends, Talker conditions) run through the same graphs as token
     # rows (engine.ragged_step_graphs), per model; not counted in decode_graph_steps.
     ragged_graph_steps: Mapping[str, int] = field(default_factory=dict)
+    # Greedy-run graph replays of the Talker (engine.talker_unit_graphs): one per Talker batch,
+    # covering the code steps of every speaking unit in it; not counted in decode_graph_steps.
+    talker_unit_graph_runs: int = 0
     # Graphs captured (decode + Code2Wav), by where: "warmup" (before serving) or "tick" (lazily,
     # inside a tick: a warm engine keeps this at 0). Empty for an engine that does not count them.
     graph_captures: Mapping[str, int] = field(default_factory=dict)

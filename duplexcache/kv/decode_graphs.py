@@ -244,15 +244,8 @@ class PagedDecodeGraphs:
         if first_ids.shape != (len(block_tables),):
             raise ValueError(f"{self.name}: first_ids {tuple(first_ids.shape)} for {len(block_tables)} tables")
         batch, width = self._key(block_tables, num_computed, self.max_batch)
-        self._note_use("loop", batch, width)
-        if self.capture:
-            # Capture first: it overwrites the static buffers with a harmless run.
-            graph, out = self._graphs.get(("loop", batch, width)) or self._capture("loop", batch, width)
-            self._fill_loop(first_ids, block_tables, num_computed, batch, width)
-            graph.replay()
-        else:
-            self._fill_loop(first_ids, block_tables, num_computed, batch, width)
-            out = self._loop_step(batch, width, num_computed)
+        out = self._execute("loop", batch, width, num_computed,
+                            lambda: self._fill_loop(first_ids, block_tables, num_computed, batch, width))
         self.stats.loop_replays += 1
         return out[: len(block_tables)].clone()
 
@@ -274,16 +267,23 @@ class PagedDecodeGraphs:
         if embeds.shape[0] != len(block_tables):
             raise ValueError(f"{self.name}: {embeds.shape[0]} rows, {len(block_tables)} tables")
         batch, width = self._key(block_tables, num_computed, most_rows)
-        self._note_use("step", batch, width)
+        out = self._execute("step", batch, width, num_computed,
+                            lambda: self._fill(embeds, block_tables, num_computed, batch, width))
+        return out[: len(block_tables)].clone()
+
+    def _execute(self, kind: str, batch: int, width: int, num_computed: list[int],
+                 fill: Callable[[], None]) -> torch.Tensor:
+        """Key (kind, batch, width) over the inputs ``fill`` writes: replay its graph (captured
+        on first use), or with ``capture=False`` run the same padded computation eagerly."""
+        self._note_use(kind, batch, width)
         if self.capture:
             # Capture first: it overwrites the static buffers with a harmless step.
-            graph, out = self._graphs.get(("step", batch, width)) or self._capture("step", batch, width)
-            self._fill(embeds, block_tables, num_computed, batch, width)
+            graph, out = self._graphs.get((kind, batch, width)) or self._capture(kind, batch, width)
+            fill()
             graph.replay()
-        else:
-            self._fill(embeds, block_tables, num_computed, batch, width)
-            out = self._step(batch, width, num_computed)
-        return out[: len(block_tables)].clone()
+            return out
+        fill()
+        return self._body(kind, batch, width, num_computed)
 
     def keys(self, max_width: int | None = None) -> list[tuple[int, int]]:
         """Every (row bucket, width class), widths up to ``max_width`` blocks (default: all),
@@ -442,8 +442,10 @@ class PagedDecodeGraphs:
         if kind == "loop":
             self._loop_ids[:batch].zero_()
 
-    def _body(self, kind: str, batch: int, width: int) -> torch.Tensor:
-        return self._step(batch, width) if kind == "step" else self._loop_step(batch, width)
+    def _body(self, kind: str, batch: int, width: int, num_computed: list[int] | None = None) -> torch.Tensor:
+        if kind == "step":
+            return self._step(batch, width, num_computed)
+        return self._loop_step(batch, width, num_computed)
 
     def _capture(self, kind: str, batch: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         dev = self.cache.device

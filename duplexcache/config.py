@@ -259,6 +259,11 @@ class EngineConfig(_Strict):
     # (kv/decode_graphs.py run_loop) instead of 26 replays with ~30 eager launches around each.
     # Off: one graph replay per step (A/B reference).
     talker_unit_graphs: bool = False
+    # CUDA devices: the streaming audio encoder's layers replay as piecewise CUDA graphs, with
+    # each layer's cache store and gather as the eager piece between them (models/
+    # audio_encoder_graphs.py): 25 replays and 48 multi-tensor copies per tick at minicpmo45
+    # shapes instead of ~650 launches. Off: the eager layers (A/B reference).
+    encoder_cuda_graphs: bool = False
     # Most Talker KV tokens one audio turn may hold; None = the Talker's max_position_embeddings
     # (4096 for minicpmo45, ~150 s of speech). Admission reserves this many tokens' blocks per
     # live session (as a count: blocks are taken as tokens arrive), so it bounds the pool. A

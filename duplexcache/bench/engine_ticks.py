@@ -3,7 +3,7 @@
     duplexcache bench ticks [--preset tiny|minicpmo45] [--device cpu|cuda]
         [--sessions 1,8,16,32] [--ticks 6] [--warmup-ticks 2] [--memory-budget 80GiB]
         [--all-switches on|off] [--steady-window] [--decode-cuda-graphs on|off] [--ragged-kernel on|off]
-        [--ragged-step-graphs on|off] [--talker-unit-graphs on|off]
+        [--ragged-step-graphs on|off] [--talker-unit-graphs on|off] [--encoder-cuda-graphs on|off]
         [--workload turns|continuous|conversation] [--speak-k 2] [--turn-units 2]
         [--warm-up on|off] [--graph-grid 1,4,8,16] [--profile-ticks 0] [--max-seconds 420]
         [--out DIR]
@@ -497,6 +497,7 @@ def _results(cfg: TickBenchConfig, deploy: DeployConfig, models: ModelBundle, ro
                    "decode_cuda_graphs": cfg.decode_cuda_graphs, "ragged_kernel": cfg.ragged_kernel,
                    "ragged_step_graphs": deploy.engine.ragged_step_graphs,
                    "talker_unit_graphs": deploy.engine.talker_unit_graphs,
+                   "encoder_cuda_graphs": deploy.engine.encoder_cuda_graphs,
                    "warm_up": cfg.warm_up, "graph_grid": list(deploy.code2wav.graph_grid or ()),
                    "code2wav_dtype": deploy.precision.code2wav_dtype,
                    "kv_cache_dtype": deploy.precision.kv_cache_dtype,

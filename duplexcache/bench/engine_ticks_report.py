@@ -32,6 +32,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"ragged kernel {'on' if c.get('ragged_kernel') else 'off'}; "
         f"ragged step graphs {'on' if c.get('ragged_step_graphs') else 'off'}; "
         f"Talker unit graphs {'on' if c.get('talker_unit_graphs') else 'off'}; "
+        f"encoder graphs {'on' if c.get('encoder_cuda_graphs') else 'off'}; "
         f"Code2Wav graph grid {c.get('graph_grid') or 'none (every tier)'}, "
         f"{c.get('code2wav_dtype', 'float32')}; KV {c.get('kv_cache_dtype', 'auto')}; encoder cache {c.get('encoder_cache_dtype', 'auto')}; "
         f"Talker turn {c.get('talker_turn_tokens') or 'model limit'}; "

@@ -52,6 +52,7 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +61,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from duplexcache.kv.kv_quant import as_bytes, dequantize_fp8, is_quantized, quantize_fp8, row_bytes
 from duplexcache.models.layers import MultiModalProjector
+
+if TYPE_CHECKING:
+    from duplexcache.models.audio_encoder_graphs import EncoderGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +114,11 @@ class AudioEncoderConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.encoder_attention_heads
+
+    def chunk_frames(self, samples: int) -> int:
+        """Encoder frames of a streaming chunk of ``samples``: the log-mel keeps samples // hop
+        frames and the stride-2 conv halves them, rounding up (16000 -> 50, 16560 -> 52)."""
+        return (samples // self.hop_length - 1) // 2 + 1
 
     @classmethod
     def tiny(cls, **overrides) -> "AudioEncoderConfig":
@@ -272,12 +281,20 @@ class WhisperAttention(nn.Module):
         return x.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
 
     def forward(self, x: torch.Tensor, kv_hook=None) -> torch.Tensor:
-        # q is scaled before the product, as Whisper does, so SDPA runs with scale 1.
-        q = self._heads(self.q_proj(x) * self.scaling)
-        k, v = self._heads(self.k_proj(x)), self._heads(self.v_proj(x))
+        q, k, v = self.project(x)
         mask = None
         if kv_hook is not None:  # streaming: store this chunk's K/V, attend over cache + chunk
             k, v, mask = kv_hook(k, v)
+        return self.attend(q, k, v, mask)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, T, d) -> q, k, v (B, H, T, D)."""
+        # q is scaled before the product, as Whisper does, so SDPA runs with scale 1.
+        q = self._heads(self.q_proj(x) * self.scaling)
+        return q, self._heads(self.k_proj(x)), self._heads(self.v_proj(x))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """q (B, H, T, D) over keys/values (B, H, K, D), ``mask`` (B, 1, 1, K) or None -> (B, T, d)."""
         if q.is_cuda:
             # Not cuDNN's attention: it plans per shape, and the streaming key length grows every
             # tick; on an H200 that cost ~2 ms of CPU per layer per tick (46 ms of a 400 ms tick).
@@ -300,6 +317,19 @@ class WhisperEncoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, kv_hook=None) -> torch.Tensor:
         x = x + self.self_attn(self.self_attn_layer_norm(x), kv_hook)
+        return self.feed_forward(x)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer up to its attention's keys: q, k, v of ``x`` (piecewise graphs run the
+        store and gather of a streaming cache between ``project`` and ``finish``)."""
+        return self.self_attn.project(self.self_attn_layer_norm(x))
+
+    def finish(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        """The layer from its attention on: ``forward`` is ``finish(x, *project(x) [through the hook])``."""
+        return self.feed_forward(x + self.self_attn.attend(q, k, v, mask))
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
 
 
@@ -499,7 +529,11 @@ class TickKV:
     with views per session. Call ``reserve`` on the states first (views must not outlive a grow).
     """
 
-    def __init__(self, states: list[StreamingAudioEncoderState], starts: list[int], lens: list[int]) -> None:
+    def __init__(self, states: list[StreamingAudioEncoderState], starts: list[int], lens: list[int],
+                 stored: torch.Tensor | None = None, scales: torch.Tensor | None = None) -> None:
+        """``stored``/``scales``: gather into these buffers (2, >= B, >= max key length, heads,
+        head_dim) / (..., heads) instead of fresh zeroed ones: the encoder graphs' static
+        buffers, whose rows past a session's length hold stale frames (their keys are masked)."""
         self.quantized = _one_format(states)
         self.lens = lens
         self.key_lens = [b + n for b, n in zip(starts, lens)]
@@ -509,8 +543,14 @@ class TickKV:
         k_max = max(self.key_lens)
         first = states[0]
         heads, head_dim = first.k.shape[2], first.k.shape[3]
-        self.stored = first.k.new_zeros(2, len(states), k_max, heads, head_dim)
-        self.scales = first.k_scale.new_zeros(2, len(states), k_max, heads) if self.quantized else None
+        if stored is None:
+            stored = first.k.new_zeros(2, len(states), k_max, heads, head_dim)
+            scales = first.k_scale.new_zeros(2, len(states), k_max, heads) if self.quantized else None
+        elif (scales is not None) != self.quantized or stored.shape[1] < len(states) or stored.shape[2] < k_max:
+            raise ValueError(f"gather buffer {tuple(stored.shape)} cannot hold {len(states)} sessions of up to "
+                             f"{k_max} frames{' with scales' if self.quantized else ''}")
+        self.stored, self.scales = stored, scales
+        k_max = stored.shape[2]
         buffers = [self.stored[0], self.stored[1]]
         if self.scales is not None:
             buffers += [self.scales[0], self.scales[1]]
@@ -539,9 +579,20 @@ class TickKV:
         caches are copied as stored and dequantized once for the batch (zero scales on the padding
         give zeros). Equal to padding each session's ``read`` and stacking (test). The result may
         be a view of the buffer: valid until the next layer's gather."""
+        self.copy_valid(layer)
+        return stored_keys_values(self.stored, self.scales, dtype)
+
+    def copy_valid(self, layer: int) -> None:
+        """``gather``'s copy alone: each session's valid frames of ``layer`` into the buffer."""
         _copy_pairs(self._gather_dst, [cache[layer] for blocks in self.valid_blocks for cache in blocks])
-        kv = dequantize_fp8(self.stored, self.scales, dtype) if self.scales is not None else self.stored.to(dtype)
-        return kv[0].transpose(1, 2), kv[1].transpose(1, 2)   # (B, H, K, D) views
+
+
+def stored_keys_values(stored: torch.Tensor, scales: torch.Tensor | None,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A gather buffer (2, B, K, H, D) as stored (+ fp8 scales) -> keys, values (B, H, K, D) in
+    ``dtype`` (views of the buffer when nothing is converted)."""
+    kv = dequantize_fp8(stored, scales, dtype) if scales is not None else stored.to(dtype)
+    return kv[0].transpose(1, 2), kv[1].transpose(1, 2)
 
 
 def _same_length(tensors: list[torch.Tensor], dim: int = -1) -> list[list[int]]:
@@ -625,8 +676,10 @@ class AudioEncoder(nn.Module):
 
     @torch.no_grad()
     def stream_step(self, states: list[StreamingAudioEncoderState], chunks: list,
-                    sample_rate: int = SAMPLE_RATE) -> list[torch.Tensor]:
-        """One tick for several sessions: PCM chunk per session -> (chunk_frames // 5, out_dim) each."""
+                    sample_rate: int = SAMPLE_RATE, graphs: EncoderGraphs | None = None) -> list[torch.Tensor]:
+        """One tick for several sessions: PCM chunk per session -> (chunk_frames // 5, out_dim) each.
+        ``graphs`` (``engine.encoder_cuda_graphs``): the layers as piecewise graphs when it
+        accepts the tick (models/audio_encoder_graphs.py)."""
         if len(states) != len(chunks):
             raise ValueError(f"{len(states)} states but {len(chunks)} chunks")
         audios = []
@@ -646,11 +699,11 @@ class AudioEncoder(nn.Module):
             batch = torch.stack([audios[i] for i in idxs]).to(device, non_blocking=True)
             for i, mel in zip(idxs, self.log_mel(batch)):
                 mels[i] = mel
-        return self.stream_step_mel(states, mels)
+        return self.stream_step_mel(states, mels, graphs)
 
     @torch.no_grad()
     def stream_step_mel(self, states: list[StreamingAudioEncoderState],
-                        mels: list[torch.Tensor]) -> list[torch.Tensor]:
+                        mels: list[torch.Tensor], graphs: EncoderGraphs | None = None) -> list[torch.Tensor]:
         """One tick from log-mel chunks (n_mels, M_i); semantics in the module docstring."""
         if len(states) != len(mels):
             raise ValueError(f"{len(states)} states but {len(mels)} mel chunks")
@@ -678,7 +731,10 @@ class AudioEncoder(nn.Module):
                 state.reset()
         for state, front in zip(states, fronts):  # before any layer writes: a grow copies valid rows
             state.reserve(state.num_frames + front.shape[0])
-        hidden = self._stream_layers(states, fronts, groups)
+        if graphs is not None and graphs.accepts(states, [f.shape[0] for f in fronts]):
+            hidden = graphs.run(states, fronts, groups)
+        else:
+            hidden = self._stream_layers(states, fronts, groups)
         for state, front in zip(states, fronts):
             state.num_frames += front.shape[0]
             state.num_chunks += 1

@@ -42,6 +42,7 @@ from duplexcache.context import EmbeddingResult, EncoderPath, SessionContextBuil
 from duplexcache.kv.decode_graphs import PagedDecodeGraphs
 from duplexcache.kv.kv_quant import kv_storage_dtype
 from duplexcache.kv.window import WindowConfig
+from duplexcache.models.audio_encoder_graphs import EncoderGraphs
 from duplexcache.runtime import device_setup, turns
 from duplexcache.runtime.admission import AdmissionLedger, Footprint, TickCostModel
 from duplexcache.runtime.bundle import ModelBundle, build_models
@@ -110,7 +111,7 @@ class DuplexEngine:
                                         ragged_graphs=deploy.engine.ragged_step_graphs)
         self.thinker_stage = ThinkerStage(self.stage0, models.audio_encoder, self.builder, models.tokenizer,
                                           self.control, policy, self._embed_tokens, self.table, self._end,
-                                          kv_storage_dtype(deploy.precision.encoder_cache_dtype))
+                                          kv_storage_dtype(deploy.precision.encoder_cache_dtype), self.encoder_graphs)
         self._closed = False
         self.prefill_times = PrefillTimes(models.device)   # prefill chunk times, for a server's pacing
         self._unit_alignment: UnitAlignment | None = None   # set by a server (set_unit_alignment)
@@ -152,9 +153,24 @@ class DuplexEngine:
         if self.deploy.engine.talker_unit_graphs and self.talker_graphs is None:
             logger.warning("engine.talker_unit_graphs needs decode graphs (engine.decode_cuda_graphs on a CUDA "
                            "device); the Talker's code steps run eagerly")
+        self.encoder_graphs: EncoderGraphs | None = None
+        if self.deploy.engine.encoder_cuda_graphs:
+            if self._can_capture_encoder():
+                self.encoder_graphs = EncoderGraphs(
+                    self.models.audio_encoder, max_batch=max(1, self.plan.planned_sessions),
+                    storage_dtype=kv_storage_dtype(self.deploy.precision.encoder_cache_dtype),
+                    capture=self.models.device.type == "cuda")
+                # from the activation reserve, as the decode graphs' buffers: the eager tick's
+                # gather buffer at its largest, held for good
+                logger.info("encoder graphs: %.1f MiB of static buffers", self.encoder_graphs.nbytes() / 2**20)
+            else:
+                logger.warning("engine.encoder_cuda_graphs needs a CUDA device; the encoder runs eagerly")
 
     def _can_capture_decode(self) -> bool:
         return device_setup.decode_graphs_supported(self.models.device, (self.thinker_cache, self.talker_cache))
+
+    def _can_capture_encoder(self) -> bool:
+        return self.models.device.type == "cuda"
 
     def warmup(self, should_stop: Callable[[], bool] | None = None) -> WarmupReport:
         """Capture every decode and Code2Wav graph and run every Triton kernel a tick can need
@@ -172,7 +188,8 @@ class DuplexEngine:
 
     def _graph_captures_total(self) -> int:
         """Decode-graph keys first used (captures on CUDA) + Code2Wav graphs captured."""
-        decode = sum(g.stats.first_uses for g in (self.thinker_graphs, self.talker_graphs) if g is not None)
+        decode = sum(g.stats.first_uses for g in (self.thinker_graphs, self.talker_graphs, self.encoder_graphs)
+                     if g is not None)
         return decode + self.code2wav.graph_stats.captures + self.code2wav.vocoder_graph_stats.captures
 
     # ------------------------------------------------------------------ model adapters
@@ -484,6 +501,7 @@ class DuplexEngine:
                 graphs.close()
         self.stage0.use_decode_graphs(None)
         self.thinker_graphs = self.talker_graphs = self.talker_stage.graphs = None
+        self.encoder_graphs = self.thinker_stage.encoder_graphs = None
         self.thinker_cache = self.talker_cache = None  # type: ignore[assignment]
         self.recorder.talker_block_bytes = 0   # the Talker pool is gone
         logger.info("engine shut down")
@@ -491,7 +509,8 @@ class DuplexEngine:
     def stats(self) -> EngineStats:
         return self.recorder.snapshot(
             {"thinker": self.thinker_graphs, "talker": self.talker_graphs}, self._warmup_captures,
-            self._graph_captures_total(), self.warmup_report.seconds if self.warmup_report is not None else None)
+            self._graph_captures_total(), self.warmup_report.seconds if self.warmup_report is not None else None,
+            self.encoder_graphs.stats.replays if self.encoder_graphs is not None else 0)
 
     # ------------------------------------------------------------------ views kept for callers and tests
 

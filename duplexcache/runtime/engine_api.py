@@ -185,6 +185,8 @@ class EngineStats:
     # Greedy-run graph replays of the Talker (engine.talker_unit_graphs): one per Talker batch,
     # covering the code steps of every speaking unit in it; not counted in decode_graph_steps.
     talker_unit_graph_runs: int = 0
+    # Encoder ticks run through its piecewise graphs (engine.encoder_cuda_graphs); 0 when off.
+    encoder_graph_ticks: int = 0
     # Graphs captured (decode + Code2Wav), by where: "warmup" (before serving) or "tick" (lazily,
     # inside a tick: a warm engine keeps this at 0). Empty for an engine that does not count them.
     graph_captures: Mapping[str, int] = field(default_factory=dict)

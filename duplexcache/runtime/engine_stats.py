@@ -106,7 +106,7 @@ class EngineStatsRecorder:
     # ------------------------------------------------------------------ the snapshot
 
     def snapshot(self, decode_graphs: Mapping[str, PagedDecodeGraphs | None], warmup_captures: int,
-                 captures_total: int, warmup_seconds: float | None) -> EngineStats:
+                 captures_total: int, warmup_seconds: float | None, encoder_graph_ticks: int = 0) -> EngineStats:
         cache = self.builder.cache
         table = self.table
         talker_graphs = decode_graphs.get("talker")
@@ -120,5 +120,6 @@ class EngineStatsRecorder:
                 decode_graph_steps={name: g.stats.replays for name, g in decode_graphs.items() if g is not None},
                 ragged_graph_steps={name: g.stats.ragged_replays for name, g in decode_graphs.items() if g is not None},
                 talker_unit_graph_runs=talker_graphs.stats.loop_replays if talker_graphs is not None else 0,
+                encoder_graph_ticks=encoder_graph_ticks,
                 graph_captures={"warmup": warmup_captures, "tick": captures_total - warmup_captures},
                 warmup_seconds=warmup_seconds, early_closes=table.early_closes)

@@ -16,7 +16,7 @@ SHARING_SWITCHES = (
     "code2wav.cfm_arena_rows_from_graph_grid",
 )
 SPEED_SWITCHES = ("engine.decode_cuda_graphs", "engine.ragged_step_graphs", "engine.talker_unit_graphs",
-                  "stage0.ragged_kernel", "code2wav.vocoder_cuda_graphs")  # CUDA only
+                  "engine.encoder_cuda_graphs", "stage0.ragged_kernel", "code2wav.vocoder_cuda_graphs")  # CUDA only
 
 
 def switch_value(deploy: DeployConfig, dotted: str) -> bool:

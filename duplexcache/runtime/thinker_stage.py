@@ -23,6 +23,7 @@ import torch
 
 from duplexcache.context import SessionContextBuilder
 from duplexcache.models.audio_encoder import AudioEncoder
+from duplexcache.models.audio_encoder_graphs import EncoderGraphs
 from duplexcache.runtime import turns
 from duplexcache.runtime.engine_api import (INPUT_SAMPLE_RATE, EngineEvent, InvalidAudioError, ResponseDone, SessionError,
                                             TextDelta)
@@ -42,9 +43,11 @@ class ThinkerStage:
 
     def __init__(self, stage0: Stage0Runner, encoder: AudioEncoder, builder: SessionContextBuilder,
                  tokenizer: Any, control: ControlTokens, policy: Any, embed: EmbedTokens, table: SessionTable,
-                 end: EndSession, encoder_storage: torch.dtype | None = None) -> None:
+                 end: EndSession, encoder_storage: torch.dtype | None = None,
+                 encoder_graphs: EncoderGraphs | None = None) -> None:
         self.stage0 = stage0
         self.encoder = encoder
+        self.encoder_graphs = encoder_graphs   # engine.encoder_cuda_graphs (None: the eager layers)
         self.encoder_storage = encoder_storage   # precision.encoder_cache_dtype (None: the weights' dtype)
         self.builder = builder
         self.tokenizer = tokenizer
@@ -109,7 +112,8 @@ class ThinkerStage:
         units = end_all(units, errors, events, self.end)
 
         def run(batch: list[Unit]) -> list[torch.Tensor]:
-            return enc.stream_step([u.session.encoder_state for u in batch], [torch.from_numpy(u.pcm) for u in batch])
+            return enc.stream_step([u.session.encoder_state for u in batch], [torch.from_numpy(u.pcm) for u in batch],
+                                   graphs=self.encoder_graphs)
 
         def snapshot(u: Unit) -> tuple[int, int, int]:
             st = u.session.encoder_state

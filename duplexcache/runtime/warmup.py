@@ -27,7 +27,9 @@ the first seconds saw first audio after 13-16 s, and 11 of them none within 16 s
 * a context prefill of three ``engine.prefill_chunk_tokens`` chunks through Stage 0
   (``run_prefill_once``): the first chunk of the first long context otherwise pays ~600 ms of
   first-use costs inside a tick, and the third gives the server's pacing a chunk time.
-* the audio encoder, eager in every tick, over a first unit and a second unit of the planned
+* the audio encoder's piecewise graphs (``engine.encoder_cuda_graphs``): every batch bucket x
+  chunk width (a first chunk's 52 frames and a later one's 50 at minicpmo45 shapes).
+* the audio encoder (its conv front eager in every tick, its layers too without graphs), over a first unit and a second unit of the planned
   session count on throwaway states (``run_encoder_once``): its first batch otherwise paid its
   library initialisation (cuDNN) and the device allocations of the batch inside a tick (H200,
   32 sessions: a 2.1 s first unit; ``scripts/encoder_growth_probe.py``).
@@ -78,15 +80,17 @@ class WarmupReport:
     kernels: tuple[str, ...] = ()                                 # Triton kernels run once
     cancelled: bool = False                                       # stopped early (server shutting down)
     vocoder_graphs: int = 0
+    encoder_graphs: int = 0   # audio-encoder keys (each its layers' pieces), engine.encoder_cuda_graphs
 
     @property
     def graphs(self) -> int:
-        return sum(self.decode_graphs.values()) + self.code2wav_graphs + self.vocoder_graphs
+        return sum(self.decode_graphs.values()) + self.code2wav_graphs + self.vocoder_graphs + self.encoder_graphs
 
     def describe(self) -> str:
         per_model = ", ".join(f"{k} {v}" for k, v in self.decode_graphs.items()) or "none"
         return (f"warm-up took {self.seconds:.2f} s: {self.graphs} graphs (decode: {per_model}; "
-                f"Code2Wav: {self.code2wav_graphs}; vocoder: {self.vocoder_graphs}), "
+                f"Code2Wav: {self.code2wav_graphs}; vocoder: {self.vocoder_graphs}; "
+                f"audio encoder: {self.encoder_graphs}), "
                 f"kernels: {', '.join(self.kernels) or 'none'}")
 
 
@@ -365,6 +369,11 @@ def warm_up(engine: DuplexEngine, should_stop: Callable[[], bool] = _never) -> W
             logger.info("warm-up: %s decode graphs %d (buckets %s, widths %s, unit runs %d)", name, decode[name],
                         sorted({b for _, b, _ in keys}), sorted({w for _, _, w in keys}),
                         sum(kind == "loop" for kind, _, _ in keys))
+    encoder = 0
+    for batch, frames in engine.encoder_graphs.keys() if engine.encoder_graphs is not None else ():
+        if should_stop():
+            break
+        encoder += engine.encoder_graphs.warm(batch, frames)
     arena = engine.code2wav.arena
     for tier, width, length in code2wav_keys(engine) if arena.use_graphs else ():
         if should_stop():
@@ -383,6 +392,6 @@ def warm_up(engine: DuplexEngine, should_stop: Callable[[], bool] = _never) -> W
             kernels += (f"thinker:prefill_{run_prefill_once(engine)}_tokens",
                         f"audio_encoder:batch_{run_encoder_once(engine)}",
                         f"allocator:dynamic_{reserve_dynamic_region(engine) >> 20}_MiB")
-    report = WarmupReport(time.perf_counter() - start, decode, c2w, kernels, cancelled, vocoder)
+    report = WarmupReport(time.perf_counter() - start, decode, c2w, kernels, cancelled, vocoder, encoder)
     logger.info("engine %s%s", report.describe(), " (cancelled)" if cancelled else "")
     return report

@@ -283,6 +283,39 @@ def test_talker_unit_graphs_reach_the_talkers_code_steps(tmp_path, monkeypatch, 
     assert outputs[True] == outputs[False] and all(outputs[True][1].values())
 
 
+@pytest.mark.parametrize("on", [True, False])
+def test_encoder_cuda_graphs_reach_the_encoder_step(tmp_path, monkeypatch, on):
+    """``engine.encoder_cuda_graphs``: the Thinker stage's encoder step runs the piecewise runner
+    (on; CPU: its pieces eagerly over the static buffers) or the eager layers (off); the text
+    and audio agree either way (float32 rounding may move PCM by an LSB)."""
+    import numpy as np
+
+    from duplexcache.runtime.engine import DuplexEngine
+
+    monkeypatch.setattr(DuplexEngine, "_can_capture_encoder", lambda self: True)
+    outputs = {}
+    for arm in (on, not on):
+        sections = {"engine": {"encoder_cuda_graphs": arm, "speak_policy": {"k": 100, "turn_units": 100}}}
+        eng = engine(tmp_path, f"encoder_graphs_{arm}", sections)
+        assert (eng.thinker_stage.encoder_graphs is not None) is arm
+        sids = [eng.open_session({"voice": v}) for v in ("default", "alt")]
+        for i, sid in enumerate(sids):
+            eng.push_audio(sid, audio(i, 3))
+        events = [e for _ in range(3) for e in eng.tick()]
+        assert eng.stats().encoder_graph_ticks == (3 if arm else 0)
+        outputs[arm] = ([(e.sid, e.text) for e in events if isinstance(e, TextDelta)],
+                        {sid: b"".join(e.pcm16 for e in events if isinstance(e, AudioDelta) and e.sid == sid)
+                         for sid in sids})
+        eng.shutdown()
+        assert eng.encoder_graphs is None
+    (text_on, pcm_on), (text_off, pcm_off) = outputs[True], outputs[False]
+    assert text_on == text_off and len(text_on) == 6
+    for sid in pcm_on:
+        a = np.frombuffer(pcm_on[sid], dtype=np.int16).astype(np.int32)
+        b = np.frombuffer(pcm_off[sid], dtype=np.int16).astype(np.int32)
+        assert a.size == b.size > 0 and np.abs(a - b).max() <= 2
+
+
 def test_ragged_step_graphs_that_cannot_act_say_so(tmp_path, caplog):
     """On this CPU there are no decode graphs, so the switch cannot act: the engine says so and
     the Thinker's appends stay eager (a switch that silently does nothing is a bug)."""
@@ -295,6 +328,11 @@ def test_ragged_step_graphs_that_cannot_act_say_so(tmp_path, caplog):
         eng = engine(tmp_path, "unit_graphs_cpu", {"engine": {"talker_unit_graphs": True}})
     assert eng.talker_graphs is None
     assert any("talker_unit_graphs needs decode graphs" in r.getMessage() for r in caplog.records)
+    eng.shutdown()
+    with caplog.at_level("WARNING", logger="duplexcache.runtime.engine"):
+        eng = engine(tmp_path, "encoder_graphs_cpu", {"engine": {"encoder_cuda_graphs": True}})
+    assert eng.encoder_graphs is None
+    assert any("encoder_cuda_graphs needs a CUDA device" in r.getMessage() for r in caplog.records)
     eng.shutdown()
 
 

@@ -92,6 +92,20 @@ def test_warmup_covers_the_talker_unit_runs(tmp_path, monkeypatch):
     assert stats.graph_captures["tick"] == 0 and stats.talker_unit_graph_runs > 0
 
 
+def test_warmup_prepares_every_encoder_key(tmp_path, monkeypatch):
+    """``engine.encoder_cuda_graphs``: the warm-up prepares every (bucket, chunk width) of the
+    encoder's pieces, and the ticks (sessions joining with their longer first chunk) then
+    prepare nothing."""
+    monkeypatch.setattr(DuplexEngine, "_can_capture_encoder", lambda self: True)
+    eng = graphed_engine(tmp_path, monkeypatch, "warm_encoder",
+                         {**SMALL, "engine": {**SMALL["engine"], "encoder_cuda_graphs": True}})
+    report = eng.warmup()
+    assert report.encoder_graphs == len(eng.encoder_graphs.keys()) > 0
+    serve_units(eng)
+    stats = eng.stats()
+    assert stats.graph_captures["tick"] == 0 and stats.encoder_graph_ticks > 0
+
+
 def test_without_warmup_the_ticks_capture(tmp_path, monkeypatch):
     """The control: the same load on a cold engine captures inside ticks, and only keys that the
     warm-up's lists hold."""

@@ -308,7 +308,8 @@ def run_prefill_once(engine: DuplexEngine) -> int:
 @torch.no_grad()
 def run_encoder_once(engine: DuplexEngine) -> int:
     """A first unit, then a second, through the audio encoder for the planned session count on
-    throwaway states (CUDA only; no session or pool is touched). Returns the batch size."""
+    throwaway states (CUDA only; no session or pool is touched), through its piecewise graphs
+    when the engine has them (``engine.encoder_cuda_graphs``). Returns the batch size."""
     m = engine.models
     if m.device.type != "cuda":
         return 0
@@ -318,7 +319,7 @@ def run_encoder_once(engine: DuplexEngine) -> int:
     states = [enc.new_stream_state(storage_dtype=stage.encoder_storage) for _ in range(batch)]
     for _ in range(2):
         pcm = [torch.zeros(enc.expected_chunk_samples(s)) for s in states]
-        enc.stream_step(states, pcm)
+        enc.stream_step(states, pcm, graphs=stage.encoder_graphs)
     _sync(m.device)
     return batch
 

@@ -108,9 +108,11 @@ case "$mode" in
     step smoke_ticks 120 python3 -m duplexcache.cli bench ticks --preset tiny --device cuda --sessions 1,2 --ticks 2 --out "$out/smoke_ticks"
     # the fp8 KV pools through warm-up, the decode graphs and the in-kernel dequantization
     step smoke_ticks_fp8 120 python3 -m duplexcache.cli bench ticks --preset tiny --device cuda --sessions 1,2 --ticks 2 --kv-cache-dtype fp8_e4m3 --out "$out/smoke_ticks_fp8"
+    # the graph switches that are off by default, through warm-up and ticks (device bugs in seconds)
+    step smoke_ticks_graphs 120 python3 -m duplexcache.cli bench ticks --preset tiny --device cuda --sessions 1,2 --ticks 2 --ragged-step-graphs on --talker-unit-graphs on --encoder-cuda-graphs on --out "$out/smoke_ticks_graphs"
     step smoke_setup 120 python3 -m duplexcache.cli bench setup --preset tiny --device cuda --sessions 3 --repeats 1 --out "$out/smoke_setup"
     serve_conversation smoke_serve duplexcache/configs/tiny.yaml 2 16   # 16 s: every caller reaches its first reply
-    step gpu_tests 240 python3 -m pytest -q -x tests/cfm/test_graphs.py tests/kv/test_paged_attention.py tests/kv/test_decode_graphs.py tests/runtime/test_warmup.py -p no:cacheprovider ;;
+    step gpu_tests 240 python3 -m pytest -q -x tests/cfm/test_graphs.py tests/kv/test_paged_attention.py tests/kv/test_decode_graphs.py tests/models/test_audio_encoder_graphs.py tests/runtime/test_warmup.py -p no:cacheprovider ;;
   suite)  # issue 14: the whole test suite on the GPU machine (CUDA tests run, interpreter tests skip; -q comes from pyproject)
     step suite 420 python3 -m pytest -rs -n 4 --dist loadfile --timeout 300 -p no:cacheprovider tests ;;
   bench)  # issue 6: memory per session A/B per switch, 80 GiB budget as on an 80 GB card

@@ -324,6 +324,12 @@ def run_encoder_once(engine: DuplexEngine) -> int:
     return batch
 
 
+def dynamic_region_bytes(planned: int, free: int) -> int:
+    """What ``reserve_dynamic_region`` holds: the plan's dynamic bytes, at most what is free less
+    1 GiB (kept for the CUDA context and workspaces)."""
+    return max(0, min(planned, free - (1 << 30)))
+
+
 def reserve_dynamic_region(engine: DuplexEngine) -> int:
     """Allocate the plan's dynamic region (the sessions' encoder and Code2Wav stream caches; the
     voices' prompt states are fixed bytes, allocated already) as one block and free it, so the
@@ -333,7 +339,15 @@ def reserve_dynamic_region(engine: DuplexEngine) -> int:
     if m.device.type != "cuda":
         return 0
     free, _ = torch.cuda.mem_get_info(m.device)
-    n = max(0, min(engine.plan.dynamic_bytes, free - (1 << 30)))
+    n = dynamic_region_bytes(engine.plan.dynamic_bytes, free)
+    if n < engine.plan.dynamic_bytes:
+        # The plan sized the pools before the warm-up's graphs took their memory; a region that
+        # no longer fits means the sessions' growing caches may not either (H200, 2026-12-06:
+        # 11.9 of 27.6 GB with engine.ragged_step_graphs + engine.encoder_cuda_graphs on).
+        logger.warning("warm-up: the device has %.1f GiB free for the plan's %.1f GiB dynamic region (the "
+                       "sessions' encoder and Code2Wav caches); the graphs captured since the plan took the rest, "
+                       "so the planned sessions may run out of device memory", n / 2**30,
+                       engine.plan.dynamic_bytes / 2**30)
     if n:
         block = torch.empty(n, dtype=torch.uint8, device=m.device)
         del block

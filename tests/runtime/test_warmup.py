@@ -174,6 +174,13 @@ def test_thinker_widths_stop_at_a_reference_sessions_table(tmp_path, monkeypatch
     assert keys["thinker"][0][1] == max(eng.thinker_graphs.buckets)   # largest first
 
 
+def test_dynamic_region_is_what_the_plan_needs_up_to_what_is_free():
+    gib = 1 << 30
+    assert W.dynamic_region_bytes(10 * gib, 40 * gib) == 10 * gib
+    assert W.dynamic_region_bytes(10 * gib, 5 * gib) == 4 * gib      # 1 GiB stays free: short of the plan
+    assert W.dynamic_region_bytes(10 * gib, gib // 2) == 0
+
+
 def test_code2wav_key_arithmetic():
     # P = 300, chunks of 50 frames, tail 100: P, P + 50, P + 100 (then the trim holds it)
     assert W.code2wav_cache_lengths(300, 50, 100) == [300, 350, 400]

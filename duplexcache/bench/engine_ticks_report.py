@@ -45,8 +45,8 @@ def markdown(results: dict[str, Any]) -> str:
         "figure the 1 s test uses.", "",
         "| sessions | status | " + " | ".join(f"{s} ms" for s in (*STAGES, "wall"))
         + " | all ticks < 1 s | sessions speaking per tick (min..max) | graphed decode steps (Thinker/Talker) "
-        "| warm-up s (graphs) | graphs captured in recorded ticks | peak alloc GiB |",
-        "|---" * (len(STAGES) + 9) + "|",
+        "| warm-up s (graphs) | graphs captured in recorded ticks | peak alloc GiB | left after free GiB |",
+        "|---" * (len(STAGES) + 10) + "|",
     ]
     for r in results["runs"]:
         cells = [_stage_cell(r["stages_s"][s]) for s in (*STAGES, "wall")]
@@ -54,6 +54,9 @@ def markdown(results: dict[str, Any]) -> str:
         text = f"{min(r['text_sessions_per_tick'])}..{max(r['text_sessions_per_tick'])}" \
             if r["text_sessions_per_tick"] else "-"
         mem = "-" if r["max_memory_allocated"] is None else f"{r['max_memory_allocated'] / 2**30:.2f}"
+        # device memory still allocated once the engine was freed (the weights: a later engine's
+        # budget sees the rest; the graph switches left ~30 GiB on the H200, docs/benchmarks.md)
+        left = "-" if r.get("memory_allocated_after") is None else f"{r['memory_allocated_after'] / 2**30:.2f}"
         steps, ragged = r.get("decode_graph_steps") or {}, r.get("ragged_graph_steps") or {}
         graphed = f"{steps['thinker']}/{steps['talker']}" if steps else "-"
         if any(ragged.values()):
@@ -62,7 +65,7 @@ def markdown(results: dict[str, Any]) -> str:
             graphed += f" (+{r['talker_unit_graph_runs']} Talker unit runs)"
         warm = "-" if r.get("warmup_s") is None else f"{r['warmup_s']:.1f} ({r['warmup_graphs']})"
         lines.append(f"| {r['sessions']} | {r['status']} | " + " | ".join(cells)
-                     + f" | {under} | {text} | {graphed} | {warm} | {r.get('tick_graph_captures', '-')} | {mem} |")
+                     + f" | {under} | {text} | {graphed} | {warm} | {r.get('tick_graph_captures', '-')} | {mem} | {left} |")
     best = results["largest_sessions_all_ticks_under_1s"]
     lines += ["", f"**Largest session count tried with every tick < 1 s: {best if best is not None else 'none'}**"]
     notes = [f"- n={r['sessions']}: {r['status']}: {r['note']}" for r in results["runs"] if r["note"]]

@@ -252,17 +252,22 @@ class EngineConfig(_Strict):
     # With decode graphs and stage0.ragged_kernel: short ragged steps (a unit's append to the
     # Thinker, the Talker's condition) replay the same graphs as one row per token when their
     # tokens fit a batch bucket (kv/decode_graphs.py run_ragged), instead of ~900 eager
-    # launches each. Off: those steps launch eagerly (A/B reference).
+    # launches each. Off: those steps launch eagerly (A/B reference). Measured (H200): the Thinker
+    # stage 111.5 -> 43.9 ms at one session; off by default until the device memory its graphs
+    # keep is explained (docs/benchmarks.md).
     ragged_step_graphs: bool = False
     # With decode graphs: the Talker's 26 one-token steps of a speaking unit after its condition
     # (24 codes picked greedily on the device, then t25 and the end code) replay as one graph
     # (kv/decode_graphs.py run_loop) instead of 26 replays with ~30 eager launches around each.
-    # Off: one graph replay per step (A/B reference).
+    # Off: one graph replay per step (A/B reference). Measured (H200): no tick gain, ~63 s more
+    # warm-up, so it stays off.
     talker_unit_graphs: bool = False
     # CUDA devices: the streaming audio encoder's layers replay as piecewise CUDA graphs, with
     # each layer's cache store and gather as the eager piece between them (models/
     # audio_encoder_graphs.py): 25 replays and 48 multi-tensor copies per tick at minicpmo45
-    # shapes instead of ~650 launches. Off: the eager layers (A/B reference).
+    # shapes instead of ~650 launches. Off: the eager layers (A/B reference). Measured (H200): the
+    # encoder stage 50.7 -> 4.5 ms at one session; off by default until the device memory its
+    # graphs keep is explained (docs/benchmarks.md).
     encoder_cuda_graphs: bool = False
     # Most Talker KV tokens one audio turn may hold; None = the Talker's max_position_embeddings
     # (4096 for minicpmo45, ~150 s of speech). Admission reserves this many tokens' blocks per

@@ -47,6 +47,8 @@ replays with ~30 eager launches around each (buffer fills, the code head, the pi
 embedding). The run's metadata (every step's position, slot and length) is one host-to-device
 copy. Numerics are the one-token graphs' except the code head, which multiplies the bucket's
 rows here and the real rows there (cuBLAS may pick another kernel for another row count).
+Measured on the H200 (2026-12-06): no tick gain, since the Talker's steps are mostly kernel time
+once its condition is graphed, for ~1.6 s of capture per key; so the switch stays off.
 """
 
 from __future__ import annotations
@@ -67,6 +69,16 @@ PagedForward = Callable[[torch.Tensor, PagedBatch, PagedKVCache], torch.Tensor]
 MIN_WIDTH_BLOCKS = 16
 # Packed host row per sequence: position, slot, seq_len, then the block table.
 _POS, _SLOT, _SEQ_LEN, _TABLE = 0, 1, 2, 3
+
+
+def upload_host(host: np.ndarray, dest: torch.Tensor, pinned: bool) -> None:
+    """Copy a host array into a static device buffer without waiting. ``pinned`` (CUDA): stage it
+    in pinned memory; the caching host allocator keeps the staging buffer until the copy ran, so
+    the next step cannot overwrite it early."""
+    staged = torch.from_numpy(host)
+    if pinned:
+        staged = staged.pin_memory()
+    dest.copy_(staged, non_blocking=True)
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
@@ -387,12 +399,7 @@ class PagedDecodeGraphs:
         self._loop_ids[: first_ids.shape[0]].copy_(first_ids)
 
     def _upload(self, host: np.ndarray, dest: torch.Tensor) -> None:
-        # Pinned + non_blocking: the caching host allocator keeps the staging buffer until the
-        # copy ran, so the next step cannot overwrite it early.
-        staged = torch.from_numpy(host)
-        if self.capture:
-            staged = staged.pin_memory()
-        dest.copy_(staged, non_blocking=True)
+        upload_host(host, dest, pinned=self.capture)
 
     def _paged_batch(self, packed: torch.Tensor, width: int, num_computed: list[int]) -> PagedBatch:
         """The step described by static rows ``packed`` (batch, _TABLE + ...); ``num_computed``:

@@ -3,7 +3,8 @@
 Why: the encoder runs every tick for every session with audio, eagerly: on the H200 at 40
 sessions its stage launched 652 kernels for 11 ms of kernel time in a ~96 ms span (profile of
 2026-12-05), and the launch count does not shrink with sessions, so a tick of one or two reply
-starts pays ~50 ms of it. Its per-session caches move as they grow (``StreamingAudioEncoderState``
+starts pays ~50 ms of it. Measured on the H200 (2026-12-06): the encoder stage 50.7 -> 4.5 ms
+at one session, 60.7 -> 10.9 at two. Its per-session caches move as they grow (``StreamingAudioEncoderState``
 grows by 125 frames), so the layers' cache store and gather cannot be captured; everything
 between them can (vLLM's piecewise graphs, with the cache traffic as the eager piece).
 
@@ -20,8 +21,9 @@ Per tick, for a key (batch bucket, frames per chunk ``n``):
 So a tick launches L + 1 replays and 2L multi-tensor copies instead of ~25 kernels per layer.
 The pieces exchange nothing through the graphs' memory pool: each reads and writes static
 buffers (per ``n``: X, Q, K, V of ``max_batch`` rows; shared: the gather buffer of
-``max_cache_frames`` keys and the mask), so any capture order is safe and the pool holds only
-one piece's temporaries. The gather buffer is the eager tick's gather buffer at its largest,
+``max_cache_frames`` keys and the mask), so any capture order is safe. (Whether the shared pool
+then holds only one piece's temporaries is not established: on the H200 the warm-up with these
+graphs and the ragged-step graphs left ~16 GB less free, docs/benchmarks.md.) The gather buffer is the eager tick's gather buffer at its largest,
 held for good: at minicpmo45 shapes 2 x 1500 frames x 1024 values per row, 6 MiB per row in bf16.
 
 Numerics: the keys run to ``max_cache_frames`` with a mask instead of to the tick's longest
@@ -40,7 +42,7 @@ import numpy as np
 import torch
 
 from duplexcache.cfm.arena import CudaGraphBackend
-from duplexcache.kv.decode_graphs import batch_buckets
+from duplexcache.kv.decode_graphs import batch_buckets, upload_host
 from duplexcache.kv.kv_quant import is_quantized
 from duplexcache.models.audio_encoder import AudioEncoder, StreamingAudioEncoderState, TickKV, stored_keys_values
 
@@ -177,14 +179,8 @@ class EncoderGraphs:
         mask[:, 0] = True   # padding rows
         for b, (start, length) in enumerate(zip(starts, lens)):
             mask[b, : start + length] = True
-        self._upload(positions, buf.positions[:batch])
-        self._upload(mask, self._mask[:batch, 0, 0])
-
-    def _upload(self, host: np.ndarray, dest: torch.Tensor) -> None:
-        staged = torch.from_numpy(host)
-        if self.capture:
-            staged = staged.pin_memory()   # kept by the caching host allocator until the copy ran
-        dest.copy_(staged, non_blocking=True)
+        upload_host(positions, buf.positions[:batch], pinned=self.capture)
+        upload_host(mask, self._mask[:batch, 0, 0], pinned=self.capture)
 
     def _prepare(self, batch: int, n: int) -> list[Callable[[], None]]:
         """Key (batch, n): its L + 1 pieces, captured (CUDA) or as eager callables."""

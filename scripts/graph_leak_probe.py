@@ -1,56 +1,131 @@
-"""Which graph switch keeps device memory after its engine is freed? (tiny preset, CUDA).
+"""Which graph switch keeps device memory after its engine is freed, and who allocated it?
 
-For each arm: build an engine, warm up, run a few ticks with two sessions, shut down, drop every
-reference, collect, empty the cache, and print torch.cuda.memory_allocated / reserved against
-the weights alone. Usage: python3 scripts/graph_leak_probe.py
+Runs the path `duplexcache bench ticks` runs (fresh engine, warm-up, a few ticks, close, shutdown,
+collect, empty the cache) once per arm, with the allocator's history of live blocks on, and then
+attributes what is still allocated: by the first duplexcache frame of each live block's allocation
+stack and by memory pool (a graph's private pool or the default one). It also lists the CUDA
+tensors Python still reaches and the CUDAGraph objects still alive.
+
+Usage: python3 scripts/graph_leak_probe.py [--preset minicpmo45] [--arms ragged,encoder,off] [--out DIR]
+(tiny and CPU: a dry run of the script itself; nothing is attributed without CUDA.)
 """
 from __future__ import annotations
 
+import argparse
+import collections
 import gc
+import json
 import logging
+from pathlib import Path
+from typing import Any
 
-import numpy as np
 import torch
 
-from duplexcache.config import DeployConfig
+from duplexcache.bench.engine_ticks import run_benchmark
+from duplexcache.bench.engine_ticks_config import TickBenchConfig, make_deploy
 from duplexcache.runtime.bundle import build_models
-from duplexcache.runtime.engine import DuplexEngine
 
-ARMS = {"off": {}, "ragged": {"ragged_step_graphs": True}, "encoder": {"encoder_cuda_graphs": True},
-        "units": {"talker_unit_graphs": True}}
+logger = logging.getLogger("graph_leak_probe")
+
+ARMS = {"off": {"ragged_step_graphs": False, "encoder_cuda_graphs": False},
+        "ragged": {"ragged_step_graphs": True, "encoder_cuda_graphs": False},
+        "encoder": {"ragged_step_graphs": False, "encoder_cuda_graphs": True},
+        "both": {"ragged_step_graphs": True, "encoder_cuda_graphs": True}}
+
+
+def _site(frames: list[dict[str, Any]]) -> str:
+    """The innermost duplexcache frame of an allocation stack (else the innermost frame)."""
+    ours = [f for f in frames if "duplexcache" in f.get("filename", "")]
+    pick = ours[:3] if ours else frames[:1]
+    return " <- ".join(f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in pick) or "?"
+
+
+def attribute_live_blocks(snapshot: dict[str, Any]) -> dict[str, Any]:
+    """Live (allocated) bytes of an allocator snapshot, by allocation site and by pool."""
+    by_site: collections.Counter[str] = collections.Counter()
+    by_pool: collections.Counter[str] = collections.Counter()
+    for seg in snapshot.get("segments", []):
+        pool = str(tuple(seg.get("segment_pool_id", (0, 0))))
+        for block in seg.get("blocks", []):
+            if block.get("state") != "active_allocated":
+                continue
+            frames = block.get("frames") or []
+            if not frames and block.get("history"):
+                frames = block["history"][-1].get("frames", [])
+            by_site[_site(frames)] += block["size"]
+            by_pool[pool] += block["size"]
+    return {"by_site": by_site.most_common(25), "by_pool": by_pool.most_common(10),
+            "reserved_by_pool": _reserved_by_pool(snapshot)}
+
+
+def _reserved_by_pool(snapshot: dict[str, Any]) -> list[tuple[str, int]]:
+    pools: collections.Counter[str] = collections.Counter()
+    for seg in snapshot.get("segments", []):
+        pools[str(tuple(seg.get("segment_pool_id", (0, 0))))] += seg["total_size"]
+    return pools.most_common(10)
+
+
+def reachable_cuda_objects() -> dict[str, Any]:
+    """CUDA tensors and CUDAGraphs Python still reaches, with what refers to the largest."""
+    seen: dict[int, torch.Tensor] = {}
+    graphs = 0
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.cuda.CUDAGraph):
+                graphs += 1
+            elif isinstance(obj, torch.Tensor) and obj.is_cuda:
+                seen.setdefault(obj.untyped_storage().data_ptr(), obj)
+        except Exception:  # some objects refuse isinstance/attribute checks mid-teardown
+            continue
+    largest = sorted(seen.values(), key=lambda t: t.untyped_storage().nbytes(), reverse=True)[:8]
+    rows = []
+    for t in largest:
+        refs = [type(r).__name__ + (f"[{sorted(r)[:4]}]" if isinstance(r, dict) else "")
+                for r in gc.get_referrers(t) if r is not seen and r is not largest][:4]
+        rows.append({"shape": list(t.shape), "dtype": str(t.dtype), "bytes": t.untyped_storage().nbytes(),
+                     "referrers": refs})
+    return {"cuda_graphs_alive": graphs, "tensors": len(seen),
+            "tensor_bytes": sum(t.untyped_storage().nbytes() for t in seen.values()), "largest": rows}
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.WARNING)
-    base = DeployConfig.from_yaml("duplexcache/configs/tiny.yaml")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="minicpmo45")
+    parser.add_argument("--arms", default="ragged,encoder,off")
+    parser.add_argument("--sessions", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cuda = torch.cuda.is_available()
-    base.model.device = "cuda" if cuda else "cpu"   # CPU: a dry run of the script itself
-    models = build_models(base)
+    device = "cuda" if cuda else "cpu"
+    base = TickBenchConfig(preset=args.preset, device=device, sessions=(args.sessions,), ticks=2, warmup_ticks=8,
+                           steady_window=cuda, profile_ticks=2 if cuda else 0,
+                           workload="continuous", memory_budget="auto" if cuda else None, max_seconds=170,
+                           graph_grid=(1, 4, 8, 16) if args.preset == "minicpmo45" else None)
+    models = build_models(make_deploy(base), seed=0)
     weights = torch.cuda.memory_allocated() if cuda else 0
-    for name, switches in ARMS.items():
-        deploy = DeployConfig.from_yaml("duplexcache/configs/tiny.yaml")
-        deploy.model.device = base.model.device
-        for key, value in switches.items():
-            setattr(deploy.engine, key, value)
-        eng = DuplexEngine(deploy, models)
-        eng.warmup()
-        sids = [eng.open_session({}) for _ in range(2)]
-        for sid in sids:
-            eng.push_audio(sid, (np.random.default_rng(0).standard_normal(16000 * 3) * 0.1).astype(np.float32))
-        for _ in range(3):
-            eng.tick()
-        for sid in sids:
-            eng.close_session(sid)
-        eng.shutdown()
-        del eng
+    report: dict[str, Any] = {"weights_allocated": weights, "arms": {}}
+    for name in args.arms.split(","):
+        cfg = TickBenchConfig(**{**base.__dict__, **ARMS[name]})
+        if cuda:
+            torch.cuda.memory._record_memory_history(enabled="state", stacks="python", max_entries=100_000)
+        run_benchmark(cfg, models=models)
         gc.collect()
-        if not cuda:
-            print(f"{name}: ran (CPU)", flush=True)
-            continue
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        print(f"{name}: allocated +{(torch.cuda.memory_allocated() - weights) / 2**20:.1f} MiB, "
-              f"reserved {torch.cuda.memory_reserved() / 2**20:.1f} MiB", flush=True)
+        arm: dict[str, Any] = {"reachable": reachable_cuda_objects()}
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            arm["allocated_over_weights"] = torch.cuda.memory_allocated() - weights
+            arm["reserved"] = torch.cuda.memory_reserved()
+            arm["live"] = attribute_live_blocks(torch.cuda.memory._snapshot())
+            torch.cuda.memory._record_memory_history(enabled=None)
+        report["arms"][name] = arm
+        logger.info("%s: %s", name, json.dumps({k: v for k, v in arm.items() if k != "live"})[:2000])
+        for site, size in arm.get("live", {}).get("by_site", [])[:10]:
+            logger.info("  %8.1f MiB  %s", size / 2**20, site)
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "leak_probe.json").write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

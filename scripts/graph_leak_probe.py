@@ -7,6 +7,8 @@ stack and by memory pool (a graph's private pool or the default one). It also li
 tensors Python still reaches and the CUDAGraph objects still alive.
 
 Usage: python3 scripts/graph_leak_probe.py [--preset minicpmo45] [--arms ragged,encoder,off] [--out DIR]
+An arm name ending in ``+fresh`` warms every capture up on a new pooled stream, as the runners did
+before ``warmup_stream`` (the A/B of that change).
 (tiny and CPU: a dry run of the script itself; nothing is attributed without CUDA.)
 """
 from __future__ import annotations
@@ -16,11 +18,14 @@ import collections
 import gc
 import json
 import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
+import duplexcache.cfm.arena as arena_module
+import duplexcache.kv.decode_graphs as decode_graphs_module
 from duplexcache.bench.engine_ticks import run_benchmark
 from duplexcache.bench.engine_ticks_config import TickBenchConfig, make_deploy
 from duplexcache.runtime.bundle import build_models
@@ -44,18 +49,23 @@ def attribute_live_blocks(snapshot: dict[str, Any]) -> dict[str, Any]:
     """Live (allocated) bytes of an allocator snapshot, by allocation site and by pool."""
     by_site: collections.Counter[str] = collections.Counter()
     by_pool: collections.Counter[str] = collections.Counter()
+    by_size: collections.Counter[int] = collections.Counter()
+    by_stream: collections.Counter[str] = collections.Counter()
     for seg in snapshot.get("segments", []):
         pool = str(tuple(seg.get("segment_pool_id", (0, 0))))
+        by_stream[str(seg.get("stream"))] += seg["total_size"]
         for block in seg.get("blocks", []):
             if block.get("state") != "active_allocated":
                 continue
+            by_size[block["size"]] += 1
             frames = block.get("frames") or []
             if not frames and block.get("history"):
                 frames = block["history"][-1].get("frames", [])
             by_site[_site(frames)] += block["size"]
             by_pool[pool] += block["size"]
     return {"by_site": by_site.most_common(25), "by_pool": by_pool.most_common(10),
-            "reserved_by_pool": _reserved_by_pool(snapshot)}
+            "reserved_by_pool": _reserved_by_pool(snapshot), "reserved_by_stream": by_stream.most_common(40),
+            "live_blocks_by_size": by_size.most_common(15)}
 
 
 def _reserved_by_pool(snapshot: dict[str, Any]) -> list[tuple[str, int]]:
@@ -69,6 +79,7 @@ def reachable_cuda_objects() -> dict[str, Any]:
     """CUDA tensors and CUDAGraphs Python still reaches, with what refers to the largest."""
     seen: dict[int, torch.Tensor] = {}
     graphs = 0
+    warnings.simplefilter("ignore", FutureWarning)   # isinstance on deprecated torch module attributes
     for obj in gc.get_objects():
         try:
             if isinstance(obj, torch.cuda.CUDAGraph):
@@ -105,8 +116,12 @@ def main() -> None:
     models = build_models(make_deploy(base), seed=0)
     weights = torch.cuda.memory_allocated() if cuda else 0
     report: dict[str, Any] = {"weights_allocated": weights, "arms": {}}
+    shared_stream = decode_graphs_module.warmup_stream
     for name in args.arms.split(","):
-        cfg = TickBenchConfig(**{**base.__dict__, **ARMS[name]})
+        switches, _, fresh = name.partition("+")
+        stream_of = (lambda device=None: torch.cuda.Stream(device)) if fresh else shared_stream
+        decode_graphs_module.warmup_stream = arena_module.warmup_stream = stream_of
+        cfg = TickBenchConfig(**{**base.__dict__, **ARMS[switches]})
         if cuda:
             torch.cuda.memory._record_memory_history(enabled="state", stacks="python", max_entries=100_000)
         run_benchmark(cfg, models=models)

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from duplexcache.cfm.prompt_cache import AttCache
+from duplexcache.kv.decode_graphs import warmup_stream
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class CudaGraphBackend:
     def capture(self, fn: Callable[[], None]) -> Callable[[], None]:
         # Warm-up on a side stream first: lazy cuBLAS/cuDNN initialisation and the allocator's
         # first allocations must not happen inside the capture.
-        stream = torch.cuda.Stream()
+        stream = warmup_stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             fn()

@@ -81,6 +81,22 @@ def upload_host(host: np.ndarray, dest: torch.Tensor, pinned: bool) -> None:
     dest.copy_(staged, non_blocking=True)
 
 
+_WARMUP_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def warmup_stream(device: torch.device | None = None) -> torch.cuda.Stream:
+    """The one side stream (per device, for the process) on which every graph capture runs its
+    eager warm-up. One, not a new one per capture: the caching allocator keeps freed blocks per
+    stream, and cuBLAS keeps a workspace per (handle, stream) for the life of the process, so
+    hundreds of captures on fresh pooled streams spread both over up to 32 streams."""
+    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if dev not in _WARMUP_STREAMS:
+        _WARMUP_STREAMS[dev] = torch.cuda.Stream(dev)
+    return _WARMUP_STREAMS[dev]
+
+
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
     """1, 2, 4, 8, then multiples of 8, up to the first bucket that holds ``max_batch``."""
     if max_batch < 1:
@@ -460,7 +476,7 @@ class PagedDecodeGraphs:
         self._pad(kind, batch)
         torch.cuda.synchronize(dev)
         reserved = torch.cuda.memory_reserved(dev)
-        side = torch.cuda.Stream(dev)
+        side = warmup_stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):   # compiles kernels and creates cuBLAS state outside the capture
             self._body(kind, batch, width)

@@ -116,7 +116,7 @@ def main() -> None:
     models = build_models(make_deploy(base), seed=0)
     weights = torch.cuda.memory_allocated() if cuda else 0
     report: dict[str, Any] = {"weights_allocated": weights, "arms": {}}
-    shared_stream = decode_graphs_module.warmup_stream
+    shared_stream, previous = decode_graphs_module.warmup_stream, 0
     for name in args.arms.split(","):
         switches, _, fresh = name.partition("+")
         stream_of = (lambda device=None: torch.cuda.Stream(device)) if fresh else shared_stream
@@ -131,6 +131,8 @@ def main() -> None:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
             arm["allocated_over_weights"] = torch.cuda.memory_allocated() - weights
+            arm["allocated_added_by_arm"] = arm["allocated_over_weights"] - previous
+            previous = arm["allocated_over_weights"]
             arm["reserved"] = torch.cuda.memory_reserved()
             arm["live"] = attribute_live_blocks(torch.cuda.memory._snapshot())
             torch.cuda.memory._record_memory_history(enabled=None)

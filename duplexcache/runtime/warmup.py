@@ -354,6 +354,21 @@ def reserve_dynamic_region(engine: DuplexEngine) -> int:
     return n
 
 
+def _log_device_memory(engine: DuplexEngine) -> None:
+    """Where the device memory stands after the warm-up: what the graphs' pools took is the part
+    the memory plan does not count (docs/benchmarks.md, "The graph switches on the H200")."""
+    device = engine.models.device
+    if device.type != "cuda":
+        return
+    pools = {name: graphs.stats.pool_bytes for name, graphs in
+             (("thinker", engine.thinker_graphs), ("talker", engine.talker_graphs)) if graphs is not None}
+    free, _ = torch.cuda.mem_get_info(device)
+    logger.info("warm-up: device memory allocated %.2f GiB, reserved %.2f GiB, free %.2f GiB; decode graph pools "
+                "grew reserved by %s", torch.cuda.memory_allocated(device) / 2**30,
+                torch.cuda.memory_reserved(device) / 2**30, free / 2**30,
+                ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in pools.items()) or "nothing (no decode graphs)")
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -408,5 +423,6 @@ def warm_up(engine: DuplexEngine, should_stop: Callable[[], bool] = _never) -> W
                         f"audio_encoder:batch_{run_encoder_once(engine)}",
                         f"allocator:dynamic_{reserve_dynamic_region(engine) >> 20}_MiB")
     report = WarmupReport(time.perf_counter() - start, decode, c2w, kernels, cancelled, vocoder, encoder)
+    _log_device_memory(engine)
     logger.info("engine %s%s", report.describe(), " (cancelled)" if cancelled else "")
     return report

@@ -86,11 +86,13 @@ class CudaGraphBackend:
         # first allocations must not happen inside the capture.
         stream = warmup_stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        # No autograd: a graph never runs backward, and with it on the static outputs would keep
+        # the captured run's activations alive through their grad_fn.
+        with torch.no_grad(), torch.cuda.stream(stream):
             fn()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool):
             fn()
         if self.pool is None:
             self.pool = graph.pool()

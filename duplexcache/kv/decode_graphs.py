@@ -478,11 +478,12 @@ class PagedDecodeGraphs:
         reserved = torch.cuda.memory_reserved(dev)
         side = warmup_stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):   # compiles kernels and creates cuBLAS state outside the capture
+        # no autograd (a graph never runs backward; see CudaGraphBackend.capture)
+        with torch.no_grad(), torch.cuda.stream(side):   # compiles kernels, creates cuBLAS state outside the capture
             self._body(kind, batch, width)
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.no_grad(), torch.cuda.graph(graph, pool=self._pool):
             out = self._body(kind, batch, width)
         torch.cuda.synchronize(dev)
         self.stats.captures += 1

@@ -380,6 +380,7 @@ def _never() -> bool:
     return False
 
 
+@torch.no_grad()   # nothing here runs backward; captures with autograd on keep their activations (see CudaGraphBackend.capture)
 def warm_up(engine: DuplexEngine, should_stop: Callable[[], bool] = _never) -> WarmupReport:
     """Capture every graph and run every kernel a tick can need (see the module docstring).
     Call with no tick running (``DuplexEngine.warmup`` holds the tick lock). ``should_stop`` is

@@ -74,6 +74,33 @@ def test_a_runner_declines_what_it_cannot_hold_and_warms_its_keys():
     assert graphs.nbytes() > 0
 
 
+class _RunTwiceBackend:
+    """CudaGraphBackend's calls on the CPU: the warm-up run, then the "captured" run, returning
+    something that repeats it."""
+
+    def capture(self, fn):
+        fn()
+        fn()
+        return fn
+
+
+def test_pieces_keep_no_autograd_history_in_the_static_buffers():
+    """Captured with autograd on (the warm-up once ran its encoder keys so): the pieces' copies
+    must not give the static buffers a grad_fn, which would hold every piece's activations in a
+    C++ reference cycle past the engine's life (H100: 7 GiB left after the engine was freed)."""
+    cfg = AudioEncoderConfig.tiny()
+    enc = AudioEncoder(cfg).eval()
+    assert any(p.requires_grad for p in enc.parameters())   # the case the pieces must survive
+    graphs = EncoderGraphs(enc, max_batch=2, capture=False)
+    graphs._backend = _RunTwiceBackend()
+    with torch.enable_grad():
+        for batch, n in graphs.keys():
+            graphs.warm(batch, n)
+    leaked = [name for name, t in vars(graphs._frames[graphs.widths[0]]).items()
+              if isinstance(t, torch.Tensor) and (t.requires_grad or t.grad_fn is not None)]
+    assert not leaked and not graphs._stored.requires_grad
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_captured_pieces_equal_the_same_pieces_eagerly():
     cfg = AudioEncoderConfig.tiny()

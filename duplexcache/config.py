@@ -256,12 +256,6 @@ class EngineConfig(_Strict):
     # stage 111.5 -> 43.9 ms at one session; off by default until the device memory its graphs
     # keep is explained (docs/benchmarks.md).
     ragged_step_graphs: bool = False
-    # With decode graphs: the Talker's 26 one-token steps of a speaking unit after its condition
-    # (24 codes picked greedily on the device, then t25 and the end code) replay as one graph
-    # (kv/decode_graphs.py run_loop) instead of 26 replays with ~30 eager launches around each.
-    # Off: one graph replay per step (A/B reference). Measured (H200): no tick gain, ~63 s more
-    # warm-up, so it stays off.
-    talker_unit_graphs: bool = False
     # CUDA devices: the streaming audio encoder's layers replay as piecewise CUDA graphs, with
     # each layer's cache store and gather as the eager piece between them (models/
     # audio_encoder_graphs.py): 25 replays and 48 multi-tensor copies per tick at minicpmo45

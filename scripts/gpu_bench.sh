@@ -109,7 +109,7 @@ case "$mode" in
     # the fp8 KV pools through warm-up, the decode graphs and the in-kernel dequantization
     step smoke_ticks_fp8 120 python3 -m duplexcache.cli bench ticks --preset tiny --device cuda --sessions 1,2 --ticks 2 --kv-cache-dtype fp8_e4m3 --out "$out/smoke_ticks_fp8"
     # the graph switches that are off by default, through warm-up and ticks (device bugs in seconds)
-    step smoke_ticks_graphs 120 python3 -m duplexcache.cli bench ticks --preset tiny --device cuda --sessions 1,2 --ticks 2 --ragged-step-graphs on --talker-unit-graphs on --encoder-cuda-graphs on --out "$out/smoke_ticks_graphs"
+    step smoke_ticks_graphs 120 python3 -m duplexcache.cli bench ticks --preset tiny --device cuda --sessions 1,2 --ticks 2 --ragged-step-graphs on --encoder-cuda-graphs on --out "$out/smoke_ticks_graphs"
     step smoke_setup 120 python3 -m duplexcache.cli bench setup --preset tiny --device cuda --sessions 3 --repeats 1 --out "$out/smoke_setup"
     serve_conversation smoke_serve duplexcache/configs/tiny.yaml 2 16   # 16 s: every caller reaches its first reply
     step gpu_tests 240 python3 -m pytest -q -x tests/cfm/test_graphs.py tests/kv/test_paged_attention.py tests/kv/test_decode_graphs.py tests/models/test_audio_encoder_graphs.py tests/runtime/test_warmup.py -p no:cacheprovider ;;
@@ -255,26 +255,22 @@ d = DeployConfig.from_packaged_yaml("minicpmo45"); d.code2wav.vocoder_cuda_graph
     step engine_ticks_profile_small_turns 160 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 1,2 --workload turns --speak-k 2 --turn-units 1 --steady-window --all-switches on --ticks 8 --warmup-ticks 8 --profile-ticks 2 --max-seconds 150 --memory-budget auto --graph-grid 1,4,8,16 --out "$out/engine_ticks_profile_small_turns" ;;
   ticks_ragged_graphs)  # cumulative A/B of the launch-bound stages' graphs (issue 10): ticks of 1 and 2 sessions, every
     # session speaking every tick (continuous); arms: off; on = engine.ragged_step_graphs; encoder = also
-    # engine.encoder_cuda_graphs; units = also engine.talker_unit_graphs (measured no gain for ~63 s more warm-up on the
-    # H200, 2026-12-06: its arm does not fit the step's 170 s). One process per arm, 2 profiled ticks each (launches per
-    # stage); ~2.5 min per arm. RAGGED_ARMS picks arms (default "off on encoder": one device call)
+    # engine.encoder_cuda_graphs. One process per arm, 2 profiled ticks each (launches per stage); ~2.5 min per arm.
+    # RAGGED_ARMS picks arms (default "off on encoder": one device call)
     for arm in ${RAGGED_ARMS:-off on encoder}; do
-      case $arm in off) flags="--ragged-step-graphs off --talker-unit-graphs off --encoder-cuda-graphs off" ;;
-                   on) flags="--ragged-step-graphs on --talker-unit-graphs off --encoder-cuda-graphs off" ;;
-                   encoder) flags="--ragged-step-graphs on --talker-unit-graphs off --encoder-cuda-graphs on" ;;
-                   units) flags="--ragged-step-graphs on --talker-unit-graphs on --encoder-cuda-graphs on" ;; esac
+      case $arm in off) flags="--ragged-step-graphs off --encoder-cuda-graphs off" ;;
+                   on) flags="--ragged-step-graphs on --encoder-cuda-graphs off" ;;
+                   encoder) flags="--ragged-step-graphs on --encoder-cuda-graphs on" ;; esac
       # shellcheck disable=SC2086
       step "engine_ticks_ragged_graphs_$arm" 170 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 1,2 --workload continuous --steady-window --all-switches on --ticks 6 --warmup-ticks 8 --profile-ticks 2 --max-seconds 160 --memory-budget auto --graph-grid 1,4,8,16 $flags --out "$out/engine_ticks_ragged_graphs_$arm"
     done ;;
   serve_ragged_graphs)  # A/B of engine.ragged_step_graphs over the wire (issue 10): serve_conversation, a fresh server per
     # arm (off first); SERVE_BASE / SERVE_SESSIONS / SERVE_DURATION as for serve_catch_up, SERVE_OVERRIDES for both arms
     # (e.g. "server.tick_phases=2 server.phase_units=home": the ticks between are where the fixed part matters)
-    # SERVE_RAGGED_ARMS: "false true" (the default); "encoder": also engine.encoder_cuda_graphs; "units": also
-    # engine.talker_unit_graphs
+    # SERVE_RAGGED_ARMS: "false true" (the default); "encoder": also engine.encoder_cuda_graphs
     for arm in ${SERVE_RAGGED_ARMS:-false true}; do
-      case $arm in encoder) flags="engine.ragged_step_graphs=true engine.talker_unit_graphs=false engine.encoder_cuda_graphs=true" ;;
-                   units) flags="engine.ragged_step_graphs=true engine.talker_unit_graphs=true engine.encoder_cuda_graphs=true" ;;
-                   *) flags="engine.ragged_step_graphs=$arm engine.talker_unit_graphs=false engine.encoder_cuda_graphs=false" ;; esac
+      case $arm in encoder) flags="engine.ragged_step_graphs=true engine.encoder_cuda_graphs=true" ;;
+                   *) flags="engine.ragged_step_graphs=$arm engine.encoder_cuda_graphs=false" ;; esac
       serve_conversation "serve_ragged_graphs_$arm" "${SERVE_BASE:-examples/minicpmo45-shared.yaml}" "${SERVE_SESSIONS:-32}" \
         "${SERVE_DURATION:-45}" "$flags"
     done ;;

@@ -33,7 +33,7 @@ NON_DEFAULT = {
     "code2wav": {"cfm_prompt_att_sharing": True, "cfm_arena_rows_from_graph_grid": True,
                  "max_num_seqs": 24, "graph_grid": [1, 4, 8], "vocoder_cuda_graphs": False},
     "precision": {"code2wav_dtype": "bfloat16", "kv_cache_dtype": "fp8_e4m3", "encoder_cache_dtype": "fp8_e4m3"},
-    "engine": {"memory_budget": "80GiB", "memory_fraction": 0.8, "activation_reserve": "3GiB", "tick_seconds": 0.5, "decode_cuda_graphs": False, "ragged_step_graphs": True, "talker_unit_graphs": True,
+    "engine": {"memory_budget": "80GiB", "memory_fraction": 0.8, "activation_reserve": "3GiB", "tick_seconds": 0.5, "decode_cuda_graphs": False, "ragged_step_graphs": True,
                "encoder_cuda_graphs": True,
                "talker_turn_tokens": 1024,
                "tick_headroom": 0.5, "prefill_chunk_tokens": 256,

@@ -3,7 +3,7 @@
     duplexcache bench ticks [--preset tiny|minicpmo45] [--device cpu|cuda]
         [--sessions 1,8,16,32] [--ticks 6] [--warmup-ticks 2] [--memory-budget 80GiB]
         [--all-switches on|off] [--steady-window] [--decode-cuda-graphs on|off] [--ragged-kernel on|off]
-        [--ragged-step-graphs on|off] [--talker-unit-graphs on|off] [--encoder-cuda-graphs on|off]
+        [--ragged-step-graphs on|off] [--encoder-cuda-graphs on|off]
         [--workload turns|continuous|conversation] [--speak-k 2] [--turn-units 2]
         [--warm-up on|off] [--graph-grid 1,4,8,16] [--profile-ticks 0] [--max-seconds 420]
         [--out DIR]
@@ -159,7 +159,6 @@ class RunResult:
     late_ticks: int = 0
     decode_graph_steps: dict[str, int] = field(default_factory=dict)   # over the recorded ticks
     ragged_graph_steps: dict[str, int] = field(default_factory=dict)   # over the recorded ticks
-    talker_unit_graph_runs: int = 0        # over the recorded ticks (engine.talker_unit_graphs)
     warmup_s: float | None = None          # DuplexEngine.warmup() (None: not run)
     warmup_graphs: int | None = None
     tick_graph_captures: int = 0           # graphs captured inside recorded ticks (0 when warm)
@@ -184,7 +183,6 @@ class RunResult:
                 "schedule_mismatches": self.schedule_mismatches, "audio_chunks_per_tick": self.audio_chunks,
                 "session_errors": self.session_errors, "late_ticks": self.late_ticks,
                 "decode_graph_steps": self.decode_graph_steps, "ragged_graph_steps": self.ragged_graph_steps,
-                "talker_unit_graph_runs": self.talker_unit_graph_runs,
                 "warmup_s": self.warmup_s,
                 "warmup_graphs": self.warmup_graphs, "tick_graph_captures": self.tick_graph_captures,
                 "max_memory_allocated": self.max_memory_allocated,
@@ -327,7 +325,6 @@ def _drive(eng: DuplexEngine, n: int, cfg: TickBenchConfig, res: RunResult, dead
     late_before = eng.late_ticks
     graphs_before = dict(eng.stats().decode_graph_steps)
     ragged_before = dict(eng.stats().ragged_graph_steps)
-    unit_runs_before = eng.stats().talker_unit_graph_runs
     captures_before = eng.stats().graph_captures["tick"]
     for k in range(cfg.ticks):
         if deadline.passed():
@@ -341,7 +338,6 @@ def _drive(eng: DuplexEngine, n: int, cfg: TickBenchConfig, res: RunResult, dead
     res.tick_graph_captures = eng.stats().graph_captures["tick"] - captures_before
     res.decode_graph_steps = {k: v - graphs_before.get(k, 0) for k, v in eng.stats().decode_graph_steps.items()}
     res.ragged_graph_steps = {k: v - ragged_before.get(k, 0) for k, v in eng.stats().ragged_graph_steps.items()}
-    res.talker_unit_graph_runs = eng.stats().talker_unit_graph_runs - unit_runs_before
     if cfg.profile_ticks and res.status == "ok":
         # After the recorded ticks, so the profiler's overhead never reaches the latency figures.
         res.profile = profile_ticks(lambda: _run_tick(eng, feed, res, device)[1], cfg.profile_ticks, device)
@@ -496,7 +492,6 @@ def _results(cfg: TickBenchConfig, deploy: DeployConfig, models: ModelBundle, ro
                    "max_seconds": cfg.max_seconds, "seed": cfg.seed, "steady_window": cfg.steady_window,
                    "decode_cuda_graphs": cfg.decode_cuda_graphs, "ragged_kernel": cfg.ragged_kernel,
                    "ragged_step_graphs": deploy.engine.ragged_step_graphs,
-                   "talker_unit_graphs": deploy.engine.talker_unit_graphs,
                    "encoder_cuda_graphs": deploy.engine.encoder_cuda_graphs,
                    "warm_up": cfg.warm_up, "graph_grid": list(deploy.code2wav.graph_grid or ()),
                    "code2wav_dtype": deploy.precision.code2wav_dtype,

@@ -56,7 +56,6 @@ class TickBenchConfig:
     profile_ticks: int = 0   # ticks run under torch.profiler after the recorded ones (bench/tick_profile.py)
     vocoder_cuda_graphs: bool = True   # code2wav.vocoder_cuda_graphs (CUDA only; on is the default)
     ragged_step_graphs: bool | None = None   # engine.ragged_step_graphs (CUDA only); None: the preset's default
-    talker_unit_graphs: bool | None = None   # engine.talker_unit_graphs (CUDA only); None: the preset's default
     encoder_cuda_graphs: bool | None = None  # engine.encoder_cuda_graphs (CUDA only); None: the preset's default
 
     def __post_init__(self) -> None:
@@ -146,8 +145,6 @@ def make_deploy(cfg: TickBenchConfig) -> DeployConfig:
     raw["code2wav"]["vocoder_cuda_graphs"] = cfg.vocoder_cuda_graphs
     if cfg.ragged_step_graphs is not None:
         raw["engine"]["ragged_step_graphs"] = cfg.ragged_step_graphs
-    if cfg.talker_unit_graphs is not None:
-        raw["engine"]["talker_unit_graphs"] = cfg.talker_unit_graphs
     if cfg.encoder_cuda_graphs is not None:
         raw["engine"]["encoder_cuda_graphs"] = cfg.encoder_cuda_graphs
     raw["precision"]["code2wav_dtype"] = cfg.code2wav_dtype
@@ -189,9 +186,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ragged-step-graphs", choices=("on", "off"), default=None,
                    help="engine.ragged_step_graphs: short ragged steps (unit appends, Talker conditions) replay the "
                         "decode graphs as token rows (default: the preset's)")
-    p.add_argument("--talker-unit-graphs", choices=("on", "off"), default=None,
-                   help="engine.talker_unit_graphs: a speaking unit's 26 Talker code steps replay as one graph "
-                        "(default: the preset's)")
     p.add_argument("--encoder-cuda-graphs", choices=("on", "off"), default=None,
                    help="engine.encoder_cuda_graphs: the audio encoder's layers as piecewise CUDA graphs "
                         "(default: the preset's)")
@@ -225,5 +219,4 @@ def config_from_args(a: argparse.Namespace) -> TickBenchConfig:
                            a.encoder_cache_dtype, a.talker_turn_tokens, a.profile_ticks,
                            a.vocoder_cuda_graphs == "on",
                            None if a.ragged_step_graphs is None else a.ragged_step_graphs == "on",
-                           None if a.talker_unit_graphs is None else a.talker_unit_graphs == "on",
                            None if a.encoder_cuda_graphs is None else a.encoder_cuda_graphs == "on")

@@ -31,7 +31,6 @@ def markdown(results: dict[str, Any]) -> str:
         f"decode CUDA graphs {'on' if c.get('decode_cuda_graphs') else 'off'}; "
         f"ragged kernel {'on' if c.get('ragged_kernel') else 'off'}; "
         f"ragged step graphs {'on' if c.get('ragged_step_graphs') else 'off'}; "
-        f"Talker unit graphs {'on' if c.get('talker_unit_graphs') else 'off'}; "
         f"encoder graphs {'on' if c.get('encoder_cuda_graphs') else 'off'}; "
         f"Code2Wav graph grid {c.get('graph_grid') or 'none (every tier)'}, "
         f"{c.get('code2wav_dtype', 'float32')}; KV {c.get('kv_cache_dtype', 'auto')}; encoder cache {c.get('encoder_cache_dtype', 'auto')}; "
@@ -61,8 +60,6 @@ def markdown(results: dict[str, Any]) -> str:
         graphed = f"{steps['thinker']}/{steps['talker']}" if steps else "-"
         if any(ragged.values()):
             graphed += f" (+{ragged['thinker']}/{ragged['talker']} ragged)"
-        if r.get("talker_unit_graph_runs"):
-            graphed += f" (+{r['talker_unit_graph_runs']} Talker unit runs)"
         warm = "-" if r.get("warmup_s") is None else f"{r['warmup_s']:.1f} ({r['warmup_graphs']})"
         lines.append(f"| {r['sessions']} | {r['status']} | " + " | ".join(cells)
                      + f" | {under} | {text} | {graphed} | {warm} | {r.get('tick_graph_captures', '-')} | {mem} | {left} |")

@@ -38,17 +38,6 @@ token rows. When they fit a bucket it replays the same graphs, one launch instea
 of an eager step: at one or two sessions those launches were most of a tick. A runner built with
 ``max_rows`` adds coarse row buckets past ``max_batch`` (powers of two) for such steps, so a unit
 tick of every session (~12 rows each) replays a graph too.
-
-Greedy runs of steps (``run_loop``, deploy key ``engine.talker_unit_graphs``): the Talker's 24
-code steps feed each step the code the step before picked (an argmax on the device), then its
-last code and the end code. A runner built with a ``DecodeLoop`` captures that whole run, the
-picks included, as one graph per (batch bucket, width): one launch per unit instead of ~26
-replays with ~30 eager launches around each (buffer fills, the code head, the pick, the
-embedding). The run's metadata (every step's position, slot and length) is one host-to-device
-copy. Numerics are the one-token graphs' except the code head, which multiplies the bucket's
-rows here and the real rows there (cuBLAS may pick another kernel for another row count).
-Measured on the H200 (2026-12-06): no tick gain, since the Talker's steps are mostly kernel time
-once its condition is graphed, for ~1.6 s of capture per key; so the switch stays off.
 """
 
 from __future__ import annotations
@@ -127,34 +116,12 @@ def width_classes(max_blocks_per_seq: int) -> tuple[int, ...]:
     return tuple(widths)
 
 
-@dataclass(frozen=True)
-class DecodeLoop:
-    """A greedy run of one-token steps that needs no host between steps: step ``k < picks``
-    feeds ``x_k`` and picks ``x_{k+1} = pick(hidden_k)``; then ``x_picks`` is fed, then each of
-    ``tail_ids``, whose outputs are not needed. ``embed``: ids (B,) int64 -> (B, H);
-    ``pick``: final hidden (B, H) -> ids (B,) int64. Both row-wise and free of host syncs."""
-
-    embed: Callable[[torch.Tensor], torch.Tensor]
-    pick: Callable[[torch.Tensor], torch.Tensor]
-    picks: int
-    tail_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.picks < 0:
-            raise ValueError(f"DecodeLoop: picks must be >= 0, got {self.picks}")
-
-    @property
-    def steps(self) -> int:
-        return self.picks + 1 + len(self.tail_ids)
-
-
 @dataclass
 class DecodeGraphStats:
     """Counters of one runner (cumulative)."""
 
     replays: int = 0          # steps run through the static buffers (graph replays, or eager when capture=False)
     ragged_replays: int = 0   # ragged steps run as token rows (run_ragged); not counted in replays
-    loop_replays: int = 0     # greedy runs (run_loop), each ``loop.steps`` steps; not counted in replays
     captures: int = 0         # graphs captured
     # First uses of a (batch, width) key: a capture on CUDA; with capture=False the step that would
     # have captured (how CPU tests prove that a warm-up leaves nothing to capture in a tick).
@@ -172,13 +139,12 @@ class PagedDecodeGraphs:
 
     ``forward(embeds, batch, cache) -> hidden`` is the model's paged forward (``forward_paged``);
     it must not synchronise with the host. ``run`` takes the real rows and returns their hidden
-    states (a fresh tensor). With ``loop``, ``run_loop`` runs that greedy run of steps as one
-    graph. The runner owns its buffers and graphs; ``close`` drops them.
+    states (a fresh tensor). The runner owns its buffers and graphs; ``close`` drops them.
     """
 
     def __init__(self, name: str, forward: PagedForward, cache: PagedKVCache, hidden_size: int,
                  dtype: torch.dtype, *, max_batch: int, max_blocks_per_seq: int, capture: bool = True,
-                 max_rows: int = 0, loop: DecodeLoop | None = None) -> None:
+                 max_rows: int = 0) -> None:
         if capture and cache.device.type != "cuda":
             raise ValueError(f"{name}: CUDA graphs need a CUDA cache, got {cache.device}")
         if capture and cache.decode_backend != "triton":
@@ -199,17 +165,9 @@ class PagedDecodeGraphs:
         self._embeds = torch.zeros(self.max_rows, hidden_size, dtype=dtype, device=dev)
         self._packed = torch.zeros(self.max_rows, _TABLE + self.max_width, dtype=torch.int64, device=dev)
         self._query_start = torch.arange(self.max_rows + 1, dtype=torch.int64, device=dev)
-        self.loop = loop
-        if loop is not None:   # the greedy run's static inputs: first ids, every step's metadata
-            self._loop_ids = torch.zeros(self.max_batch, dtype=torch.int64, device=dev)
-            self._loop_packed = torch.zeros(loop.steps, self.max_batch, _TABLE + self.max_width,
-                                            dtype=torch.int64, device=dev)
-            self._loop_tail = torch.tensor(loop.tail_ids, dtype=torch.int64, device=dev)[:, None].expand(
-                len(loop.tail_ids), self.max_batch)
-        # keys: (kind, batch, width), kind "step" (run, run_ragged) or "loop" (run_loop)
-        self._graphs: dict[tuple[str, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
-        self._used: set[tuple[str, int, int]] = set()   # keys run (captured) at least once
+        self._used: set[tuple[int, int]] = set()   # keys run (captured) at least once
         self.stats = DecodeGraphStats()
 
     # ------------------------------------------------------------------ public
@@ -234,11 +192,6 @@ class PagedDecodeGraphs:
         return (self.cache.ragged_steps_in_kernel and 0 < rows <= self.max_rows
                 and max(num_new) <= RAGGED_KERNEL_MAX_NEW and longest <= self.max_width)
 
-    def accepts_loop(self, block_tables: list[list[int]]) -> bool:
-        """Whether ``run_loop`` takes these sequences: a loop was given and they fit a decode
-        graph (each table must also cover the run's ``loop.steps`` tokens; ``run_loop`` checks)."""
-        return self.loop is not None and self.can_run(len(block_tables), max((len(t) for t in block_tables), default=0))
-
     def run_ragged(self, embeds: torch.Tensor, block_tables: list[list[int]], num_computed: list[int],
                    num_new: list[int]) -> torch.Tensor:
         """A ragged step as one decode row per new token: ``embeds`` (N, H), the tokens of each
@@ -262,25 +215,11 @@ class PagedDecodeGraphs:
         self.stats.replays += 1
         return out
 
-    def run_loop(self, first_ids: torch.Tensor, block_tables: list[list[int]], num_computed: list[int]) -> torch.Tensor:
-        """The runner's ``DecodeLoop`` for every sequence: ``first_ids`` (B,) int64 on the device
-        is each sequence's ``x_0``, written at logical index ``num_computed[b]`` of
-        ``block_tables[b]``, the run's later tokens at the indices after it (the tables must
-        cover ``num_computed[b] + loop.steps`` tokens). Returns the picked ids (B, loop.picks)."""
-        if self.loop is None:
-            raise ValueError(f"{self.name}: this runner was built without a DecodeLoop")
-        if first_ids.shape != (len(block_tables),):
-            raise ValueError(f"{self.name}: first_ids {tuple(first_ids.shape)} for {len(block_tables)} tables")
-        batch, width = self._key(block_tables, num_computed, self.max_batch)
-        out = self._execute("loop", batch, width, num_computed,
-                            lambda: self._fill_loop(first_ids, block_tables, num_computed, batch, width))
-        self.stats.loop_replays += 1
-        return out[: len(block_tables)].clone()
-
-    def _key(self, block_tables: list[list[int]], num_computed: list[int], most_rows: int) -> tuple[int, int]:
+    def _run(self, embeds: torch.Tensor, block_tables: list[list[int]], num_computed: list[int],
+             most_rows: int) -> torch.Tensor:
         num_seqs = len(block_tables)
-        if len(num_computed) != num_seqs:
-            raise ValueError(f"{self.name}: {num_seqs} tables, {len(num_computed)} lengths")
+        if embeds.shape[0] != num_seqs or len(num_computed) != num_seqs:
+            raise ValueError(f"{self.name}: {embeds.shape[0]} rows, {num_seqs} tables, {len(num_computed)} lengths")
         longest = max((len(t) for t in block_tables), default=0)
         if not (0 < num_seqs <= most_rows and longest <= self.max_width):
             raise ValueError(f"{self.name}: {num_seqs} sequences / {longest} blocks is outside the captured range "
@@ -288,68 +227,42 @@ class PagedDecodeGraphs:
         # the row buckets begin with the decode buckets: a decode step picks the same bucket either way
         batch = next(b for b in self.row_buckets if b >= num_seqs)
         width = next(w for w in self.widths if w >= longest)
-        return batch, width
-
-    def _run(self, embeds: torch.Tensor, block_tables: list[list[int]], num_computed: list[int],
-             most_rows: int) -> torch.Tensor:
-        if embeds.shape[0] != len(block_tables):
-            raise ValueError(f"{self.name}: {embeds.shape[0]} rows, {len(block_tables)} tables")
-        batch, width = self._key(block_tables, num_computed, most_rows)
-        out = self._execute("step", batch, width, num_computed,
-                            lambda: self._fill(embeds, block_tables, num_computed, batch, width))
-        return out[: len(block_tables)].clone()
-
-    def _execute(self, kind: str, batch: int, width: int, num_computed: list[int],
-                 fill: Callable[[], None]) -> torch.Tensor:
-        """Key (kind, batch, width) over the inputs ``fill`` writes: replay its graph (captured
-        on first use), or with ``capture=False`` run the same padded computation eagerly."""
-        self._note_use(kind, batch, width)
+        self._note_use(batch, width)
         if self.capture:
             # Capture first: it overwrites the static buffers with a harmless step.
-            graph, out = self._graphs.get((kind, batch, width)) or self._capture(kind, batch, width)
-            fill()
+            graph, out = self._graphs.get((batch, width)) or self._capture(batch, width)
+            self._fill(embeds, block_tables, num_computed, batch, width)
             graph.replay()
-            return out
-        fill()
-        return self._body(kind, batch, width, num_computed)
+        else:
+            self._fill(embeds, block_tables, num_computed, batch, width)
+            out = self._step(batch, width, num_computed)
+        return out[:num_seqs].clone()
 
     def keys(self, max_width: int | None = None) -> list[tuple[int, int]]:
         """Every (row bucket, width class), widths up to ``max_width`` blocks (default: all),
         largest first: the order a warm-up captures them in."""
-        return [(b, w) for b in reversed(self.row_buckets) for w in self._widths_upto(max_width)]
-
-    def loop_keys(self, max_width: int | None = None) -> list[tuple[int, int]]:
-        """``keys`` of ``run_loop`` (decode buckets only); empty without a loop."""
-        if self.loop is None:
-            return []
-        return [(b, w) for b in reversed(self.buckets) for w in self._widths_upto(max_width)]
-
-    def _widths_upto(self, max_width: int | None) -> list[int]:
         widths = [w for w in self.widths if max_width is None or w <= max_width] or [self.widths[0]]
-        return list(reversed(widths))
+        return [(b, w) for b in reversed(self.row_buckets) for w in reversed(widths)]
 
-    def is_warm(self, batch: int, width: int, kind: str = "step") -> bool:
-        return (kind, batch, width) in self._used
+    def is_warm(self, batch: int, width: int) -> bool:
+        return (batch, width) in self._used
 
-    def warm(self, batch: int, width: int, kind: str = "step") -> bool:
-        """Prepare key (batch, width) of ``kind`` ("step": ``run``/``run_ragged``; "loop":
-        ``run_loop``) without touching any sequence: capture its graph (CUDA), or with
-        ``capture=False`` run it once. Every row is a padding row (slot 0 of the null block), as
-        in a capture. Returns False when the key was ready already."""
-        buckets = self.row_buckets if kind == "step" else self.buckets
-        if kind not in ("step", "loop") or (kind == "loop" and self.loop is None):
-            raise ValueError(f"{self.name}: no {kind!r} graphs on this runner")
-        if batch not in buckets or width not in self.widths:
+    def warm(self, batch: int, width: int) -> bool:
+        """Prepare key (batch, width) without touching any sequence: capture its graph (CUDA), or
+        with ``capture=False`` run its step once. Every row is a padding row (slot 0 of the null
+        block), as in a capture. Returns False when the key was ready already."""
+        if batch not in self.row_buckets or width not in self.widths:
             raise ValueError(f"{self.name}: ({batch}, {width}) is not a bucket x width class "
-                             f"({buckets} x {self.widths})")
-        if self.is_warm(batch, width, kind):
+                             f"({self.row_buckets} x {self.widths})")
+        if self.is_warm(batch, width):
             return False
-        self._note_use(kind, batch, width)
+        self._note_use(batch, width)
         if self.capture:
-            self._capture(kind, batch, width)
+            self._capture(batch, width)
         else:
-            self._pad(kind, batch)
-            self._body(kind, batch, width)
+            self._packed[:batch].zero_()
+            self._packed[:batch, _SEQ_LEN] = 1
+            self._step(batch, width)
         return True
 
     def close(self) -> None:
@@ -357,9 +270,9 @@ class PagedDecodeGraphs:
         self._used.clear()
         self._pool = None
 
-    def _note_use(self, kind: str, batch: int, width: int) -> None:
-        if (kind, batch, width) not in self._used:
-            self._used.add((kind, batch, width))
+    def _note_use(self, batch: int, width: int) -> None:
+        if (batch, width) not in self._used:
+            self._used.add((batch, width))
             self.stats.first_uses += 1
 
     # ------------------------------------------------------------------ internals
@@ -386,109 +299,47 @@ class PagedDecodeGraphs:
             if row is None:
                 row = converted[id(table)] = np.asarray(table, dtype=np.int64)
             host[b, _TABLE:_TABLE + row.size] = row
-        self._upload(host, self._packed[:batch, :_TABLE + width])
+        upload_host(host, self._packed[:batch, :_TABLE + width], pinned=self.capture)
         self._embeds[: embeds.shape[0]].copy_(embeds)
-
-    def _fill_loop(self, first_ids: torch.Tensor, tables: list[list[int]], num_computed: list[int],
-                   batch: int, width: int) -> None:
-        """Every step's metadata of the run at once: step k writes index ``num_computed[b] + k``."""
-        assert self.loop is not None
-        bs, steps = self.cache.block_size, self.loop.steps
-        host = np.zeros((steps, batch, _TABLE + width), dtype=np.int64)
-        host[:, :, _SEQ_LEN] = 1   # padding rows, as in _fill
-        offsets = np.arange(steps, dtype=np.int64)
-        for b, (table, computed) in enumerate(zip(tables, num_computed)):
-            row = np.asarray(table, dtype=np.int64)
-            pos = computed + offsets
-            if computed < 0 or pos[-1] >= row.size * bs:
-                raise ValueError(f"{self.name}: sequence {b} writes indices {computed}..{pos[-1]} past its "
-                                 f"{row.size}-block table")
-            blocks = row[pos // bs]
-            if (blocks == NULL_BLOCK_ID).any():
-                raise ValueError(f"{self.name}: sequence {b} would write into the null block")
-            host[:, b, _POS] = pos
-            host[:, b, _SLOT] = blocks * bs + pos % bs
-            host[:, b, _SEQ_LEN] = pos + 1
-            host[:, b, _TABLE:_TABLE + row.size] = row
-        self._upload(host, self._loop_packed[:, :batch, :_TABLE + width])
-        # rows past the real ones keep earlier ids: any id is a valid padding input
-        self._loop_ids[: first_ids.shape[0]].copy_(first_ids)
-
-    def _upload(self, host: np.ndarray, dest: torch.Tensor) -> None:
-        upload_host(host, dest, pinned=self.capture)
-
-    def _paged_batch(self, packed: torch.Tensor, width: int, num_computed: list[int]) -> PagedBatch:
-        """The step described by static rows ``packed`` (batch, _TABLE + ...); ``num_computed``:
-        host lengths for the reference (CPU) path, 0 for padding rows."""
-        batch = packed.shape[0]
-        return PagedBatch(
-            query_start_loc=self._query_start[: batch + 1],
-            seq_lens=packed[:, _SEQ_LEN].to(torch.int32),
-            block_tables=packed[:, _TABLE:_TABLE + width].to(torch.int32),
-            slot_mapping=packed[:, _SLOT].contiguous(),
-            positions=packed[:, _POS].contiguous(),
-            block_size=self.cache.block_size,
-            # Host lists for the reference (CPU) path; the in-place kernel reads seq_lens only.
-            num_computed_list=num_computed + [0] * (batch - len(num_computed)),
-            num_new_list=[1] * batch,
-        )
 
     def _step(self, batch: int, width: int, num_computed: list[int] | None = None) -> torch.Tensor:
         """The captured computation: everything it reads lives in the static buffers."""
-        step = self._paged_batch(self._packed[:batch], width, list(num_computed or []))
+        p = self._packed[:batch]
+        computed = list(num_computed or []) + [0] * (batch - len(num_computed or []))
+        step = PagedBatch(
+            query_start_loc=self._query_start[: batch + 1],
+            seq_lens=p[:, _SEQ_LEN].to(torch.int32),
+            block_tables=p[:, _TABLE:_TABLE + width].to(torch.int32),
+            slot_mapping=p[:, _SLOT].contiguous(),
+            positions=p[:, _POS].contiguous(),
+            block_size=self.cache.block_size,
+            # Host lists for the reference (CPU) path; the in-place kernel reads seq_lens only.
+            num_computed_list=computed,
+            num_new_list=[1] * batch,
+        )
         return self.forward(self._embeds[:batch], step, self.cache)
 
-    def _loop_step(self, batch: int, width: int, num_computed: list[int] | None = None) -> torch.Tensor:
-        """The captured greedy run (``DecodeLoop``): the picks stay on the device from step to
-        step. Returns the picked ids (batch, picks)."""
-        loop = self.loop
-        assert loop is not None
-        computed = list(num_computed or [])
-        ids, picked = self._loop_ids[:batch], []
-        for k in range(loop.steps):
-            if k > loop.picks:
-                ids = self._loop_tail[k - loop.picks - 1, :batch]
-            step = self._paged_batch(self._loop_packed[k, :batch], width, [c + k for c in computed])
-            hidden = self.forward(loop.embed(ids), step, self.cache)
-            if k < loop.picks:
-                ids = loop.pick(hidden)
-                picked.append(ids)
-        if not picked:
-            return self._loop_ids.new_zeros(batch, 0)
-        return torch.stack(picked, dim=1)
-
-    def _pad(self, kind: str, batch: int) -> None:
-        """The static buffers of ``kind`` describe a harmless step: every row a padding row."""
-        packed = self._packed[:batch] if kind == "step" else self._loop_packed[:, :batch]
-        packed.zero_()
-        packed[..., _SEQ_LEN] = 1
-        if kind == "loop":
-            self._loop_ids[:batch].zero_()
-
-    def _body(self, kind: str, batch: int, width: int, num_computed: list[int] | None = None) -> torch.Tensor:
-        if kind == "step":
-            return self._step(batch, width, num_computed)
-        return self._loop_step(batch, width, num_computed)
-
-    def _capture(self, kind: str, batch: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, batch: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         dev = self.cache.device
-        # The buffers must describe a harmless step while warming up and capturing.
-        self._pad(kind, batch)
+        # The buffers must describe a harmless step while warming up and capturing: every row
+        # a padding row (slot 0 of the null block).
+        self._packed[:batch].zero_()
+        self._packed[:batch, _SEQ_LEN] = 1
         torch.cuda.synchronize(dev)
         reserved = torch.cuda.memory_reserved(dev)
         side = warmup_stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         # no autograd (a graph never runs backward; see CudaGraphBackend.capture)
         with torch.no_grad(), torch.cuda.stream(side):   # compiles kernels, creates cuBLAS state outside the capture
-            self._body(kind, batch, width)
+            self._step(batch, width)
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.no_grad(), torch.cuda.graph(graph, pool=self._pool):
-            out = self._body(kind, batch, width)
+            out = self._step(batch, width)
         torch.cuda.synchronize(dev)
         self.stats.captures += 1
         self.stats.pool_bytes += max(0, torch.cuda.memory_reserved(dev) - reserved)
-        self._graphs[(kind, batch, width)] = (graph, out)
-        logger.info("%s: captured %s graph batch=%d width=%d blocks (%d graphs)", self.name,
-                    "decode" if kind == "step" else "greedy-run", batch, width, len(self._graphs))
+        self._graphs[(batch, width)] = (graph, out)
+        logger.info("%s: captured decode graph batch=%d width=%d blocks (%d graphs)", self.name, batch,
+                    width, len(self._graphs))
         return graph, out

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
 
-from duplexcache.kv.decode_graphs import DecodeLoop, PagedDecodeGraphs
+from duplexcache.kv.decode_graphs import PagedDecodeGraphs
 from duplexcache.kv.paged_attention import PagedBatch, PagedKVCache, last_token_rows
 from duplexcache.kv.rope import rope_cos_sin
 from duplexcache.models.layers import (
@@ -279,30 +279,6 @@ def _sample(logits: torch.Tensor, end_id: int, sampling: TalkerSampling) -> torc
     return torch.multinomial(probs, 1, generator=sampling.generator).squeeze(-1)
 
 
-def unit_loop(talker: Talker) -> DecodeLoop:
-    """A unit's code steps after the condition as one greedy run (``PagedDecodeGraphs.run_loop``,
-    ``engine.talker_unit_graphs``): feed t1..t24 and pick t2..t25 (greedy, end code masked, as
-    ``_sample`` at temperature 0), then feed t25 and the end code (the closing step as two
-    one-token steps, as the one-token graph path runs it)."""
-    cfg = talker.config
-    greedy = TalkerSampling()
-
-    def pick(hidden: torch.Tensor) -> torch.Tensor:
-        return _sample(talker.code_logits(hidden), cfg.end_token_id, greedy)
-
-    return DecodeLoop(embed=talker.emb_code[0], pick=pick, picks=cfg.tokens_per_unit - 1,
-                      tail_ids=(cfg.end_token_id,))
-
-
-def _runs_unit_loop(graphs: PagedDecodeGraphs | None, cfg: TalkerConfig, sampling: TalkerSampling,
-                    tables: list[list[int]]) -> bool:
-    """Whether ``graphs`` can run this unit's code steps as one greedy run: a ``unit_loop``
-    runner (its shape checked here: the loop holds callables, not the Talker), greedy sampling."""
-    loop = graphs.loop if graphs is not None else None
-    return (loop is not None and sampling.temperature <= 0 and loop.picks == cfg.tokens_per_unit - 1
-            and loop.tail_ids == (cfg.end_token_id,) and graphs.accepts_loop(tables))
-
-
 @torch.no_grad()
 def generate_unit(talker: Talker, cache: PagedKVCache, requests: list[TalkerUnitRequest],
                   sampling: TalkerSampling | None = None,
@@ -313,8 +289,7 @@ def generate_unit(talker: Talker, cache: PagedKVCache, requests: list[TalkerUnit
     one-token steps) replay these CUDA graphs (``kv/decode_graphs.py``); the condition step
     (several tokens per request) runs eagerly, or with ``ragged_graphs``
     (``engine.ragged_step_graphs``) through the same graphs as one row per token when its rows
-    fit (``PagedDecodeGraphs.accepts_ragged``). A runner built with ``unit_loop``
-    (``engine.talker_unit_graphs``) runs the 26 steps after the condition as one graph."""
+    fit (``PagedDecodeGraphs.accepts_ragged``)."""
     if not requests:
         return []
     sampling = sampling or TalkerSampling()
@@ -350,13 +325,6 @@ def generate_unit(talker: Talker, cache: PagedKVCache, requests: list[TalkerUnit
 
     logits = step(cond_rows, cond_sizes)
     codes = [_sample(logits, cfg.end_token_id, sampling)]
-    if _runs_unit_loop(graphs, cfg, sampling, tables):
-        assert graphs is not None and graphs.loop is not None
-        picked = graphs.run_loop(codes[0].to(dev), tables, computed)   # (B, 24): t2..t25
-        end = torch.full_like(codes[0], cfg.end_token_id)
-        all_codes = torch.cat([codes[0][:, None], picked, end[:, None]], dim=1).cpu()   # (B, 26)
-        return [TalkerUnitResult(codes=all_codes[b], num_computed=computed[b] + graphs.loop.steps)
-                for b in range(len(requests))]
     ones = [1] * len(requests)
     for _ in range(cfg.tokens_per_unit - 1):
         logits = step(talker.emb_code[0](codes[-1].to(dev)), ones)

@@ -25,7 +25,6 @@ from duplexcache.kv.kv_cache_manager import KVCacheManager
 from duplexcache.kv.paged_attention import PagedKVCache
 from duplexcache.kv.talker_blocks import TalkerBlocks
 from duplexcache.kv.window import WindowConfig
-from duplexcache.models.talker import unit_loop
 from duplexcache.runtime.admission import MemoryPlan
 from duplexcache.runtime.bundle import ModelBundle
 from duplexcache.runtime.stage0 import Stage0Runner
@@ -117,15 +116,12 @@ RAGGED_ROWS_PER_SESSION = 16
 
 
 def make_decode_graphs(models: ModelBundle, kv: KVPools, max_batch: int, talker_turn_tokens: int,
-                       capture: bool, ragged_steps: bool = False,
-                       talker_unit_graphs: bool = False) -> tuple[PagedDecodeGraphs, PagedDecodeGraphs]:
+                       capture: bool, ragged_steps: bool = False) -> tuple[PagedDecodeGraphs, PagedDecodeGraphs]:
     """CUDA graphs for the one-token steps of the Thinker and the Talker: batch buckets up to
     ``max_batch``, block-table widths up to the longest table a session can hold (the
     Thinker's model positions, the Talker's turn: ``talker_turn_tokens``). ``ragged_steps``
     (``engine.ragged_step_graphs``): row buckets up to ``RAGGED_ROWS_PER_SESSION`` rows per
-    session too, for the short ragged steps run as token rows. ``talker_unit_graphs``
-    (``engine.talker_unit_graphs``): the Talker's runner also runs a unit's code steps as one
-    greedy-run graph (``models/talker.unit_loop``)."""
+    session too, for the short ragged steps run as token rows."""
     bs = kv.stage0.block_size
     max_rows = RAGGED_ROWS_PER_SESSION * max_batch if ragged_steps else 0
     thinker = PagedDecodeGraphs("thinker", models.thinker.forward_paged, kv.thinker_cache,
@@ -135,6 +131,5 @@ def make_decode_graphs(models: ModelBundle, kv: KVPools, max_batch: int, talker_
     tc = models.talker.config
     talker = PagedDecodeGraphs("talker", models.talker.forward_paged, kv.talker_cache, tc.hidden_size, models.dtype,
                                max_batch=max_batch, max_blocks_per_seq=-(-talker_turn_tokens // bs),
-                               capture=capture, max_rows=max_rows,
-                               loop=unit_loop(models.talker) if talker_unit_graphs else None)
+                               capture=capture, max_rows=max_rows)
     return thinker, talker

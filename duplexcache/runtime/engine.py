@@ -144,15 +144,11 @@ class DuplexEngine:
         if self.deploy.engine.decode_cuda_graphs and self._can_capture_decode():
             self.thinker_graphs, self.talker_graphs = device_setup.make_decode_graphs(
                 self.models, kv, max(1, self.plan.planned_sessions), self.sizing.talker_turn_tokens,
-                capture=self.models.device.type == "cuda", ragged_steps=self.deploy.engine.ragged_step_graphs,
-                talker_unit_graphs=self.deploy.engine.talker_unit_graphs)
+                capture=self.models.device.type == "cuda", ragged_steps=self.deploy.engine.ragged_step_graphs)
         self.stage0.use_decode_graphs(self.thinker_graphs, ragged_steps=self.deploy.engine.ragged_step_graphs)
         if self.deploy.engine.ragged_step_graphs and (self.thinker_graphs is None or not self.deploy.stage0.ragged_kernel):
             logger.warning("engine.ragged_step_graphs needs decode graphs (engine.decode_cuda_graphs on a CUDA "
                            "device) and stage0.ragged_kernel; short ragged steps run eagerly")
-        if self.deploy.engine.talker_unit_graphs and self.talker_graphs is None:
-            logger.warning("engine.talker_unit_graphs needs decode graphs (engine.decode_cuda_graphs on a CUDA "
-                           "device); the Talker's code steps run eagerly")
         self.encoder_graphs: EncoderGraphs | None = None
         if self.deploy.engine.encoder_cuda_graphs:
             if self._can_capture_encoder():

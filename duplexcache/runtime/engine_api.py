@@ -182,9 +182,6 @@ class EngineStats:
     # Short ragged steps (unit appends, Talker conditions) run through the same graphs as token
     # rows (engine.ragged_step_graphs), per model; not counted in decode_graph_steps.
     ragged_graph_steps: Mapping[str, int] = field(default_factory=dict)
-    # Greedy-run graph replays of the Talker (engine.talker_unit_graphs): one per Talker batch,
-    # covering the code steps of every speaking unit in it; not counted in decode_graph_steps.
-    talker_unit_graph_runs: int = 0
     # Encoder ticks run through its piecewise graphs (engine.encoder_cuda_graphs); 0 when off.
     encoder_graph_ticks: int = 0
     # Graphs captured (decode + Code2Wav), by where: "warmup" (before serving) or "tick" (lazily,

@@ -109,7 +109,6 @@ class EngineStatsRecorder:
                  captures_total: int, warmup_seconds: float | None, encoder_graph_ticks: int = 0) -> EngineStats:
         cache = self.builder.cache
         table = self.table
-        talker_graphs = decode_graphs.get("talker")
         with table.lock:
             return EngineStats(
                 live_sessions=len(table.live), queued_sessions=len(table.queue), pools=dict(self.pools),
@@ -119,7 +118,6 @@ class EngineStatsRecorder:
                 stage_latency_s=dict(self.last_latency),
                 decode_graph_steps={name: g.stats.replays for name, g in decode_graphs.items() if g is not None},
                 ragged_graph_steps={name: g.stats.ragged_replays for name, g in decode_graphs.items() if g is not None},
-                talker_unit_graph_runs=talker_graphs.stats.loop_replays if talker_graphs is not None else 0,
                 encoder_graph_ticks=encoder_graph_ticks,
                 graph_captures={"warmup": warmup_captures, "tick": captures_total - warmup_captures},
                 warmup_seconds=warmup_seconds, early_closes=table.early_closes)

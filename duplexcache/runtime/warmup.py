@@ -10,8 +10,7 @@ the first seconds saw first audio after 13-16 s, and 11 of them none within 16 s
 * decode graphs (``kv/decode_graphs.py``): every batch bucket up to the planned session count x
   every width class a reference session's table can reach -- the Thinker's up to its worst-case
   blocks (context + window high mark; the model's 40 960 positions would add classes of 1024 to
-  4096 blocks that no reference session can reach), the Talker's up to one full turn (with
-  ``engine.talker_unit_graphs`` also its unit runs, over the decode buckets). Largest
+  4096 blocks that no reference session can reach), the Talker's up to one full turn. Largest
   first, so the smaller graphs reuse the one memory pool. A session with a longer table (long
   instructions) still captures its class lazily, counted as a tick capture.
 * Code2Wav graphs (``cfm/arena.py``): every replay tier batches of up to the planned session
@@ -103,19 +102,14 @@ def thinker_width_bound(engine: DuplexEngine) -> int:
     return max(fp.thinker_private_blocks + fp.thinker_shared_blocks for fp in fps)
 
 
-DecodeKey = tuple[str, int, int]   # (kind: "step" or "loop", batch bucket, width class)
-
-
-def decode_keys(engine: DuplexEngine) -> dict[str, list[DecodeKey]]:
-    """Per model, the keys a warm-up captures, largest first: one-token (and token-row) steps,
-    then the Talker's unit runs (``engine.talker_unit_graphs``)."""
-    keys: dict[str, list[DecodeKey]] = {}
+def decode_keys(engine: DuplexEngine) -> dict[str, list[tuple[int, int]]]:
+    """Per model, the (batch bucket, width class) keys a warm-up captures, largest first."""
+    keys: dict[str, list[tuple[int, int]]] = {}
     if engine.thinker_graphs is not None:
         bound = width_classes(thinker_width_bound(engine))[-1]
-        keys["thinker"] = [("step", b, w) for b, w in engine.thinker_graphs.keys(max_width=bound)]
+        keys["thinker"] = engine.thinker_graphs.keys(max_width=bound)
     if engine.talker_graphs is not None:
-        keys["talker"] = ([("step", b, w) for b, w in engine.talker_graphs.keys()]
-                          + [("loop", b, w) for b, w in engine.talker_graphs.loop_keys()])
+        keys["talker"] = engine.talker_graphs.keys()
     return keys
 
 
@@ -380,7 +374,9 @@ def _never() -> bool:
     return False
 
 
-@torch.no_grad()   # nothing here runs backward; captures with autograd on keep their activations (see CudaGraphBackend.capture)
+# Autograd off for all of it: nothing here runs backward, and a capture with it on keeps its
+# activations alive (CudaGraphBackend.capture).
+@torch.no_grad()
 def warm_up(engine: DuplexEngine, should_stop: Callable[[], bool] = _never) -> WarmupReport:
     """Capture every graph and run every kernel a tick can need (see the module docstring).
     Call with no tick running (``DuplexEngine.warmup`` holds the tick lock). ``should_stop`` is
@@ -388,18 +384,16 @@ def warm_up(engine: DuplexEngine, should_stop: Callable[[], bool] = _never) -> W
     start = time.perf_counter()
     decode: dict[str, int] = {}
     c2w, kernels, cancelled = 0, (), False
-    with torch.no_grad():
-        for name, keys in decode_keys(engine).items():
-            graphs = engine.thinker_graphs if name == "thinker" else engine.talker_graphs
-            assert graphs is not None
-            decode[name] = 0
-            for kind, batch, width in keys:
-                if should_stop():
-                    break
-                decode[name] += graphs.warm(batch, width, kind)
-            logger.info("warm-up: %s decode graphs %d (buckets %s, widths %s, unit runs %d)", name, decode[name],
-                        sorted({b for _, b, _ in keys}), sorted({w for _, _, w in keys}),
-                        sum(kind == "loop" for kind, _, _ in keys))
+    for name, keys in decode_keys(engine).items():
+        graphs = engine.thinker_graphs if name == "thinker" else engine.talker_graphs
+        assert graphs is not None
+        decode[name] = 0
+        for batch, width in keys:
+            if should_stop():
+                break
+            decode[name] += graphs.warm(batch, width)
+        logger.info("warm-up: %s decode graphs %d (buckets %s, widths %s)", name, decode[name],
+                    sorted({b for b, _ in keys}), sorted({w for _, w in keys}))
     encoder = 0
     for batch, frames in engine.encoder_graphs.keys() if engine.encoder_graphs is not None else ():
         if should_stop():

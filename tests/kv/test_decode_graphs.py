@@ -14,10 +14,9 @@ import dataclasses
 import pytest
 import torch
 
-from duplexcache.kv.decode_graphs import MIN_WIDTH_BLOCKS, DecodeLoop, PagedDecodeGraphs, batch_buckets, width_classes
+from duplexcache.kv.decode_graphs import MIN_WIDTH_BLOCKS, PagedDecodeGraphs, batch_buckets, width_classes
 from duplexcache.kv.paged_attention import PagedBatch, PagedKVCache
-from duplexcache.models.talker import (Talker, TalkerConfig, TalkerSampling, TalkerUnitRequest, generate_unit,
-                                      unit_loop)
+from duplexcache.models.talker import Talker, TalkerConfig, TalkerUnitRequest, generate_unit
 from duplexcache.models.thinker import Thinker, ThinkerConfig
 
 BS = 16
@@ -160,17 +159,16 @@ def test_stage0_decode_goes_through_the_runner_and_falls_back_when_too_many():
     assert graphs.stats.replays == 2 and graphs.stats.eager_fallbacks == 1
 
 
-def talker_units(max_batch: int, ragged_kernel: bool = False, unit_runs: bool = False):
-    """A tiny Talker, an eager cache and a runner's cache, a runner (``unit_runs``: with the
-    Talker's ``unit_loop``), and three speaking units' requests (condition rows 3, 5 and 4)."""
+def talker_units(max_batch: int, ragged_kernel: bool = False):
+    """A tiny Talker, an eager cache and a runner's cache, a runner, and three speaking units'
+    requests (condition rows 3, 5 and 4)."""
     torch.manual_seed(5)
     cfg = TalkerConfig.tiny()
     talker = Talker(cfg).eval()
     caches = [PagedKVCache(cfg.num_hidden_layers, 20, BS, cfg.num_key_value_heads, cfg.head_dim) for _ in range(2)]
     caches[1].ragged_steps_in_kernel = ragged_kernel
     graphs = PagedDecodeGraphs("talker", talker.forward_paged, caches[1], cfg.hidden_size, torch.float32,
-                               max_batch=max_batch, max_blocks_per_seq=8, capture=False,
-                               loop=unit_loop(talker) if unit_runs else None)
+                               max_batch=max_batch, max_blocks_per_seq=8, capture=False)
     tables = [[1, 4, 6, 8], [2, 3, 5, 7], [9, 10, 11, 12]]
     g = torch.Generator().manual_seed(6)
     reqs = [TalkerUnitRequest(t, 0, torch.randint(0, cfg.num_text_tokens, (n,), generator=g),
@@ -289,80 +287,6 @@ def test_generate_unit_runs_its_condition_step_as_token_rows():
     assert graphs.stats.ragged_replays == 1
 
 
-@pytest.mark.parametrize("ragged", [False, True], ids=["eager_condition", "condition_as_rows"])
-def test_generate_unit_as_one_unit_run_gives_the_eager_codes_and_cache(ragged):
-    """``engine.talker_unit_graphs``: the 26 steps after the condition as one greedy run (3
-    requests in bucket 4: a padding row), two units in a row (the second reads what the first
-    wrote): the eager unit's codes, lengths and every K/V."""
-    cfg, talker, caches, graphs, reqs = talker_units(max_batch=16, ragged_kernel=ragged, unit_runs=True)
-    for unit in range(2):
-        with torch.inference_mode():
-            want = generate_unit(talker, caches[0], reqs)
-            got = generate_unit(talker, caches[1], reqs, graphs=graphs, ragged_graphs=ragged)
-        for w, r in zip(want, got):
-            assert torch.equal(w.codes, r.codes) and w.num_computed == r.num_computed, unit
-        reqs = [dataclasses.replace(r, num_computed=w.num_computed) for r, w in zip(reqs, want)]
-    assert graphs.stats.loop_replays == 2 and graphs.stats.replays == 0
-    assert graphs.stats.ragged_replays == (2 if ragged else 0)
-    k0, v0 = _values(caches[0])
-    k1, v1 = _values(caches[1])
-    torch.testing.assert_close(k1, k0, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(v1, v0, rtol=1e-5, atol=1e-5)
-
-    # Sampling with a temperature needs the host's generator: the steps run one by one.
-    cfg, talker, caches, graphs, reqs = talker_units(max_batch=4, unit_runs=True)
-    hot = TalkerSampling(temperature=0.8, top_k=5, generator=torch.Generator().manual_seed(1))
-    with torch.inference_mode():
-        generate_unit(talker, caches[1], reqs, sampling=hot, graphs=graphs)
-    assert graphs.stats.loop_replays == 0 and graphs.stats.replays == cfg.tokens_per_unit + 1
-
-
-def test_unit_run_refuses_what_it_cannot_hold_and_warms_its_own_keys():
-    cfg, talker, caches, graphs, reqs = talker_units(max_batch=4, unit_runs=True)
-    steps = graphs.loop.steps
-    assert steps == cfg.tokens_per_unit + 1
-    first = torch.zeros(1, dtype=torch.long)
-    with torch.inference_mode():
-        with pytest.raises(ValueError, match="past its 1-block table"):   # 26 tokens from 0 need 2 blocks of 16
-            graphs.run_loop(first, [[3]], [0])
-        with pytest.raises(ValueError, match="null block"):
-            graphs.run_loop(first, [[3, 0]], [0])
-        with pytest.raises(ValueError, match="first_ids"):
-            graphs.run_loop(torch.zeros(2, dtype=torch.long), [[3, 4]], [0])
-        assert graphs.loop_keys() == [(b, w) for b in (4, 2, 1) for w in (16,)]
-        assert graphs.warm(2, 16, "loop") and not graphs.warm(2, 16, "loop") and not graphs.is_warm(2, 16)
-        plain = PagedDecodeGraphs("talker", talker.forward_paged, caches[1], cfg.hidden_size, torch.float32,
-                                  max_batch=4, max_blocks_per_seq=8, capture=False)
-        assert plain.loop_keys() == [] and not plain.accepts_loop([[3, 4]])
-        with pytest.raises(ValueError, match="without a DecodeLoop"):
-            plain.run_loop(first, [[3, 4]], [0])
-        with pytest.raises(ValueError, match="no 'loop' graphs"):
-            plain.warm(1, 16, "loop")
-
-
-def test_decode_loop_feeds_picks_then_its_tail():
-    """A loop with a pick that records what each step was fed: x0, the picks, the last pick, then
-    the tail ids, at consecutive positions."""
-    model = make_thinker()
-    cache, _ = two_caches(model)
-    fed: list[torch.Tensor] = []
-
-    def embed(ids: torch.Tensor) -> torch.Tensor:
-        fed.append(ids.clone())
-        return model.embed(ids)
-
-    loop = DecodeLoop(embed=embed, pick=lambda h: torch.full((h.shape[0],), 7, dtype=torch.long) + len(fed),
-                      picks=2, tail_ids=(5, 6))
-    runner = PagedDecodeGraphs("thinker", model.forward_paged, cache, model.config.hidden_size, torch.float32,
-                               max_batch=2, max_blocks_per_seq=8, capture=False, loop=loop)
-    assert loop.steps == 5
-    with torch.inference_mode():
-        picked = runner.run_loop(torch.tensor([3]), [[1]], [4])
-    assert picked.tolist() == [[8, 9]]                                   # one pick per step, on the device
-    assert [f[0].item() for f in fed] == [3, 8, 9, 5, 6]                 # x0, picks fed back, last pick, tail
-    assert [f.shape[0] for f in fed] == [1] * 5                          # bucket 1: no padding row
-
-
 def test_talker_position_limit_is_checked_without_the_device():
     cfg = dataclasses.replace(TalkerConfig.tiny(), max_position_embeddings=20)
     talker = Talker(cfg).eval()
@@ -458,33 +382,3 @@ def test_cuda_ragged_step_as_graph_rows_matches_the_eager_ragged_kernel_step():
     assert caches[0].path_counts["ragged_kernel"] > 0 and runner.stats.ragged_replays == 2
     torch.testing.assert_close(caches[1].k[:, 1:], caches[0].k[:, 1:], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(caches[1].v[:, 1:], caches[0].v[:, 1:], rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_unit_run_graph_equals_the_same_run_eagerly():
-    """On the device: a Talker unit's 26 steps captured as one graph (``engine.talker_unit_graphs``)
-    give the codes and K/V of the same run launched op by op (``capture=False``), over two units
-    (the second replay reads what the first wrote) and two batch sizes."""
-    pytest.importorskip("triton")
-    torch.manual_seed(5)
-    cfg = TalkerConfig.tiny()
-    talker = Talker(cfg).eval().cuda()
-    caches = [PagedKVCache(cfg.num_hidden_layers, 20, BS, cfg.num_key_value_heads, cfg.head_dim, device="cuda")
-              for _ in range(2)]
-    runners = []
-    for capture, cache in zip((True, False), caches):
-        cache.set_decode_backend("triton")
-        runners.append(PagedDecodeGraphs("talker", talker.forward_paged, cache, cfg.hidden_size, torch.float32,
-                                         max_batch=4, max_blocks_per_seq=8, capture=capture, loop=unit_loop(talker)))
-    tables = [[1, 4, 6, 8], [2, 3, 5, 7], [9, 10, 11, 12]]
-    g = torch.Generator().manual_seed(6)
-    reqs = [TalkerUnitRequest(t, 0, torch.randint(0, cfg.num_text_tokens, (n,), generator=g),
-                              torch.randn(n, cfg.llm_dim, generator=g).cuda()) for t, n in zip(tables, (3, 5, 4))]
-    for unit, batch in enumerate((reqs, reqs[:2])):
-        with torch.inference_mode():
-            got, want = (generate_unit(talker, c, batch, graphs=r) for c, r in zip(caches, runners))
-        for w, r in zip(want, got):
-            assert torch.equal(w.codes, r.codes) and w.num_computed == r.num_computed, unit
-        reqs = [dataclasses.replace(r, num_computed=w.num_computed) for r, w in zip(batch, want)] + reqs[len(batch):]
-    assert runners[0].stats.captures == 2 and runners[0].stats.loop_replays == 2
-    assert torch.equal(caches[0].k[:, 1:], caches[1].k[:, 1:]) and torch.equal(caches[0].v[:, 1:], caches[1].v[:, 1:])

@@ -254,36 +254,6 @@ def test_ragged_step_graphs_reach_the_unit_append_and_the_talker_condition(tmp_p
 
 
 @pytest.mark.parametrize("on", [True, False])
-def test_talker_unit_graphs_reach_the_talkers_code_steps(tmp_path, monkeypatch, on):
-    """``engine.talker_unit_graphs``: the Talker runner gets the unit loop and every speaking
-    unit's 26 code steps run as one greedy run (on), or as one-token steps (off, the A/B
-    reference); the text and the audio are the same either way."""
-    from duplexcache.runtime.engine import DuplexEngine
-
-    monkeypatch.setattr(DuplexEngine, "_can_capture_decode", lambda self: True)
-    outputs = {}
-    for arm in (on, not on):
-        sections = {"engine": {"talker_unit_graphs": arm, "speak_policy": {"k": 100, "turn_units": 100}}}
-        eng = engine(tmp_path, f"unit_graphs_{arm}", sections)
-        assert (eng.talker_graphs.loop is not None) is arm and eng.thinker_graphs.loop is None
-        sids = [eng.open_session({"voice": v}) for v in ("default", "alt")]
-        for i, sid in enumerate(sids):
-            eng.push_audio(sid, audio(i, 3))
-        events = [e for _ in range(3) for e in eng.tick()]
-        stats = eng.stats()
-        talker_steps = stats.decode_graph_steps["talker"]
-        if arm:
-            assert stats.talker_unit_graph_runs == 3 and talker_steps == 0   # one run per tick, both sessions
-        else:
-            assert stats.talker_unit_graph_runs == 0 and talker_steps == 3 * (eng.models.talker.config.tokens_per_unit + 1)
-        outputs[arm] = ([(e.sid, e.text) for e in events if isinstance(e, TextDelta)],
-                        {sid: b"".join(e.pcm16 for e in events if isinstance(e, AudioDelta) and e.sid == sid)
-                         for sid in sids})
-        eng.shutdown()
-    assert outputs[True] == outputs[False] and all(outputs[True][1].values())
-
-
-@pytest.mark.parametrize("on", [True, False])
 def test_encoder_cuda_graphs_reach_the_encoder_step(tmp_path, monkeypatch, on):
     """``engine.encoder_cuda_graphs``: the Thinker stage's encoder step runs the piecewise runner
     (on; CPU: its pieces eagerly over the static buffers) or the eager layers (off); the text
@@ -323,11 +293,6 @@ def test_ragged_step_graphs_that_cannot_act_say_so(tmp_path, caplog):
         eng = engine(tmp_path, "ragged_graphs_cpu", {"engine": {"ragged_step_graphs": True}})
     assert eng.thinker_graphs is None and eng.stage0.ragged_step_graphs is False
     assert any("ragged_step_graphs needs decode graphs" in r.getMessage() for r in caplog.records)
-    eng.shutdown()
-    with caplog.at_level("WARNING", logger="duplexcache.runtime.engine"):
-        eng = engine(tmp_path, "unit_graphs_cpu", {"engine": {"talker_unit_graphs": True}})
-    assert eng.talker_graphs is None
-    assert any("talker_unit_graphs needs decode graphs" in r.getMessage() for r in caplog.records)
     eng.shutdown()
     with caplog.at_level("WARNING", logger="duplexcache.runtime.engine"):
         eng = engine(tmp_path, "encoder_graphs_cpu", {"engine": {"encoder_cuda_graphs": True}})

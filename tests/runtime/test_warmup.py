@@ -77,21 +77,6 @@ def test_after_warmup_ticks_capture_nothing(tmp_path, monkeypatch):
     assert vocoder.eager_runs == 0 and vocoder.replays > report.vocoder_graphs
 
 
-def test_warmup_covers_the_talker_unit_runs(tmp_path, monkeypatch):
-    """``engine.talker_unit_graphs``: the warm-up also prepares a unit run per Talker decode key,
-    and the ticks' unit runs then capture nothing."""
-    eng = graphed_engine(tmp_path, monkeypatch, "warm_units",
-                         {**SMALL, "engine": {**SMALL["engine"], "talker_unit_graphs": True}})
-    keys = W.decode_keys(eng)["talker"]
-    loops = [(b, w) for kind, b, w in keys if kind == "loop"]
-    assert loops and sorted({b for b, _ in loops}) == list(eng.talker_graphs.buckets)
-    report = eng.warmup()
-    assert report.decode_graphs["talker"] == len(keys)
-    serve_units(eng)
-    stats = eng.stats()
-    assert stats.graph_captures["tick"] == 0 and stats.talker_unit_graph_runs > 0
-
-
 def test_warmup_prepares_every_encoder_key(tmp_path, monkeypatch):
     """``engine.encoder_cuda_graphs``: the warm-up prepares every (bucket, chunk width) of the
     encoder's pieces, and the ticks (sessions joining with their longer first chunk) then
@@ -166,12 +151,12 @@ def test_thinker_widths_stop_at_a_reference_sessions_table(tmp_path, monkeypatch
     eng = graphed_engine(tmp_path, monkeypatch, "widths")
     bound = W.thinker_width_bound(eng)
     keys = W.decode_keys(eng)
-    widths = sorted({w for _, _, w in keys["thinker"]})
+    widths = sorted({w for _, w in keys["thinker"]})
     assert widths[-1] >= bound and (len(widths) == 1 or widths[-2] < bound)
     assert widths[-1] < eng.thinker_graphs.max_width       # the model's positions need more
-    assert sorted({b for _, b, _ in keys["thinker"]}) == list(eng.thinker_graphs.buckets)
-    assert keys["talker"] == [("step", b, w) for b, w in eng.talker_graphs.keys()]   # every width of one full turn
-    assert keys["thinker"][0][1] == max(eng.thinker_graphs.buckets)   # largest first
+    assert sorted({b for b, _ in keys["thinker"]}) == list(eng.thinker_graphs.buckets)
+    assert keys["talker"] == eng.talker_graphs.keys()      # every width of one full turn
+    assert keys["thinker"][0][0] == max(eng.thinker_graphs.buckets)   # largest first
 
 
 def test_dynamic_region_is_what_the_plan_needs_up_to_what_is_free():

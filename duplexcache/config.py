@@ -253,16 +253,15 @@ class EngineConfig(_Strict):
     # Thinker, the Talker's condition) replay the same graphs as one row per token when their
     # tokens fit a batch bucket (kv/decode_graphs.py run_ragged), instead of ~900 eager
     # launches each. Off: those steps launch eagerly (A/B reference). Measured (H200): the Thinker
-    # stage 111.5 -> 43.9 ms at one session; off by default until the device memory its graphs
-    # keep is explained (docs/benchmarks.md).
-    ragged_step_graphs: bool = False
+    # stage 111.5 -> 43.9 ms at one session; over the wire (H100, 19 callers) 0 late ticks
+    # instead of 32 together with encoder_cuda_graphs (docs/benchmarks.md). CUDA only.
+    ragged_step_graphs: bool = True
     # CUDA devices: the streaming audio encoder's layers replay as piecewise CUDA graphs, with
     # each layer's cache store and gather as the eager piece between them (models/
     # audio_encoder_graphs.py): 25 replays and 48 multi-tensor copies per tick at minicpmo45
     # shapes instead of ~650 launches. Off: the eager layers (A/B reference). Measured (H200): the
-    # encoder stage 50.7 -> 4.5 ms at one session; off by default until the device memory its
-    # graphs keep is explained (docs/benchmarks.md).
-    encoder_cuda_graphs: bool = False
+    # encoder stage 50.7 -> 4.5 ms at one session (docs/benchmarks.md). CUDA only.
+    encoder_cuda_graphs: bool = True
     # Most Talker KV tokens one audio turn may hold; None = the Talker's max_position_embeddings
     # (4096 for minicpmo45, ~150 s of speech). Admission reserves this many tokens' blocks per
     # live session (as a count: blocks are taken as tokens arrive), so it bounds the pool. A

@@ -146,9 +146,12 @@ class DuplexEngine:
                 self.models, kv, max(1, self.plan.planned_sessions), self.sizing.talker_turn_tokens,
                 capture=self.models.device.type == "cuda", ragged_steps=self.deploy.engine.ragged_step_graphs)
         self.stage0.use_decode_graphs(self.thinker_graphs, ragged_steps=self.deploy.engine.ragged_step_graphs)
+        # The graph switches are CUDA-only and on by default: off CUDA that is expected (info), on
+        # CUDA a switch that cannot act is a misconfiguration (warning).
+        cannot_act = logger.warning if self.models.device.type == "cuda" else logger.info
         if self.deploy.engine.ragged_step_graphs and (self.thinker_graphs is None or not self.deploy.stage0.ragged_kernel):
-            logger.warning("engine.ragged_step_graphs needs decode graphs (engine.decode_cuda_graphs on a CUDA "
-                           "device) and stage0.ragged_kernel; short ragged steps run eagerly")
+            cannot_act("engine.ragged_step_graphs needs decode graphs (engine.decode_cuda_graphs on a CUDA "
+                       "device) and stage0.ragged_kernel; short ragged steps run eagerly")
         self.encoder_graphs: EncoderGraphs | None = None
         if self.deploy.engine.encoder_cuda_graphs:
             if self._can_capture_encoder():
@@ -160,7 +163,7 @@ class DuplexEngine:
                 # gather buffer at its largest, held for good
                 logger.info("encoder graphs: %.1f MiB of static buffers", self.encoder_graphs.nbytes() / 2**20)
             else:
-                logger.warning("engine.encoder_cuda_graphs needs a CUDA device; the encoder runs eagerly")
+                cannot_act("engine.encoder_cuda_graphs needs a CUDA device; the encoder runs eagerly")
 
     def _can_capture_decode(self) -> bool:
         return device_setup.decode_graphs_supported(self.models.device, (self.thinker_cache, self.talker_cache))

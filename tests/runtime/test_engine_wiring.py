@@ -287,14 +287,15 @@ def test_encoder_cuda_graphs_reach_the_encoder_step(tmp_path, monkeypatch, on):
 
 
 def test_ragged_step_graphs_that_cannot_act_say_so(tmp_path, caplog):
-    """On this CPU there are no decode graphs, so the switch cannot act: the engine says so and
-    the Thinker's appends stay eager (a switch that silently does nothing is a bug)."""
-    with caplog.at_level("WARNING", logger="duplexcache.runtime.engine"):
+    """On this CPU there are no decode graphs, so the switch cannot act: the engine says so (at
+    info level: the switches are on by default and CUDA-only) and the Thinker's appends stay
+    eager (a switch that silently does nothing is a bug)."""
+    with caplog.at_level("INFO", logger="duplexcache.runtime.engine"):
         eng = engine(tmp_path, "ragged_graphs_cpu", {"engine": {"ragged_step_graphs": True}})
     assert eng.thinker_graphs is None and eng.stage0.ragged_step_graphs is False
     assert any("ragged_step_graphs needs decode graphs" in r.getMessage() for r in caplog.records)
     eng.shutdown()
-    with caplog.at_level("WARNING", logger="duplexcache.runtime.engine"):
+    with caplog.at_level("INFO", logger="duplexcache.runtime.engine"):
         eng = engine(tmp_path, "encoder_graphs_cpu", {"engine": {"encoder_cuda_graphs": True}})
     assert eng.encoder_graphs is None
     assert any("encoder_cuda_graphs needs a CUDA device" in r.getMessage() for r in caplog.records)

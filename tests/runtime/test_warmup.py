@@ -154,9 +154,9 @@ def test_thinker_widths_stop_at_a_reference_sessions_table(tmp_path, monkeypatch
     widths = sorted({w for _, w in keys["thinker"]})
     assert widths[-1] >= bound and (len(widths) == 1 or widths[-2] < bound)
     assert widths[-1] < eng.thinker_graphs.max_width       # the model's positions need more
-    assert sorted({b for b, _ in keys["thinker"]}) == list(eng.thinker_graphs.buckets)
+    assert sorted({b for b, _ in keys["thinker"]}) == list(eng.thinker_graphs.row_buckets)   # decode + row buckets
     assert keys["talker"] == eng.talker_graphs.keys()      # every width of one full turn
-    assert keys["thinker"][0][0] == max(eng.thinker_graphs.buckets)   # largest first
+    assert keys["thinker"][0][0] == max(eng.thinker_graphs.row_buckets)   # largest first
 
 
 def test_dynamic_region_is_what_the_plan_needs_up_to_what_is_free():

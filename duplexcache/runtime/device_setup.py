@@ -115,15 +115,32 @@ def decode_graphs_supported(device: torch.device, caches: tuple[PagedKVCache, ..
 RAGGED_ROWS_PER_SESSION = 16
 
 
+# The graph buckets stop here however many sessions the plan holds (vLLM caps its capture sizes
+# the same way); a step past them runs eagerly, where launches are a small share of its time.
+# Uncapped, a small model on a large card (the tiny preset on an H100: 10230 planned sessions)
+# had buckets every 8 sessions up to 10230 and spent minutes capturing thousands of graphs
+# before serving. 256 sessions / 1024 token rows cover every minicpmo45 plan measured (49 on
+# the H200 in exact mode, ~100 in capacity mode: row buckets up to 1024 either way).
+MAX_GRAPH_BATCH = 256
+MAX_GRAPH_ROWS = 1024
+
+
+def graph_batch(planned_sessions: int) -> int:
+    """The largest batch bucket of the graph runners for a plan of ``planned_sessions``."""
+    return max(1, min(planned_sessions, MAX_GRAPH_BATCH))
+
+
 def make_decode_graphs(models: ModelBundle, kv: KVPools, max_batch: int, talker_turn_tokens: int,
                        capture: bool, ragged_steps: bool = False) -> tuple[PagedDecodeGraphs, PagedDecodeGraphs]:
     """CUDA graphs for the one-token steps of the Thinker and the Talker: batch buckets up to
     ``max_batch``, block-table widths up to the longest table a session can hold (the
     Thinker's model positions, the Talker's turn: ``talker_turn_tokens``). ``ragged_steps``
     (``engine.ragged_step_graphs``): row buckets up to ``RAGGED_ROWS_PER_SESSION`` rows per
-    session too, for the short ragged steps run as token rows."""
+    session too, for the short ragged steps run as token rows. Both capped (``MAX_GRAPH_BATCH``,
+    ``MAX_GRAPH_ROWS``)."""
     bs = kv.stage0.block_size
-    max_rows = RAGGED_ROWS_PER_SESSION * max_batch if ragged_steps else 0
+    max_batch = graph_batch(max_batch)
+    max_rows = min(RAGGED_ROWS_PER_SESSION * max_batch, MAX_GRAPH_ROWS) if ragged_steps else 0
     thinker = PagedDecodeGraphs("thinker", models.thinker.forward_paged, kv.thinker_cache,
                                 models.thinker.config.hidden_size, models.dtype, max_batch=max_batch,
                                 max_blocks_per_seq=-(-kv.stage0.max_positions // bs), capture=capture,

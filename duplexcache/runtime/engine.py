@@ -143,7 +143,7 @@ class DuplexEngine:
         # CUDA graphs for the one-token steps (``engine.decode_cuda_graphs``).
         if self.deploy.engine.decode_cuda_graphs and self._can_capture_decode():
             self.thinker_graphs, self.talker_graphs = device_setup.make_decode_graphs(
-                self.models, kv, max(1, self.plan.planned_sessions), self.sizing.talker_turn_tokens,
+                self.models, kv, self.plan.planned_sessions, self.sizing.talker_turn_tokens,
                 capture=self.models.device.type == "cuda", ragged_steps=self.deploy.engine.ragged_step_graphs)
         self.stage0.use_decode_graphs(self.thinker_graphs, ragged_steps=self.deploy.engine.ragged_step_graphs)
         # The graph switches are CUDA-only and on by default: off CUDA that is expected (info), on
@@ -156,7 +156,7 @@ class DuplexEngine:
         if self.deploy.engine.encoder_cuda_graphs:
             if self._can_capture_encoder():
                 self.encoder_graphs = EncoderGraphs(
-                    self.models.audio_encoder, max_batch=max(1, self.plan.planned_sessions),
+                    self.models.audio_encoder, max_batch=device_setup.graph_batch(self.plan.planned_sessions),
                     storage_dtype=kv_storage_dtype(self.deploy.precision.encoder_cache_dtype),
                     capture=self.models.device.type == "cuda")
                 # from the activation reserve, as the decode graphs' buffers: the eager tick's

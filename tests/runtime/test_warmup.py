@@ -14,6 +14,7 @@ import torch
 from engine_helpers import audio, collect, engine, tiny_models
 
 from duplexcache.cfm.graph_grid import replay_tiers
+from duplexcache.runtime import device_setup
 from duplexcache.runtime import warmup as W
 from duplexcache.runtime.engine import DuplexEngine
 
@@ -243,3 +244,19 @@ def test_the_prefill_warm_up_opens_and_frees_a_throwaway_context(tmp_path):
     assert not eng.stage0.is_prefilling(W.PREFILL_WARMUP_SID) and W.PREFILL_WARMUP_SID not in eng.stage0.sessions
     assert pool.num_free == free_before
     eng.shutdown()
+
+
+def test_graph_buckets_stop_at_the_caps_however_large_the_plan(tmp_path, monkeypatch):
+    """A small model on a large card plans thousands of sessions (tiny on an H100: 10230); the
+    runners' buckets stop at MAX_GRAPH_BATCH sessions and MAX_GRAPH_ROWS token rows, so the
+    warm-up captures a few hundred graphs, not thousands (bigger steps run eagerly)."""
+    eng = graphed_engine(tmp_path, monkeypatch, "caps")
+    kv = device_setup.KVPools(eng.thinker_cache, eng.thinker_manager, eng.stage0, eng.talker_cache, eng.talker_kv)
+    thinker, talker = device_setup.make_decode_graphs(eng.models, kv, 10230, eng.sizing.talker_turn_tokens,
+                                                      capture=False, ragged_steps=True)
+    for graphs in (thinker, talker):
+        assert graphs.max_batch == device_setup.MAX_GRAPH_BATCH == max(graphs.buckets)
+        assert graphs.row_buckets[-1] == device_setup.MAX_GRAPH_ROWS
+        assert len(graphs.keys()) <= 40 * len(graphs.widths)
+    assert device_setup.graph_batch(10230) == device_setup.MAX_GRAPH_BATCH and device_setup.graph_batch(0) == 1
+    assert device_setup.graph_batch(49) == 49   # the plans measured on the H200 are unchanged

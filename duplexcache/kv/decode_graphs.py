@@ -78,7 +78,7 @@ def warmup_stream(device: torch.device | None = None) -> torch.cuda.Stream:
     eager warm-up. One, not a new one per capture: the caching allocator keeps freed blocks per
     stream, and cuBLAS keeps a workspace per (handle, stream) for the life of the process, so
     hundreds of captures on fresh pooled streams spread both over up to 32 streams."""
-    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    dev = torch.device("cuda" if device is None else device)
     if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     if dev not in _WARMUP_STREAMS:

@@ -21,10 +21,10 @@ Per tick, for a key (batch bucket, frames per chunk ``n``):
 So a tick launches L + 1 replays and 2L multi-tensor copies instead of ~25 kernels per layer.
 The pieces exchange nothing through the graphs' memory pool: each reads and writes static
 buffers (per ``n``: X, Q, K, V of ``max_batch`` rows; shared: the gather buffer of
-``max_cache_frames`` keys and the mask), so any capture order is safe. (Whether the shared pool
-then holds only one piece's temporaries is not established: on the H200 the warm-up with these
-graphs and the ragged-step graphs left ~16 GB less free, docs/benchmarks.md.) The gather buffer is the eager tick's gather buffer at its largest,
-held for good: at minicpmo45 shapes 2 x 1500 frames x 1024 values per row, 6 MiB per row in bf16.
+``max_cache_frames`` keys and the mask), so any capture order is safe. The pieces run without
+autograd (the memory that once outlived the engine was their autograd history, docs/benchmarks.md).
+The gather buffer is the eager tick's gather buffer at its largest, held for good: at minicpmo45
+shapes 2 x 1500 frames x 1024 values per row, 6 MiB per row in bf16.
 
 Numerics: the keys run to ``max_cache_frames`` with a mask instead of to the tick's longest
 session, and the GEMMs multiply the bucket's rows; rows past the real ones are padding (their

@@ -119,8 +119,9 @@ RAGGED_ROWS_PER_SESSION = 16
 # the same way); a step past them runs eagerly, where launches are a small share of its time.
 # Uncapped, a small model on a large card (the tiny preset on an H100: 10230 planned sessions)
 # had buckets every 8 sessions up to 10230 and spent minutes capturing thousands of graphs
-# before serving. 256 sessions / 1024 token rows cover every minicpmo45 plan measured (49 on
-# the H200 in exact mode, ~100 in capacity mode: row buckets up to 1024 either way).
+# before serving. The exact-mode minicpmo45 plan measured on the H200 (49 sessions, rows up to
+# 1024) keeps its buckets; a capacity-mode plan of ~100 loses its 2048-row bucket, so a unit
+# tick appending for more than ~85 sessions (12 rows each) runs that step eagerly (unmeasured).
 MAX_GRAPH_BATCH = 256
 MAX_GRAPH_ROWS = 1024
 

@@ -260,3 +260,16 @@ def test_graph_buckets_stop_at_the_caps_however_large_the_plan(tmp_path, monkeyp
         assert len(graphs.keys()) <= 40 * len(graphs.widths)
     assert device_setup.graph_batch(10230) == device_setup.MAX_GRAPH_BATCH and device_setup.graph_batch(0) == 1
     assert device_setup.graph_batch(49) == 49   # the plans measured on the H200 are unchanged
+
+
+def test_the_graph_switches_default_on_and_the_engine_caps_their_buckets(tmp_path, monkeypatch):
+    """A deploy YAML naming no graph switch: the defaults (which the packaged YAMLs write out,
+    tests/test_config.py) build the ragged-step rows and the encoder pieces, and every runner the engine builds is sized by ``graph_batch`` (a plan of more
+    sessions than the cap gets buckets up to the cap, not up to the plan)."""
+    monkeypatch.setattr(device_setup, "MAX_GRAPH_BATCH", 2)
+    monkeypatch.setattr(DuplexEngine, "_can_capture_encoder", lambda self: True)
+    eng = graphed_engine(tmp_path, monkeypatch, "defaults")
+    assert eng.plan.planned_sessions > 2
+    assert eng.thinker_graphs.max_batch == eng.talker_graphs.max_batch == eng.encoder_graphs.max_batch == 2
+    assert eng.stage0.ragged_step_graphs and eng.thinker_graphs.row_buckets[-1] > 2
+    eng.shutdown()

@@ -104,9 +104,10 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "cuda", torc
 for mode in "${@:-smoke}"; do
 case "$mode" in
   smoke)
-    # A fixed 4 GiB budget: tiny's auto budget on an 80 GB card plans ~10000 sessions, and the warm-up of
-    # such a plan (every graph bucket up to the caps, the split variants) takes ~65 s per engine (H100, 2026-12-06)
-    small="--memory-budget 4GiB"
+    # A fixed 512 MiB budget (a plan of ~50 tiny sessions): tiny's auto budget on an 80 GB card plans ~10000,
+    # and the warm-up of such a plan (every graph bucket up to the caps: 510 graphs) took 64 s per engine on an
+    # H100 (2026-12-06), so each 120 s smoke step timed out
+    small="--memory-budget 512MiB"
     step smoke_bench 120 python3 -m duplexcache.cli bench memory --preset tiny --device cuda --sessions 1,2 $small --out "$out/smoke_bench"
     step smoke_ticks 120 python3 -m duplexcache.cli bench ticks --preset tiny --device cuda --sessions 1,2 --ticks 2 $small --out "$out/smoke_ticks"
     # the fp8 KV pools through warm-up, the decode graphs and the in-kernel dequantization
@@ -114,7 +115,7 @@ case "$mode" in
     # the A/B reference of the graph switches that are on by default (eager ragged steps and encoder)
     step smoke_ticks_eager 120 python3 -m duplexcache.cli bench ticks --preset tiny --device cuda --sessions 1,2 --ticks 2 --ragged-step-graphs off --encoder-cuda-graphs off $small --out "$out/smoke_ticks_eager"
     step smoke_setup 120 python3 -m duplexcache.cli bench setup --preset tiny --device cuda --sessions 3 --repeats 1 --out "$out/smoke_setup"
-    serve_conversation smoke_serve duplexcache/configs/tiny.yaml 2 16 "engine.memory_budget=4GiB"   # 16 s: every caller reaches its first reply
+    serve_conversation smoke_serve duplexcache/configs/tiny.yaml 2 16 "engine.memory_budget=512MiB"   # 16 s: every caller reaches its first reply
     step gpu_tests 240 python3 -m pytest -q -x tests/cfm/test_graphs.py tests/kv/test_paged_attention.py tests/kv/test_decode_graphs.py tests/models/test_audio_encoder_graphs.py tests/runtime/test_warmup.py -p no:cacheprovider ;;
   suite)  # issue 14: the whole test suite on the GPU machine (CUDA tests run, interpreter tests skip; -q comes from pyproject)
     step suite 420 python3 -m pytest -rs -n 4 --dist loadfile --timeout 300 -p no:cacheprovider tests ;;

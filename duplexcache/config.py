@@ -324,8 +324,10 @@ class ServerConfig(_Strict):
     # tick takes the units that are complete, so the sessions' units fall on two phases of the
     # grid; a session whose caller's turn has ended (the speak policy's would_answer) gets its
     # unit closed with silence at the next tick instead of waiting for the rest of it, and stays
-    # on that phase (runtime/engine_session.py EarlyClose). 1: one tick per unit.
-    tick_phases: Literal[1, 2, 4] = 1
+    # on that phase (runtime/engine_session.py EarlyClose). 1: one tick per unit. 2 is the default
+    # since the graph switches made a tick between cheap: 32 callers on an H100 answered at p99
+    # 1.16-1.35 s against 1.72 s with one phase (docs/benchmarks.md, "Two phases by default").
+    tick_phases: Literal[1, 2, 4] = 2
     # Where sessions' units sit with tick_phases > 1. "spread": on whichever phase they fell (a
     # session closed early stays on its new phase), so every tick runs part of the sessions and the
     # fixed part of a tick (decode steps bound by launches and weight reads on a GPU) is paid
@@ -352,7 +354,7 @@ class ServerConfig(_Strict):
     def _home_phase_needs_alignment(self) -> "ServerConfig":
         if self.tick_phases > 1 and self.phase_units == "home" and not self.align_units_to_ticks:
             raise ValueError("server.phase_units 'home' keeps units on the unit tick by aligning them: it needs "
-                             "server.align_units_to_ticks (or phase_units 'spread')")
+                             "server.align_units_to_ticks (or phase_units 'spread', or tick_phases 1)")
         return self
 
 

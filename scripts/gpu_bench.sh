@@ -161,7 +161,7 @@ case "$mode" in
     # SERVE_ALIGN_ARMS="off on_quiet1000 on" SERVE_BASE=duplexcache/configs/tiny.yaml SERVE_SESSIONS=1,8)
     for tag in ${SERVE_ALIGN_ARMS:-off on}; do
       case $tag in
-        off) override=server.align_units_to_ticks=false ;;
+        off) override="server.align_units_to_ticks=false server.tick_phases=1" ;;
         on_quiet1000) override=engine.speak_policy.end_quiet_ms=1000 ;;
         on) override= ;;
         *) echo "serve_align: unknown arm $tag (off, on_quiet1000, on)"; continue ;;

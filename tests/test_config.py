@@ -44,7 +44,7 @@ NON_DEFAULT = {
                "allowed_origins": ["https://app.example"], "idle_timeout_s": 30.0, "max_session_s": 600.0,
                "max_connections_per_client": 3, "max_sessions_per_client": 2, "queue_notice_s": 0.5, "max_context_tokens": 4096,
                "switch_interval_ms": 0.5, "catch_up_ticks": False,
-               "prefill_between_ticks": False, "align_units_to_ticks": False, "unit_align_margin_ms": 80.0, "tick_phases": 2,
+               "prefill_between_ticks": False, "align_units_to_ticks": False, "unit_align_margin_ms": 80.0, "tick_phases": 4,
                "phase_units": "spread",
                "fill_silence_after_ms": 1500.0,
                "compute_threads": 3},

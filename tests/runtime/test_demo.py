@@ -116,7 +116,7 @@ def test_demo_waits_for_the_reply_however_slow_the_ticks(tmp_path, capsys, monke
 def test_demo_fails_when_no_reply_comes(tmp_path, capsys, monkeypatch):
     """A stalled engine (its ticks return nothing): the demo exits 1 at its deadline, says why,
     and writes no empty WAV files."""
-    _patch_engine(monkeypatch, "tick", lambda real_tick: lambda: [])
+    _patch_engine(monkeypatch, "tick", lambda real_tick: lambda **_: [])
     assert demo.run(_args(tmp_path, sessions=2, timeout=2)) == 1
     err = capsys.readouterr().err
     assert "FAILED: no complete replies within --timeout 2 s: 0 of 2 replies, 0.00 s of audio" in err
@@ -125,7 +125,7 @@ def test_demo_fails_when_no_reply_comes(tmp_path, capsys, monkeypatch):
 
 
 def test_demo_direct_fails_when_no_reply_comes(tmp_path, capsys, monkeypatch):
-    _patch_engine(monkeypatch, "tick", lambda real_tick: lambda: [])
+    _patch_engine(monkeypatch, "tick", lambda real_tick: lambda **_: [])
     assert demo.run(_args(tmp_path, sessions=1, direct=True)) == 1
     assert "finished 0 of 1 replies" in capsys.readouterr().err
 

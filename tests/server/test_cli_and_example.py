@@ -144,7 +144,7 @@ def test_example_client_streams_a_wav_and_writes_the_reply(tmp_path):
 class _StalledEngine(FakeEngine):
     """Ticks that never run a unit: the server is up, the reply never comes."""
 
-    def tick(self):
+    def tick(self, unit_tick: bool = True):
         with self._lock:
             self.ticks += 1
         return []
@@ -164,8 +164,8 @@ class _GapEngine(FakeEngine):
         super().__init__(deploy, done_after_units=1)
         self.gap = gap
 
-    def tick(self):
-        events = super().tick()
+    def tick(self, unit_tick: bool = True):
+        events = super().tick(unit_tick=unit_tick)
         if events and self.gap:
             time.sleep(self.gap)
             self.gap = 0.0

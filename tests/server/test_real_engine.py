@@ -108,9 +108,9 @@ class GatedEngine(DuplexEngine):
             if self._pushed >= self._expected:
                 self.gate.set()
 
-    def tick(self):
+    def tick(self, unit_tick: bool = True):
         self.gate.wait(GATE_TIMEOUT_S)
-        events = super().tick()
+        events = super().tick(unit_tick=unit_tick)
         ran = {e.sid for e in events if isinstance(e, (AudioDelta, ResponseDone))}
         text = {e.sid for e in events if isinstance(e, TextDelta)}
         if text or ran:

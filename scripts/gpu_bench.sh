@@ -158,12 +158,14 @@ case "$mode" in
     # (server.align_units_to_ticks off: arm "off"), aligned to the tick grid with the policy's old whole-unit quiet
     # (engine.speak_policy.end_quiet_ms=1000: arm "on_quiet1000"), aligned with the default 200 ms (arm "on").
     # SERVE_ALIGN_ARMS picks arms (default "off on": ~5 min on an H200 at 32 callers; all three on a CPU:
-    # SERVE_ALIGN_ARMS="off on_quiet1000 on" SERVE_BASE=duplexcache/configs/tiny.yaml SERVE_SESSIONS=1,8)
+    # SERVE_ALIGN_ARMS="off on_quiet1000 on" SERVE_BASE=duplexcache/configs/tiny.yaml SERVE_SESSIONS=1,8).
+    # Every arm with one tick per unit, as measured (home phases need alignment); tick_phases first: each
+    # override is validated as it is set
     for tag in ${SERVE_ALIGN_ARMS:-off on}; do
       case $tag in
-        off) override="server.align_units_to_ticks=false server.tick_phases=1" ;;
-        on_quiet1000) override=engine.speak_policy.end_quiet_ms=1000 ;;
-        on) override= ;;
+        off) override="server.tick_phases=1 server.align_units_to_ticks=false" ;;
+        on_quiet1000) override="server.tick_phases=1 engine.speak_policy.end_quiet_ms=1000" ;;
+        on) override=server.tick_phases=1 ;;
         *) echo "serve_align: unknown arm $tag (off, on_quiet1000, on)"; continue ;;
       esac
       SERVE_STEP_LIMIT=${SERVE_STEP_LIMIT:-400} serve_conversation "serve_align_$tag" \

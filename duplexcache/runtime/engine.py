@@ -57,7 +57,7 @@ from duplexcache.runtime.fast_forward import FastForwardRequest, FastForwardResu
 from duplexcache.runtime.isolation import FaultInjector
 from duplexcache.runtime.pacing import PrefillTimes
 from duplexcache.runtime.policy import ControlTokens, make_policy, text_token_ids
-from duplexcache.runtime.session_sizing import CLIENT_REFUSALS, SessionSizing, refusal
+from duplexcache.runtime.session_sizing import CLIENT_REFUSALS, RefusalLog, SessionSizing, refusal
 from duplexcache.runtime.talker_stage import TalkerStage
 from duplexcache.runtime.thinker_stage import ThinkerStage
 from duplexcache.runtime.warmup import WarmupReport, warm_up
@@ -95,6 +95,7 @@ class DuplexEngine:
                                                          self._encode_reference_audio)
         self.code2wav = build_code2wav(deploy, models)   # every voice's prompt state computed once
         self.sizing = SessionSizing(deploy, models, self.code2wav)
+        self.refusal_log = RefusalLog(logger)
         self.plan = self.sizing.plan()
         self.ledger = AdmissionLedger(self.plan)
         self._build_pools()
@@ -224,7 +225,7 @@ class DuplexEngine:
             why = table.refusal(fp, self._refusal)
             if why is not None and not queue_if_full:
                 code, detail = why
-                logger.info("session refused (%s): %s", code, detail)
+                self.refusal_log.refused(code, detail)
                 raise AdmissionError(CLIENT_REFUSALS[code], code=code)
             seed_name = table.next_seed_name()
             sid = sid or seed_name

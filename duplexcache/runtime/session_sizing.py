@@ -11,7 +11,8 @@ the Talker's from a full turn, the dynamic bytes from Code2Wav's and the encoder
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -52,6 +53,29 @@ def refusal(ledger: AdmissionLedger, tick_cost: TickCostModel, fp: Footprint,
     if reason is not None:
         return "capacity_compute", reason
     return None
+
+
+class RefusalLog:
+    """The refusals' details for the operator, without a line per refusal: a refused client asks
+    again at every audio append (10 a second), and 13 refused callers wrote 7406 of a 60 s run's
+    7798 log lines. Each cause is logged the first time and then at most once every
+    ``interval_s``, with how many refusals the line stands for. Called under the session
+    table's lock."""
+
+    def __init__(self, log: logging.Logger, interval_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.log, self.interval_s, self.clock = log, interval_s, clock
+        self._last: dict[str, tuple[float, int]] = {}   # code -> (when last logged, refused since)
+
+    def refused(self, code: str, detail: str) -> None:
+        now = self.clock()
+        last = self._last.get(code)
+        if last is not None and now - last[0] < self.interval_s:
+            self._last[code] = (last[0], last[1] + 1)
+            return
+        since = f" ({last[1]} more refused for this cause in the last {now - last[0]:.0f} s)" if last and last[1] else ""
+        self.log.info("session refused (%s): %s%s", code, detail, since)
+        self._last[code] = (now, 0)
 
 
 def session_window(cfg: SessionRuntimeConfig) -> WindowConfig:

@@ -77,6 +77,25 @@ def test_budget_for_exactly_k_sessions_refuses_the_next_and_admits_after_close(t
     assert SessionAdmitted(queued) in eng.tick()
 
 
+def test_a_cause_of_refusal_is_logged_once_per_interval_with_the_refusals_it_stands_for(caplog):
+    from duplexcache.runtime.session_sizing import RefusalLog
+
+    now = [0.0]
+    log = RefusalLog(logging.getLogger("test.refusals"), interval_s=10.0, clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="test.refusals"):
+        for t in (0.0, 0.1, 0.2, 5.0):           # a refused client asking at every append
+            now[0] = t
+            log.refused("capacity_memory", "Thinker KV needs 501 blocks")
+        log.refused("capacity_compute", "tick 0.9 s")   # another cause has its own line
+        now[0] = 10.5
+        log.refused("capacity_memory", "Thinker KV needs 501 blocks")
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["session refused (capacity_memory): Thinker KV needs 501 blocks",
+                     "session refused (capacity_compute): tick 0.9 s",
+                     "session refused (capacity_memory): Thinker KV needs 501 blocks "
+                     "(3 more refused for this cause in the last 10 s)"]
+
+
 def test_budget_too_small_for_one_session_is_a_clear_error(tmp_path):
     with pytest.raises(BudgetTooSmall, match="cannot hold one session"):
         engine(tmp_path, "small", {"engine": {"memory_budget": "100MiB", "activation_reserve": "1MiB"}})

@@ -32,8 +32,6 @@ from duplexcache.runtime.policy import MAX_UNIT_TOKENS
 from duplexcache.runtime.stage0 import session_worst_case
 from duplexcache.runtime.voices import Voice
 
-logger = logging.getLogger(__name__)
-
 # What a refused client reads (AdmissionError.reason): no pool sizes; the numbers go to the log.
 CLIENT_REFUSALS = {
     "capacity_memory": "capacity_memory: the server has no memory for another session now; try again later",

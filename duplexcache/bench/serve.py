@@ -332,8 +332,20 @@ def summarize_step(n: int, rows: list[dict[str, Any]], before: dict, after: dict
         "between_tick_ms_mean": between_tick_ms_mean(before, after),   # home phases' ticks between, with units
         "realtime": bool(all_audio and late == 0 and latency_ok),
         **({"long_context": _long_context_summary(long_rows)} if long_rows else {}),
+        **({"without_errors": _without_errors_summary(rows)} if any(r["errors"] for r in rows) else {}),
         "per_session": rows + long_rows,
     }
+
+
+def _without_errors_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The sessions that met no error (admitted at once, never refused), apart: when the card
+    holds fewer sessions than the step has callers, the refused ones get in late, one by one, and
+    their first replies set the step's p99; this is what the admitted callers heard."""
+    clean = [r for r in rows if not r["errors"]]
+    return {"sessions": len(clean),
+            "reply_latency_s": percentiles([x for r in clean for x in r["reply_latency_s"]]),
+            "gaps_over_200ms": sum(r["gaps_over_200ms"] for r in clean),
+            "sessions_with_audio": sum(r["got_audio"] for r in clean)}
 
 
 def _long_context_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -502,6 +514,12 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             print("      server ms per tick (mean): " + ", ".join(f"{k} {v}" for k, v in s["stage_ms_mean"].items()))
         if s.get("between_tick_ms_mean") is not None:
             print(f"      server ms per tick between unit ticks that ran units (mean): {s['between_tick_ms_mean']}")
+        if "without_errors" in s:
+            ok = s["without_errors"]
+            lat = ok["reply_latency_s"]
+            print(f"      the {ok['sessions']} sessions without errors: audio {ok['sessions_with_audio']}/{ok['sessions']}, "
+                  f"reply latency p50/p95/p99/max {lat['p50']}/{lat['p95']}/{lat['p99']}/{lat['max']} s "
+                  f"({lat['n']} replies), gaps > 200 ms {ok['gaps_over_200ms']}")
         if "long_context" in s:
             lc = s["long_context"]
             print(f"      + {lc['callers']} long-context callers: audio {lc['with_audio']}/{lc['callers']}, reply "

@@ -226,6 +226,25 @@ def test_rate_limited_callers_are_counted_and_named(caplog):
     assert serve.summarize_step(1, rows[:1], counters, counters, 1.0, 3.5, "conversation")["sessions_rate_limited"] == 0
 
 
+def test_sessions_without_errors_are_summarised_apart_when_some_were_refused():
+    """A card that holds fewer sessions than the step's callers: the refused callers' late
+    replies set the step's p99; the admitted callers' figures come apart (the H100 runs of
+    2026-12-06 cut them from per_session by hand)."""
+    def row(latencies, errors=(), gaps=0):
+        return {"reply_latency_s": latencies, "audio_received_ratio": 1.0, "max_gap_s": 0.0,
+                "gaps_over_200ms": gaps, "got_audio": bool(latencies), "errors": list(errors),
+                "replies_scheduled": len(latencies), "replies_done": len(latencies)}
+
+    counters = {"late_ticks": 0.0, "graph_captures": 0.0, "catch_up_ticks": 0.0}
+    rows = [row([0.8, 1.1], gaps=1), row([0.9]), row([12.0], ["capacity_memory: full (x40)"], gaps=2)]
+    step = serve.summarize_step(3, rows, counters, counters, 1.0, 3.5, "conversation")
+    assert step["reply_latency_s"]["max"] == 12.0
+    clean = step["without_errors"]
+    assert clean["sessions"] == clean["sessions_with_audio"] == 2 and clean["gaps_over_200ms"] == 1
+    assert clean["reply_latency_s"]["n"] == 3 and clean["reply_latency_s"]["max"] == 1.1
+    assert "without_errors" not in serve.summarize_step(2, rows[:2], counters, counters, 1.0, 3.5, "conversation")
+
+
 def test_latency_growth_is_the_last_reply_less_the_first_per_session():
     """A server that falls behind and never catches up makes every later reply later (issue 10)."""
     def row(latencies):

@@ -266,7 +266,7 @@ class RealtimeServer:
             # the room of the ticks between is measured from (engine._tick_has_room)
             unit_tick = grid.unit_tick(deadline) and not catching_up
             catching_up = False
-            started = loop.time()
+            engine_late = getattr(self.engine, "late_ticks", None)   # the engine's own count, when it keeps one
             await self._tick_once(unit_tick if home else None)
             now = loop.time()
             if home and deadline < now <= grid.next_unit_point(deadline) + LATE_SLACK * period:
@@ -278,8 +278,8 @@ class RealtimeServer:
                 self.metrics.late_ticks.inc()
                 # The engine logs the warning for a tick over its own period (one line, not two);
                 # home, that period is a unit and this grid's point a fraction of one, so the server
-                # says it unless the tick ran over a whole unit too (the engine said it then).
-                engine_said_it = now - started > period * server.tick_phases
+                # says it unless the engine counted (and logged) this tick late too.
+                engine_said_it = engine_late is not None and getattr(self.engine, "late_ticks", 0) > engine_late
                 (logger.warning if home and not engine_said_it else logger.debug)(
                     "%s ran late: ended %.3f s past its deadline (period %.3f s); the next tick starts now",
                     "tick" if not home else "unit tick" if unit_tick else "tick between unit ticks",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import itertools
 import json
 import logging
 from dataclasses import dataclass, field
@@ -286,11 +287,5 @@ def session_row(trace: SessionTrace) -> dict[str, Any]:
 def collapse_repeats(messages: list[str]) -> list[str]:
     """Runs of the same message as one, with its count: a refused caller is refused again at
     every append (10 a second), and 13 such callers made a 60 s step's results.json 800 kB."""
-    out: list[str] = []
-    count = 0
-    for i, message in enumerate(messages):
-        count += 1
-        if i + 1 == len(messages) or messages[i + 1] != message:
-            out.append(message if count == 1 else f"{message} (x{count})")
-            count = 0
-    return out
+    runs = ((message, len(list(run))) for message, run in itertools.groupby(messages))
+    return [message if count == 1 else f"{message} (x{count})" for message, count in runs]

@@ -67,6 +67,10 @@ def test_budget_for_exactly_k_sessions_refuses_the_next_and_admits_after_close(t
     assert info.value.code == "capacity_memory" and "blocks" not in info.value.reason
     logged = caplog.text
     assert f"{k} live sessions" in logged and "Thinker KV needs" in logged and "blocks" in logged
+    # a refused client asks again at every append: the cause is not logged again at once (RefusalLog)
+    with caplog.at_level(logging.INFO, logger="duplexcache.runtime.engine"), pytest.raises(AdmissionError):
+        eng.open_session({"voice": "default"})
+    assert sum("session refused" in r.getMessage() for r in caplog.records) == 1
     assert eng.stats().live_sessions == k           # the refused session owns nothing
     eng.close_session(sids[0])
     again = eng.open_session({"voice": "default"})

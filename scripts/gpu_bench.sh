@@ -106,7 +106,8 @@ case "$mode" in
   smoke)
     # A fixed 512 MiB budget (a plan of ~50 tiny sessions): tiny's auto budget on an 80 GB card plans ~10000,
     # and the warm-up of such a plan (every graph bucket up to the caps: 510 graphs) took 64 s per engine on an
-    # H100 (2026-12-06), so each 120 s smoke step timed out
+    # H100 (2026-12-06), so each 120 s smoke step timed out. With a cold Triton cache smoke_ticks compiles the ragged
+    # kernels (36 s on an H100 since the split count is a runtime argument; 110 s before)
     small="--memory-budget 512MiB"
     step smoke_bench 120 python3 -m duplexcache.cli bench memory --preset tiny --device cuda --sessions 1,2 $small --out "$out/smoke_bench"
     step smoke_ticks 120 python3 -m duplexcache.cli bench ticks --preset tiny --device cuda --sessions 1,2 --ticks 2 $small --out "$out/smoke_ticks"

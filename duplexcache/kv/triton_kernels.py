@@ -101,7 +101,15 @@ def _is_pow2(n: int) -> bool:
 # --------------------------------------------------------------------------------------
 if triton is not None:
 
-    @triton.jit
+    # The split count is a runtime argument, not a constexpr: a ragged step can pick any count
+    # from 1 to ~22 (default_num_splits of its row count), and as a constexpr each count was its
+    # own compile (tiny's Talker: 132 variants, ~80 s of a cold first start on an H100). Neither
+    # it nor the strides of the log-sum-exp parts (num_q_heads x num_splits, num_splits) are
+    # specialized on (Triton would compile apart counts equal to 1 or whose stride is a
+    # multiple of 16), so only the merge's BLOCK_S (a power of two) still varies.
+    _SPLIT_ARGS = ["num_splits", "stride_lb", "stride_lh"]
+
+    @triton.jit(do_not_specialize=_SPLIT_ARGS)
     def _paged_decode_split_kernel(
         Q, K, V, BT, SL, OUT_PART, LSE_PART,
         KS, VS,  # fp8 pools: (num_blocks, block_size, Hkv) float32 scales; unused otherwise
@@ -114,8 +122,9 @@ if triton is not None:
         stride_btb,
         stride_ob, stride_oh, stride_os,
         stride_lb, stride_lh,
+        num_splits,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-        PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr, HAS_SCALES: tl.constexpr,
     ):
         """One program = (sequence b, kv head, split s); all GROUP q heads of the kv head.
@@ -131,7 +140,7 @@ if triton is not None:
 
         seq_len = tl.load(SL + b)
         # Split length is a multiple of BLOCK_N so every tile but the last one is full.
-        per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
         start = split * per_split
         end = tl.minimum(start + per_split, seq_len)
 
@@ -188,20 +197,21 @@ if triton is not None:
         tl.store(LSE_PART + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse,
                  mask=g_mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=_SPLIT_ARGS)
     def _paged_decode_merge_kernel(
         OUT_PART, LSE_PART, OUT,
         stride_ob, stride_oh, stride_os,
         stride_lb, stride_lh,
         stride_outb, stride_outh,
-        NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+        num_splits,
+        BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
     ):
         """One program = (sequence b, q head): weight each split by 2^(lse_s - max lse)."""
         b = tl.program_id(0)
         h = tl.program_id(1)
         offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, HEAD_DIM)
-        s_mask = offs_s < NUM_SPLITS
+        s_mask = offs_s < num_splits
 
         lse = tl.load(LSE_PART + b.to(tl.int64) * stride_lb + h * stride_lh + offs_s,
                       mask=s_mask, other=float("-inf"))
@@ -421,8 +431,9 @@ def paged_decode_attention(
         block_tables.stride(0),
         out_part.stride(0), out_part.stride(1), out_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
+        num_splits,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits, DOT_PRECISION=precision,
+        PAGE=page, BLOCK_N=block_n, DOT_PRECISION=precision,
         HAS_SCALES=has_scales, num_warps=num_warps, num_stages=num_stages,
     )
     _paged_decode_merge_kernel[(batch, num_q_heads)](
@@ -430,7 +441,7 @@ def paged_decode_attention(
         out_part.stride(0), out_part.stride(1), out_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
         out.stride(0), out.stride(1),
-        NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+        num_splits, BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
         num_warps=4,
     )
     return out

@@ -218,11 +218,12 @@ RAGGED_MIN_ROWS = {"thinker": 11, "talker": 2}
 
 
 def _ragged_split_variants(engine: DuplexEngine) -> list[str]:
-    """Compile every split count the ragged path can pick. The decode kernel's split count is a
-    compile-time constant chosen from the row count and the table width (``default_num_splits``);
-    graphed decode steps only meet their buckets' values (compiled by the captures), but a ragged
+    """Run every split count the ragged path can pick, so no kernel compiles inside a tick. The
+    split count comes from the row count and the table width (``default_num_splits``); a ragged
     step has any row count >= RAGGED_MIN_ROWS and any width, so every value from 1 to the one of
-    the fewest rows can occur: Thinker 1..6, Talker 1..22 at minicpmo45 shapes on an H200."""
+    the fewest rows can occur: Thinker 1..6, Talker 1..22 at minicpmo45 shapes on an H200. The
+    count is a runtime argument of the kernels, so this compiles one split kernel and one merge
+    kernel per power-of-two merge width (BLOCK_S); the other counts only launch."""
     from duplexcache.kv.triton_kernels import _num_sms, default_num_splits, paged_decode_attention
 
     m, ran = engine.models, []

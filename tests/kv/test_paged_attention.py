@@ -279,6 +279,34 @@ def test_cuda_ragged_steps_take_the_kernel_and_match_the_reference():
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_split_counts_share_one_compiled_kernel():
+    """The decode kernel's split count is a runtime argument: counts 5, 6 and 7 (one merge width,
+    BLOCK_S 8) run on the kernels compiled for 5. As a constexpr each count was its own compile
+    (132 variants for tiny's Talker, ~80 s of a cold first start on an H100)."""
+    triton_kernels = pytest.importorskip("duplexcache.kv.triton_kernels")
+    kernels = (triton_kernels._paged_decode_split_kernel, triton_kernels._paged_decode_merge_kernel)
+    if not all(hasattr(k, "device_caches") for k in kernels):
+        pytest.skip("this Triton keeps no per-device kernel cache to count")
+
+    def compiled() -> int:
+        return sum(len(entry[0]) for k in kernels for entry in k.device_caches.values())
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(2, 8, 64, device="cuda", generator=g)
+    k = torch.randn(20, 16, 2, 64, device="cuda", generator=g)
+    v = torch.randn(20, 16, 2, 64, device="cuda", generator=g)
+    table = torch.randint(1, 20, (2, 12), device="cuda", dtype=torch.int32, generator=g)
+    seq_lens = torch.tensor([190, 77], device="cuda", dtype=torch.int32)
+    outs = [triton_kernels.paged_decode_attention(q, k, v, table, seq_lens, 0.125, num_splits=5)]
+    after_first = compiled()
+    for splits in (6, 7):
+        outs.append(triton_kernels.paged_decode_attention(q, k, v, table, seq_lens, 0.125, num_splits=splits))
+    assert compiled() == after_first
+    for out in outs[1:]:   # a different split count only changes the float summation order
+        torch.testing.assert_close(out, outs[0], rtol=1e-5, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------- fp8 storage
 FP8 = torch.float8_e4m3fn
 

@@ -115,5 +115,12 @@ def run(args: argparse.Namespace) -> int:
     if deploy.server.api_key is None and host not in ("127.0.0.1", "::1", "localhost"):
         logger.warning("listening on %s without an API key: anyone who can reach it may open sessions "
                        "(set DUPLEXCACHE_API_KEY or --api-key)", host)
-    uvicorn.Server(uvicorn_config(app, host, port, deploy.server.max_frame_bytes, args.log_level)).run()
+    try:
+        uvicorn.Server(uvicorn_config(app, host, port, deploy.server.max_frame_bytes, args.log_level)).run()
+    except KeyboardInterrupt:
+        # Ctrl-C: uvicorn has already shut the app down (sessions closed, engine stopped) and then
+        # re-raises the interrupt so the exit status says how the process ended; that is not an
+        # error, so no traceback, and the shell's status for SIGINT.
+        logger.info("stopped by SIGINT")
+        return 130
     return 0

@@ -6,8 +6,12 @@ import argparse
 import importlib.util
 import logging
 import re
+import signal
+import socket
+import subprocess
 import sys
 import time
+import urllib.request
 import wave
 from pathlib import Path
 
@@ -77,6 +81,48 @@ def test_run_builds_the_engine_and_serves_it(monkeypatch):
     assert (config.host, config.port) == ("127.0.0.1", 0)
     assert config.ws_max_size == deploy.server.max_frame_bytes + WS_SIZE_HEADROOM
     assert REALTIME_PATH in {route.path for route in config.app.routes}
+
+
+def test_ctrl_c_ends_serve_without_a_traceback(monkeypatch):
+    """uvicorn re-raises Ctrl-C after its graceful shutdown; serve exits with SIGINT's status."""
+    def interrupted(server):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_engine", FakeEngine)
+    monkeypatch.setattr(uvicorn.Server, "run", interrupted)
+    try:
+        status = cli.run(_parse(["--port", "0"]))
+    except KeyboardInterrupt:
+        pytest.fail("the interrupt escaped serve (a traceback for Ctrl-C)")
+    assert status == 130
+
+
+def test_sigint_stops_a_real_serve_quietly():
+    """The real process: tiny on CPU, /health 200, then SIGINT. It shuts down (log line), exits 130
+    and prints no traceback (it printed asyncio's KeyboardInterrupt traceback before)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "duplexcache.cli", "serve", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
+                    if reply.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            pytest.fail("serve was not healthy within 120 s")
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert "server stopped" in out, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    assert proc.returncode == 130
 
 
 @pytest.mark.parametrize("shared", [False, True])

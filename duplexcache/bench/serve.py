@@ -40,7 +40,9 @@ import logging
 import math
 import shlex
 import sys
+import re
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -62,6 +64,7 @@ MAX_DURATION_S = 3600.0
 MAX_RAMP_S = 600.0
 INSTRUCTIONS = "You are a friendly voice assistant. Keep every answer short."
 MAX_INSTRUCTION_CHARS = 1_000_000
+_REPEATS = re.compile(r" \(x\d+\)$")   # serve_client.collapse_repeats' suffix
 IDLE_WAIT_S = 30.0      # between steps: at most this long for the server to free the last step's sessions
 
 
@@ -130,6 +133,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "per character, and over server.max_context_tokens they are refused")
     parser.add_argument("--long-context-at", type=_bounded("--long-context-at", 0, MAX_DURATION_S), default=None,
                         help="seconds after a step's start when they connect, 0.5 s apart (default: --ramp + 5)")
+    parser.add_argument("--ready-timeout", type=_bounded("--ready-timeout", 0, MAX_DURATION_S), default=600.0,
+                        help="seconds to wait for a server whose /health says it is still warming up before the "
+                             "first step (a server that nothing answers for fails at once)")
     parser.add_argument("--hardware", default=None, help="hardware line for the report (default: nvidia-smi / platform)")
     parser.add_argument("--out", type=Path, default=Path("bench-serve-out"))
 
@@ -258,6 +264,41 @@ async def _cluster_replicas(client: Any, base: str) -> list[str]:
     return sorted(body.get("cluster", {}).get("replicas", {})) if isinstance(body, dict) else []
 
 
+class ServerUnreachable(RuntimeError):
+    """Nothing answers at the URL's host and port, or the server did not finish warming up."""
+
+
+async def wait_ready(client: Any, base: str, timeout: float, poll_s: float = 1.0) -> None:
+    """Before the first step: fail at once when nothing listens at ``base`` (every caller would only
+    collect connection errors), and wait while ``/health`` answers 503 ``warming`` (a server just
+    started captures its graphs first; callers would be turned away with ``server_warming_up``).
+    Any other answer, a 404 from a server without ``/health`` included, lets the sweep start."""
+    import httpx
+
+    loop = asyncio.get_running_loop()
+    deadline, told = loop.time() + timeout, False
+    while True:
+        try:
+            response = await client.get(base + "/health", timeout=10.0)
+        except httpx.TransportError as exc:
+            raise ServerUnreachable(f"nothing answers at {base} (from --url): {type(exc).__name__}: {exc}; "
+                                    "is `duplexcache serve` running there?") from exc
+        warming = False
+        if response.status_code == 503:
+            try:
+                warming = response.json().get("status") == "warming"
+            except ValueError:
+                warming = False
+        if not warming:
+            return
+        if not told:
+            logger.info("the server at %s is warming up; waiting up to %.0f s for /health to be ready", base, timeout)
+            told = True
+        if loop.time() >= deadline:
+            raise ServerUnreachable(f"the server at {base} was still warming up after {timeout:.0f} s (--ready-timeout)")
+        await asyncio.sleep(poll_s)
+
+
 async def wait_idle(client: Any, base: str, timeout: float = IDLE_WAIT_S) -> None:
     """Until /health reports no live sessions (the server frees closed sessions at its next tick)."""
     loop = asyncio.get_running_loop()
@@ -325,6 +366,7 @@ def summarize_step(n: int, rows: list[dict[str, Any]], before: dict, after: dict
         "gaps_over_200ms": sum(r["gaps_over_200ms"] for r in rows),
         "sessions_with_audio": sum(r["got_audio"] for r in rows),
         "sessions_with_errors": sum(bool(r["errors"]) for r in rows),
+        "errors_top": top_errors(rows),
         "replies_scheduled": sum(r["replies_scheduled"] for r in rows),
         "replies_done": sum(r["replies_done"] for r in rows),
         **{key: _delta(after.get(key), before.get(key)) for key in COUNTERS},   # late_ticks, catch_up_ticks, ...
@@ -335,6 +377,13 @@ def summarize_step(n: int, rows: list[dict[str, Any]], before: dict, after: dict
         **({"without_errors": _without_errors_summary(rows)} if any(r["errors"] for r in rows) else {}),
         "per_session": rows + long_rows,
     }
+
+
+def top_errors(rows: list[dict[str, Any]], limit: int = 3) -> list[list[Any]]:
+    """The most common errors of a step as [message, sessions that met it], most sessions first;
+    a caller's ``(xN)`` repeat count is dropped, so one message counts once per session."""
+    seen = Counter(e for r in rows for e in {_REPEATS.sub("", err) for err in r["errors"]})
+    return [[message, count] for message, count in seen.most_common(limit)]
 
 
 def _without_errors_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -448,6 +497,7 @@ async def run_sweep(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]
     steps: list[dict[str, Any]] = []
     per_step = int(math.ceil(args.ramp + max(1, int(args.duration))))
     async with httpx.AsyncClient() as client:
+        await wait_ready(client, base, args.ready_timeout)
         with tqdm(total=per_step * len(args.sessions), desc="bench serve", unit="s", file=sys.stderr,
                   disable=None) as bar:
             for k, n in enumerate(args.sessions):
@@ -500,7 +550,11 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         return 2
     if argv is None:   # what followed ``serve`` on the command line, for the report
         argv = sys.argv[sys.argv.index("serve") + 1:] if "serve" in sys.argv else sys.argv[1:]
-    results = asyncio.run(run_sweep(args, argv))
+    try:
+        results = asyncio.run(run_sweep(args, argv))
+    except ServerUnreachable as exc:
+        print(f"duplexcache bench serve: {exc}", file=sys.stderr)
+        return 1
     write_results(args.out, results)
     plot_latency(results, args.out / "reply_latency.png")
     for s in results["steps"]:
@@ -510,6 +564,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
               f"{s['reply_latency_growth_s']['p50']} s), gaps > 200 ms {s['gaps_over_200ms']}, "
               f"late ticks {s['late_ticks']} (catch-up ticks {s['catch_up_ticks']}, early closes {s.get('early_closes')}), errors in {s['sessions_with_errors']} sessions, "
               f"real-time {s['realtime']}")
+        if s.get("errors_top"):
+            print("      errors: " + "; ".join(f"{message} ({count} sessions)" for message, count in s["errors_top"]))
         if s.get("stage_ms_mean"):
             print("      server ms per tick (mean): " + ", ".join(f"{k} {v}" for k, v in s["stage_ms_mean"].items()))
         if s.get("between_tick_ms_mean") is not None:

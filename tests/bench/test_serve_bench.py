@@ -323,3 +323,77 @@ def test_push_to_talk_callers_get_their_replies(tmp_path):
     (latency,) = row["reply_latency_s"]
     assert latency > 0.5   # the server waits out the caller's quiet before it hears the silence
     assert results["criterion"]["reply_latency_p99_max_s"] is not None   # replies, so latency counts
+
+
+def _parsed(argv: list[str]):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_nothing_listening_fails_at_once(tmp_path, capsys):
+    """A wrong --url used to run the whole sweep and report "errors in N sessions", exit 0."""
+    import socket
+
+    with socket.socket() as probe:   # a port nothing listens on once closed
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    args = _parsed(["--url", f"ws://127.0.0.1:{port}/v1/realtime", "--duration", "30", "--out", str(tmp_path)])
+    assert serve.run(args, []) == 1
+    assert f"nothing answers at http://127.0.0.1:{port}" in capsys.readouterr().err
+    assert not (tmp_path / "results.json").exists()
+
+
+def _health_app(answers: list[int]):
+    """/health answers 503 "warming" while ``answers`` says 503, then 200 (the last answer repeats)."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    app, asked = FastAPI(), []
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        code = answers[min(len(asked), len(answers) - 1)]
+        asked.append(code)
+        return JSONResponse({"status": "warming" if code == 503 else "ok"}, status_code=code)
+
+    return app, asked
+
+
+def test_a_warming_server_is_waited_for():
+    import asyncio
+
+    import httpx
+
+    app, asked = _health_app([503, 503, 200])
+    srv = LoopbackServer(app).start(wait_ready=False)
+    try:
+        async def wait() -> None:
+            async with httpx.AsyncClient() as client:
+                await serve.wait_ready(client, f"http://127.0.0.1:{srv.port}", timeout=30, poll_s=0.05)
+
+        asyncio.run(wait())
+    finally:
+        srv.stop()
+    assert asked == [503, 503, 200]
+
+
+def test_a_server_still_warming_after_ready_timeout_fails(tmp_path, capsys):
+    app, asked = _health_app([503])
+    srv = LoopbackServer(app).start(wait_ready=False)
+    try:
+        args = _parsed(["--url", srv.ws_url(REALTIME_PATH), "--ready-timeout", "1", "--out", str(tmp_path)])
+        assert serve.run(args, []) == 1
+    finally:
+        srv.stop()
+    assert "still warming up after 1 s (--ready-timeout)" in capsys.readouterr().err
+    assert 1 < len(asked) <= 4   # polled about once a second, not given up on the first answer
+
+
+def test_a_steps_most_common_errors_count_sessions():
+    rows = [{"errors": ["capacity_memory: full (x40)", "timeout"]}, {"errors": ["capacity_memory: full"]},
+            {"errors": ["capacity_memory: full (x3)", "capacity_memory: full"]}, {"errors": []}]
+    assert serve.top_errors(rows) == [["capacity_memory: full", 3], ["timeout", 1]]
+    assert serve.top_errors(rows, limit=1) == [["capacity_memory: full", 3]]

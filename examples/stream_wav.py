@@ -9,7 +9,8 @@ Audio goes out in real-time-sized chunks (``--chunk-ms``, paced at real time unl
 client then waits for ``--responses`` ``response.done`` events (a reply is done when the server
 says so, however late its ticks run), sends ``session.close`` and writes what it got.
 ``--timeout`` is one overall deadline: reaching it, or getting no audio at all, exits 1 with the
-reason (the server's late-tick figures from its ``/metrics`` when it can read them).
+reason (the server's late-tick figures from its ``/metrics`` when it can read them), as does a
+server that cannot be reached or refuses the connection.
 Needs only ``websockets`` and numpy.
 """
 
@@ -29,7 +30,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
 IN_RATE = 16_000
 OUT_RATE = 24_000
@@ -239,6 +240,12 @@ def main(argv: list[str] | None = None) -> int:
                                    timeout=args.timeout))
     except NoReply as exc:
         print(f"FAILED: no complete reply: {exc}", file=sys.stderr)
+        return 1
+    except InvalidHandshake as exc:   # e.g. HTTP 401 without the key, 429 over the per-address cap
+        print(f"FAILED: the server at {args.url} refused the connection: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"FAILED: cannot connect to {args.url}: {exc}; is `duplexcache serve` running?", file=sys.stderr)
         return 1
     write_wav_24k(args.out, bytes(reply.audio))
     print(f"session {reply.session.get('id')}: sent {len(samples) / IN_RATE:.2f} s, got "

@@ -277,3 +277,23 @@ def test_example_refuses_a_wav_it_cannot_stream(tmp_path):
     _write_wav(path, np.zeros(100, np.int16), 44100)
     with pytest.raises(ValueError, match="need 16 kHz mono"):
         example.read_wav_16k(str(path))
+
+
+def test_example_fails_clearly_when_nothing_listens(capsys):
+    with socket.socket() as probe:   # a port nothing listens on once closed
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    example = _load_example()
+    assert example.main(["--url", f"ws://127.0.0.1:{port}/v1/realtime", "--tone-seconds", "0.2", "--fast"]) == 1
+    assert f"FAILED: cannot connect to ws://127.0.0.1:{port}/v1/realtime" in capsys.readouterr().err
+
+
+def test_example_fails_clearly_when_the_handshake_is_refused(tmp_path, capsys):
+    deploy = DeployConfig.default("tiny")
+    deploy.server.api_key = "sekrit"
+    with LoopbackServer(create_app(FakeEngine(deploy), deploy)) as srv:
+        url = srv.ws_url(REALTIME_PATH)
+        assert _load_example().main(["--url", url, "--tone-seconds", "0.2", "--fast",
+                                     "--out", str(tmp_path / "r.wav")]) == 1
+    err = capsys.readouterr().err
+    assert f"FAILED: the server at {url} refused the connection" in err and "401" in err

@@ -38,9 +38,10 @@ import argparse
 import asyncio
 import logging
 import math
+import os
+import re
 import shlex
 import sys
-import re
 import time
 from collections import Counter
 from pathlib import Path
@@ -53,6 +54,7 @@ from duplexcache.bench import workload as wl
 from duplexcache.bench.common import hardware_line, int_list, write_results
 from duplexcache.bench.plot import pyplot, save_figure
 from duplexcache.bench.serve_client import GAP_S, TURN_WORKLOADS, Caller, SessionTrace, session_row
+from duplexcache.config import API_KEY_ENV
 from duplexcache.server.protocol import PLACEMENT_HEADER
 
 logger = logging.getLogger(__name__)
@@ -264,6 +266,14 @@ async def _cluster_replicas(client: Any, base: str) -> list[str]:
     return sorted(body.get("cluster", {}).get("replicas", {})) if isinstance(body, dict) else []
 
 
+def auth_headers() -> dict[str, str]:
+    """The server's key from DUPLEXCACHE_API_KEY (the variable `duplexcache serve` reads), as a
+    Bearer header for the callers' WebSockets and for /metrics; empty without it. Taken from the
+    environment only, never a flag: results.json records the command line."""
+    key = os.environ.get(API_KEY_ENV)
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 class ServerUnreachable(RuntimeError):
     """Nothing answers at the URL's host and port, or the server did not finish warming up."""
 
@@ -433,7 +443,7 @@ async def run_step(n: int, args: argparse.Namespace, client: Any, base: str, bar
     # Bounded: connect timeouts + ramp + audio + drain, with slack for a slow server.
     last_start_s = max(c.start_delay_s for c in callers)
     limit = last_start_s + units + args.drain + 2 * callers[0].ready_timeout_s + 30.0
-    tasks = [asyncio.create_task(c.run(args.url, t)) for c, t in zip(callers, traces)]
+    tasks = [asyncio.create_task(c.run(args.url, t, auth_headers())) for c, t in zip(callers, traces)]
     ticker = asyncio.create_task(_progress(bar, args.ramp + units)) if bar is not None else None
     done, pending = await asyncio.wait(tasks, timeout=limit)
     for task in pending:
@@ -482,7 +492,8 @@ def _results(args: argparse.Namespace, argv: list[str], steps: list[dict[str, An
                    "user_units": list(args.user_units), "max_lead_units": args.max_lead_units,
                    "turn_ends": args.turn_ends,
                    "reply_units": [args.reply_min_units, args.reply_max_units], "drain_s": args.drain,
-                   "gap_threshold_s": GAP_S, "input": "16 kHz pcm16 in 0.1 s chunks at real-time pace"},
+                   "gap_threshold_s": GAP_S, "input": "16 kHz pcm16 in 0.1 s chunks at real-time pace",
+                   "api_key": bool(auth_headers())},   # whether a key was sent, never the key
         "criterion": criterion(args),
         "largest_realtime_sessions": largest_realtime(steps),
         "steps": steps,
@@ -496,7 +507,7 @@ async def run_sweep(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]
     base = http_base(args.url)
     steps: list[dict[str, Any]] = []
     per_step = int(math.ceil(args.ramp + max(1, int(args.duration))))
-    async with httpx.AsyncClient() as client:
+    async with httpx.AsyncClient(headers=auth_headers()) as client:
         await wait_ready(client, base, args.ready_timeout)
         with tqdm(total=per_step * len(args.sessions), desc="bench serve", unit="s", file=sys.stderr,
                   disable=None) as bar:

@@ -129,16 +129,17 @@ class Caller:
             return wl.conversation_script(self.index, sid, self.units, self.seed, self.shape)
         return wl.continuous_script(sid, self.units)
 
-    async def run(self, url: str, trace: SessionTrace) -> None:
-        """Connect after ``start_delay_s``, stream the script in real time, drain, close.
-        Every failure is recorded in ``trace.errors`` (never raised: one caller must not stop
-        the others)."""
+    async def run(self, url: str, trace: SessionTrace, headers: dict[str, str] | None = None) -> None:
+        """Connect after ``start_delay_s`` (with ``headers``, e.g. the server's key), stream the
+        script in real time, drain, close. Every failure is recorded in ``trace.errors`` (never
+        raised: one caller must not stop the others)."""
         from websockets.asyncio.client import connect
 
         await asyncio.sleep(self.start_delay_s)
         loop = asyncio.get_running_loop()
         try:
-            async with connect(url, max_size=None, open_timeout=self.ready_timeout_s) as ws:
+            async with connect(url, max_size=None, open_timeout=self.ready_timeout_s,
+                               additional_headers=headers or None) as ws:
                 trace.connected_at = loop.time()
                 ready = asyncio.Event()
                 receiver = asyncio.create_task(self._receive(ws, trace, ready))

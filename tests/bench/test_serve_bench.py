@@ -397,3 +397,28 @@ def test_a_steps_most_common_errors_count_sessions():
             {"errors": ["capacity_memory: full (x3)", "capacity_memory: full"]}, {"errors": []}]
     assert serve.top_errors(rows) == [["capacity_memory: full", 3], ["timeout", 1]]
     assert serve.top_errors(rows, limit=1) == [["capacity_memory: full", 3]]
+
+
+def test_a_server_with_a_key_is_benchmarked_with_the_key_from_the_environment(tmp_path, monkeypatch):
+    """DUPLEXCACHE_API_KEY, the variable serve reads, reaches the callers' WebSockets and /metrics;
+    without it every caller is turned away (401) and the results say so; the key is never written."""
+    deploy = _deploy()
+    deploy.server.api_key = "sekrit-key"
+    engine = DuplexEngine(deploy, build_models(deploy, seed=0))
+    argv = ["--sessions", "1", "--duration", "3", "--ramp", "0", "--user-units", "1,1", "--max-lead-units", "0",
+            "--reply-min-units", str(REPLY[0]), "--reply-max-units", str(REPLY[1]), "--drain", "4"]
+    with LoopbackServer(create_app(engine, deploy)) as srv:
+        url = srv.ws_url(REALTIME_PATH)
+        monkeypatch.delenv("DUPLEXCACHE_API_KEY", raising=False)
+        assert serve.run(_parsed(["--url", url, *argv, "--out", str(tmp_path / "without")]), argv) == 0
+        monkeypatch.setenv("DUPLEXCACHE_API_KEY", "sekrit-key")
+        assert serve.run(_parsed(["--url", url, *argv, "--out", str(tmp_path / "with")]), argv) == 0
+    without = json.loads((tmp_path / "without" / "results.json").read_text())
+    (row,) = without["steps"][0]["per_session"]
+    assert "401" in row["errors"][0] and without["config"]["api_key"] is False
+    text = (tmp_path / "with" / "results.json").read_text()
+    results = json.loads(text)
+    (row,) = results["steps"][0]["per_session"]
+    assert row["sid"] is not None and not row["errors"], row["errors"]
+    assert results["steps"][0]["late_ticks"] is not None      # /metrics, behind the key, was read
+    assert results["config"]["api_key"] is True and "sekrit-key" not in text

@@ -10,7 +10,8 @@ client then waits for ``--responses`` ``response.done`` events (a reply is done 
 says so, however late its ticks run), sends ``session.close`` and writes what it got.
 ``--timeout`` is one overall deadline: reaching it, or getting no audio at all, exits 1 with the
 reason (the server's late-tick figures from its ``/metrics`` when it can read them), as does a
-server that cannot be reached or refuses the connection.
+server that cannot be reached or refuses the connection. A server with a key: set
+``DUPLEXCACHE_API_KEY`` here too (sent as a Bearer header).
 Needs only ``websockets`` and numpy.
 """
 
@@ -20,6 +21,7 @@ import argparse
 import asyncio
 import base64
 import json
+import os
 import sys
 import time
 import urllib.error
@@ -148,7 +150,7 @@ async def _until(reply: Reply, receiver: asyncio.Task, condition) -> bool:
 
 async def _session(url: str, samples: np.ndarray, reply: Reply, *, instructions: str, voice: str | None,
                    chunk_ms: int, realtime: bool, responses: int) -> None:
-    async with connect(url, max_size=None) as ws:
+    async with connect(url, max_size=None, additional_headers=auth_headers() or None) as ws:
         receiver = asyncio.create_task(_receive(ws, reply))
         try:
             await ws.send(json.dumps(session_update(instructions, voice)))
@@ -190,11 +192,18 @@ def metrics_url(ws_url: str) -> str:
     return urlunsplit((scheme, parts.netloc, "/metrics", "", ""))
 
 
+def auth_headers() -> dict[str, str]:
+    """The server's key, if it has one: DUPLEXCACHE_API_KEY (the variable the server reads) as
+    a Bearer header, for the WebSocket and for /metrics."""
+    key = os.environ.get("DUPLEXCACHE_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def server_load(ws_url: str) -> str:
     """What the server's /metrics says about its ticks: how long they take and how many ran late."""
     url = metrics_url(ws_url)
     try:
-        with urllib.request.urlopen(url, timeout=10) as response:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=auth_headers()), timeout=10) as response:
             text = response.read().decode("utf-8", "replace")
     except (OSError, urllib.error.URLError) as exc:
         return f"could not read the server's {url} ({exc})"

@@ -297,3 +297,15 @@ def test_example_fails_clearly_when_the_handshake_is_refused(tmp_path, capsys):
                                      "--out", str(tmp_path / "r.wav")]) == 1
     err = capsys.readouterr().err
     assert f"FAILED: the server at {url} refused the connection" in err and "401" in err
+
+
+def test_example_sends_the_key_from_the_environment(tmp_path, monkeypatch):
+    deploy = DeployConfig.default("tiny")
+    deploy.server.api_key = "sekrit"
+    deploy.engine.tick_seconds = 0.05
+    monkeypatch.setenv("DUPLEXCACHE_API_KEY", "sekrit")
+    with LoopbackServer(create_app(FakeEngine(deploy, done_after_units=1), deploy)) as srv:
+        example = _load_example()
+        assert example.main(["--url", srv.ws_url(REALTIME_PATH), "--tone-seconds", "1", "--fast",
+                             "--timeout", "30", "--out", str(tmp_path / "r.wav")]) == 0
+        assert "could not read" not in example.server_load(srv.ws_url(REALTIME_PATH))   # /metrics, behind the key

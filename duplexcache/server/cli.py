@@ -63,6 +63,24 @@ def load_deploy_config(args: argparse.Namespace) -> DeployConfig:
     return deploy
 
 
+def device_problem(device: str) -> str | None:
+    """Why the engine cannot be built on ``device`` here, or None. A CUDA device needs a torch built
+    with CUDA and that GPU visible; otherwise the first CUDA call fails deep in model building
+    with torch's own traceback (``Torch not compiled with CUDA enabled``)."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return None
+    if not torch.cuda.is_available():
+        return (f"model.device is {device!r}, but this torch ({torch.__version__}) sees no CUDA device; run on a "
+                "GPU machine, or pass --device cpu (the tiny preset is made for CPU; minicpmo45 on a CPU runs "
+                "far below real time)")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        return f"model.device is {device!r}, but only {torch.cuda.device_count()} CUDA device(s) are visible"
+    return None
+
+
 def build_engine(deploy: DeployConfig):  # -> EngineAPI
     """Import the real engine lazily; RuntimeError with a clear message if it is not there."""
     try:
@@ -92,6 +110,10 @@ def run(args: argparse.Namespace) -> int:
         from duplexcache.cluster.launch import serve_replicas
 
         return serve_replicas(deploy)
+    problem = device_problem(deploy.model.device)
+    if problem is not None:
+        print(f"duplexcache serve: {problem}", file=sys.stderr)
+        return 2
     try:
         engine = build_engine(deploy)
     except RuntimeError as exc:

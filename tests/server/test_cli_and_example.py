@@ -64,6 +64,22 @@ def test_bad_port_and_missing_engine_fail_clearly(monkeypatch, capsys):
     assert "duplexcache.runtime.no_such_engine is not available" in err
 
 
+def test_a_cuda_config_without_cuda_fails_clearly(monkeypatch, capsys):
+    """examples/minicpmo45-shared.yaml (model.device cuda) on a CPU machine: one line and exit 2,
+    not torch's traceback from deep in model building."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    built = []
+    monkeypatch.setattr(cli, "build_engine", lambda deploy: built.append(deploy))
+    assert cli.run(_parse(["--device", "cuda", "--port", "0"])) == 2
+    assert "model.device is 'cuda', but this torch" in capsys.readouterr().err and not built
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert "only 1 CUDA device(s)" in cli.device_problem("cuda:1")
+    assert cli.device_problem("cuda:0") is None and cli.device_problem("cpu") is None
+
+
 def test_run_builds_the_engine_and_serves_it(monkeypatch):
     seen = {}
 

@@ -72,7 +72,24 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "_import_error", None) is not None:
         print(f"duplexcache: this command is unavailable: {args._import_error}", file=sys.stderr)
         return 2
+    problem = bench_device_problem(args)
+    if problem is not None:
+        print(f"duplexcache bench {args.benchmark}: {problem}", file=sys.stderr)
+        return 2
     return int(args._run(args) or 0)
+
+
+def bench_device_problem(args: argparse.Namespace) -> str | None:
+    """A benchmark that builds models on CUDA (``--device cuda``, or minicpmo45's default) on a
+    machine without it: one line before anything is built (``serve`` asks the same)."""
+    if getattr(args, "command", None) != "bench" or not hasattr(args, "device"):
+        return None
+    from duplexcache.bench.common import default_device
+    from duplexcache.runtime.device import device_problem
+
+    preset = getattr(args, "preset", None)
+    device = args.device if preset is None else default_device(preset, args.device)
+    return None if device is None else device_problem(device)
 
 
 if __name__ == "__main__":

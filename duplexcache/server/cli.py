@@ -12,6 +12,7 @@ import logging
 import sys
 
 from duplexcache.config import PRESETS, ConfigError, DeployConfig
+from duplexcache.runtime.device import device_problem
 from duplexcache.runtime.switches import SHARING_SWITCHES, describe_switches, switch_value
 
 logger = logging.getLogger(__name__)
@@ -61,24 +62,6 @@ def load_deploy_config(args: argparse.Namespace) -> DeployConfig:
     except ValueError as exc:
         raise ConfigError(f"bad command-line override: {exc}") from None
     return deploy
-
-
-def device_problem(device: str) -> str | None:
-    """Why the engine cannot be built on ``device`` here, or None. A CUDA device needs a torch built
-    with CUDA and that GPU visible; otherwise the first CUDA call fails deep in model building
-    with torch's own traceback (``Torch not compiled with CUDA enabled``)."""
-    import torch
-
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return None
-    if not torch.cuda.is_available():
-        return (f"model.device is {device!r}, but this torch ({torch.__version__}) sees no CUDA device; run on a "
-                "GPU machine, or pass --device cpu (the tiny preset is made for CPU; minicpmo45 on a CPU runs "
-                "far below real time)")
-    if dev.index is not None and dev.index >= torch.cuda.device_count():
-        return f"model.device is {device!r}, but only {torch.cuda.device_count()} CUDA device(s) are visible"
-    return None
 
 
 def build_engine(deploy: DeployConfig):  # -> EngineAPI

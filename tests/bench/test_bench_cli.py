@@ -217,3 +217,15 @@ def test_gpu_benchmarks_dispatch_without_the_config_stack(tmp_path):
     code = code.replace("'kernels', '--quick'", "'ticks', '--ticks', '1'")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 2 and "unavailable" in out.stderr and "pydantic" in out.stderr
+
+
+@pytest.mark.parametrize("argv", [["ticks", "--preset", "minicpmo45"],          # minicpmo45's default device
+                                  ["memory", "--device", "cuda"], ["stage2", "--out", "x"]])
+def test_a_cuda_benchmark_without_cuda_says_so_before_building(argv, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    ran = []
+    for module, _ in BENCHMARKS.values():   # the parser takes each module's run: record, build nothing
+        monkeypatch.setattr(importlib.import_module(module), "run", lambda args: ran.append(args) or 0)
+    assert cli_main(["bench", *argv]) == 2
+    assert "but this torch" in capsys.readouterr().err and not ran
+    assert cli_main(["bench", "ticks", "--preset", "tiny"]) == 0 and len(ran) == 1   # CPU: not stopped

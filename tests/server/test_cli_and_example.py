@@ -23,6 +23,7 @@ from server_fakes import FakeEngine
 from duplexcache import cli as top_cli
 from duplexcache.config import DeployConfig
 from duplexcache.server import cli
+from duplexcache.runtime.device import device_problem
 from duplexcache.server.app import REALTIME_PATH, create_app
 from duplexcache.server.loopback import WS_SIZE_HEADROOM, LoopbackServer
 
@@ -73,11 +74,11 @@ def test_a_cuda_config_without_cuda_fails_clearly(monkeypatch, capsys):
     built = []
     monkeypatch.setattr(cli, "build_engine", lambda deploy: built.append(deploy))
     assert cli.run(_parse(["--device", "cuda", "--port", "0"])) == 2
-    assert "model.device is 'cuda', but this torch" in capsys.readouterr().err and not built
+    assert "device 'cuda' asked for, but this torch" in capsys.readouterr().err and not built
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert "only 1 CUDA device(s)" in cli.device_problem("cuda:1")
-    assert cli.device_problem("cuda:0") is None and cli.device_problem("cpu") is None
+    assert "only 1 CUDA device(s)" in device_problem("cuda:1")
+    assert device_problem("cuda:0") is None and device_problem("cpu") is None
 
 
 def test_run_builds_the_engine_and_serves_it(monkeypatch):

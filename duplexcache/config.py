@@ -443,8 +443,15 @@ class DeployConfig(_Strict):
             data["code2wav"]["graph_grid"] = list(data["code2wav"]["graph_grid"])
         return data
 
-    def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+    def to_yaml(self, include_secrets: bool = False) -> str:
+        """The config as YAML. ``server.api_key`` is written as null unless ``include_secrets``:
+        the tools that write configs (scripts/gpu_bench.sh, the benchmarks) put them next to their
+        results, which get committed, and a key set by DUPLEXCACHE_API_KEY comes back from the
+        environment when the file is loaded."""
+        data = self.to_dict()
+        if not include_secrets:
+            data["server"]["api_key"] = None
+        return yaml.safe_dump(data, sort_keys=False)
 
 
 def packaged_config_path(preset: str) -> Path:

@@ -103,6 +103,18 @@ def test_api_key_env_overrides_yaml_and_packaged_configs_bind_loopback():
         assert DeployConfig.from_packaged_yaml(preset, environ=NO_ENV).server.host == "127.0.0.1"
 
 
+def test_a_written_config_leaves_the_key_out_and_the_environment_brings_it_back(tmp_path):
+    """A key from DUPLEXCACHE_API_KEY must not land in a YAML a tool writes next to its results."""
+    cfg = DeployConfig.default("tiny", environ={"DUPLEXCACHE_API_KEY": "sk-secret"})
+    assert cfg.server.api_key == "sk-secret"
+    text = cfg.to_yaml()
+    assert "sk-secret" not in text and "sk-secret" in cfg.to_yaml(include_secrets=True)
+    path = tmp_path / "written.yaml"
+    path.write_text(text)
+    assert DeployConfig.from_yaml(path, environ=NO_ENV).server.api_key is None
+    assert DeployConfig.from_yaml(path, environ={"DUPLEXCACHE_API_KEY": "sk-secret"}) == cfg
+
+
 def test_every_switch_round_trips_through_yaml(tmp_path):
     default_leaves = _leaves(DeployConfig.default("tiny", environ=NO_ENV).to_dict())
     assert set(_leaves(NON_DEFAULT)) == set(default_leaves), "NON_DEFAULT must name every switch"
@@ -110,7 +122,7 @@ def test_every_switch_round_trips_through_yaml(tmp_path):
     for path, value in _leaves(cfg.to_dict()).items():
         assert value != default_leaves[path], f"{path} is not exercised with a non-default value"
     path = tmp_path / "deploy.yaml"
-    path.write_text(cfg.to_yaml())
+    path.write_text(cfg.to_yaml(include_secrets=True))
     again = DeployConfig.from_yaml(path, environ=NO_ENV)
     assert again == cfg
     assert _leaves(again.to_dict()) == _leaves(NON_DEFAULT)

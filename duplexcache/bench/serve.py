@@ -293,13 +293,16 @@ async def wait_ready(client: Any, base: str, timeout: float, poll_s: float = 1.0
         except httpx.TransportError as exc:
             raise ServerUnreachable(f"nothing answers at {base} (from --url): {type(exc).__name__}: {exc}; "
                                     "is `duplexcache serve` running there?") from exc
-        warming = False
+        body: Any = None
         if response.status_code == 503:
             try:
-                warming = response.json().get("status") == "warming"
+                body = response.json()
             except ValueError:
-                warming = False
-        if not warming:
+                body = None
+        status = body.get("status") if isinstance(body, dict) else None
+        if status == "warmup_failed":
+            raise ServerUnreachable(f"the server at {base} failed its warm-up: {body.get('error')}")
+        if status != "warming":
             return
         if not told:
             logger.info("the server at %s is warming up; waiting up to %.0f s for /health to be ready", base, timeout)

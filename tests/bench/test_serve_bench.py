@@ -346,8 +346,9 @@ def test_nothing_listening_fails_at_once(tmp_path, capsys):
     assert not (tmp_path / "results.json").exists()
 
 
-def _health_app(answers: list[int]):
-    """/health answers 503 "warming" while ``answers`` says 503, then 200 (the last answer repeats)."""
+def _health_app(answers: list[int], failed: bool = False):
+    """/health answers 503 "warming" (or "warmup_failed") while ``answers`` says 503, then 200 (the
+    last answer repeats)."""
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
 
@@ -357,6 +358,8 @@ def _health_app(answers: list[int]):
     async def health() -> JSONResponse:
         code = answers[min(len(asked), len(answers) - 1)]
         asked.append(code)
+        if code == 503 and failed:
+            return JSONResponse({"status": "warmup_failed", "error": "CUDA out of memory"}, status_code=503)
         return JSONResponse({"status": "warming" if code == 503 else "ok"}, status_code=code)
 
     return app, asked
@@ -422,3 +425,13 @@ def test_a_server_with_a_key_is_benchmarked_with_the_key_from_the_environment(tm
     assert row["sid"] is not None and not row["errors"], row["errors"]
     assert results["steps"][0]["late_ticks"] is not None      # /metrics, behind the key, was read
     assert results["config"]["api_key"] is True and "sekrit-key" not in text
+
+
+def test_a_server_whose_warm_up_failed_fails_at_once(tmp_path, capsys):
+    app, asked = _health_app([503], failed=True)
+    srv = LoopbackServer(app).start(wait_ready=False)
+    try:
+        assert serve.run(_parsed(["--url", srv.ws_url(REALTIME_PATH), "--out", str(tmp_path)]), []) == 1
+    finally:
+        srv.stop()
+    assert "failed its warm-up: CUDA out of memory" in capsys.readouterr().err and len(asked) == 1

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from duplexcache.bench.common import alias_main, hardware_line, sync, usage_error, write_results
+from duplexcache.bench.common import alias_main, default_device, hardware_line, sync, usage_error, write_results
 from duplexcache.config import DeployConfig
 from duplexcache.context.builder import (
     EmbeddingResult,
@@ -459,7 +459,8 @@ def format_markdown(report: dict[str, Any]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=tuple(PRESET_DTYPES), default="tiny")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="default: cuda for minicpmo45 (never build its weights on a CPU), cpu for tiny")
     parser.add_argument("--sessions", type=int, default=8, help="sessions opened one after another (>= 2)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--instructions-tokens", type=int, default=96,
@@ -473,7 +474,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        cfg = SetupBenchConfig(args.preset, args.device, args.sessions, args.repeats, args.instructions_tokens,
+        cfg = SetupBenchConfig(args.preset, default_device(args.preset, args.device), args.sessions, args.repeats, args.instructions_tokens,
                                args.ref_seconds, args.seed)
     except ValueError as err:   # bad settings: a usage error, not a traceback
         return usage_error("setup", err)

@@ -220,7 +220,8 @@ def test_gpu_benchmarks_dispatch_without_the_config_stack(tmp_path):
 
 
 @pytest.mark.parametrize("argv", [["ticks", "--preset", "minicpmo45"],          # minicpmo45's default device
-                                  ["memory", "--device", "cuda"], ["stage2", "--out", "x"]])
+                                  ["memory", "--device", "cuda"], ["stage2", "--out", "x"],
+                                  ["setup", "--preset", "minicpmo45"]])   # its default device was cpu
 def test_a_cuda_benchmark_without_cuda_says_so_before_building(argv, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     ran = []

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -286,7 +287,7 @@ async def wait_ready(client: Any, base: str, timeout: float, poll_s: float = 1.0
     import httpx
 
     loop = asyncio.get_running_loop()
-    deadline, told = loop.time() + timeout, False
+    deadline: float | None = None   # counted from the first "warming": a slow first request is not the wait
     while True:
         try:
             response = await client.get(base + "/health", timeout=10.0)
@@ -295,20 +296,19 @@ async def wait_ready(client: Any, base: str, timeout: float, poll_s: float = 1.0
                                     "is `duplexcache serve` running there?") from exc
         body: Any = None
         if response.status_code == 503:
-            try:
+            with contextlib.suppress(ValueError):   # a 503 that is not JSON: not our warming server
                 body = response.json()
-            except ValueError:
-                body = None
         status = body.get("status") if isinstance(body, dict) else None
         if status == "warmup_failed":
             raise ServerUnreachable(f"the server at {base} failed its warm-up: {body.get('error')}")
         if status != "warming":
             return
-        if not told:
+        if deadline is None:
             logger.info("the server at %s is warming up; waiting up to %.0f s for /health to be ready", base, timeout)
-            told = True
-        if loop.time() >= deadline:
-            raise ServerUnreachable(f"the server at {base} was still warming up after {timeout:.0f} s (--ready-timeout)")
+            deadline = loop.time() + timeout
+        elif loop.time() >= deadline:
+            raise ServerUnreachable(f"the server at {base} was still warming up after {timeout:.0f} s "
+                                    "(--ready-timeout)")
         await asyncio.sleep(poll_s)
 
 
@@ -587,7 +587,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         if "without_errors" in s:
             ok = s["without_errors"]
             lat = ok["reply_latency_s"]
-            print(f"      the {ok['sessions']} sessions without errors: audio {ok['sessions_with_audio']}/{ok['sessions']}, "
+            print(f"      the {ok['sessions']} sessions without errors: "
+                  f"audio {ok['sessions_with_audio']}/{ok['sessions']}, "
                   f"reply latency p50/p95/p99/max {lat['p50']}/{lat['p95']}/{lat['p99']}/{lat['max']} s "
                   f"({lat['n']} replies), gaps > 200 ms {ok['gaps_over_200ms']}")
         if "long_context" in s:

@@ -474,8 +474,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        cfg = SetupBenchConfig(args.preset, default_device(args.preset, args.device), args.sessions, args.repeats, args.instructions_tokens,
-                               args.ref_seconds, args.seed)
+        cfg = SetupBenchConfig(args.preset, default_device(args.preset, args.device), args.sessions, args.repeats,
+                               args.instructions_tokens, args.ref_seconds, args.seed)
     except ValueError as err:   # bad settings: a usage error, not a traceback
         return usage_error("setup", err)
     # The builder is rebuilt per repeat; its "cache on" notice would repeat 4 x repeats times.

@@ -71,7 +71,9 @@ class RefusalLog:
         if last is not None and now - last[0] < self.interval_s:
             self._last[code] = (last[0], last[1] + 1)
             return
-        since = f" ({last[1]} more refused for this cause in the last {now - last[0]:.0f} s)" if last and last[1] else ""
+        since = ""
+        if last is not None and last[1]:
+            since = f" ({last[1]} more refused for this cause in the last {now - last[0]:.0f} s)"
         self.log.info("session refused (%s): %s%s", code, detail, since)
         self._last[code] = (now, 0)
 

@@ -58,6 +58,29 @@ def test_fixed_budget_must_fit_what_is_free():
     assert MB.resolve_memory_budget(ok, fixed, H200_AVAILABLE - fixed) == 100 * 2**30
 
 
+def test_cuda_free_memory_is_read_after_the_allocator_releases_its_cache(monkeypatch):
+    """The auto budget on CUDA must not depend on what the caching allocator happens to hold:
+    the temporaries of building the weights stay cached (reserved, counted as used by the
+    driver) until something empties the cache. Simulated allocator: 13 GiB cached, released by
+    ``empty_cache``; free memory must be read after the release."""
+    cached = {"bytes": 13 * 2**30}
+    calls = []
+
+    def empty_cache():
+        calls.append("empty_cache")
+        cached["bytes"] = 0
+
+    def mem_get_info(device=None):
+        calls.append("mem_get_info")
+        return 40 * 2**30 - cached["bytes"], 80 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    assert MB.device_free_bytes(torch.device("cuda", 0)) == 40 * 2**30
+    assert calls == ["empty_cache", "mem_get_info"]
+    assert MB.device_free_bytes(torch.device("cpu")) is None and calls == ["empty_cache", "mem_get_info"]
+
+
 def test_host_ram_is_memavailable_not_memfree(tmp_path, monkeypatch):
     """A machine that has read many files (a CI runner after pip install) has little MemFree and
     much reclaimable page cache; auto on CPU must count the cache (CI once refused the tests'

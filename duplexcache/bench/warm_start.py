@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from duplexcache.bench.common import alias_main, usage_error, write_results
-from duplexcache.config import DeployConfig
+from duplexcache.config import ConfigError, DeployConfig
 from duplexcache.runtime.bundle import build_models
 from duplexcache.runtime.engine import DuplexEngine
 from duplexcache.runtime.engine_api import AudioDelta
@@ -94,7 +94,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(a: argparse.Namespace) -> int:
     if a.sessions < 1 or a.ticks < 1:
         return usage_error("warm-start", "--sessions and --ticks must be >= 1")
-    result = measure(DeployConfig.from_yaml(a.config), a.sessions, a.ticks, not a.no_warmup)
+    try:
+        deploy = DeployConfig.from_yaml(a.config)
+    except (ConfigError, OSError) as exc:
+        return usage_error("warm-start", str(exc))
+    result = measure(deploy, a.sessions, a.ticks, not a.no_warmup)
     print(json.dumps(result, indent=2))
     if a.out is not None:
         write_results(a.out, result, stem="warm_start")

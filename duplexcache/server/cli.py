@@ -92,6 +92,9 @@ def run(args: argparse.Namespace) -> int:
             return 2
         from duplexcache.cluster.launch import serve_replicas
 
+        # No device_problem() here: the replicas are placed by Ray on its GPU nodes, and the
+        # machine that launches them may well have no GPU of its own.
+
         return serve_replicas(deploy)
     problem = device_problem(deploy.model.device)
     if problem is not None:

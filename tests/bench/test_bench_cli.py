@@ -230,3 +230,29 @@ def test_a_cuda_benchmark_without_cuda_says_so_before_building(argv, monkeypatch
     assert cli_main(["bench", *argv]) == 2
     assert "but this torch" in capsys.readouterr().err and not ran
     assert cli_main(["bench", "ticks", "--preset", "tiny"]) == 0 and len(ran) == 1   # CPU: not stopped
+
+
+def test_warm_start_checks_its_configs_device_and_reports_a_bad_config(tmp_path, monkeypatch, capsys):
+    """warm-start has no --device: the device is the --config's model.device, checked before
+    anything is built; a config that does not load is one line, not a traceback."""
+    from duplexcache.config import DeployConfig
+    from duplexcache.bench import warm_start
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    built = []
+    monkeypatch.setattr(warm_start, "measure", lambda *a: built.append(a) or {})
+    cuda_yaml = tmp_path / "cuda.yaml"
+    deploy = DeployConfig.default("tiny")
+    deploy.model.device = "cuda"
+    cuda_yaml.write_text(deploy.to_yaml())
+    assert cli_main(["bench", "warm-start", "--config", str(cuda_yaml)]) == 2
+    assert "but this torch" in capsys.readouterr().err and not built
+    assert cli_main(["bench", "warm-start", "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "duplexcache bench warm-start: error:" in capsys.readouterr().err and not built
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("engine: {no_such_key: 1}\n")
+    assert cli_main(["bench", "warm-start", "--config", str(bad)]) == 2
+    assert "no_such_key" in capsys.readouterr().err and not built
+    cpu_yaml = tmp_path / "cpu.yaml"
+    cpu_yaml.write_text(DeployConfig.default("tiny").to_yaml())
+    assert cli_main(["bench", "warm-start", "--config", str(cpu_yaml), "--sessions", "1"]) == 0 and len(built) == 1

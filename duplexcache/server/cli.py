@@ -9,6 +9,7 @@ import argparse
 import importlib
 import importlib.util
 import logging
+import socket
 import sys
 
 from duplexcache.config import PRESETS, ConfigError, DeployConfig
@@ -79,6 +80,25 @@ def build_engine(deploy: DeployConfig):  # -> EngineAPI
     return factory(deploy)
 
 
+def bind_server_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (0: a free port), not yet listening: uvicorn listens on
+    it once the engine is built (``Server.run(sockets=...)``). Binding first makes a taken port
+    the first thing serve reports, not what it finds after building minicpmo45's weights; and
+    until uvicorn listens, a client that connects is refused rather than left waiting in the
+    backlog. Options as asyncio's ``create_server`` would set them (address reuse; IPv6 only)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         deploy = load_deploy_config(args)
@@ -100,6 +120,18 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"duplexcache serve: {problem}", file=sys.stderr)
         return 2
+    host = deploy.server.host
+    try:
+        sock = bind_server_socket(host, deploy.server.port)
+    except OSError as exc:
+        print(f"duplexcache serve: cannot listen on {host}:{deploy.server.port}: {exc.strerror or exc} "
+              "(another server on that port? pick one with --port or server.port)", file=sys.stderr)
+        return 2
+    with sock:
+        return _serve_on(sock, deploy, args)
+
+
+def _serve_on(sock: socket.socket, deploy: DeployConfig, args: argparse.Namespace) -> int:
     try:
         engine = build_engine(deploy)
     except RuntimeError as exc:
@@ -112,8 +144,9 @@ def run(args: argparse.Namespace) -> int:
     from duplexcache.server.loopback import uvicorn_config
 
     app = create_app(engine, deploy)
-    host, port = deploy.server.host, deploy.server.port
-    logger.info("serving preset %s on ws://%s:%d%s", deploy.model.preset, host, port, REALTIME_PATH)
+    host, port = deploy.server.host, sock.getsockname()[1]   # port 0 was bound to a free one
+    logger.info("serving preset %s on ws://%s:%d%s", deploy.model.preset,
+                f"[{host}]" if ":" in host else host, port, REALTIME_PATH)
     logger.info("weights: %s",
                 deploy.model.checkpoint_dir or "random (no model.checkpoint_dir: text and audio are noise)")
     logger.info("%s", describe_switches(deploy))
@@ -124,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
         logger.warning("listening on %s without an API key: anyone who can reach it may open sessions "
                        "(set DUPLEXCACHE_API_KEY or --api-key)", host)
     try:
-        uvicorn.Server(uvicorn_config(app, host, port, deploy.server.max_frame_bytes, args.log_level)).run()
+        uvicorn.Server(uvicorn_config(app, host, port, deploy.server.max_frame_bytes, args.log_level)).run(
+            sockets=[sock])
     except KeyboardInterrupt:
         # Ctrl-C: uvicorn has already shut the app down (sessions closed, engine stopped) and then
         # re-raises the interrupt so the exit status says how the process ended; that is not an

@@ -65,6 +65,20 @@ def test_bad_port_and_missing_engine_fail_clearly(monkeypatch, capsys):
     assert "duplexcache.runtime.no_such_engine is not available" in err
 
 
+def test_a_port_in_use_fails_before_the_engine_is_built(monkeypatch, capsys):
+    """serve used to build the engine (minicpmo45: its weights), start the warm-up, and only then
+    find the port taken (uvicorn's error line, exit 3). It binds first now: one line, exit 2."""
+    built = []
+    monkeypatch.setattr(cli, "build_engine", lambda deploy: built.append(deploy))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.run(_parse(["--port", str(port)])) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "in use" in err and not built
+
+
 def test_a_cuda_config_without_cuda_fails_clearly(monkeypatch, capsys):
     """examples/minicpmo45-shared.yaml (model.device cuda) on a CPU machine: one line and exit 2,
     not torch's traceback from deep in model building."""
@@ -88,21 +102,25 @@ def test_run_builds_the_engine_and_serves_it(monkeypatch):
         seen["deploy"] = deploy
         return FakeEngine(deploy)
 
-    def fake_serve(server):  # stands in for uvicorn.Server.run
-        seen["config"] = server.config
+    def fake_serve(server, sockets=None):  # stands in for uvicorn.Server.run
+        seen["config"], seen["sockets"] = server.config, sockets
+        seen["bound"] = [s.getsockname() for s in sockets]
 
     monkeypatch.setattr(cli, "build_engine", fake_build)
     monkeypatch.setattr(uvicorn.Server, "run", fake_serve)
     assert cli.run(_parse(["--port", "0"])) == 0
     config, deploy = seen["config"], seen["deploy"]
-    assert (config.host, config.port) == ("127.0.0.1", 0)
+    # uvicorn serves on the socket serve bound before building: port 0 became a free port
+    [(host, port)] = seen["bound"]
+    assert host == "127.0.0.1" and port > 0 and (config.host, config.port) == (host, port)
+    assert seen["sockets"][0].fileno() == -1   # closed once serving ended
     assert config.ws_max_size == deploy.server.max_frame_bytes + WS_SIZE_HEADROOM
     assert REALTIME_PATH in {route.path for route in config.app.routes}
 
 
 def test_ctrl_c_ends_serve_without_a_traceback(monkeypatch):
     """uvicorn re-raises Ctrl-C after its graceful shutdown; serve exits with SIGINT's status."""
-    def interrupted(server):
+    def interrupted(server, sockets=None):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(cli, "build_engine", FakeEngine)
@@ -150,7 +168,7 @@ def test_serve_logs_the_switches_that_are_on(tmp_path, monkeypatch, caplog, shar
     path = tmp_path / "deploy.yaml"
     path.write_text(deploy.to_yaml())
     monkeypatch.setattr(cli, "build_engine", FakeEngine)
-    monkeypatch.setattr(uvicorn.Server, "run", lambda server: None)
+    monkeypatch.setattr(uvicorn.Server, "run", lambda server, sockets=None: None)
     caplog.set_level(logging.INFO, logger=cli.__name__)
     assert cli.run(_parse(["--config", str(path), "--port", "0"])) == 0
     if shared:

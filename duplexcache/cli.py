@@ -76,7 +76,18 @@ def main(argv: list[str] | None = None) -> int:
     if problem is not None:
         print(f"duplexcache bench {args.benchmark}: {problem}", file=sys.stderr)
         return 2
-    return int(args._run(args) or 0)
+    try:
+        return int(args._run(args) or 0)
+    except Exception as exc:
+        # A checkpoint that cannot be loaded (model.checkpoint_dir of a --config) is the user's to
+        # fix: one line. The module is looked up, not imported: a command that never loaded a
+        # checkpoint cannot have raised its error, and commands like `bench serve` need no torch.
+        checkpoint = sys.modules.get("duplexcache.models.checkpoint")
+        if checkpoint is None or not isinstance(exc, checkpoint.CheckpointError):
+            raise
+        command = " ".join(filter(None, (args.command, getattr(args, "benchmark", None))))
+        print(f"duplexcache {command}: checkpoint: {exc}", file=sys.stderr)
+        return 2
 
 
 def bench_device_problem(args: argparse.Namespace) -> str | None:

@@ -29,7 +29,7 @@ from duplexcache.bench.matrix import config_matrix
 from duplexcache.bench.report import RunMeta, build_report, format_table, write_report
 from duplexcache.bench.runner import run_sweep
 from duplexcache.cfm.config import Code2WavShape
-from duplexcache.config import DeployConfig, parse_bytes
+from duplexcache.config import ConfigError, DeployConfig, parse_bytes
 from duplexcache.kv.kv_quant import kv_storage_dtype
 
 logger = logging.getLogger(__name__)
@@ -186,10 +186,13 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     start = time.perf_counter()
-    if args.memory_budget is not None:
-        parse_bytes(args.memory_budget)  # a typo fails now, not after the sweep
-    deploy = load_deploy(args)
-    sessions = parse_sessions(args.sessions or DEFAULT_SESSIONS[args.preset])
+    try:   # bad options and configs are one line (exit 2), and a typo fails now, not after the sweep
+        if args.memory_budget is not None:
+            parse_bytes(args.memory_budget)
+        deploy = load_deploy(args)
+        sessions = parse_sessions(args.sessions or DEFAULT_SESSIONS[args.preset])
+    except (ConfigError, OSError, ValueError) as exc:
+        return usage_error("memory", exc)
     device = torch.device(deploy.model.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("duplexcache bench memory: --device cuda but torch sees no CUDA device")

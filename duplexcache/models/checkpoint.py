@@ -72,6 +72,8 @@ def _first(items: list[str]) -> str:
 def read_hf_config(path: str | Path) -> dict:
     """The parsed ``config.json`` of a checkpoint directory."""
     path = Path(path)
+    if not path.exists():
+        raise CheckpointError("config", reason=f"no checkpoint at {path} (no such file or directory)")
     config_path = path / "config.json" if path.is_dir() else path.parent / "config.json"
     try:
         with open(config_path, encoding="utf-8") as f:

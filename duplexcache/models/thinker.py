@@ -332,7 +332,10 @@ class Thinker(nn.Module):
         cls, path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
     ) -> "Thinker":
         """Load a plain Qwen3 checkpoint dir, or the ``llm.`` part of a MiniCPM-o one."""
-        config = ThinkerConfig.from_hf_config(select_qwen3_config(read_hf_config(path)))
+        try:
+            config = ThinkerConfig.from_hf_config(select_qwen3_config(read_hf_config(path)))
+        except ValueError as exc:   # a config.json this model cannot be: the checkpoint's fault
+            raise CheckpointError("thinker config", reason=str(exc)) from exc
         prefix = _detect_prefix(checkpoint_keys(path))
         state = load_state_dict(path, prefix=prefix)
         state = {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in state.items()}

@@ -256,3 +256,30 @@ def test_warm_start_checks_its_configs_device_and_reports_a_bad_config(tmp_path,
     cpu_yaml = tmp_path / "cpu.yaml"
     cpu_yaml.write_text(DeployConfig.default("tiny").to_yaml())
     assert cli_main(["bench", "warm-start", "--config", str(cpu_yaml), "--sessions", "1"]) == 0 and len(built) == 1
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--sessions", "1"], "--sessions needs >= 2"),
+    (["--sessions", "a,b"], "comma-separated ints"),
+    (["--memory-budget", "lots"], "cannot parse byte size 'lots'"),
+    (["--config", "/no/such/deploy.yaml"], "No such file or directory"),
+    (["--window-high", "10", "--window-low", "100"], "low_tokens (100) must be below high_tokens (10)"),
+])
+def test_memory_bad_options_are_one_line(argv, said, capsys):
+    """`duplexcache bench memory` (the default benchmark) raised a traceback for each of these."""
+    assert cli_main(["bench", "memory", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("duplexcache bench memory: error:") and said in err, err
+
+
+def test_a_checkpoint_that_does_not_load_is_one_line(tmp_path, capsys):
+    """A --config whose model.checkpoint_dir is wrong: every command says so in one line."""
+    from duplexcache.config import DeployConfig
+
+    deploy = DeployConfig.default("tiny")
+    deploy.model.checkpoint_dir = str(tmp_path / "nowhere")
+    path = tmp_path / "deploy.yaml"
+    path.write_text(deploy.to_yaml())
+    assert cli_main(["bench", "warm-start", "--config", str(path), "--sessions", "1", "--ticks", "1"]) == 2
+    assert capsys.readouterr().err.strip() == (f"duplexcache bench warm-start: checkpoint: config: no checkpoint "
+                                               f"at {tmp_path / 'nowhere'} (no such file or directory)")

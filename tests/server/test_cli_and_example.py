@@ -79,6 +79,22 @@ def test_a_port_in_use_fails_before_the_engine_is_built(monkeypatch, capsys):
     assert f"cannot listen on 127.0.0.1:{port}" in err and "in use" in err and not built
 
 
+def test_a_wrong_checkpoint_dir_is_one_line(tmp_path, capsys):
+    """--checkpoint pointing nowhere, at an empty directory, or at a config.json that is not a
+    Qwen3 one: one line naming the directory and what is wrong (exit 2), not a traceback; the
+    missing directory used to be reported as 'no config.json at /config.json'."""
+    missing = tmp_path / "nowhere"
+    assert cli.run(_parse(["--checkpoint", str(missing), "--port", "0"])) == 2
+    assert f"checkpoint {missing}: config: no checkpoint at {missing}" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli.run(_parse(["--checkpoint", str(empty), "--port", "0"])) == 2
+    assert f"no config.json at {empty / 'config.json'}" in capsys.readouterr().err
+    (empty / "config.json").write_text("{}")
+    assert cli.run(_parse(["--checkpoint", str(empty), "--port", "0"])) == 2
+    assert "thinker config: Qwen3 config lacks" in capsys.readouterr().err
+
+
 def test_a_cuda_config_without_cuda_fails_clearly(monkeypatch, capsys):
     """examples/minicpmo45-shared.yaml (model.device cuda) on a CPU machine: one line and exit 2,
     not torch's traceback from deep in model building."""

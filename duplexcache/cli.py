@@ -12,6 +12,8 @@ import logging
 import os
 import sys
 
+from duplexcache.bench.cli import BENCHMARKS   # names only: the module imports argparse alone
+
 # verify target -> module exposing ``add_arguments(parser)`` and ``run(args) -> int``.
 VERIFY_TARGETS = {
     "thinker": "duplexcache.verify.thinker",
@@ -24,8 +26,7 @@ VERIFY_TARGETS = {
 COMMANDS = {
     "demo": ("duplexcache.runtime.demo", "run many tiny sessions on CPU and print what they shared"),
     "serve": ("duplexcache.server.cli", "serve the realtime WebSocket API"),
-    "bench": ("duplexcache.bench.cli", "run a benchmark: memory, ticks, serve, setup, prefill, warm-start, kernels, "
-                                       "stage2, stage0-bytes"),
+    "bench": ("duplexcache.bench.cli", "run a benchmark: " + ", ".join(BENCHMARKS)),
 }
 
 

@@ -32,7 +32,7 @@ from typing import Awaitable, Callable
 
 import numpy as np
 
-from duplexcache.config import DeployConfig
+from duplexcache.config import ConfigError, DeployConfig
 from duplexcache.runtime.demo_client import OUT_RATE, ClientResult, ServerError, run_client, until_responses
 from duplexcache.runtime.engine import STAGES, DuplexEngine, build_engine
 from duplexcache.runtime.engine_api import (
@@ -286,7 +286,11 @@ def run(args: argparse.Namespace) -> int:
         print("duplexcache demo: --sessions, --seconds and --voices must be >= 1 and --timeout > 0", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    deploy = demo_deploy(args.config)
+    try:
+        deploy = demo_deploy(args.config)
+    except (ConfigError, OSError) as exc:
+        print(f"duplexcache demo: {exc}", file=sys.stderr)
+        return 2
     print(f"duplexcache demo: building the {deploy.model.preset} engine on {deploy.model.device} "
           f"({'checkpoint ' + deploy.model.checkpoint_dir if deploy.model.checkpoint_dir else 'random weights'})",
           flush=True)

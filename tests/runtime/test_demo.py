@@ -151,6 +151,15 @@ def test_demo_rejects_bad_counts(tmp_path):
     assert demo.run(_args(tmp_path, timeout=0)) == 2
 
 
+def test_demo_reports_a_config_it_cannot_load(tmp_path, capsys):
+    assert demo.run(_args(tmp_path, config=str(tmp_path / "missing.yaml"))) == 2
+    assert "duplexcache demo: [Errno 2] No such file or directory" in capsys.readouterr().err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("engine: {no_such_key: 1}\n")
+    assert demo.run(_args(tmp_path, config=str(bad))) == 2
+    assert "no_such_key" in capsys.readouterr().err
+
+
 def test_model_policy_waits_for_every_unit_and_matches_direct(tmp_path):
     """speak_policy model: no reply count is known, so the clients wait until the engine has run
     every unit sent (counted in ticks); the server run must hear what the direct run hears."""

@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "_import_error", None) is not None:
         print(f"duplexcache: this command is unavailable: {args._import_error}", file=sys.stderr)
         return 2
-    problem = bench_device_problem(args)
+    problem = bench_device_problem(args) or out_dir_problem(args)
     if problem is not None:
         print(f"duplexcache bench {args.benchmark}: {problem}", file=sys.stderr)
         return 2
@@ -91,9 +91,28 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def out_dir_problem(args: argparse.Namespace) -> str | None:
+    """A benchmark's ``--out`` that cannot be a directory (a file, no permission): said before the
+    run, since results are first written after the first step (a minicpmo45 warm-up and a minute
+    of callers later)."""
+    out = getattr(args, "out", None)
+    if getattr(args, "command", None) != "bench" or out is None:
+        return None
+    from pathlib import Path
+
+    path = Path(out).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())   # nothing is created here
+    if not existing.is_dir():
+        return f"--out {out}: {existing} is a file, not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"--out {out}: {existing} is not writable"
+    return None
+
+
 def bench_device_problem(args: argparse.Namespace) -> str | None:
     """A benchmark that builds models on CUDA (``--device cuda``, minicpmo45's default, or a
-    ``--config`` whose ``model.device`` is cuda) on a machine without it: one line before anything is built (``serve`` asks the same)."""
+    ``--config`` whose ``model.device`` is cuda) on a machine without it: one line before anything
+    is built (``serve`` asks the same)."""
     if getattr(args, "command", None) != "bench":
         return None
     from duplexcache.runtime.device import device_problem

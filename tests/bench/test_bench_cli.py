@@ -283,3 +283,22 @@ def test_a_checkpoint_that_does_not_load_is_one_line(tmp_path, capsys):
     assert cli_main(["bench", "warm-start", "--config", str(path), "--sessions", "1", "--ticks", "1"]) == 2
     assert capsys.readouterr().err.strip() == (f"duplexcache bench warm-start: checkpoint: config: no checkpoint "
                                                f"at {tmp_path / 'nowhere'} (no such file or directory)")
+
+
+@pytest.mark.parametrize("argv", [["memory"], ["ticks"], ["setup"], ["prefill"], ["stage2", "--device", "cpu"],
+                                  ["precision", "--device", "cpu"],
+                                  ["serve", "--url", "ws://127.0.0.1:9/v1/realtime"]])
+def test_an_out_that_cannot_be_a_directory_is_refused_before_the_run(argv, tmp_path, monkeypatch, capsys):
+    """Results are first written after the first step (after a warm-up and a minute of callers):
+    an --out under a file must fail before anything runs, and nothing is created to find out."""
+    ran = []
+    for module, _ in BENCHMARKS.values():
+        monkeypatch.setattr(importlib.import_module(module), "run", lambda args: ran.append(args) or 0)
+    a_file = tmp_path / "results.json"
+    a_file.write_text("{}")
+    for out in (a_file, a_file / "sub"):
+        assert cli_main(["bench", *argv, "--out", str(out)]) == 2
+        assert f"{a_file} is a file, not a directory" in capsys.readouterr().err and not ran
+    fresh = tmp_path / "new" / "dir"
+    assert cli_main(["bench", *argv, "--out", str(fresh)]) == 0 and len(ran) == 1
+    assert not (tmp_path / "new").exists()   # the benchmark creates it when it writes

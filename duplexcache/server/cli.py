@@ -6,6 +6,7 @@ With no arguments it serves the tiny preset (random weights, CPU) on the configu
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import importlib.util
 import logging
@@ -124,8 +125,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         sock = bind_server_socket(host, deploy.server.port)
     except OSError as exc:
-        print(f"duplexcache serve: cannot listen on {host}:{deploy.server.port}: {exc.strerror or exc} "
-              "(another server on that port? pick one with --port or server.port)", file=sys.stderr)
+        hint = ("another process holds the port: pick one with --port or server.port"
+                if exc.errno == errno.EADDRINUSE else "check --host or server.host: an address of this machine")
+        print(f"duplexcache serve: cannot listen on {host}:{deploy.server.port}: {exc.strerror or exc} ({hint})",
+              file=sys.stderr)
         return 2
     with sock:
         return _serve_on(sock, deploy, args)

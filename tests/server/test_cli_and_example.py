@@ -76,7 +76,10 @@ def test_a_port_in_use_fails_before_the_engine_is_built(monkeypatch, capsys):
         port = taken.getsockname()[1]
         assert cli.run(_parse(["--port", str(port)])) == 2
     err = capsys.readouterr().err
-    assert f"cannot listen on 127.0.0.1:{port}" in err and "in use" in err and not built
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "in use" in err and "holds the port" in err and not built
+    assert cli.run(_parse(["--host", "192.0.2.1", "--port", "0"])) == 2   # TEST-NET-1: no machine has it
+    err = capsys.readouterr().err
+    assert "cannot listen on 192.0.2.1:0" in err and "check --host" in err and not built
 
 
 def test_a_wrong_checkpoint_dir_is_one_line(tmp_path, capsys):

@@ -148,8 +148,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def http_base(url: str) -> str:
     """ws(s)://host:port/path -> http(s)://host:port (the same server's HTTP endpoints)."""
     parts = urlsplit(url)
-    if parts.scheme not in ("ws", "wss") or not parts.netloc:
+    if parts.scheme not in ("ws", "wss") or not parts.hostname:
         raise ValueError(f"--url must be ws:// or wss:// with a host, got {url!r}")
+    try:
+        parts.port   # urllib checks the range only when asked
+    except ValueError:
+        raise ValueError(f"--url needs a port from 0 to 65535, got {url!r}") from None
     return urlunsplit(("http" if parts.scheme == "ws" else "https", parts.netloc, "", "", ""))
 
 

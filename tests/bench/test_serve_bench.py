@@ -197,8 +197,11 @@ def test_the_mean_tick_between_unit_ticks_from_its_histogram():
 def test_url_and_arguments_are_checked():
     assert serve.http_base("ws://127.0.0.1:9/v1/realtime") == "http://127.0.0.1:9"
     assert serve.http_base("wss://h:1/x") == "https://h:1"
-    for bad in ("http://127.0.0.1:9/", "ws:///nohost"):
-        with pytest.raises(ValueError):
+    for bad in ("http://127.0.0.1:9/", "ws:///nohost", "ws://:9/x"):
+        with pytest.raises(ValueError, match="ws:// or wss://"):
+            serve.http_base(bad)
+    for bad in ("ws://127.0.0.1:99999/v1/realtime", "ws://h:port/x"):   # a traceback from the connect before
+        with pytest.raises(ValueError, match="needs a port from 0 to 65535"):
             serve.http_base(bad)
     import argparse
 

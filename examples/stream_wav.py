@@ -226,6 +226,16 @@ def server_load(ws_url: str) -> str:
     return f"the server ran {int(count)} ticks ({mean:.2f} s each on average) without finishing the reply"
 
 
+def refusal_reason(exc: Exception) -> str:
+    """The server's own words from a refused handshake's JSON body (OpenAI's error shape), if any."""
+    body = getattr(getattr(exc, "response", None), "body", None) or b""
+    try:
+        message = json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return ""
+    return f" ({message})"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default="ws://127.0.0.1:8000/v1/realtime")
@@ -251,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FAILED: no complete reply: {exc}", file=sys.stderr)
         return 1
     except InvalidHandshake as exc:   # e.g. HTTP 401 without the key, 429 over the per-address cap
-        print(f"FAILED: the server at {args.url} refused the connection: {exc}", file=sys.stderr)
+        print(f"FAILED: the server at {args.url} refused the connection: {exc}{refusal_reason(exc)}", file=sys.stderr)
         return 1
     except OSError as exc:
         print(f"FAILED: cannot connect to {args.url}: {exc}; is `duplexcache serve` running?", file=sys.stderr)

@@ -603,4 +603,12 @@ def create_app(engine: EngineAPI, config: DeployConfig, metrics: ServerMetrics |
 
     from duplexcache.server.page import mount_page  # the browser page at / and its files
     mount_page(app)
+
+    # Last, so it matches only what no route above did: a WebSocket to another path. Starlette's
+    # own answer is a bare 403, which reads as "not allowed" when the client has the path wrong.
+    @app.websocket("/{path:path}")
+    async def unknown_websocket(ws: WebSocket, path: str) -> None:
+        await _refuse(ws, Refusal(404, "not_found", f"No WebSocket endpoint at /{path}; the realtime API "
+                                                   f"is at {REALTIME_PATH}."))
+
     return app

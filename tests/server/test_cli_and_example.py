@@ -351,6 +351,21 @@ def test_example_fails_clearly_when_the_handshake_is_refused(tmp_path, capsys):
                                      "--out", str(tmp_path / "r.wav")]) == 1
     err = capsys.readouterr().err
     assert f"FAILED: the server at {url} refused the connection" in err and "401" in err
+    assert "(Missing or incorrect API key" in err   # the server's words from the refusal's body
+
+
+def test_a_websocket_to_a_wrong_path_is_a_404_naming_the_right_one(tmp_path, capsys):
+    """Starlette answered a WebSocket to an unknown path with a bare 403 ('forbidden'), which sent
+    users looking for a key problem; the server now says 404 and where the API is."""
+    deploy = DeployConfig.default("tiny")
+    with LoopbackServer(create_app(FakeEngine(deploy), deploy)) as srv:
+        url = srv.ws_url("/v1/realtim")
+        assert _load_example().main(["--url", url, "--tone-seconds", "0.2", "--fast",
+                                     "--out", str(tmp_path / "r.wav")]) == 1
+        with urllib.request.urlopen(srv.http_url("/health")) as reply:   # HTTP routes are unaffected
+            assert reply.status == 200
+    err = capsys.readouterr().err
+    assert "HTTP 404" in err and f"No WebSocket endpoint at /v1/realtim; the realtime API is at {REALTIME_PATH}" in err
 
 
 def test_example_sends_the_key_from_the_environment(tmp_path, monkeypatch):

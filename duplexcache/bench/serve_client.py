@@ -35,6 +35,16 @@ GAP_S = 0.2
 CHUNK_SAMPLES = 1_600        # 0.1 s of 16 kHz input per input_audio_buffer.append
 
 
+def handshake_refusal_message(exc: BaseException) -> str:
+    """' (<message>)' from a refused handshake's JSON error body (the server says why: a wrong
+    path, the key, a per-address cap), or '' when the exception carries none."""
+    body = getattr(getattr(exc, "response", None), "body", None) or b""
+    try:
+        return f" ({json.loads(body)['error']['message']})"
+    except (ValueError, KeyError, TypeError):
+        return ""
+
+
 class Wire:
     """The realtime protocol as this client speaks it (duplexcache/server/protocol.py)."""
 
@@ -157,7 +167,7 @@ class Caller:
             trace.errors.append(f"timeout: no session id within {self.ready_timeout_s:.0f} s"
                                 if trace.ready_at is None else "timeout")
         except Exception as exc:  # noqa: BLE001 - recorded per session; the step goes on
-            trace.errors.append(f"{type(exc).__name__}: {exc}")
+            trace.errors.append(f"{type(exc).__name__}: {exc}{handshake_refusal_message(exc)}")
 
     async def _receive(self, ws: Any, trace: SessionTrace, ready: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()

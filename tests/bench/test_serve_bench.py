@@ -423,6 +423,7 @@ def test_a_server_with_a_key_is_benchmarked_with_the_key_from_the_environment(tm
     without = json.loads((tmp_path / "without" / "results.json").read_text())
     (row,) = without["steps"][0]["per_session"]
     assert "401" in row["errors"][0] and without["config"]["api_key"] is False
+    assert "(Missing or incorrect API key" in row["errors"][0]   # the server's words, from the refusal's body
     text = (tmp_path / "with" / "results.json").read_text()
     results = json.loads(text)
     (row,) = results["steps"][0]["per_session"]

@@ -335,7 +335,7 @@ class Thinker(nn.Module):
         try:
             config = ThinkerConfig.from_hf_config(select_qwen3_config(read_hf_config(path)))
         except ValueError as exc:   # a config.json this model cannot be: the checkpoint's fault
-            raise CheckpointError("thinker config", reason=str(exc)) from exc
+            raise CheckpointError("thinker config", reason=f"{path}: {exc}") from exc
         prefix = _detect_prefix(checkpoint_keys(path))
         state = load_state_dict(path, prefix=prefix)
         state = {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in state.items()}

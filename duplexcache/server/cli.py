@@ -135,15 +135,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve_on(sock: socket.socket, deploy: DeployConfig, args: argparse.Namespace) -> int:
-    from duplexcache.models.checkpoint import CheckpointError
-
+    # A checkpoint that does not load (CheckpointError) is reported by duplexcache.cli.main, in
+    # one line for every command.
     try:
         engine = build_engine(deploy)
     except RuntimeError as exc:
         print(f"duplexcache serve: {exc}", file=sys.stderr)
-        return 2
-    except CheckpointError as exc:   # a wrong --checkpoint / model.checkpoint_dir: the user's to fix
-        print(f"duplexcache serve: checkpoint {deploy.model.checkpoint_dir}: {exc}", file=sys.stderr)
         return 2
 
     import uvicorn

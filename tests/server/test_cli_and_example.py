@@ -84,18 +84,19 @@ def test_a_port_in_use_fails_before_the_engine_is_built(monkeypatch, capsys):
 
 def test_a_wrong_checkpoint_dir_is_one_line(tmp_path, capsys):
     """--checkpoint pointing nowhere, at an empty directory, or at a config.json that is not a
-    Qwen3 one: one line naming the directory and what is wrong (exit 2), not a traceback; the
+    Qwen3 one: one line naming the path and what is wrong (exit 2), not a traceback; the
     missing directory used to be reported as 'no config.json at /config.json'."""
     missing = tmp_path / "nowhere"
-    assert cli.run(_parse(["--checkpoint", str(missing), "--port", "0"])) == 2
-    assert f"checkpoint {missing}: config: no checkpoint at {missing}" in capsys.readouterr().err
+    assert top_cli.main(["serve", "--checkpoint", str(missing), "--port", "0"]) == 2
+    assert capsys.readouterr().err.strip() == (f"duplexcache serve: checkpoint: config: no checkpoint at {missing} "
+                                               "(no such file or directory)")
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert cli.run(_parse(["--checkpoint", str(empty), "--port", "0"])) == 2
+    assert top_cli.main(["serve", "--checkpoint", str(empty), "--port", "0"]) == 2
     assert f"no config.json at {empty / 'config.json'}" in capsys.readouterr().err
     (empty / "config.json").write_text("{}")
-    assert cli.run(_parse(["--checkpoint", str(empty), "--port", "0"])) == 2
-    assert "thinker config: Qwen3 config lacks" in capsys.readouterr().err
+    assert top_cli.main(["serve", "--checkpoint", str(empty), "--port", "0"]) == 2
+    assert f"thinker config: {empty}: Qwen3 config lacks" in capsys.readouterr().err
 
 
 def test_a_cuda_config_without_cuda_fails_clearly(monkeypatch, capsys):

@@ -145,7 +145,14 @@ class RealtimeSession:
         self.send(proto.event("session.updated", session=self._wire_session()))
 
     def _check_engine_settings(self, settings: SessionSettings, eid: str | None) -> None:
-        """The engine's own validation of what it will be opened with (window limits, ...)."""
+        """The engine's own validation of what it will be opened with (window limits, voice, ...)."""
+        # An unknown voice would only fail when the session opens, after session.updated had
+        # confirmed it; stock clients send OpenAI's names ("alloy"), so refuse the update instead.
+        known = getattr(getattr(self.server.engine, "voices", None), "names", None)
+        if settings.voice is not None and known is not None and settings.voice not in known():
+            raise proto.ProtocolError("invalid_value", f"unknown voice {proto.clip(settings.voice, 64)!r} (this "
+                                      f"server has: {', '.join(sorted(known()))}; GET /v1/voices lists them)",
+                                      eid, param="session.voice")
         try:
             build_runtime_config(self.server.config, settings.engine_session())
         except PrivateConfigKeyError as exc:

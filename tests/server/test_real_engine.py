@@ -394,6 +394,20 @@ async def _private_key(srv: LoopbackServer) -> dict[str, Any]:
     return {"error": error, "second": second, "code": ws.close_code}
 
 
+async def _unknown_voice(srv: LoopbackServer) -> dict[str, Any]:
+    """A stock client's voice name: refused at the update (not later, at the first audio)."""
+    async with _connect(srv) as ws:
+        assert (await recv(ws, TIMEOUT_S))["type"] == "session.created"
+        await send(ws, {"type": "session.update", "session": {"voice": "alloy", "instructions": INSTRUCTIONS}})
+        error = await recv(ws, TIMEOUT_S)
+        await send(ws, {"type": "session.update", "session": {"instructions": INSTRUCTIONS}})
+        second = await recv(ws, TIMEOUT_S)
+        heard = Heard()
+        await _send_audio(ws, client_pcm16(23)[:CHUNK])  # opens with the default voice
+        code = await _close_and_drain(ws, heard)
+    return {"error": error, "second": second, "code": code, "later_errors": heard.errors}
+
+
 def _pool_snapshot(engine: DuplexEngine) -> dict[str, Any]:
     ps = engine.stage0.pool_stats()
     pools = engine.stats().pools
@@ -417,13 +431,13 @@ def test_misbehaving_clients_next_to_a_good_one_leak_nothing(models):
         return await asyncio.gather(
             _good_client(srv, 40, "default", pause=0.01),
             _disconnect_mid_turn(srv), _malformed_json(srv), _unknown_event(srv), _odd_pcm16(srv),
-            _private_key(srv))
+            _private_key(srv), _unknown_voice(srv))
 
     with LoopbackServer(app, max_frame_bytes=deploy.server.max_frame_bytes) as srv:
         asyncio.run(warm_up(srv))
         _settle(engine, app)
         warm = _pool_snapshot(engine)
-        good, dropped, malformed, unknown, odd, private = asyncio.run(misbehave(srv))
+        good, dropped, malformed, unknown, odd, private, voice = asyncio.run(misbehave(srv))
         _settle(engine, app)
         after = _pool_snapshot(engine)
         engine.thinker_manager.check_invariants()
@@ -439,6 +453,11 @@ def test_misbehaving_clients_next_to_a_good_one_leak_nothing(models):
     assert private["error"]["type"] == "error" and private["error"]["error"]["code"] == "private_config_key"
     assert "cfm_prompt_att_sharing" in private["error"]["error"]["message"]
     assert private["second"]["type"] == "session.updated"
+    assert voice["error"]["type"] == "error" and voice["error"]["error"]["code"] == "invalid_value"
+    assert voice["error"]["error"]["param"] == "session.voice" and "alt, default" in voice["error"]["error"]["message"]
+    # the refused update changed nothing: the voice is still the default one
+    assert voice["second"]["type"] == "session.updated" and voice["second"]["session"]["voice"] == "default"
+    assert voice["code"] == 1000 and voice["later_errors"] == []
 
     for name in PRIVATE_POOLS:
         assert warm["pools"][name].private == 0 and after["pools"][name].private == 0, name

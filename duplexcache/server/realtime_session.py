@@ -73,6 +73,9 @@ class RealtimeSession:
         self.sid: str | None = None       # engine session (set by RealtimeServer.register only)
         self.opening = False              # engine.open_session in flight
         self.refusals = 0                 # admission refusals of this connection (logged once)
+        # (settings, error) of a refusal that only the settings decide (context too long, bad
+        # voice prompt, ...): the same settings get the same error without asking the engine again
+        self.settings_refusal: tuple[SessionSettings, proto.ProtocolError] | None = None
         self.queued = False
         self.audio: InputAudio | None = None
         self.vad: Any = None
@@ -335,6 +338,12 @@ class RealtimeSession:
             raise proto.ProtocolError("rate_limit_exceeded", "too many sessions from this client address "
                                       f"(server.max_sessions_per_client = {server.config.server.max_sessions_per_client})",
                                       eid, error_type=proto.RATE_LIMIT)
+        if self.settings_refusal is not None and self.settings_refusal[0] == self.settings:
+            # Building the context again would give the same answer, and costs what tokenizing the
+            # instructions costs (~0.25 s for a 2 MB string, on every append a client streams).
+            refusal = self.settings_refusal[1]
+            raise proto.ProtocolError(refusal.code, refusal.message, eid, param=refusal.param,
+                                      error_type=refusal.error_type)
         fmt = self.settings.input_format(self.openai_client)
         self.opening = True  # counts against the per-client cap while the engine decides
         try:
@@ -350,17 +359,19 @@ class RealtimeSession:
             logger.log(logging.WARNING if self.refusals == 1 else logging.DEBUG,
                        "session %s refused by the engine (%d time(s)): %s: %s", self.id, self.refusals, code,
                        exc.reason)
+            if code not in _ADMISSION_MESSAGES:   # e.g. context_length_exceeded: the settings decide it
+                raise self._refuse_settings(proto.ProtocolError(code, proto.clip(exc.reason, 300), eid)) from None
             server.metrics.protocol_errors.labels(code=code).inc()
-            message = _ADMISSION_MESSAGES.get(code, proto.clip(exc.reason, 300))
-            self.send(proto.error_event(code, message, event_id=eid, error_type=(
-                proto.SERVER_ERROR if code in _ADMISSION_MESSAGES else proto.INVALID_REQUEST)))
+            self.send(proto.error_event(code, _ADMISSION_MESSAGES[code], event_id=eid,
+                                        error_type=proto.SERVER_ERROR))
             return False
         except ReferenceAudioError as exc:
-            raise proto.ProtocolError("invalid_reference_audio", str(exc), eid, param="session.voice") from None
+            raise self._refuse_settings(proto.ProtocolError("invalid_reference_audio", str(exc), eid,
+                                                            param="session.voice")) from None
         except PrivateConfigKeyError as exc:
-            raise proto.ProtocolError("private_config_key", str(exc), eid) from None
+            raise self._refuse_settings(proto.ProtocolError("private_config_key", str(exc), eid)) from None
         except ValueError as exc:
-            raise proto.ProtocolError("invalid_session_config", str(exc), eid) from None
+            raise self._refuse_settings(proto.ProtocolError("invalid_session_config", str(exc), eid)) from None
         finally:
             self.opening = False
         self.audio = InputAudio(fmt)
@@ -372,6 +383,11 @@ class RealtimeSession:
         else:
             await self._on_live()
         return True
+
+    def _refuse_settings(self, error: proto.ProtocolError) -> proto.ProtocolError:
+        """Remember a refusal that only the current settings decide; returns it to raise."""
+        self.settings_refusal = (self.settings, error)
+        return error
 
     async def _apply_turn_mode(self) -> None:
         if self.server.turn_control:

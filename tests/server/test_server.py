@@ -631,6 +631,42 @@ def test_fatal_engine_error_ends_session(serve):
     assert engine.closed == [sid]
 
 
+def test_a_refusal_that_only_the_settings_decide_is_not_asked_again_until_they_change(serve):
+    """context_length_exceeded at open: every later append with the same settings gets the same
+    error without the engine building the context again (the tokenizing is the cost); a changed
+    session.update asks again. A capacity refusal is asked again each time (room may free up)."""
+    engine, srv = serve()
+    silence = {"type": "input_audio_buffer.append", "audio": pcm16_b64(np.zeros(1600, np.int16))}
+
+    async def main():
+        async with _connect(srv) as ws:
+            await _create(ws, instructions="far too long")
+            engine.admission_code = "context_length_exceeded"
+            first = [await _expect_error(ws, silence, "context_length_exceeded") for _ in range(3)]
+            calls_same_settings = engine.open_calls
+            await send(ws, {"type": "session.update", "session": {"instructions": "shorter"}})
+            assert (await recv(ws))["type"] == "session.updated"
+            await _expect_error(ws, silence, "context_length_exceeded")
+            calls_after_update = engine.open_calls
+            engine.admission_code = "capacity_memory"
+            await send(ws, {"type": "session.update", "session": {"instructions": "short"}})
+            assert (await recv(ws))["type"] == "session.updated"
+            for _ in range(2):
+                await _expect_error(ws, silence, "capacity_memory")
+            calls_capacity = engine.open_calls
+            engine.admission_code = None
+            await send(ws, silence)   # the same settings, room now: it opens
+            wait_for(lambda: len(engine.live) == 1, what="the session to open")
+            return first, calls_same_settings, calls_after_update, calls_capacity
+
+    first, calls_same_settings, calls_after_update, calls_capacity = asyncio.run(main())
+    assert calls_same_settings == 1
+    assert first[0]["error"]["message"] == first[2]["error"]["message"]
+    assert calls_after_update == 2
+    assert calls_capacity == 4
+    assert engine.open_calls == 5
+
+
 def test_graceful_shutdown_closes_every_session(serve):
     engine, srv = serve(capacity=1)
 

@@ -349,6 +349,11 @@ class ServerConfig(_Strict):
     # preempted thread); on CUDA, or with OMP_NUM_THREADS set (Ray sets it per replica), torch's
     # own count. An int sets it.
     compute_threads: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
+    # Voice names clients may ask for, mapped to this server's voices, e.g. {alloy: default}: stock
+    # Realtime clients ask for OpenAI's voices, and a name the server does not have is refused at
+    # session.update (GET /v1/voices lists the server's own). Checked against the engine's voices
+    # when the server starts.
+    voice_aliases: dict[str, str] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _home_phase_needs_alignment(self) -> "ServerConfig":

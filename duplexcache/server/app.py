@@ -43,7 +43,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, Response
 
-from duplexcache.config import DeployConfig
+from duplexcache.config import ConfigError, DeployConfig
 from duplexcache.runtime.engine_api import (
     TURN_CONTROL_METHODS, AudioDelta, EngineAPI, EngineEvent, ResponseDone, SessionAdmitted, SessionError, TextDelta,
 )
@@ -93,6 +93,18 @@ def compute_threads(setting: int | str, device: str, cpus: int, omp_threads: str
     return max(1, cpus - 1)
 
 
+def _check_voice_aliases(engine: EngineAPI, config: DeployConfig) -> None:
+    """server.voice_aliases must map to voices the engine has (an engine without a voice registry,
+    such as a test fake, is not checked)."""
+    known = getattr(getattr(engine, "voices", None), "names", None)
+    if known is None:
+        return
+    missing = sorted({v for v in config.server.voice_aliases.values() if v not in known()})
+    if missing:
+        raise ConfigError(f"server.voice_aliases maps to voices this engine does not have: {', '.join(missing)} "
+                          f"(it has: {', '.join(sorted(known()))})")
+
+
 class RealtimeServer:
     def __init__(self, engine: EngineAPI, config: DeployConfig, metrics: ServerMetrics | None = None):
         missing = [name for name in _CORE_METHODS if not callable(getattr(engine, name, None))]
@@ -107,6 +119,7 @@ class RealtimeServer:
             logger.warning("engine %s has no turn control (%s): only turn_detection 'duplex' is served; "
                            "response.create/cancel and conversation items are refused",
                            type(engine).__name__, ", ".join(TURN_CONTROL_METHODS))
+        _check_voice_aliases(engine, config)
         self._by_sid: dict[str, RealtimeSession] = {}
         self._sessions: set[RealtimeSession] = set()
         self._stopping = asyncio.Event()

@@ -148,7 +148,12 @@ def _serve_on(sock: socket.socket, deploy: DeployConfig, args: argparse.Namespac
     from duplexcache.server.app import REALTIME_PATH, create_app
     from duplexcache.server.loopback import uvicorn_config
 
-    app = create_app(engine, deploy)
+    try:
+        app = create_app(engine, deploy)
+    except ConfigError as exc:   # what only the built engine can check (server.voice_aliases)
+        engine.shutdown()
+        print(f"duplexcache serve: {exc}", file=sys.stderr)
+        return 2
     host, port = deploy.server.host, sock.getsockname()[1]   # port 0 was bound to a free one
     logger.info("serving preset %s on ws://%s:%d%s", deploy.model.preset,
                 f"[{host}]" if ":" in host else host, port, REALTIME_PATH)

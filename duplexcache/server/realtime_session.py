@@ -134,7 +134,8 @@ class RealtimeSession:
             raise proto.ProtocolError("invalid_value", "queue_if_full must be true or false", ev.event_id,
                                       param="queue_if_full")
         settings, changed = apply_update(self.settings, ev.data.get("session", {}), ev.event_id,
-                                         audio_started=self.sid is not None)
+                                         audio_started=self.sid is not None,
+                                         voice_aliases=self.server.config.server.voice_aliases)
         if settings.turn.type != "duplex" and not self.server.turn_control:
             raise proto.ProtocolError("unsupported_turn_detection", "this engine supports turn_detection "
                                       "'duplex' only (it has no turn control)", ev.event_id,
@@ -154,7 +155,8 @@ class RealtimeSession:
         known = getattr(getattr(self.server.engine, "voices", None), "names", None)
         if settings.voice is not None and known is not None and settings.voice not in known():
             raise proto.ProtocolError("invalid_value", f"unknown voice {proto.clip(settings.voice, 64)!r} (this "
-                                      f"server has: {', '.join(sorted(known()))}; GET /v1/voices lists them)",
+                                      f"server has: {', '.join(sorted(known()))}; GET /v1/voices lists them, "
+                                      "server.voice_aliases can map other names to them)",
                                       eid, param="session.voice")
         try:
             build_runtime_config(self.server.config, settings.engine_session())

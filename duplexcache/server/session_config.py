@@ -165,9 +165,11 @@ def _check_modalities(value: Any, path: str, eid: str | None) -> None:
         raise _bad(path, "this server always answers with audio (and its transcript); include \"audio\"", eid)
 
 
-def apply_update(settings: SessionSettings, session: Any, eid: str | None, *,
-                 audio_started: bool) -> tuple[SessionSettings, list[str]]:
+def apply_update(settings: SessionSettings, session: Any, eid: str | None, *, audio_started: bool,
+                 voice_aliases: Mapping[str, str] | None = None) -> tuple[SessionSettings, list[str]]:
     """``settings`` changed by one ``session.update`` body; also returns the names it changed.
+    A voice named in ``voice_aliases`` (server.voice_aliases) becomes the server's voice it maps to,
+    before the comparison with the current one (a client that repeats its alias changes nothing).
 
     Raises ProtocolError naming the offending field (``error.param``) and changes nothing then.
     """
@@ -215,6 +217,8 @@ def apply_update(settings: SessionSettings, session: Any, eid: str | None, *,
             InputFormat(new.get("input_kind", settings.input_kind), new["input_rate"])
         except ValueError as exc:
             raise _bad("input_sample_rate", str(exc), eid) from None
+    if voice_aliases and new.get("voice") in voice_aliases:
+        new["voice"] = voice_aliases[new["voice"]]
     changed = [name for name, value in new.items() if getattr(settings, name) != value]
     if audio_started:
         fixed = [name for name in changed if _public_name(name) in FIXED_ONCE_STARTED]

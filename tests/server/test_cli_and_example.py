@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 import urllib.request
 import wave
 from pathlib import Path
@@ -113,6 +114,29 @@ def test_a_cuda_config_without_cuda_fails_clearly(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert "only 1 CUDA device(s)" in device_problem("cuda:1")
     assert device_problem("cuda:0") is None and device_problem("cpu") is None
+
+
+def test_voice_aliases_to_a_voice_the_engine_lacks_fail_at_start(tmp_path, monkeypatch, capsys):
+    """server.voice_aliases is checked against the built engine's voices: one line, exit 2, the
+    engine shut down, uvicorn never started."""
+    path = tmp_path / "deploy.yaml"
+    path.write_text("server:\n  voice_aliases: {alloy: default, verse: nope}\n")
+    engines, served = [], []
+
+    def fake_build(deploy):
+        engine = FakeEngine(deploy)
+        engine.voices = types.SimpleNamespace(names=lambda: ["default", "alt"])
+        engines.append(engine)
+        return engine
+
+    monkeypatch.setattr(cli, "build_engine", fake_build)
+    monkeypatch.setattr(uvicorn.Server, "run", lambda server, sockets=None: served.append(server))
+    assert top_cli.main(["serve", "--config", str(path), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "server.voice_aliases maps to voices this engine does not have: nope" in err
+    assert "(it has: alt, default)" in err and not served and engines[0].shutdown_called
+    path.write_text("server:\n  voice_aliases: {alloy: default, verse: alt}\n")
+    assert top_cli.main(["serve", "--config", str(path), "--port", "0"]) == 0 and len(served) == 1
 
 
 def test_run_builds_the_engine_and_serves_it(monkeypatch):

@@ -631,6 +631,36 @@ def test_fatal_engine_error_ends_session(serve):
     assert engine.closed == [sid]
 
 
+def test_voice_aliases_from_the_yaml_reach_the_engine_session(tmp_path):
+    """A stock client's voice ("alloy") mapped by server.voice_aliases in the deploy YAML: the
+    update is answered with the server's voice, the engine opens the session with it, and the
+    client repeating its alias after the audio started is no change (not session_field_fixed)."""
+    path = tmp_path / "deploy.yaml"
+    path.write_text("server:\n  voice_aliases: {alloy: alt}\n")
+    deploy = DeployConfig.from_yaml(path)
+    deploy.server.max_frame_bytes = MAX_FRAME
+    engine = FakeEngine(deploy)
+
+    async def main(srv):
+        async with _connect(srv) as ws:
+            await recv(ws)
+            await send(ws, {"type": "session.update", "session": {"type": "realtime",
+                                                                   "audio": {"output": {"voice": "alloy"}}}})
+            updated = await recv(ws)
+            await send(ws, {"type": "input_audio_buffer.append", "audio": pcm16_b64(np.zeros(1600, np.int16))})
+            wait_for(lambda: len(engine.live) == 1, what="the session to open")
+            await send(ws, {"type": "session.update", "session": {"voice": "alloy"}})
+            again, _ = await recv_type(ws, "session.updated")
+            return updated, again
+
+    with LoopbackServer(create_app(engine, deploy), max_frame_bytes=MAX_FRAME) as srv:
+        updated, again = asyncio.run(main(srv))
+    assert updated["type"] == "session.updated" and updated["session"]["audio"]["output"]["voice"] == "alt"
+    assert again["session"]["audio"]["output"]["voice"] == "alt"
+    [config] = engine.configs.values()
+    assert config["voice"] == "alt"
+
+
 def test_a_refusal_that_only_the_settings_decide_is_not_asked_again_until_they_change(serve):
     """context_length_exceeded at open: every later append with the same settings gets the same
     error without the engine building the context again (the tokenizing is the cost); a changed

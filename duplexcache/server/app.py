@@ -407,8 +407,7 @@ class RealtimeServer:
         if event.code in _CLIENT_ERROR_CODES:
             session.error(event.code, event.message)
         else:  # the engine's detail is for the log, not the client
-            logger.error("engine error for session %s (engine %s): %s: %s", session.id, event.sid, event.code,
-                         event.message)
+            logger.error("engine error for session %s: %s: %s", session.log_name, event.code, event.message)
             session.error(event.code, "The server failed to process this session's audio.",
                           error_type=proto.SERVER_ERROR)
         if event.fatal:
@@ -529,9 +528,10 @@ class RealtimeServer:
     def register(self, session: RealtimeSession, sid: str) -> None:
         session.sid = sid
         self._by_sid[sid] = session
-        logger.info("session %s opened engine session %s", session.id, sid)
+        logger.info("session %s opened", session.log_name)
 
     async def end_session(self, session: RealtimeSession) -> None:
+        name = session.log_name
         sid, session.sid = session.sid, None
         if sid is None:
             return
@@ -541,7 +541,7 @@ class RealtimeServer:
             await asyncio.shield(asyncio.to_thread(self.engine.close_session, sid))
         except Exception:  # noqa: BLE001 - closing must go on for the other sessions
             logger.exception("engine.close_session(%s) failed", sid)
-        logger.info("session %s (engine %s) closed", session.id, sid)
+        logger.info("session %s closed", name)
 
 
 async def _refuse(ws: WebSocket, refusal: Refusal) -> None:

@@ -89,6 +89,12 @@ class RealtimeSession:
         self.pending_response = False          # response.create while queued
         self.response_requested = False        # asked the engine for a reply that has not started yet
 
+    @property
+    def log_name(self) -> str:
+        """The session in log lines: its wire id, plus the engine's id where that differs (the
+        engine takes the wire id, so it seldom does)."""
+        return self.id if self.sid in (None, self.id) else f"{self.id} (engine {self.sid})"
+
     # ---------------------------------------------------------------- sending
     def send(self, event: dict[str, Any]) -> None:
         self.conn.send(event)
@@ -100,7 +106,7 @@ class RealtimeSession:
     def error(self, code: str, message: str, *, event_id: str | None = None, param: str | None = None,
               error_type: str = proto.INVALID_REQUEST) -> None:
         self.server.metrics.protocol_errors.labels(code=code).inc()
-        logger.info("error to client (session %s, engine %s): %s: %s", self.id, self.sid, code, message)
+        logger.info("error to client (session %s): %s: %s", self.log_name, code, message)
         self.send(proto.error_event(code, message, error_type=error_type, event_id=event_id, param=param))
 
     def _wire_session(self) -> dict[str, Any]:
@@ -380,7 +386,7 @@ class RealtimeSession:
         server.register(self, sid)
         self.queued = await asyncio.to_thread(self.engine.is_queued, sid)
         if self.queued:
-            logger.info("session %s (engine %s) queued for admission", self.id, sid)
+            logger.info("session %s queued for admission", self.log_name)
             self.notify_queued(time.monotonic())
         else:
             await self._on_live()

@@ -316,6 +316,27 @@ async def wait_ready(client: Any, base: str, timeout: float, poll_s: float = 1.0
         await asyncio.sleep(poll_s)
 
 
+class VoicesMissing(RuntimeError):
+    """--voices names a voice the server does not have (every session would be refused)."""
+
+
+async def check_voices(client: Any, base: str, voices: list[str]) -> None:
+    """Before the first step: the server's ``/v1/voices`` must list every voice of --voices, else
+    every caller that asks for a missing one would be refused at its session.update. A server
+    without that route (404, not JSON) is not checked."""
+    response = await client.get(base + "/v1/voices", timeout=10.0)
+    try:
+        known = response.json().get("voices") if response.status_code == 200 else None
+    except (ValueError, AttributeError):
+        known = None
+    if not isinstance(known, list):
+        return
+    missing = [v for v in voices if v not in known]
+    if missing:
+        raise VoicesMissing(f"the server at {base} has no voice {', '.join(repr(v) for v in missing)} "
+                            f"(it has: {', '.join(map(str, known))}); pick from those with --voices")
+
+
 async def wait_idle(client: Any, base: str, timeout: float = IDLE_WAIT_S) -> None:
     """Until /health reports no live sessions (the server frees closed sessions at its next tick)."""
     loop = asyncio.get_running_loop()
@@ -516,6 +537,7 @@ async def run_sweep(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]
     per_step = int(math.ceil(args.ramp + max(1, int(args.duration))))
     async with httpx.AsyncClient(headers=auth_headers()) as client:
         await wait_ready(client, base, args.ready_timeout)
+        await check_voices(client, base, _voice_names(args))
         with tqdm(total=per_step * len(args.sessions), desc="bench serve", unit="s", file=sys.stderr,
                   disable=None) as bar:
             for k, n in enumerate(args.sessions):
@@ -573,6 +595,9 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     except ServerUnreachable as exc:
         print(f"duplexcache bench serve: {exc}", file=sys.stderr)
         return 1
+    except VoicesMissing as exc:
+        print(f"duplexcache bench serve: {exc}", file=sys.stderr)
+        return 2
     write_results(args.out, results)
     plot_latency(results, args.out / "reply_latency.png")
     for s in results["steps"]:

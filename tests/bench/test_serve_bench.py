@@ -15,6 +15,7 @@ from duplexcache.bench.workload import continuous_script
 from duplexcache.config import DeployConfig
 from duplexcache.runtime.bundle import build_models
 from duplexcache.runtime.engine import DuplexEngine
+from duplexcache.runtime.engine_api import AdmissionError
 from duplexcache.server.app import REALTIME_PATH, create_app
 from duplexcache.server.loopback import LoopbackServer
 
@@ -49,9 +50,16 @@ def sweep(tmp_path_factory):
         serve.add_arguments(parser)
         rc = serve.run(parser.parse_args(argv), argv)
         # a refused session is an error row, not a hang or a crash
-        bad = ["--url", srv.ws_url(REALTIME_PATH), "--sessions", "1", "--duration", "2", "--voices", "nope",
-               "--out", str(out / "refused")]
-        assert cli_main(["bench", "serve", *bad]) == 0   # through the command line
+        def full(*args, **kwargs):
+            raise AdmissionError("memory budget full (test)", code="capacity_memory")
+
+        engine.open_session = full   # the instance attribute the server calls
+        try:
+            bad = ["--url", srv.ws_url(REALTIME_PATH), "--sessions", "1", "--duration", "2",
+                   "--out", str(out / "refused")]
+            assert cli_main(["bench", "serve", *bad]) == 0   # through the command line
+        finally:
+            del engine.open_session
     return rc, out, argv
 
 
@@ -61,7 +69,7 @@ def test_a_refused_session_is_reported(sweep):
     (row,) = step["per_session"]
     # the OpenAI-style server names the session on connect, before the engine refuses it
     assert not row["got_audio"]
-    assert row["errors"] and row["errors"][0].startswith("invalid_session_config")
+    assert row["errors"] and row["errors"][0].startswith("capacity_memory")
     assert step["sessions_with_errors"] == 1 and step["realtime"] is False
     assert not any(e.startswith("timeout") for e in row["errors"])   # it did not wait out the session timeout
 
@@ -397,6 +405,40 @@ def test_a_server_still_warming_after_ready_timeout_fails(tmp_path, capsys):
     assert "still warming up after 1 s (--ready-timeout)" in capsys.readouterr().err
     # the wait starts at the first "warming" answer: one more poll a second later, then it gives up
     assert len(asked) == 2
+
+
+def test_voices_the_server_lacks_fail_before_the_first_step(tmp_path, capsys):
+    """Every caller asking for a voice the server does not have would be refused at its
+    session.update; the bench says so at once (exit 2) instead of running the sweep."""
+    import asyncio
+
+    import httpx
+    from fastapi.responses import JSONResponse
+
+    app, _ = _health_app([200])
+
+    @app.get("/v1/voices")
+    async def voices() -> JSONResponse:
+        return JSONResponse({"voices": ["alt", "default"], "default": "default"})
+
+    bare, _ = _health_app([200])   # a server without /v1/voices is not checked
+    srv, srv_bare = LoopbackServer(app).start(), LoopbackServer(bare).start()
+    try:
+        args = _parsed(["--url", srv.ws_url(REALTIME_PATH), "--voices", "default,alloy", "--out", str(tmp_path)])
+        assert serve.run(args, []) == 2
+
+        async def check(port: int, voices: list[str]) -> None:
+            async with httpx.AsyncClient() as client:
+                await serve.check_voices(client, f"http://127.0.0.1:{port}", voices)
+
+        asyncio.run(check(srv.port, ["default", "alt"]))
+        asyncio.run(check(srv_bare.port, ["alloy"]))
+    finally:
+        srv.stop()
+        srv_bare.stop()
+    err = capsys.readouterr().err
+    assert "has no voice 'alloy' (it has: alt, default); pick from those with --voices" in err
+    assert not (tmp_path / "results.json").exists()
 
 
 def test_a_steps_most_common_errors_count_sessions():

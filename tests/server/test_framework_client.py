@@ -10,6 +10,7 @@ environment; livekit-agents + livekit-plugins-openai install beside it without c
 from __future__ import annotations
 
 import asyncio
+import types
 
 import numpy as np
 import pytest
@@ -67,20 +68,21 @@ async def _drain(generation) -> tuple[list, list[str]]:
     return frames, texts
 
 
-def _model(base_url: str, http, turn_detection):
+def _model(base_url: str, http, turn_detection, voice: str | None = "default"):
+    """``voice`` None: LiveKit's own default voice, one of OpenAI's."""
     return lk_openai.realtime.RealtimeModel(
-        base_url=base_url, api_key="unused", voice="default", modalities=["audio"],
-        turn_detection=turn_detection, input_audio_transcription=None, http_session=http)
+        base_url=base_url, api_key="unused", modalities=["audio"], turn_detection=turn_detection,
+        input_audio_transcription=None, http_session=http, **({} if voice is None else {"voice": voice}))
 
 
-async def _server_started_reply(base_url: str) -> tuple[list, list[str], list]:
+async def _server_started_reply(base_url: str, voice: str | None = "default") -> tuple[list, list[str], list]:
     """LiveKit with semantic_vad (the server's duplex mode: the model decides when to speak):
     stream audio and take the first reply the server starts by itself."""
     from openai.types.realtime.realtime_audio_input_turn_detection import SemanticVad
 
     errors: list = []
     async with aiohttp.ClientSession() as http:
-        session = _model(base_url, http, SemanticVad(type="semantic_vad")).session()
+        session = _model(base_url, http, SemanticVad(type="semantic_vad"), voice).session()
         session.on("error", errors.append)
         generations: asyncio.Queue = asyncio.Queue()
         session.on("generation_created", generations.put_nowait)
@@ -148,3 +150,27 @@ def test_livekit_generate_reply(served):
     frames, texts, errors = asyncio.run(_requested_reply(srv.http_url("/v1")))
     assert errors == [], errors
     _check_reply(engine, frames, texts)
+
+
+@pytest.mark.parametrize("aliases", [{"marin": "default", "alloy": "default"}, {}], ids=["aliased", "not_aliased"])
+def test_livekit_with_its_own_default_voice(aliases):
+    """LiveKit asks for one of OpenAI's voices unless told otherwise. The server has only its own
+    (a voice registry as the real engine's): unmapped, the update is refused with an error naming
+    them; mapped by server.voice_aliases, the engine opens the session with the mapped voice."""
+    deploy = DeployConfig.default("tiny")
+    deploy.engine.tick_seconds = TICK
+    deploy.server.voice_aliases = aliases
+    engine = FakeEngine(deploy, done_after_units=DONE_AFTER_UNITS)
+    engine.voices = types.SimpleNamespace(names=lambda: ["default", "alt"])
+    srv = LoopbackServer(create_app(engine, deploy)).start()
+    try:
+        frames, texts, errors = asyncio.run(_server_started_reply(srv.http_url("/v1"), voice=None))
+    finally:
+        srv.stop()
+    if aliases:
+        assert errors == [], errors
+        _check_reply(engine, frames, texts)
+        (config,) = engine.configs.values()
+        assert config["voice"] == "default"
+    else:
+        assert any("unknown voice" in str(e) for e in errors), errors

@@ -281,6 +281,10 @@ class EngineConfig(_Strict):
         return self
 
 
+# OpenAI's Realtime voices (openai.types.realtime), which stock clients ask for.
+OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "sage", "shimmer", "verse", "marin", "cedar")
+
+
 class ServerConfig(_Strict):
     """The realtime WebSocket server: where it listens, who may connect, and per-client limits."""
 
@@ -349,11 +353,12 @@ class ServerConfig(_Strict):
     # preempted thread); on CUDA, or with OMP_NUM_THREADS set (Ray sets it per replica), torch's
     # own count. An int sets it.
     compute_threads: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
-    # Voice names clients may ask for, mapped to this server's voices, e.g. {alloy: default}: stock
-    # Realtime clients ask for OpenAI's voices, and a name the server does not have is refused at
-    # session.update (GET /v1/voices lists the server's own). Checked against the engine's voices
-    # when the server starts.
-    voice_aliases: dict[str, str] = Field(default_factory=dict)
+    # Voice names clients may ask for, mapped to this server's voices. Stock Realtime clients ask
+    # for OpenAI's voices (LiveKit's default is "marin"), and a name the server does not have is
+    # refused at session.update (GET /v1/voices lists the server's own), so by default OpenAI's
+    # names map to "default", which every engine has. Checked against the engine's voices when
+    # the server starts; {} refuses them.
+    voice_aliases: dict[str, str] = Field(default_factory=lambda: {name: "default" for name in OPENAI_VOICES})
 
     @model_validator(mode="after")
     def _home_phase_needs_alignment(self) -> "ServerConfig":

@@ -47,16 +47,20 @@ NON_DEFAULT = {
                "prefill_between_ticks": False, "align_units_to_ticks": False, "unit_align_margin_ms": 80.0, "tick_phases": 4,
                "phase_units": "spread",
                "fill_silence_after_ms": 1500.0,
-               "compute_threads": 3},
+               "compute_threads": 3, "voice_aliases": {"alloy": "alt"}},
     "cluster": {"replicas": 2, "max_replicas": 4, "target_utilisation": 0.5, "drain_timeout_s": 60.0,
                 "routing_stats_period_s": 0.5},
 }
 
 
+# Switches whose value is a mapping with the deployment's own keys: one leaf, not a section.
+MAPPING_VALUES = {"server.voice_aliases"}
+
+
 def _leaves(d: dict, prefix: str = "") -> dict[str, object]:
     out = {}
     for k, v in d.items():
-        if isinstance(v, dict):
+        if isinstance(v, dict) and f"{prefix}{k}" not in MAPPING_VALUES:
             out.update(_leaves(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v

@@ -326,12 +326,14 @@ async def check_voices(client: Any, base: str, voices: list[str]) -> None:
     without that route (404, not JSON) is not checked."""
     response = await client.get(base + "/v1/voices", timeout=10.0)
     try:
-        known = response.json().get("voices") if response.status_code == 200 else None
-    except (ValueError, AttributeError):
-        known = None
+        body = response.json() if response.status_code == 200 else None
+    except ValueError:
+        body = None
+    known = body.get("voices") if isinstance(body, dict) else None
     if not isinstance(known, list):
         return
-    missing = [v for v in voices if v not in known]
+    aliases = body.get("aliases") if isinstance(body.get("aliases"), dict) else {}
+    missing = [v for v in voices if v not in known and v not in aliases]
     if missing:
         raise VoicesMissing(f"the server at {base} has no voice {', '.join(repr(v) for v in missing)} "
                             f"(it has: {', '.join(map(str, known))}); pick from those with --voices")

@@ -2,7 +2,7 @@
 
 * ``GET /``            the page (``static/index.html``)
 * ``GET /static/...``  its script, AudioWorklet processor and style sheet
-* ``GET /v1/voices``   ``{"voices": [...], "default": "default"}`` for the page's voice picker
+* ``GET /v1/voices``   ``{"voices": [...], "default": "default", "aliases": {...}}`` for the page's voice picker
 
 The page needs a secure context for the microphone and AudioWorklet: https, or a loopback
 address (127.0.0.1 / localhost) as in the tests and the demo.
@@ -48,8 +48,11 @@ def mount_page(app: FastAPI) -> None:
 
     @app.get("/v1/voices")
     async def voices() -> JSONResponse:
-        names = voice_names(app.state.server.engine)
+        server = app.state.server
+        names = voice_names(server.engine)
         default = DEFAULT_VOICE if DEFAULT_VOICE in names else names[0]
-        return JSONResponse({"voices": names, "default": default}, headers=no_cache)
+        # other names a session.update may use (server.voice_aliases), each with the voice it gets
+        return JSONResponse({"voices": names, "default": default, "aliases": server.config.server.voice_aliases},
+                            headers=no_cache)
 
     app.mount("/static", StaticFiles(directory=static_dir), name="static")

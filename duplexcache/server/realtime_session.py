@@ -157,7 +157,8 @@ class RealtimeSession:
     def _check_engine_settings(self, settings: SessionSettings, eid: str | None) -> None:
         """The engine's own validation of what it will be opened with (window limits, voice, ...)."""
         # An unknown voice would only fail when the session opens, after session.updated had
-        # confirmed it; stock clients send OpenAI's names ("alloy"), so refuse the update instead.
+        # confirmed it, so the update is refused instead (OpenAI's names arrive here mapped by
+        # server.voice_aliases, unless a deployment removed them).
         known = getattr(getattr(self.server.engine, "voices", None), "names", None)
         if settings.voice is not None and known is not None and settings.voice not in known():
             raise proto.ProtocolError("invalid_value", f"unknown voice {proto.clip(settings.voice, 64)!r} (this "

@@ -419,7 +419,7 @@ def test_voices_the_server_lacks_fail_before_the_first_step(tmp_path, capsys):
 
     @app.get("/v1/voices")
     async def voices() -> JSONResponse:
-        return JSONResponse({"voices": ["alt", "default"], "default": "default"})
+        return JSONResponse({"voices": ["alt", "default"], "default": "default", "aliases": {"marin": "default"}})
 
     bare, _ = _health_app([200])   # a server without /v1/voices is not checked
     srv, srv_bare = LoopbackServer(app).start(), LoopbackServer(bare).start()
@@ -431,7 +431,7 @@ def test_voices_the_server_lacks_fail_before_the_first_step(tmp_path, capsys):
             async with httpx.AsyncClient() as client:
                 await serve.check_voices(client, f"http://127.0.0.1:{port}", voices)
 
-        asyncio.run(check(srv.port, ["default", "alt"]))
+        asyncio.run(check(srv.port, ["default", "alt", "marin"]))   # an alias the server maps is fine
         asyncio.run(check(srv_bare.port, ["alloy"]))
     finally:
         srv.stop()

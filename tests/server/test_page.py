@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from server_fakes import FakeEngine, LoopbackServers, wait_for
 
-from duplexcache.config import DeployConfig
+from duplexcache.config import OPENAI_VOICES, DeployConfig
 from duplexcache.runtime.voices import VoiceRegistry
 from duplexcache.server.page import voice_names
 
@@ -62,10 +62,12 @@ def test_page_and_its_files_are_served(server):
 
 def test_voices_come_from_the_engine(server):
     _, plain = server()
-    assert httpx.get(plain.http_url("/v1/voices"), timeout=10).json() == {"voices": ["default"], "default": "default"}
+    aliases = {name: "default" for name in OPENAI_VOICES}   # server.voice_aliases' default
+    assert httpx.get(plain.http_url("/v1/voices"), timeout=10).json() == {"voices": ["default"], "default": "default",
+                                                                          "aliases": aliases}
     _, voiced = server(_VoicedEngine)
     body = httpx.get(voiced.http_url("/v1/voices"), timeout=10).json()
-    assert body == {"voices": ["alt", "bright", "default"], "default": "default"}
+    assert body == {"voices": ["alt", "bright", "default"], "default": "default", "aliases": aliases}
 
 
 def test_voice_names_without_a_default():

@@ -395,10 +395,11 @@ async def _private_key(srv: LoopbackServer) -> dict[str, Any]:
 
 
 async def _unknown_voice(srv: LoopbackServer) -> dict[str, Any]:
-    """A stock client's voice name: refused at the update (not later, at the first audio)."""
+    """A voice the server has not (nor an alias of one): refused at the update, not later at the
+    first audio."""
     async with _connect(srv) as ws:
         assert (await recv(ws, TIMEOUT_S))["type"] == "session.created"
-        await send(ws, {"type": "session.update", "session": {"voice": "alloy", "instructions": INSTRUCTIONS}})
+        await send(ws, {"type": "session.update", "session": {"voice": "nope", "instructions": INSTRUCTIONS}})
         error = await recv(ws, TIMEOUT_S)
         await send(ws, {"type": "session.update", "session": {"instructions": INSTRUCTIONS}})
         second = await recv(ws, TIMEOUT_S)

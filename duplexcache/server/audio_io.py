@@ -113,3 +113,53 @@ class InputAudio:
         """Drop what the resampler holds (input_audio_buffer.clear)."""
         if self._resampler is not None:
             self._resampler.clear()
+
+
+# ------------------------------------------------------------------------------------- output
+
+OUTPUT_RATE = 24_000          # the engine's audio: pcm16 mono
+OUTPUT_KINDS = ("pcm16", "pcmu", "pcma")
+G711_RATE = 8_000
+
+
+class OutputAudio:
+    """One session's output stream in the client's format: 24 kHz pcm16 as the engine makes it, or
+    G.711 mu-law / A-law at 8 kHz (telephony clients: OpenAI's ``audio/pcmu``/``audio/pcma``).
+
+    G.711 goes through one streaming ``soxr`` resampler per session, so the 1 s units join without a
+    click; the resampler holds a few milliseconds back, which :meth:`flush` returns at the end of a
+    reply (and :meth:`reset` drops, on a cancel), so no reply's tail starts the next one."""
+
+    def __init__(self, kind: str = "pcm16"):
+        if kind not in OUTPUT_KINDS:
+            raise ValueError(f"unknown output audio kind {kind!r} (known: {', '.join(OUTPUT_KINDS)})")
+        if kind != "pcm16" and audioop is None:  # pragma: no cover - depends on the Python version
+            raise ValueError("G.711 output needs the audioop-lts package on this Python")
+        self.kind = kind
+        self.rate = OUTPUT_RATE if kind == "pcm16" else G711_RATE
+        self.bytes_per_second = self.rate * (2 if kind == "pcm16" else 1)
+        self._resampler: soxr.ResampleStream | None = None
+        self.reset()
+
+    def encode(self, pcm16: bytes) -> bytes:
+        """24 kHz pcm16 from the engine -> this stream's bytes ready now (may be empty for G.711)."""
+        if self._resampler is None:
+            return pcm16
+        return self._g711(self._resampler.resample_chunk(np.frombuffer(pcm16, dtype="<i2"), last=False))
+
+    def flush(self) -> bytes:
+        """What the resampler still holds (the end of a reply); the stream starts afresh after it."""
+        if self._resampler is None:
+            return b""
+        tail = self._resampler.resample_chunk(np.zeros(0, dtype=np.int16), last=True)
+        self.reset()
+        return self._g711(tail)
+
+    def reset(self) -> None:
+        """Drop what the resampler holds (a cancelled reply)."""
+        self._resampler = (None if self.kind == "pcm16"
+                           else soxr.ResampleStream(OUTPUT_RATE, G711_RATE, 1, dtype="int16", quality="HQ"))
+
+    def _g711(self, pcm: np.ndarray) -> bytes:
+        linear = np.ascontiguousarray(pcm, dtype="<i2").tobytes()
+        return audioop.lin2ulaw(linear, 2) if self.kind == "pcmu" else audioop.lin2alaw(linear, 2)

@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 # Events queued for one client before it is dropped as too slow (about a minute of output).
 MAX_PENDING_EVENTS = 1024
-OUTPUT_BYTES_PER_MS = 48  # 24 kHz pcm16 mono
+OUTPUT_BYTES_PER_MS = 48  # 24 kHz pcm16 mono (G.711 output: 8; RealtimeSession sets it at open)
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,7 @@ class Connection:
         self._sender: asyncio.Task[None] | None = None
         self.label = "-"                  # for logs: the session id once known
         self.sent_audio_bytes: dict[str, int] = collections.defaultdict(int)  # response id -> bytes written
+        self.output_bytes_per_ms = OUTPUT_BYTES_PER_MS
 
     def start(self) -> None:
         self._sender = asyncio.create_task(self._run_sender())
@@ -74,7 +75,7 @@ class Connection:
 
     def played_ms(self, response_id: str) -> int:
         """Milliseconds of the response's audio written to the socket (at most what was played)."""
-        return self.sent_audio_bytes.get(response_id, 0) // OUTPUT_BYTES_PER_MS
+        return self.sent_audio_bytes.get(response_id, 0) // self.output_bytes_per_ms
 
     def close(self, code: int, reason: str) -> None:
         """Queue a close frame after everything already queued."""

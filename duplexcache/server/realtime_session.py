@@ -27,7 +27,7 @@ from duplexcache.config import PrivateConfigKeyError, SessionConfigError, build_
 from duplexcache.context.builder import ReferenceAudioError
 from duplexcache.runtime.engine_api import AdmissionError, ResponseUsage, ServerBehindError
 from duplexcache.server import protocol as proto
-from duplexcache.server.audio_io import AudioError, InputAudio
+from duplexcache.server.audio_io import AudioError, InputAudio, OutputAudio
 from duplexcache.server.auth import Handshake
 from duplexcache.server.connection import Connection
 from duplexcache.server.session_config import SessionSettings, apply_update, to_wire
@@ -78,6 +78,7 @@ class RealtimeSession:
         self.settings_refusal: tuple[SessionSettings, proto.ProtocolError] | None = None
         self.queued = False
         self.audio: InputAudio | None = None
+        self.output: OutputAudio | None = None    # the replies in the client's format (set at open)
         self.vad: Any = None
         self.tracker = ResponseTracker(handshake.beta)
         self.connected_at = self.last_input_at = time.monotonic()
@@ -277,6 +278,8 @@ class RealtimeSession:
         if not cancelled:
             return False
         self.response_requested = False
+        if self.output is not None:
+            self.output.reset()
         if self.tracker.mark_cancelling() is not None:
             dropped = self.conn.drop_pending(current.id)
             logger.info("session %s: reply %s cancelled at %s ms played; %d unsent events dropped",
@@ -384,6 +387,9 @@ class RealtimeSession:
         finally:
             self.opening = False
         self.audio = InputAudio(fmt)
+        self.output = OutputAudio(self.settings.output_kind)
+        self.conn.output_bytes_per_ms = self.output.bytes_per_second // 1000
+        self.tracker.audio_bytes_per_second = self.output.bytes_per_second
         server.register(self, sid)
         self.queued = await asyncio.to_thread(self.engine.is_queued, sid)
         if self.queued:
@@ -434,7 +440,12 @@ class RealtimeSession:
     # ---------------------------------------------------------------- engine output
     def on_audio(self, pcm16: bytes) -> None:
         self.response_requested = False
-        self.emit(self.tracker.on_audio(pcm16))
+        current = self.tracker.current
+        if current is not None and current.cancelling:
+            return   # dropped by the tracker too; kept out of the output resampler
+        audio = pcm16 if self.output is None else self.output.encode(pcm16)
+        if audio:
+            self.emit(self.tracker.on_audio(audio))
 
     def on_text(self, text: str) -> None:
         self.response_requested = False
@@ -447,6 +458,13 @@ class RealtimeSession:
             # the engine's own barge-in decision (duplex mode): drop what the client has not got yet
             self.conn.drop_pending(current.id)
         self.server.metrics.responses.labels(status=status).inc()
+        if self.output is not None:
+            if status == "cancelled":
+                self.output.reset()
+            else:
+                tail = self.output.flush()   # what the G.711 resampler held back: the reply's end
+                if tail:
+                    self.emit(self.tracker.on_audio(tail))
         self.emit(self.tracker.on_done(status, usage))
 
 

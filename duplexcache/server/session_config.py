@@ -24,11 +24,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from duplexcache.config import find_private_key
-from duplexcache.server.audio_io import ENGINE_RATE, InputFormat
+from duplexcache.server.audio_io import ENGINE_RATE, G711_RATE, OUTPUT_RATE, InputFormat
 from duplexcache.server.protocol import ProtocolError, clip
 
 OPENAI_RATE = 24_000
-OUTPUT_RATE = 24_000
 TURN_TYPES = ("duplex", "server_vad", "none")  # "none" = JSON null: the client commits and asks
 
 # Wire name -> (kind, rate or None for "the connection's default")
@@ -39,7 +38,8 @@ _FORMAT_NAMES: dict[str, tuple[str, int | None]] = {
     "f32": ("f32", ENGINE_RATE),
 }
 # Settings the engine session is opened with: fixed once the session's audio has started.
-FIXED_ONCE_STARTED = ("instructions", "voice", "initial_user_text", "window", "input_audio_format")
+FIXED_ONCE_STARTED = ("instructions", "voice", "initial_user_text", "window", "input_audio_format",
+                      "output_audio_format")
 
 # Standard fields accepted and ignored (no effect on what the client gets back that matters).
 _IGNORED = frozenset({"type", "model", "id", "object", "expires_at", "include", "prompt", "tracing", "truncation",
@@ -77,6 +77,7 @@ class SessionSettings:
     window: Mapping[str, Any] | None = None
     input_kind: str = "pcm16"
     input_rate: int | None = None        # None: the connection's default (see module docstring)
+    output_kind: str = "pcm16"           # pcm16 (24 kHz), pcmu or pcma (G.711 at 8 kHz)
     turn: TurnDetection = field(default_factory=TurnDetection)
 
     def input_format(self, openai_defaults: bool) -> InputFormat:
@@ -154,10 +155,12 @@ def _turn(value: Any, current: TurnDetection, path: str, eid: str | None) -> Tur
     return out
 
 
-def _check_output_format(value: Any, path: str, eid: str | None) -> None:
+def _output_kind(value: Any, path: str, eid: str | None) -> str:
+    """The output format a client asks for: 24 kHz pcm16 or G.711 at 8 kHz (``OutputAudio``)."""
     kind, rate = _format(value, path, eid)
-    if kind != "pcm16" or rate not in (None, OUTPUT_RATE):
-        raise _bad(path, "this server sends 24 kHz pcm16 (audio/pcm) only", eid)
+    if kind == "f32" or (kind == "pcm16" and rate not in (None, OUTPUT_RATE)):
+        raise _bad(path, "this server sends 24 kHz pcm16 (audio/pcm) or G.711 (audio/pcmu, audio/pcma)", eid)
+    return kind
 
 
 def _check_modalities(value: Any, path: str, eid: str | None) -> None:
@@ -200,7 +203,7 @@ def apply_update(settings: SessionSettings, session: Any, eid: str | None, *, au
     if "input_sample_rate" in session:
         new["input_rate"] = session["input_sample_rate"]
     if "output_audio_format" in session:
-        _check_output_format(session["output_audio_format"], "output_audio_format", eid)
+        new["output_kind"] = _output_kind(session["output_audio_format"], "output_audio_format", eid)
     for key in ("modalities", "output_modalities"):
         if key in session:
             _check_modalities(session[key], key, eid)
@@ -232,6 +235,8 @@ def apply_update(settings: SessionSettings, session: Any, eid: str | None, *, au
 
 
 def _public_name(name: str) -> str:
+    if name == "output_kind":
+        return "output_audio_format"
     return "input_audio_format" if name in ("input_kind", "input_rate") else name
 
 
@@ -247,7 +252,7 @@ def _apply_ga_audio(audio: Any, new: dict[str, Any], turn: TurnDetection,
     if "turn_detection" in inp:
         turn = _turn(inp["turn_detection"], turn, "audio.input.turn_detection", eid)
     if "format" in out:
-        _check_output_format(out["format"], "audio.output.format", eid)
+        new["output_kind"] = _output_kind(out["format"], "audio.output.format", eid)
     if "voice" in out:
         new["voice"] = _str(out["voice"], "audio.output.voice", eid, nullable=True)
     return new, turn
@@ -260,7 +265,8 @@ def to_wire(sid: str, settings: SessionSettings, fmt: InputFormat, engine_voice:
                              "f32": "f32"}[fmt.kind]}
     if fmt.kind in ("pcm16", "f32"):
         input_format["rate"] = fmt.rate
-    output_format = {"type": "audio/pcm", "rate": OUTPUT_RATE}
+    output_format = ({"type": "audio/pcm", "rate": OUTPUT_RATE} if settings.output_kind == "pcm16"
+                     else {"type": f"audio/{settings.output_kind}"})
     turn = settings.turn.to_wire()
     voice = settings.voice or engine_voice
     return {
@@ -271,8 +277,9 @@ def to_wire(sid: str, settings: SessionSettings, fmt: InputFormat, engine_voice:
         # beta (flat) view of the same settings
         "voice": voice, "turn_detection": turn,
         "input_audio_format": {"pcm16": "pcm16", "pcmu": "g711_ulaw", "pcma": "g711_alaw", "f32": "f32"}[fmt.kind],
-        "output_audio_format": "pcm16", "modalities": ["audio", "text"],
+        "output_audio_format": {"pcm16": "pcm16", "pcmu": "g711_ulaw", "pcma": "g711_alaw"}[settings.output_kind],
+        "modalities": ["audio", "text"],
         # duplexcache extras
         "initial_user_text": settings.initial_user_text, "window": dict(settings.window or {}),
-        "input_sample_rate": fmt.rate, "output_sample_rate": OUTPUT_RATE,
+        "input_sample_rate": fmt.rate, "output_sample_rate": OUTPUT_RATE if settings.output_kind == "pcm16" else G711_RATE,
     }

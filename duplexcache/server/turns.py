@@ -56,6 +56,7 @@ class Outgoing:
 class ResponseTracker:
     def __init__(self, beta: bool):
         self.beta = beta
+        self.audio_bytes_per_second = OUTPUT_BYTES_PER_SECOND   # of the client's output format
         self.current: Response | None = None
         self.last_item_id: str | None = None
         self.finished_items: set[str] = set()
@@ -121,7 +122,7 @@ class ResponseTracker:
         self.finished_items.add(r.item_id)
         transcript = "".join(r.text)
         ids = self._ids(r)
-        audio_seconds = r.audio_bytes / OUTPUT_BYTES_PER_SECOND
+        audio_seconds = r.audio_bytes / self.audio_bytes_per_second
         if usage is None:
             usage = ResponseUsage(text_tokens=0, audio_seconds=audio_seconds)
         item_status = "completed" if status == "completed" else "incomplete"

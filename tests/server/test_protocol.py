@@ -48,6 +48,38 @@ def test_f32_roundtrips_bit_exactly_and_16k_passes_through_untouched():
     assert np.array_equal(audio_io.decode(_b64(edge.tobytes()), F32), edge)
 
 
+def test_output_audio_g711_does_not_depend_on_chunking_and_flushes_its_tail():
+    """24 kHz pcm16 -> G.711 at 8 kHz: the same audio however the engine's audio was chunked
+    (soxr's int16 rounding moves a few samples by one step: under 1 % of them), a third as many
+    samples once flushed, and nothing of one reply left in the next (bit for bit)."""
+    rng = np.random.default_rng(3)
+    pcm = (np.sin(np.arange(30_000) * 0.05) * 9000 + rng.normal(0, 500, 30_000)).astype("<i2")
+    for kind in ("pcmu", "pcma"):
+        outs = []
+        for cut in (24_000, 7_001, 30_000):
+            stream = audio_io.OutputAudio(kind)
+            out = b"".join(stream.encode(pcm[i:i + cut].tobytes()) for i in range(0, pcm.size, cut))
+            outs.append(out + stream.flush())
+        assert all(len(out) == pcm.size // 3 for out in outs)
+        for out in outs[1:]:
+            differ = np.frombuffer(out, np.uint8) != np.frombuffer(outs[0], np.uint8)
+            assert differ.mean() < 0.01
+            linear = [np.frombuffer(audio_io.audioop.ulaw2lin(o, 2) if kind == "pcmu" else
+                                    audio_io.audioop.alaw2lin(o, 2), "<i2").astype(int) for o in (out, outs[0])]
+            assert np.abs(linear[0] - linear[1]).max() <= 512   # one companding step near these levels
+        assert stream.bytes_per_second == 8000 and stream.rate == 8000
+        # after a flush (or a reset) the stream starts afresh: the same reply gives the same bytes
+        again = stream.encode(pcm.tobytes()) + stream.flush()
+        assert again == outs[2]
+        stream.encode(pcm[:5000].tobytes())
+        stream.reset()
+        assert stream.encode(pcm.tobytes()) + stream.flush() == outs[2]
+    plain = audio_io.OutputAudio("pcm16")
+    assert plain.encode(pcm.tobytes()) == pcm.tobytes() and plain.flush() == b"" and plain.bytes_per_second == 48_000
+    with pytest.raises(ValueError, match="unknown output audio kind"):
+        audio_io.OutputAudio("f32")
+
+
 @pytest.mark.parametrize("raw, fmt, needle", [
     (b"\x01\x02\x03", PCM16_16K, "multiple of 2"),
     (b"\x00" * 6, F32, "multiple of 4"),
@@ -207,10 +239,31 @@ def test_input_format_defaults(session, openai_client, want):
     assert (fmt.kind, fmt.rate) == want
 
 
+@pytest.mark.parametrize("session, kind, wire", [
+    ({}, "pcm16", ("pcm16", {"type": "audio/pcm", "rate": 24000}, 24000)),
+    ({"output_audio_format": "g711_ulaw"}, "pcmu", ("g711_ulaw", {"type": "audio/pcmu"}, 8000)),
+    ({"audio": {"output": {"format": {"type": "audio/pcma"}}}}, "pcma", ("g711_alaw", {"type": "audio/pcma"}, 8000)),
+    ({"audio": {"output": {"format": {"type": "audio/pcm", "rate": 24000}}}}, "pcm16",
+     ("pcm16", {"type": "audio/pcm", "rate": 24000}, 24000)),
+])
+def test_output_formats_telephony_included(session, kind, wire):
+    settings, _ = apply_update(SessionSettings(), session, None, audio_started=False)
+    assert settings.output_kind == kind
+    shown = to_wire("s", settings, settings.input_format(True), "default", None)
+    assert (shown["output_audio_format"], shown["audio"]["output"]["format"], shown["output_sample_rate"]) == wire
+    # the output format is one the session streams in: fixed once its audio started
+    other = {"output_audio_format": "g711_alaw" if kind != "pcma" else "pcm16"}
+    with pytest.raises(proto.ProtocolError) as info:
+        apply_update(settings, other, None, audio_started=True)
+    assert (info.value.code, info.value.param) == ("session_field_fixed", "session.output_audio_format")
+
+
 @pytest.mark.parametrize("session, code, param", [
     ({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 44100}}}}, "invalid_value",
      "session.audio.input.format.rate"),
-    ({"audio": {"output": {"format": {"type": "audio/pcmu"}}}}, "invalid_value", "session.audio.output.format"),
+    ({"audio": {"output": {"format": {"type": "audio/pcm", "rate": 16000}}}}, "invalid_value",
+     "session.audio.output.format"),
+    ({"output_audio_format": "f32"}, "invalid_value", "session.output_audio_format"),
     ({"input_audio_format": "opus"}, "invalid_value", "session.input_audio_format"),
     ({"turn_detection": {"type": "push_to_talk"}}, "invalid_value", "session.turn_detection.type"),
     ({"turn_detection": {"type": "server_vad", "threshold": 2}}, "invalid_value", "session.turn_detection.threshold"),

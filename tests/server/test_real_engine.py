@@ -126,6 +126,7 @@ class Heard:
     session: dict[str, Any] = field(default_factory=dict)
     audio: bytearray = field(default_factory=bytearray)
     deltas: list[int] = field(default_factory=list)    # byte count of each audio delta
+    replies: dict[str, bytearray] = field(default_factory=dict)   # response id -> its audio, in order
     texts: int = 0
     done: int = 0
     errors: list[dict[str, Any]] = field(default_factory=list)
@@ -136,6 +137,7 @@ class Heard:
             pcm = base64.b64decode(event["delta"])
             self.deltas.append(len(pcm))
             self.audio += pcm
+            self.replies.setdefault(event["response_id"], bytearray()).extend(pcm)
         elif kind == "response.output_audio_transcript.delta":
             self.texts += 1
         elif kind == "response.done":
@@ -464,6 +466,55 @@ def test_misbehaving_clients_next_to_a_good_one_leak_nothing(models):
         assert warm["pools"][name].private == 0 and after["pools"][name].private == 0, name
     assert after == warm
     assert warm["ledger"] == (0, 0, 0, 0)
+
+
+# ------------------------------------------------------------------------ 3. telephony output
+
+async def _replies_in(srv: LoopbackServer, output_format: str) -> Heard:
+    """One client, 5 s of input, TURNS replies in ``output_format`` (beta names)."""
+    async with _connect(srv) as ws:
+        created = await recv(ws, TIMEOUT_S)
+        await send(ws, {"type": "session.update", "session": {
+            "voice": "default", "instructions": INSTRUCTIONS, "input_audio_format": "pcm16",
+            "output_audio_format": output_format}})
+        updated = await recv(ws, TIMEOUT_S)
+        assert updated["type"] == "session.updated", updated
+        heard = Heard(sid=created["session"]["id"], session=updated["session"])
+        await _send_audio(ws, client_pcm16(50))
+        await _until(ws, heard, lambda h: h.done >= TURNS, f"{TURNS} response.done")
+        assert await _close_and_drain(ws, heard) == 1000
+    return heard
+
+
+def test_g711_output_is_the_pcm16_reply_at_8khz(models):
+    """A telephony client (output_audio_format g711_ulaw / g711_alaw) gets each reply as the
+    pcm16 client's reply, resampled to 8 kHz and companded: every sample there (the resampler's
+    tail flushed at the reply's end), within G.711's quantisation of a one-shot resample of it."""
+    import audioop   # the stdlib one on the Pythons CI runs (< 3.13); the server's, otherwise
+    import soxr
+
+    heard = {}
+    for fmt in ("pcm16", "g711_ulaw", "g711_alaw"):
+        deploy = tiny_deploy(sharing=False)
+        engine = GatedEngine(deploy, models, expected_samples=SAMPLES)
+        with LoopbackServer(create_app(engine, deploy), max_frame_bytes=deploy.server.max_frame_bytes) as srv:
+            heard[fmt] = asyncio.run(_replies_in(srv, fmt))
+    assert heard["g711_ulaw"].session["output_audio_format"] == "g711_ulaw"
+    assert heard["g711_alaw"].session["audio"]["output"]["format"] == {"type": "audio/pcma"}
+    assert heard["pcm16"].session["output_sample_rate"] == OUT_RATE
+    assert heard["g711_ulaw"].session["output_sample_rate"] == 8000
+    wide = list(heard["pcm16"].replies.values())
+    assert len(wide) == TURNS and all(len(r) > OUT_RATE for r in wide)
+    for fmt, to_linear in (("g711_ulaw", audioop.ulaw2lin), ("g711_alaw", audioop.alaw2lin)):
+        narrow = list(heard[fmt].replies.values())
+        assert len(narrow) == TURNS and not heard[fmt].errors
+        for pcm16, g711 in zip(wide, narrow):
+            reference = soxr.resample(np.frombuffer(bytes(pcm16), "<i2").astype(np.float64), OUT_RATE, 8000,
+                                      quality="HQ")
+            got = np.frombuffer(to_linear(bytes(g711), 2), "<i2").astype(np.float64)
+            assert got.size == reference.size, (fmt, got.size, reference.size)
+            snr = 10 * np.log10(np.sum(reference ** 2) / np.sum((got - reference) ** 2))
+            assert snr > 30, (fmt, snr)   # G.711's own quantisation: ~38 dB on speech-like audio
 
 
 # ------------------------------------------------------------------------ a finding, pinned

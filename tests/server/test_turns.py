@@ -5,6 +5,7 @@ unsent audio, the beta event names, and an engine without the turn API."""
 from __future__ import annotations
 
 import asyncio
+import base64
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,13 +72,16 @@ async def _append(ws, audio: str, times: int = 1) -> None:
         await send(ws, {"type": "input_audio_buffer.append", "audio": audio})
 
 
-def test_server_vad_commits_answers_and_barge_in_cancels(serve):
+@pytest.mark.parametrize("output", ["pcm16", "g711_ulaw"])
+def test_server_vad_commits_answers_and_barge_in_cancels(serve, output):
+    """With G.711 output (a telephony client) the milliseconds played that the cancel reports are
+    counted at 8 bytes per ms, not pcm16's 48."""
     engine, srv = serve(done_after_units=50)
 
     async def main():
         async with _connect(srv) as ws:
             await recv(ws)
-            updated = await _update(ws, instructions="vad", turn_detection={
+            updated = await _update(ws, instructions="vad", output_audio_format=output, turn_detection={
                 "type": "server_vad", "threshold": 0.3, "silence_duration_ms": 200, "prefix_padding_ms": 100})
             assert updated["session"]["turn_detection"]["type"] == "server_vad"
             await _append(ws, LOUD, 2)
@@ -87,13 +91,13 @@ def test_server_vad_commits_answers_and_barge_in_cancels(serve):
             committed, _ = await recv_type(ws, "input_audio_buffer.committed")
             await _append(ws, QUIET, 4)           # the reply runs on the next units
             created, _ = await recv_type(ws, "response.created")
-            await recv_type(ws, "response.output_audio.delta")
+            first, _ = await recv_type(ws, "response.output_audio.delta")
             await _append(ws, LOUD, 4)            # the user talks over the reply: barge-in
             await recv_type(ws, "input_audio_buffer.speech_started")
             done, skipped = await recv_type(ws, "response.done")
-            return started, stopped, committed, created, done, skipped
+            return started, stopped, committed, created, first, done, skipped
 
-    started, stopped, committed, created, done, skipped = asyncio.run(main())
+    started, stopped, committed, created, first, done, skipped = asyncio.run(main())
     sid = sid_of(engine, "vad")
     assert FakeVAD.made[0].params == (0.3, 200, 100)   # the client's settings reached the VAD
     assert (started["audio_start_ms"], stopped["audio_end_ms"]) == (0, 1000)
@@ -101,7 +105,14 @@ def test_server_vad_commits_answers_and_barge_in_cancels(serve):
     assert engine.turn_modes[sid] == ["manual"] and engine.response_requests[sid] == 1
     assert done["response"]["status"] == "cancelled" and done["response"]["id"] == created["response"]["id"]
     (cancel_sid, played_ms), = engine.cancels
-    assert cancel_sid == sid and played_ms is not None and played_ms % 1000 == 0
+    assert cancel_sid == sid and played_ms is not None
+    first_bytes = len(base64.b64decode(first["delta"]))
+    if output == "pcm16":
+        assert played_ms % 1000 == 0 and first_bytes == 48_000   # whole 1 s units at 24 kHz pcm16
+    else:
+        # one byte per 8 kHz sample; the resampler holds ~20 ms of each reply back until its end
+        assert 7_700 < first_bytes <= 8_000
+        assert played_ms > 0 and 0 <= -played_ms % 1000 <= 40, played_ms
     assert not [e for e in skipped if e["type"] == "response.output_audio.delta"
                 and e["response_id"] != created["response"]["id"]]
     metrics = srv.app.state.server.metrics.registry

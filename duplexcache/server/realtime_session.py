@@ -163,8 +163,7 @@ class RealtimeSession:
         known = getattr(getattr(self.server.engine, "voices", None), "names", None)
         if settings.voice is not None and known is not None and settings.voice not in known():
             raise proto.ProtocolError("invalid_value", f"unknown voice {proto.clip(settings.voice, 64)!r} (this "
-                                      f"server has: {', '.join(sorted(known()))}; GET /v1/voices lists them, "
-                                      "server.voice_aliases can map other names to them)",
+                                      f"server has: {', '.join(sorted(known()))}; GET /v1/voices lists them)",
                                       eid, param="session.voice")
         try:
             build_runtime_config(self.server.config, settings.engine_session())

@@ -46,6 +46,7 @@ from fastapi.responses import JSONResponse, Response
 from duplexcache.config import ConfigError, DeployConfig
 from duplexcache.runtime.engine_api import (
     TURN_CONTROL_METHODS, AudioDelta, EngineAPI, EngineEvent, ResponseDone, SessionAdmitted, SessionError, TextDelta,
+    engine_voice_names,
 )
 from duplexcache.runtime.pacing import UnitGrid, deadline_after_late, prefill_fits
 from duplexcache.server import protocol as proto
@@ -96,13 +97,13 @@ def compute_threads(setting: int | str, device: str, cpus: int, omp_threads: str
 def _check_voice_aliases(engine: EngineAPI, config: DeployConfig) -> None:
     """server.voice_aliases must map to voices the engine has (an engine without a voice registry,
     such as a test fake, is not checked)."""
-    known = getattr(getattr(engine, "voices", None), "names", None)
+    known = engine_voice_names(engine)
     if known is None:
         return
-    missing = sorted({v for v in config.server.voice_aliases.values() if v not in known()})
+    missing = sorted({v for v in config.server.voice_aliases.values() if v not in known})
     if missing:
         raise ConfigError(f"server.voice_aliases maps to voices this engine does not have: {', '.join(missing)} "
-                          f"(it has: {', '.join(sorted(known()))})")
+                          f"(it has: {', '.join(known)})")
 
 
 class RealtimeServer:

@@ -118,6 +118,7 @@ class InputAudio:
 # ------------------------------------------------------------------------------------- output
 
 OUTPUT_RATE = 24_000          # the engine's audio: pcm16 mono
+PCM16_OUTPUT_BYTES_PER_SECOND = 2 * OUTPUT_RATE
 OUTPUT_KINDS = ("pcm16", "pcmu", "pcma")
 G711_RATE = 8_000
 
@@ -137,7 +138,7 @@ class OutputAudio:
             raise ValueError("G.711 output needs the audioop-lts package on this Python")
         self.kind = kind
         self.rate = OUTPUT_RATE if kind == "pcm16" else G711_RATE
-        self.bytes_per_second = self.rate * (2 if kind == "pcm16" else 1)
+        self.bytes_per_second = PCM16_OUTPUT_BYTES_PER_SECOND if kind == "pcm16" else G711_RATE  # 1 byte a sample
         self._resampler: soxr.ResampleStream | None = None
         self.reset()
 

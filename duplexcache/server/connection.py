@@ -18,12 +18,13 @@ from typing import Any
 from fastapi import WebSocket
 
 from duplexcache.server import protocol as proto
+from duplexcache.server.audio_io import PCM16_OUTPUT_BYTES_PER_SECOND
 
 logger = logging.getLogger(__name__)
 
 # Events queued for one client before it is dropped as too slow (about a minute of output).
 MAX_PENDING_EVENTS = 1024
-OUTPUT_BYTES_PER_MS = 48  # 24 kHz pcm16 mono (G.711 output: 8; RealtimeSession sets it at open)
+OUTPUT_BYTES_PER_MS = PCM16_OUTPUT_BYTES_PER_SECOND // 1000  # RealtimeSession sets G.711's (8) at open
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,8 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
+from duplexcache.runtime.engine_api import engine_voice_names
+
 logger = logging.getLogger(__name__)
 
 STATIC_DIR = importlib.resources.files("duplexcache.server") / "static"
@@ -27,11 +29,8 @@ DEFAULT_VOICE = "default"
 def voice_names(engine: Any) -> list[str]:
     """The engine's voice names (the real engine keeps a VoiceRegistry as ``engine.voices``); an
     engine without one offers only the default voice."""
-    registry = getattr(engine, "voices", None)
-    names = getattr(registry, "names", None)
-    if names is None:
-        return [DEFAULT_VOICE]
-    return sorted(names())
+    names = engine_voice_names(engine)
+    return [DEFAULT_VOICE] if names is None else names
 
 
 def mount_page(app: FastAPI) -> None:

@@ -25,7 +25,7 @@ import numpy as np
 
 from duplexcache.config import PrivateConfigKeyError, SessionConfigError, build_runtime_config
 from duplexcache.context.builder import ReferenceAudioError
-from duplexcache.runtime.engine_api import AdmissionError, ResponseUsage, ServerBehindError
+from duplexcache.runtime.engine_api import AdmissionError, ResponseUsage, ServerBehindError, engine_voice_names
 from duplexcache.server import protocol as proto
 from duplexcache.server.audio_io import AudioError, InputAudio, OutputAudio
 from duplexcache.server.auth import Handshake
@@ -45,6 +45,9 @@ _ADMISSION_MESSAGES = {
     "capacity_compute": "The server cannot run another session in real time right now; try again later.",
     "admission_refused": "The server cannot admit another session right now; try again later.",
 }
+# Admission codes that the session's settings alone decide (remembered until they change); any
+# other code is asked again on the next append, as capacity is.
+_SETTINGS_REFUSALS = frozenset({"context_length_exceeded"})
 MAX_USER_TEXT_CHARS = 8192
 
 
@@ -160,10 +163,10 @@ class RealtimeSession:
         # An unknown voice would only fail when the session opens, after session.updated had
         # confirmed it, so the update is refused instead (OpenAI's names arrive here mapped by
         # server.voice_aliases, unless a deployment removed them).
-        known = getattr(getattr(self.server.engine, "voices", None), "names", None)
-        if settings.voice is not None and known is not None and settings.voice not in known():
+        known = engine_voice_names(self.engine) if settings.voice is not None else None
+        if known is not None and settings.voice not in known:
             raise proto.ProtocolError("invalid_value", f"unknown voice {proto.clip(settings.voice, 64)!r} (this "
-                                      f"server has: {', '.join(sorted(known()))}; GET /v1/voices lists them)",
+                                      f"server has: {', '.join(known)}; GET /v1/voices lists them)",
                                       eid, param="session.voice")
         try:
             build_runtime_config(self.server.config, settings.engine_session())
@@ -370,11 +373,12 @@ class RealtimeSession:
             logger.log(logging.WARNING if self.refusals == 1 else logging.DEBUG,
                        "session %s refused by the engine (%d time(s)): %s: %s", self.id, self.refusals, code,
                        exc.reason)
-            if code not in _ADMISSION_MESSAGES:   # e.g. context_length_exceeded: the settings decide it
+            if code in _SETTINGS_REFUSALS:
                 raise self._refuse_settings(proto.ProtocolError(code, proto.clip(exc.reason, 300), eid)) from None
             server.metrics.protocol_errors.labels(code=code).inc()
-            self.send(proto.error_event(code, _ADMISSION_MESSAGES[code], event_id=eid,
-                                        error_type=proto.SERVER_ERROR))
+            message = _ADMISSION_MESSAGES.get(code, proto.clip(exc.reason, 300))
+            self.send(proto.error_event(code, message, event_id=eid, error_type=(
+                proto.SERVER_ERROR if code in _ADMISSION_MESSAGES else proto.INVALID_REQUEST)))
             return False
         except ReferenceAudioError as exc:
             raise self._refuse_settings(proto.ProtocolError("invalid_reference_audio", str(exc), eid,

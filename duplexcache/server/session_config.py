@@ -37,6 +37,7 @@ _FORMAT_NAMES: dict[str, tuple[str, int | None]] = {
     "audio/pcma": ("pcma", 8000), "g711_alaw": ("pcma", 8000),
     "f32": ("f32", ENGINE_RATE),
 }
+_BETA_FORMAT_NAMES = {"pcm16": "pcm16", "pcmu": "g711_ulaw", "pcma": "g711_alaw", "f32": "f32"}
 # Settings the engine session is opened with: fixed once the session's audio has started.
 FIXED_ONCE_STARTED = ("instructions", "voice", "initial_user_text", "window", "input_audio_format",
                       "output_audio_format")
@@ -276,10 +277,10 @@ def to_wire(sid: str, settings: SessionSettings, fmt: InputFormat, engine_voice:
                   "output": {"format": output_format, "voice": voice}},
         # beta (flat) view of the same settings
         "voice": voice, "turn_detection": turn,
-        "input_audio_format": {"pcm16": "pcm16", "pcmu": "g711_ulaw", "pcma": "g711_alaw", "f32": "f32"}[fmt.kind],
-        "output_audio_format": {"pcm16": "pcm16", "pcmu": "g711_ulaw", "pcma": "g711_alaw"}[settings.output_kind],
-        "modalities": ["audio", "text"],
+        "input_audio_format": _BETA_FORMAT_NAMES[fmt.kind],
+        "output_audio_format": _BETA_FORMAT_NAMES[settings.output_kind], "modalities": ["audio", "text"],
         # duplexcache extras
         "initial_user_text": settings.initial_user_text, "window": dict(settings.window or {}),
-        "input_sample_rate": fmt.rate, "output_sample_rate": OUTPUT_RATE if settings.output_kind == "pcm16" else G711_RATE,
+        "input_sample_rate": fmt.rate,
+        "output_sample_rate": OUTPUT_RATE if settings.output_kind == "pcm16" else G711_RATE,
     }

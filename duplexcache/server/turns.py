@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from duplexcache.runtime.engine_api import ResponseUsage
+from duplexcache.server.audio_io import PCM16_OUTPUT_BYTES_PER_SECOND
 from duplexcache.server.protocol import event, new_id
 
-OUTPUT_BYTES_PER_SECOND = 48_000  # 24 kHz pcm16 mono
+OUTPUT_BYTES_PER_SECOND = PCM16_OUTPUT_BYTES_PER_SECOND  # RealtimeSession sets G.711's at open
 _BETA_NAMES = {
     "response.output_audio.delta": "response.audio.delta",
     "response.output_audio.done": "response.audio.done",

@@ -683,6 +683,9 @@ def test_a_refusal_that_only_the_settings_decide_is_not_asked_again_until_they_c
             assert (await recv(ws))["type"] == "session.updated"
             for _ in range(2):
                 await _expect_error(ws, silence, "capacity_memory")
+            engine.admission_code = "replica_draining"   # a code the server does not know: asked again too
+            for _ in range(2):
+                await _expect_error(ws, silence, "replica_draining")
             calls_capacity = engine.open_calls
             engine.admission_code = None
             await send(ws, silence)   # the same settings, room now: it opens
@@ -693,8 +696,8 @@ def test_a_refusal_that_only_the_settings_decide_is_not_asked_again_until_they_c
     assert calls_same_settings == 1
     assert first[0]["error"]["message"] == first[2]["error"]["message"]
     assert calls_after_update == 2
-    assert calls_capacity == 4
-    assert engine.open_calls == 5
+    assert calls_capacity == 6
+    assert engine.open_calls == 7
 
 
 def test_graceful_shutdown_closes_every_session(serve):

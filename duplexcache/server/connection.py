@@ -24,6 +24,10 @@ logger = logging.getLogger(__name__)
 
 # Events queued for one client before it is dropped as too slow (about a minute of output).
 MAX_PENDING_EVENTS = 1024
+# Responses whose written audio is remembered: only the newest is ever asked for (a cancel or a
+# barge-in of the current reply); a few more cover a reply that ends as the next begins, and the
+# bound keeps an hour-long call from keeping a count per reply.
+REMEMBERED_RESPONSES = 8
 OUTPUT_BYTES_PER_MS = PCM16_OUTPUT_BYTES_PER_SECOND // 1000  # RealtimeSession sets G.711's (8) at open
 
 
@@ -49,7 +53,7 @@ class Connection:
         self._max_pending = max_pending
         self._sender: asyncio.Task[None] | None = None
         self.label = "-"                  # for logs: the session id once known
-        self.sent_audio_bytes: dict[str, int] = collections.defaultdict(int)  # response id -> bytes written
+        self.sent_audio_bytes: dict[str, int] = {}  # response id -> bytes written (newest few, in order)
         self.output_bytes_per_ms = OUTPUT_BYTES_PER_MS
 
     def start(self) -> None:
@@ -77,6 +81,12 @@ class Connection:
     def played_ms(self, response_id: str) -> int:
         """Milliseconds of the response's audio written to the socket (at most what was played)."""
         return self.sent_audio_bytes.get(response_id, 0) // self.output_bytes_per_ms
+
+    def _count_written(self, response_id: str, audio_bytes: int) -> None:
+        counts = self.sent_audio_bytes
+        if response_id not in counts and len(counts) >= REMEMBERED_RESPONSES:
+            del counts[next(iter(counts))]  # the oldest response: its reply is long over
+        counts[response_id] = counts.get(response_id, 0) + audio_bytes
 
     def close(self, code: int, reason: str) -> None:
         """Queue a close frame after everything already queued."""
@@ -118,7 +128,7 @@ class Connection:
                     return
                 await self.ws.send_text(proto.encode(item.event))
                 if item.audio_bytes and item.response_id is not None:
-                    self.sent_audio_bytes[item.response_id] += item.audio_bytes
+                    self._count_written(item.response_id, item.audio_bytes)
         except Exception as exc:  # noqa: BLE001 - any send failure means the client is gone
             logger.debug("sender of session %s stopped: %r", self.label, exc)
             self.closing = True

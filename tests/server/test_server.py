@@ -756,6 +756,32 @@ def test_slow_client_is_dropped_not_buffered_forever():
     assert ws.closed_with == (1008, "client too slow")
 
 
+def test_written_audio_is_counted_for_the_newest_responses_only():
+    """A long call's replies do not each keep a count: the newest few do, the current one exactly."""
+    from duplexcache.server.connection import REMEMBERED_RESPONSES, Connection
+    from duplexcache.server.protocol import event
+
+    class Reader:
+        async def send_text(self, text):
+            pass
+
+        async def close(self, code, reason):
+            pass
+
+    async def main():
+        conn = Connection(Reader())
+        conn.start()
+        for i in range(50):
+            for _ in range(3):
+                conn.send(event("response.output_audio.delta", delta="AA=="), response_id=f"r{i}", audio_bytes=96)
+        await conn.finish(timeout=5.0)
+        return conn
+
+    conn = asyncio.run(main())
+    assert list(conn.sent_audio_bytes) == [f"r{i}" for i in range(50 - REMEMBERED_RESPONSES, 50)]
+    assert conn.played_ms("r49") == 3 * 96 // 48 and conn.played_ms("r0") == 0
+
+
 @pytest.mark.parametrize("interval_ms", [None, 0.5])
 def test_switch_interval_is_set_while_serving_and_restored(interval_ms):
     """server.switch_interval_ms reaches sys.setswitchinterval for the server's life (None: untouched)."""

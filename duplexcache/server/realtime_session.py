@@ -8,7 +8,8 @@ Life cycle (docs/protocol.md has the wire view):
   or ``conversation.item.create``, with the settings of that moment; from then on the settings
   the session was opened with (voice, instructions, ...) are fixed, turn detection is not.
 * admission errors reach the client as ``error`` events (the engine's code, a generic message:
-  pool sizes stay in the log); a queued session gets ``session.queued`` events with its position
+  pool sizes stay in the log; the same code at most once per ``server.queue_notice_s``, though
+  every append asks again); a queued session gets ``session.queued`` events with its position
   and its input audio is discarded until it is admitted (``session.admitted``).
 
 All engine calls go through worker threads (the engine is thread-safe per engine_api).
@@ -79,6 +80,9 @@ class RealtimeSession:
         # (settings, error) of a refusal that only the settings decide (context too long, bad
         # voice prompt, ...): the same settings get the same error without asking the engine again
         self.settings_refusal: tuple[SessionSettings, proto.ProtocolError] | None = None
+        # (code, when) of the last refusal to open sent: an append refused with the same code hears
+        # it again only after server.queue_notice_s (capacity is still asked at every append)
+        self.refusal_notice: tuple[str, float] | None = None
         self.queued = False
         self.audio: InputAudio | None = None
         self.output: OutputAudio | None = None    # the replies in the client's format (set at open)
@@ -151,6 +155,8 @@ class RealtimeSession:
                                       "'duplex' only (it has no turn control)", ev.event_id,
                                       param="session.turn_detection")
         self._check_engine_settings(settings, ev.event_id)
+        if settings != self.settings or queue_if_full != self.queue_if_full:
+            self.refusal_notice = None  # a changed request hears its own answer, whatever it is
         self.settings, self.queue_if_full = settings, queue_if_full
         if "turn_detection" in changed:
             self.vad = None  # rebuilt with the new parameters on the next audio
@@ -177,7 +183,7 @@ class RealtimeSession:
 
     async def _append(self, ev: proto.ClientEvent) -> None:
         audio_b64 = proto.field(ev, "audio", str)
-        if not await self._ensure_session(ev.event_id):
+        if not await self._ensure_session(ev.event_id, streaming=True):
             return
         assert self.audio is not None
         self.last_input_at = time.monotonic()
@@ -340,8 +346,10 @@ class RealtimeSession:
             raise proto.ProtocolError("not_supported", f"{ev.type} needs an engine with turn control", ev.event_id)
 
     # ---------------------------------------------------------------- the engine session
-    async def _ensure_session(self, eid: str | None) -> bool:
-        """Open the engine session with the current settings; False (error sent) if refused."""
+    async def _ensure_session(self, eid: str | None, *, streaming: bool = False) -> bool:
+        """Open the engine session with the current settings; False if refused (error sent, unless
+        ``streaming`` (an audio append) and the same admission error went out within
+        ``server.queue_notice_s``)."""
         if self.sid is not None:
             return True
         server = self.server
@@ -356,6 +364,8 @@ class RealtimeSession:
             # Building the context again would give the same answer, and costs what tokenizing the
             # instructions costs (~0.25 s for a 2 MB string, on every append a client streams).
             refusal = self.settings_refusal[1]
+            if self._told_recently(refusal.code, streaming):
+                return False
             raise proto.ProtocolError(refusal.code, refusal.message, eid, param=refusal.param,
                                       error_type=refusal.error_type)
         fmt = self.settings.input_format(self.openai_client)
@@ -375,6 +385,8 @@ class RealtimeSession:
                        exc.reason)
             if code in _SETTINGS_REFUSALS:
                 raise self._refuse_settings(proto.ProtocolError(code, proto.clip(exc.reason, 300), eid)) from None
+            if self._told_recently(code, streaming):
+                return False
             server.metrics.protocol_errors.labels(code=code).inc()
             message = _ADMISSION_MESSAGES.get(code, proto.clip(exc.reason, 300))
             self.send(proto.error_event(code, message, event_id=eid, error_type=(
@@ -405,7 +417,20 @@ class RealtimeSession:
     def _refuse_settings(self, error: proto.ProtocolError) -> proto.ProtocolError:
         """Remember a refusal that only the current settings decide; returns it to raise."""
         self.settings_refusal = (self.settings, error)
+        self.refusal_notice = (error.code, time.monotonic())
         return error
+
+    def _told_recently(self, code: str, streaming: bool) -> bool:
+        """Whether to refuse an append without an error: this refusal went out within
+        ``server.queue_notice_s`` (a client streaming 20 ms chunks would get 50 errors a second; its
+        audio is dropped either way). Otherwise the error is about to be sent: note when."""
+        now = time.monotonic()
+        last = self.refusal_notice
+        if streaming and last is not None and last[0] == code \
+                and now - last[1] < self.server.config.server.queue_notice_s:
+            return True
+        self.refusal_notice = (code, now)
+        return False
 
     async def _apply_turn_mode(self) -> None:
         if self.server.turn_control:

@@ -661,9 +661,19 @@ def test_voice_aliases_from_the_yaml_reach_the_engine_session(tmp_path):
     assert config["voice"] == "alt"
 
 
+async def _refused_quietly(ws, append: dict, times: int, code: str) -> None:
+    """``times`` appends refused at once: the first hears ``code``, the rest nothing (an unchanged
+    session.update's answer is the next event)."""
+    await _expect_error(ws, append, code)
+    for _ in range(times - 1):
+        await send(ws, append)
+    await send(ws, {"type": "session.update", "session": {}})
+    assert (await recv(ws))["type"] == "session.updated"
+
+
 def test_a_refusal_that_only_the_settings_decide_is_not_asked_again_until_they_change(serve):
-    """context_length_exceeded at open: every later append with the same settings gets the same
-    error without the engine building the context again (the tokenizing is the cost); a changed
+    """context_length_exceeded at open: every later append with the same settings is refused
+    without the engine building the context again (the tokenizing is the cost); a changed
     session.update asks again. A capacity refusal is asked again each time (room may free up)."""
     engine, srv = serve()
     silence = {"type": "input_audio_buffer.append", "audio": pcm16_b64(np.zeros(1600, np.int16))}
@@ -672,7 +682,7 @@ def test_a_refusal_that_only_the_settings_decide_is_not_asked_again_until_they_c
         async with _connect(srv) as ws:
             await _create(ws, instructions="far too long")
             engine.admission_code = "context_length_exceeded"
-            first = [await _expect_error(ws, silence, "context_length_exceeded") for _ in range(3)]
+            await _refused_quietly(ws, silence, 3, "context_length_exceeded")
             calls_same_settings = engine.open_calls
             await send(ws, {"type": "session.update", "session": {"instructions": "shorter"}})
             assert (await recv(ws))["type"] == "session.updated"
@@ -681,23 +691,54 @@ def test_a_refusal_that_only_the_settings_decide_is_not_asked_again_until_they_c
             engine.admission_code = "capacity_memory"
             await send(ws, {"type": "session.update", "session": {"instructions": "short"}})
             assert (await recv(ws))["type"] == "session.updated"
-            for _ in range(2):
-                await _expect_error(ws, silence, "capacity_memory")
+            await _refused_quietly(ws, silence, 2, "capacity_memory")
             engine.admission_code = "replica_draining"   # a code the server does not know: asked again too
-            for _ in range(2):
-                await _expect_error(ws, silence, "replica_draining")
+            await _refused_quietly(ws, silence, 2, "replica_draining")
             calls_capacity = engine.open_calls
             engine.admission_code = None
             await send(ws, silence)   # the same settings, room now: it opens
             wait_for(lambda: len(engine.live) == 1, what="the session to open")
-            return first, calls_same_settings, calls_after_update, calls_capacity
+            return calls_same_settings, calls_after_update, calls_capacity
 
-    first, calls_same_settings, calls_after_update, calls_capacity = asyncio.run(main())
+    calls_same_settings, calls_after_update, calls_capacity = asyncio.run(main())
     assert calls_same_settings == 1
-    assert first[0]["error"]["message"] == first[2]["error"]["message"]
     assert calls_after_update == 2
     assert calls_capacity == 6
     assert engine.open_calls == 7
+
+
+@pytest.mark.parametrize("code", ["capacity_compute", "context_length_exceeded"])
+def test_a_refused_stream_hears_its_refusal_once_per_queue_notice_period(serve, code):
+    """A client streaming audio into a refused session is told once per server.queue_notice_s, not
+    at every append (50 errors a second at 20 ms chunks); response.create still gets its answer."""
+    silence = {"type": "input_audio_buffer.append", "audio": pcm16_b64(np.zeros(320, np.int16))}
+
+    async def burst(srv, engine):
+        async with _connect(srv) as ws:
+            await _create(ws, instructions="i")
+            engine.admission_code = code
+            await _refused_quietly(ws, silence, 10, code)
+            await _expect_error(ws, {"type": "response.create"}, code)  # not an append: always answered
+            await send(ws, {"type": "session.update", "session": {"instructions": "j"}})
+            assert (await recv(ws))["type"] == "session.updated"
+            await _expect_error(ws, silence, code)  # a changed request hears its own answer
+            return engine.open_calls
+
+    async def spaced(srv, engine):
+        async with _connect(srv) as ws:
+            await _create(ws, instructions="i")
+            engine.admission_code = code
+            errors = []
+            for _ in range(3):
+                errors.append(await _expect_error(ws, silence, code))
+                await asyncio.sleep(0.1)   # twice the period: told again
+            return len(errors)
+
+    engine, srv = serve(server={"queue_notice_s": 30.0})
+    asked = asyncio.run(burst(srv, engine))
+    assert asked == (12 if code == "capacity_compute" else 2)  # capacity is asked at every append
+    engine, srv = serve(server={"queue_notice_s": 0.05})
+    assert asyncio.run(spaced(srv, engine)) == 3
 
 
 def test_graceful_shutdown_closes_every_session(serve):

@@ -13,6 +13,7 @@ import os
 import sys
 
 from duplexcache.bench.cli import BENCHMARKS   # names only: the module imports argparse alone
+from duplexcache.config import BudgetError
 
 # verify target -> module exposing ``add_arguments(parser)`` and ``run(args) -> int``.
 VERIFY_TARGETS = {
@@ -79,6 +80,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args._run(args) or 0)
+    except BudgetError as exc:
+        # engine.memory_budget that this machine cannot hold (too small for one session, more than
+        # the device has free): the user's to fix, in one line.
+        print(f"duplexcache {_command(args)}: {exc}", file=sys.stderr)
+        return 2
     except Exception as exc:
         # A checkpoint that cannot be loaded (model.checkpoint_dir of a --config) is the user's to
         # fix: one line. The module is looked up, not imported: a command that never loaded a
@@ -86,9 +92,12 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint = sys.modules.get("duplexcache.models.checkpoint")
         if checkpoint is None or not isinstance(exc, checkpoint.CheckpointError):
             raise
-        command = " ".join(filter(None, (args.command, getattr(args, "benchmark", None))))
-        print(f"duplexcache {command}: checkpoint: {exc}", file=sys.stderr)
+        print(f"duplexcache {_command(args)}: checkpoint: {exc}", file=sys.stderr)
         return 2
+
+
+def _command(args: argparse.Namespace) -> str:
+    return " ".join(filter(None, (args.command, getattr(args, "benchmark", None))))
 
 
 def out_dir_problem(args: argparse.Namespace) -> str | None:

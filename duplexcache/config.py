@@ -44,6 +44,12 @@ class ConfigError(ValueError):
     """A deploy config that cannot be used; the message names every offending key by path."""
 
 
+class BudgetError(ValueError):
+    """``engine.memory_budget`` that cannot work on this machine, found when the engine starts: too
+    small for one session, more than the device has free, or ``auto`` finding too little free. The
+    CLI reports it in one line (exit 2), as it does a ConfigError."""
+
+
 class PrivateConfigKeyError(ValueError):
     """A client tried to set a server-owned runtime key (see PRIVATE_RUNTIME_CONFIG_KEYS)."""
 

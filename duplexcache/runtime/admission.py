@@ -41,7 +41,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
-from duplexcache.config import format_bytes
+from duplexcache.config import BudgetError, format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class MemoryPlan:
                 f"{self.planned_sessions} reference sessions")
 
 
-class BudgetTooSmall(ValueError):
+class BudgetTooSmall(BudgetError):
     """The budget cannot hold even one reference session."""
 
 

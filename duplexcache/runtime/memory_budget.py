@@ -28,14 +28,14 @@ import os
 
 import torch
 
-from duplexcache.config import AUTO, EngineConfig, format_bytes
+from duplexcache.config import AUTO, BudgetError, EngineConfig, format_bytes
 
 logger = logging.getLogger(__name__)
 
 CPU_AUTO_BUDGET = 512 * 2**20
 
 
-class BudgetExceedsDevice(ValueError):
+class BudgetExceedsDevice(BudgetError):
     """A fixed ``engine.memory_budget`` larger than the device memory free for it."""
 
 
@@ -97,7 +97,7 @@ def resolve_memory_budget(engine: EngineConfig, fixed_bytes: int, free_bytes: in
             how = (f"auto: fixed {fixed_bytes / 2**30:.2f} GiB + {engine.memory_fraction} x "
                    f"{free_bytes / 2**30:.2f} GiB free on {where}")
         if budget <= engine.activation_reserve + fixed_bytes:
-            raise ValueError(
+            raise BudgetError(
                 f"engine.memory_budget auto came to {budget} bytes ({how}), which does not exceed "
                 f"the fixed allocations ({fixed_bytes}) + activation_reserve ({engine.activation_reserve}); "
                 "free memory or lower engine.activation_reserve")

@@ -18,13 +18,14 @@ from typing import Any
 import torch
 
 from duplexcache.cfm.code2wav import BatchedCode2Wav, code2wav_session_bytes
-from duplexcache.config import DeployConfig, SessionConfigError, SessionRuntimeConfig, build_runtime_config
+from duplexcache.config import DeployConfig, SessionConfigError, SessionRuntimeConfig, build_runtime_config, format_bytes
 from duplexcache.context import EmbeddingResult, EncoderPath, SessionContext, build_session_context
 from duplexcache.kv.kv_quant import kv_storage_dtype
 from duplexcache.kv.paged_attention import bytes_per_block
 from duplexcache.kv.window import WindowConfig
 from duplexcache.runtime import memory_budget
-from duplexcache.runtime.admission import AdmissionLedger, Footprint, MemoryPlan, TickCostModel, plan_memory
+from duplexcache.runtime.admission import (AdmissionLedger, BudgetTooSmall, Footprint, MemoryPlan, TickCostModel,
+                                           plan_memory)
 from duplexcache.runtime.bundle import ModelBundle
 from duplexcache.models.talker import TalkerConfig
 from duplexcache.runtime.engine_api import AdmissionError
@@ -207,4 +208,10 @@ class SessionSizing:
         budget = memory_budget.resolve_memory_budget(e, fixed, memory_budget.device_free_bytes(self.models.device),
                                                      where=str(self.models.device)) - e.activation_reserve
         refs = [self.footprint(self.default_config(v), self.voices.get(v)) for v in names]
-        return plan_memory(budget, fixed, refs, self.thinker_block_bytes(), self.talker_block_bytes())
+        try:
+            return plan_memory(budget, fixed, refs, self.thinker_block_bytes(), self.talker_block_bytes())
+        except BudgetTooSmall as exc:
+            # The plan's budget is what is left after activation_reserve, which the user never wrote.
+            raise BudgetTooSmall(f"{exc} (engine.memory_budget {format_bytes(budget + e.activation_reserve)} "
+                                 f"- engine.activation_reserve {format_bytes(e.activation_reserve)}); raise "
+                                 "engine.memory_budget or use memory_budget: auto") from None

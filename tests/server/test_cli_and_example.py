@@ -100,6 +100,27 @@ def test_a_wrong_checkpoint_dir_is_one_line(tmp_path, capsys):
     assert f"thinker config: {empty}: Qwen3 config lacks" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("case", ["too_small", "more_than_free"])
+def test_a_memory_budget_the_machine_cannot_hold_is_one_line(tmp_path, monkeypatch, capsys, case):
+    """engine.memory_budget too small for one session, or more than the device has free: found when
+    the real engine starts; one line naming the numbers (exit 2), not a traceback."""
+    from duplexcache.runtime import memory_budget
+
+    path = tmp_path / "deploy.yaml"
+    path.write_text("engine:\n  memory_budget: 100MiB\n" if case == "too_small" else "engine:\n  memory_budget: 2GiB\n")
+    if case == "more_than_free":
+        monkeypatch.setattr(memory_budget, "device_free_bytes", lambda device: 2**30)
+    served = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda server, sockets=None: served.append(server))
+    assert top_cli.main(["serve", "--config", str(path), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("duplexcache serve: ") and not served
+    if case == "too_small":
+        assert "cannot hold one session" in err and "(engine.memory_budget 100MiB - engine.activation_reserve" in err
+    else:
+        assert "engine.memory_budget 2147483648 bytes exceeds the" in err
+
+
 def test_a_cuda_config_without_cuda_fails_clearly(monkeypatch, capsys):
     """examples/minicpmo45-shared.yaml (model.device cuda) on a CPU machine: one line and exit 2,
     not torch's traceback from deep in model building."""

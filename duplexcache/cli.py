@@ -13,7 +13,6 @@ import os
 import sys
 
 from duplexcache.bench.cli import BENCHMARKS   # names only: the module imports argparse alone
-from duplexcache.config import BudgetError
 
 # verify target -> module exposing ``add_arguments(parser)`` and ``run(args) -> int``.
 VERIFY_TARGETS = {
@@ -80,19 +79,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args._run(args) or 0)
-    except BudgetError as exc:
-        # engine.memory_budget that this machine cannot hold (too small for one session, more than
-        # the device has free): the user's to fix, in one line.
-        print(f"duplexcache {_command(args)}: {exc}", file=sys.stderr)
-        return 2
     except Exception as exc:
-        # A checkpoint that cannot be loaded (model.checkpoint_dir of a --config) is the user's to
-        # fix: one line. The module is looked up, not imported: a command that never loaded a
-        # checkpoint cannot have raised its error, and commands like `bench serve` need no torch.
+        # What is the user's to fix is one line: a checkpoint that cannot be loaded
+        # (model.checkpoint_dir of a --config), an engine.memory_budget this machine cannot hold
+        # (too small for one session, more than the device has free). The modules are looked up,
+        # not imported: a command that never loaded them cannot have raised their errors, and the
+        # GPU image's `bench kernels` runs without pydantic, which config needs.
         checkpoint = sys.modules.get("duplexcache.models.checkpoint")
-        if checkpoint is None or not isinstance(exc, checkpoint.CheckpointError):
+        config = sys.modules.get("duplexcache.config")
+        if checkpoint is not None and isinstance(exc, checkpoint.CheckpointError):
+            print(f"duplexcache {_command(args)}: checkpoint: {exc}", file=sys.stderr)
+        elif config is not None and isinstance(exc, config.BudgetError):
+            print(f"duplexcache {_command(args)}: {exc}", file=sys.stderr)
+        else:
             raise
-        print(f"duplexcache {_command(args)}: checkpoint: {exc}", file=sys.stderr)
         return 2
 
 

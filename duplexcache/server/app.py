@@ -525,6 +525,14 @@ class RealtimeServer:
             except proto.ProtocolError as exc:
                 session.error(exc.code, exc.message, event_id=exc.event_id, param=exc.param,
                               error_type=exc.error_type)
+            except Exception:  # noqa: BLE001 - a bug of ours: say so and end this connection only
+                # (it used to end the socket with 1000, as if all were well, and a bare traceback)
+                logger.exception("session %s: handling a client event failed; closing its connection",
+                                 session.log_name)
+                session.error("server_error", "The server failed to handle this event; the session is closed.",
+                              error_type=proto.SERVER_ERROR)
+                conn.close(proto.CLOSE_INTERNAL_ERROR, "server error")
+                return
 
     def register(self, session: RealtimeSession, sid: str) -> None:
         session.sid = sid

@@ -303,9 +303,15 @@ class RealtimeSession:
         if not await self._ensure_session(ev.event_id):
             return
         if self.queued:
+            # Held here until admission, so bounded here: what the engine takes in one message.
+            pending = sum(len(t) for t in self.pending_texts)
+            if pending + len(text) > MAX_USER_TEXT_CHARS:
+                raise proto.ProtocolError(
+                    "user_text_too_long", f"{len(text)} characters of user text with {pending} already waiting "
+                    f"for admission: at most {MAX_USER_TEXT_CHARS} wait", ev.event_id, param="item.content")
             self.pending_texts.append(text)
         else:
-            await asyncio.to_thread(self.engine.add_user_text, self.sid, text)
+            await self._add_user_text(text, ev.event_id)
         item_id = item.get("id") if isinstance(item.get("id"), str) else proto.new_id("item")
         wire_item = {"id": proto.clip(item_id), "object": "realtime.item", "type": "message", "role": "user",
                      "status": "completed", "content": [{"type": "input_text", "text": text}]}
@@ -437,11 +443,20 @@ class RealtimeSession:
             mode = "duplex" if self.settings.turn.type == "duplex" else "manual"
             await asyncio.to_thread(self.engine.set_turn_mode, self.sid, mode)
 
+    async def _add_user_text(self, text: str, eid: str | None) -> None:
+        try:
+            await asyncio.to_thread(self.engine.add_user_text, self.sid, text)
+        except ValueError as exc:   # more text than fits the session's window before its next unit
+            raise proto.ProtocolError("user_text_too_long", str(exc), eid, param="item.content") from None
+
     async def _on_live(self) -> None:
         await self._apply_turn_mode()
-        for text in self.pending_texts:
-            await asyncio.to_thread(self.engine.add_user_text, self.sid, text)
-        self.pending_texts.clear()
+        texts, self.pending_texts = self.pending_texts, []
+        for text in texts:
+            try:
+                await self._add_user_text(text, None)
+            except proto.ProtocolError as exc:   # its item.added went out at create: say why it is dropped
+                self.error(exc.code, f"{exc.message}; the message sent while queued is dropped", param=exc.param)
         if self.pending_response:
             self.pending_response = False
             await self._request_response()

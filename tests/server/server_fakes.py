@@ -92,6 +92,8 @@ class FakeEngine:
         self.response_requests: dict[str, int] = {}
         self.cancels: list[tuple[str, int | None]] = []
         self.user_texts: dict[str, list[str]] = {}
+        self.user_text_room: int | None = None           # characters of user text a session takes (None: any)
+        self.user_text_failure: Exception | None = None  # raised by add_user_text (a bug of the engine's)
         self.admission_code: str | None = None           # refuse every open_session with this code
         self.configs: dict[str, dict[str, Any]] = {}     # sid -> the client session it was opened with
 
@@ -164,6 +166,11 @@ class FakeEngine:
     def add_user_text(self, sid: str, text: str) -> None:
         with self._lock:
             self._session(sid)
+            if self.user_text_failure is not None:
+                raise self.user_text_failure
+            have = sum(len(t) for t in self.user_texts.get(sid, []))
+            if self.user_text_room is not None and have + len(text) > self.user_text_room:
+                raise ValueError(f"user text of {len(text)} characters (with {have} pending) does not fit")
             self.user_texts.setdefault(sid, []).append(text)
 
     def push_audio(self, sid: str, pcm: np.ndarray) -> None:

@@ -411,6 +411,32 @@ async def _unknown_voice(srv: LoopbackServer) -> dict[str, Any]:
     return {"error": error, "second": second, "code": code, "later_errors": heard.errors}
 
 
+async def _too_much_text(srv: LoopbackServer) -> dict[str, Any]:
+    """User text messages (6000 characters each) until they no longer fit the window before the next
+    unit: the engine's refusal is an error event, and the session goes on (it used to end the
+    socket with 1000 and no word, and a traceback in the server log)."""
+    async with _connect(srv) as ws:
+        heard = await _open(ws, "default")
+        await _send_audio(ws, client_pcm16(24)[:CHUNK])
+        message = {"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "ab " * 2000}]}}
+        added, error = 0, None
+        for _ in range(4):
+            await send(ws, message)
+            while error is None:
+                event = await recv(ws, TIMEOUT_S)
+                if event["type"] == "error":
+                    error = event
+                elif event["type"] == "conversation.item.done":
+                    added += 1
+                    break
+            if error is not None:
+                break
+        await _send_audio(ws, client_pcm16(25)[:CHUNK])   # the session is still usable
+        code = await _close_and_drain(ws, heard)
+    return {"error": error, "added": added, "code": code, "later_errors": heard.errors}
+
+
 def _pool_snapshot(engine: DuplexEngine) -> dict[str, Any]:
     ps = engine.stage0.pool_stats()
     pools = engine.stats().pools
@@ -434,13 +460,13 @@ def test_misbehaving_clients_next_to_a_good_one_leak_nothing(models):
         return await asyncio.gather(
             _good_client(srv, 40, "default", pause=0.01),
             _disconnect_mid_turn(srv), _malformed_json(srv), _unknown_event(srv), _odd_pcm16(srv),
-            _private_key(srv), _unknown_voice(srv))
+            _private_key(srv), _unknown_voice(srv), _too_much_text(srv))
 
     with LoopbackServer(app, max_frame_bytes=deploy.server.max_frame_bytes) as srv:
         asyncio.run(warm_up(srv))
         _settle(engine, app)
         warm = _pool_snapshot(engine)
-        good, dropped, malformed, unknown, odd, private, voice = asyncio.run(misbehave(srv))
+        good, dropped, malformed, unknown, odd, private, voice, text = asyncio.run(misbehave(srv))
         _settle(engine, app)
         after = _pool_snapshot(engine)
         engine.thinker_manager.check_invariants()
@@ -461,6 +487,10 @@ def test_misbehaving_clients_next_to_a_good_one_leak_nothing(models):
     # the refused update changed nothing: the voice is still the default one
     assert voice["second"]["type"] == "session.updated" and voice["second"]["session"]["voice"] == "default"
     assert voice["code"] == 1000 and voice["later_errors"] == []
+    assert text["added"] >= 1 and text["error"] is not None, text
+    assert text["error"]["error"]["code"] == "user_text_too_long" and text["error"]["error"]["param"] == "item.content"
+    assert "does not fit" in text["error"]["error"]["message"]
+    assert text["code"] == 1000 and text["later_errors"] == []
 
     for name in PRIVATE_POOLS:
         assert warm["pools"][name].private == 0 and after["pools"][name].private == 0, name

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from websockets.exceptions import ConnectionClosed
 from server_fakes import FakeEngine, LoopbackServers, connect_realtime, pcm16_b64, recv, recv_type, send, sid_of, wait_for
 
 from duplexcache.server import realtime_session
@@ -119,14 +120,15 @@ def test_server_vad_commits_answers_and_barge_in_cancels(serve, output):
     assert metrics.get_sample_value("duplexcache_responses_total", {"status": "cancelled"}) == 1
 
 
+async def expect_error(ws, event, code):
+    await send(ws, event)
+    error, _ = await recv_type(ws, "error")
+    assert error["error"]["code"] == code, error
+    return error
+
+
 def test_client_driven_turns_items_and_truncate(serve):
     engine, srv = serve(done_after_units=50)
-
-    async def expect_error(ws, event, code):
-        await send(ws, event)
-        error, _ = await recv_type(ws, "error")
-        assert error["error"]["code"] == code, error
-        return error
 
     async def main():
         async with _connect(srv) as ws:
@@ -266,3 +268,82 @@ def test_engine_without_turn_api_serves_duplex_and_refuses_the_rest(serve):
 
     assert asyncio.run(main()) == ["unsupported_turn_detection", "not_supported", "not_supported"]
     wait_for(lambda: engine._inner.opened == 1, what="one session")
+
+
+def _user_message(text: str) -> dict:
+    return {"type": "conversation.item.create",
+            "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}}
+
+
+def test_user_text_the_session_cannot_take_is_an_error_and_the_session_goes_on(serve):
+    """Live: the engine's refusal (more text than fits before the next unit) is user_text_too_long.
+    Queued: at most MAX_USER_TEXT_CHARS wait for admission, and a waiting message the engine then
+    refuses is reported as dropped; the others reach it."""
+    engine, srv = serve(capacity=1)
+    engine.user_text_room = 9000
+    limit = realtime_session.MAX_USER_TEXT_CHARS
+
+    async def main():
+        async with _connect(srv) as a, _connect(srv) as b:
+            await recv(a)
+            await _update(a, instructions="a", turn_detection=None)
+            await _append(a, QUIET)
+            await send(a, _user_message("x" * 6000))
+            await recv_type(a, "conversation.item.done")
+            live = await expect_error(a, _user_message("y" * 6000), "user_text_too_long")
+            await recv(b)
+            await send(b, {"type": "session.update", "queue_if_full": True,
+                           "session": {"instructions": "b", "turn_detection": None}})
+            await recv_type(b, "session.updated")
+            await _append(b, QUIET)
+            await recv_type(b, "session.queued")
+            await send(b, _user_message("p" * 5000))
+            await recv_type(b, "conversation.item.done")
+            queued = await expect_error(b, _user_message("q" * (limit - 4000)), "user_text_too_long")
+            await send(b, _user_message("r" * 3000))
+            await recv_type(b, "conversation.item.done")
+            await send(b, _user_message("s" * 100))   # waits too, but will not fit the engine's 9000
+            await recv_type(b, "conversation.item.done")
+            engine.user_text_room = 8050
+            await send(a, {"type": "session.close"})
+            dropped, _ = await recv_type(b, "error")
+            admitted, _ = await recv_type(b, "session.admitted")
+            await send(b, _user_message("t"))   # the session goes on
+            await recv_type(b, "conversation.item.done")
+            return live, queued, dropped
+
+    live, queued, dropped = asyncio.run(main())
+    assert live["error"]["param"] == "item.content" and "does not fit" in live["error"]["message"]
+    assert f"at most {realtime_session.MAX_USER_TEXT_CHARS} wait" in queued["error"]["message"]
+    assert dropped["error"]["code"] == "user_text_too_long" and "sent while queued is dropped" in dropped["error"]["message"]
+    assert engine.user_texts[sid_of(engine, "a")] == ["x" * 6000]
+    assert engine.user_texts[sid_of(engine, "b")] == ["p" * 5000, "r" * 3000, "t"]
+
+
+def test_an_unexpected_failure_ends_that_connection_only_with_1011(serve):
+    """A bug met while handling one client's event: an error event and close 1011 for that client
+    (it used to be 1000, as if all were well), the server and the other clients go on."""
+    engine, srv = serve()
+
+    async def main():
+        async with _connect(srv) as a, _connect(srv) as b:
+            for ws, name in ((a, "a"), (b, "b")):
+                await recv(ws)
+                await _update(ws, instructions=name, turn_detection=None)
+                await _append(ws, QUIET)
+            engine.user_text_failure = RuntimeError("engine bug")
+            await send(a, _user_message("hello"))
+            error, _ = await recv_type(a, "error")
+            with pytest.raises(ConnectionClosed):
+                while True:
+                    await recv(a)
+            engine.user_text_failure = None
+            await send(b, _user_message("hello"))
+            await recv_type(b, "conversation.item.done")
+            return error, a.close_code
+
+    error, code = asyncio.run(main())
+    assert error["error"]["code"] == "server_error" and error["error"]["type"] == "server_error"
+    assert "engine bug" not in error["error"]["message"]   # internals stay in the log
+    assert code == 1011
+    assert engine.user_texts == {sid_of(engine, "b"): ["hello"]}

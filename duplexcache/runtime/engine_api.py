@@ -57,6 +57,14 @@ class AdmissionError(Exception):
         super().__init__(reason)
 
 
+class UserTextTooLong(ValueError):
+    """``add_user_text`` refused a message because the session's window cannot take that much
+    text before its next unit (with what is already waiting). Only that message fails; the
+    server reports ``code`` to that client."""
+
+    code = "user_text_too_long"
+
+
 class InvalidAudioError(ValueError):
     """Audio a client pushed that the engine refuses (e.g. float samples outside [-1, 1]).
     Only that push fails; the server reports ``code`` to that client."""
@@ -248,7 +256,8 @@ class EngineAPI(Protocol):
 
     def add_user_text(self, sid: str, text: str) -> None:
         """Append a user text message (chat format) to the Thinker's context before the
-        session's next unit. ValueError when it cannot fit the session's limits."""
+        session's next unit. UserTextTooLong when it cannot fit the session's limits; ValueError
+        for text that is not a message (empty, not encodable)."""
         ...
 
     def tick(self) -> list[EngineEvent]:

@@ -43,6 +43,7 @@ from duplexcache.runtime.engine_api import (
     ServerBehindError,
     SessionAdmitted,
     SessionError,
+    UserTextTooLong,
 )
 from duplexcache.runtime.policy import ControlTokens
 from duplexcache.runtime.session_sizing import session_window
@@ -639,7 +640,7 @@ class SessionTable:
             pending = sum(len(t) for t in sess.turn.pending_text)
             fits = room(sess)
             if pending + len(ids) > fits:
-                raise ValueError(
+                raise UserTextTooLong(
                     f"user text of {len(ids)} tokens (with {pending} pending) does not fit session {sid!r}: "
                     f"at most {max(fits, 0)} tokens of text fit before its next unit")
             sess.turn.pending_text.append(ids)

@@ -51,6 +51,16 @@ def clip(text: str, limit: int = MAX_ECHO_CHARS) -> str:
     return f"{text[:limit]}...({len(text)} chars)"
 
 
+def unicode_problem(text: str) -> str | None:
+    """Why ``text`` is not valid Unicode, or None. JSON can carry a lone surrogate (``"\\ud800"``),
+    which no tokenizer can encode: said when it arrives, not when the engine meets it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"not valid Unicode: a lone surrogate at character {exc.start}"
+    return None
+
+
 class ProtocolError(ValueError):
     """A client event that cannot be used; ``code`` becomes ``error.code`` on the wire."""
 

@@ -26,7 +26,8 @@ import numpy as np
 
 from duplexcache.config import PrivateConfigKeyError, SessionConfigError, build_runtime_config
 from duplexcache.context.builder import ReferenceAudioError
-from duplexcache.runtime.engine_api import AdmissionError, ResponseUsage, ServerBehindError, engine_voice_names
+from duplexcache.runtime.engine_api import (AdmissionError, ResponseUsage, ServerBehindError, UserTextTooLong,
+                                            engine_voice_names)
 from duplexcache.server import protocol as proto
 from duplexcache.server.audio_io import AudioError, InputAudio, OutputAudio
 from duplexcache.server.auth import Handshake
@@ -446,8 +447,10 @@ class RealtimeSession:
     async def _add_user_text(self, text: str, eid: str | None) -> None:
         try:
             await asyncio.to_thread(self.engine.add_user_text, self.sid, text)
-        except ValueError as exc:   # more text than fits the session's window before its next unit
-            raise proto.ProtocolError("user_text_too_long", str(exc), eid, param="item.content") from None
+        except UserTextTooLong as exc:   # more text than the session's window takes before its next unit
+            raise proto.ProtocolError(exc.code, str(exc), eid, param="item.content") from None
+        except ValueError as exc:   # text the engine cannot take as a message
+            raise proto.ProtocolError("invalid_value", str(exc), eid, param="item.content") from None
 
     async def _on_live(self) -> None:
         await self._apply_turn_mode()
@@ -531,6 +534,9 @@ def _user_text(item: dict[str, Any], eid: str | None) -> str:
     if not text or len(text) > MAX_USER_TEXT_CHARS:
         raise proto.ProtocolError("invalid_value", f"a user message needs 1 to {MAX_USER_TEXT_CHARS} characters",
                                   eid, param="item.content")
+    problem = proto.unicode_problem(text)
+    if problem is not None:
+        raise proto.ProtocolError("invalid_value", f"the text is {problem}", eid, param="item.content")
     return text
 
 

@@ -25,7 +25,7 @@ from typing import Any, Mapping
 
 from duplexcache.config import find_private_key
 from duplexcache.server.audio_io import ENGINE_RATE, G711_RATE, OUTPUT_RATE, InputFormat
-from duplexcache.server.protocol import ProtocolError, clip
+from duplexcache.server.protocol import ProtocolError, clip, unicode_problem
 
 OPENAI_RATE = 24_000
 TURN_TYPES = ("duplex", "server_vad", "none")  # "none" = JSON null: the client commits and asks
@@ -106,6 +106,9 @@ def _str(value: Any, path: str, eid: str | None, nullable: bool = False) -> str 
         return None
     if not isinstance(value, str):
         raise _bad(path, f"must be a string, got {type(value).__name__}", eid)
+    problem = unicode_problem(value)
+    if problem is not None:
+        raise _bad(path, problem, eid)
     return value
 
 

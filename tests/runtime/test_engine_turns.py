@@ -15,7 +15,7 @@ from test_stage0 import BS, make_context, make_runner, make_thinker
 from duplexcache.context.tokenizer import ByteTokenizer
 from duplexcache.kv.window import WindowConfig
 from duplexcache.runtime import turns
-from duplexcache.runtime.engine_api import AudioDelta, ResponseDone, SessionError, TextDelta
+from duplexcache.runtime.engine_api import AudioDelta, ResponseDone, SessionError, TextDelta, UserTextTooLong
 from duplexcache.runtime.policy import ControlTokens
 
 # Every unit speaks while a reply runs (a turn ends only at unit 99): replies end by cancel.
@@ -293,10 +293,10 @@ def test_add_user_text_is_refused_past_the_session_limits(tmp_path):
     eng = engine(tmp_path, "limits", {"stage0": {"window": {"mode": "basic", "high_tokens": 400, "low_tokens": 200}}})
     sid = eng.open_session({"voice": "default"})
     room = 400 - turns.UNIT_TOKENS_BOUND - 2 * (16 - 1)
-    with pytest.raises(ValueError, match="does not fit"):
+    with pytest.raises(UserTextTooLong, match="does not fit"):
         eng.add_user_text(sid, "x" * room)
     eng.add_user_text(sid, "x" * (room - 40))
-    with pytest.raises(ValueError, match="with .* pending"):
+    with pytest.raises(UserTextTooLong, match="with .* pending"):
         eng.add_user_text(sid, "y" * 30)
     with pytest.raises(ValueError, match="non-empty"):
         eng.add_user_text(sid, "")
@@ -314,7 +314,7 @@ def test_add_user_text_window_off_counts_the_positions_left(tmp_path):
     eng.push_audio(sid, audio(0, 1))
     eng.tick()
     left = eng.stage0.max_positions - eng.stage0.num_tokens(sid) - turns.UNIT_TOKENS_BOUND
-    with pytest.raises(ValueError, match="does not fit"):
+    with pytest.raises(UserTextTooLong, match="does not fit"):
         eng.add_user_text(sid, "z" * left)
 
 

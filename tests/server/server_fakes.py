@@ -29,7 +29,7 @@ import numpy as np
 from duplexcache.config import DeployConfig, build_runtime_config
 from duplexcache.runtime.engine_api import (
     TURN_MODES, AdmissionError, AudioDelta, EngineEvent, EngineStats, ResponseDone, ResponseUsage, SessionAdmitted,
-    SessionError, TextDelta, TierBytes,
+    SessionError, TextDelta, TierBytes, UserTextTooLong,
 )
 
 UNIT_IN = 16_000
@@ -170,7 +170,7 @@ class FakeEngine:
                 raise self.user_text_failure
             have = sum(len(t) for t in self.user_texts.get(sid, []))
             if self.user_text_room is not None and have + len(text) > self.user_text_room:
-                raise ValueError(f"user text of {len(text)} characters (with {have} pending) does not fit")
+                raise UserTextTooLong(f"user text of {len(text)} characters (with {have} pending) does not fit")
             self.user_texts.setdefault(sid, []).append(text)
 
     def push_audio(self, sid: str, pcm: np.ndarray) -> None:

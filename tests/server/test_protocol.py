@@ -270,6 +270,10 @@ def test_output_formats_telephony_included(session, kind, wire):
     ({"tools": [{"type": "function", "name": "f"}]}, "invalid_value", "session.tools"),
     ({"output_modalities": ["text"]}, "invalid_value", "session.output_modalities"),
     ({"voice": 3}, "invalid_value", "session.voice"),
+    # a lone surrogate (JSON's "\\ud800") that no tokenizer encodes: refused here, not at the open
+    ({"instructions": "hi \ud800"}, "invalid_value", "session.instructions"),
+    ({"initial_user_text": "\udc00"}, "invalid_value", "session.initial_user_text"),
+    ({"type": "realtime", "audio": {"output": {"voice": "a\ud800"}}}, "invalid_value", "session.audio.output.voice"),
     ({"colour": "red"}, "unknown_parameter", "session.colour"),
     ({"window": {"mode": "off"}}, "private_config_key", "session.window.mode"),
 ])

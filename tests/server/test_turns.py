@@ -291,6 +291,7 @@ def test_user_text_the_session_cannot_take_is_an_error_and_the_session_goes_on(s
             await send(a, _user_message("x" * 6000))
             await recv_type(a, "conversation.item.done")
             live = await expect_error(a, _user_message("y" * 6000), "user_text_too_long")
+            surrogate = await expect_error(a, _user_message("ok \ud800"), "invalid_value")   # JSON carries it
             await recv(b)
             await send(b, {"type": "session.update", "queue_if_full": True,
                            "session": {"instructions": "b", "turn_detection": None}})
@@ -310,9 +311,10 @@ def test_user_text_the_session_cannot_take_is_an_error_and_the_session_goes_on(s
             admitted, _ = await recv_type(b, "session.admitted")
             await send(b, _user_message("t"))   # the session goes on
             await recv_type(b, "conversation.item.done")
-            return live, queued, dropped
+            return live, surrogate, queued, dropped
 
-    live, queued, dropped = asyncio.run(main())
+    live, surrogate, queued, dropped = asyncio.run(main())
+    assert "lone surrogate at character 3" in surrogate["error"]["message"]
     assert live["error"]["param"] == "item.content" and "does not fit" in live["error"]["message"]
     assert f"at most {realtime_session.MAX_USER_TEXT_CHARS} wait" in queued["error"]["message"]
     assert dropped["error"]["code"] == "user_text_too_long" and "sent while queued is dropped" in dropped["error"]["message"]

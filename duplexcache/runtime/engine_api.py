@@ -277,6 +277,7 @@ class EngineAPI(Protocol):
 # The turn-control members of EngineAPI; the server checks for them by name so that an engine
 # built before they existed still serves (turn_detection "duplex" only, no response.cancel).
 TURN_CONTROL_METHODS = ("set_turn_mode", "request_response", "cancel_response", "add_user_text")
+TURN_MODES = ("duplex", "manual")
 
 
 def engine_voice_names(engine: Any) -> list[str] | None:
@@ -284,4 +285,3 @@ def engine_voice_names(engine: Any) -> list[str] | None:
     ``engine.voices``); None for an engine without a registry, whose voices are not checked."""
     names = getattr(getattr(engine, "voices", None), "names", None)
     return None if names is None else sorted(names())
-TURN_MODES = ("duplex", "manual")

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from duplexcache.cfm.code2wav import BatchedCode2Wav, code2wav_session_bytes
-from duplexcache.config import DeployConfig, SessionConfigError, SessionRuntimeConfig, build_runtime_config, format_bytes
+from duplexcache.config import (DeployConfig, SessionConfigError, SessionRuntimeConfig, build_runtime_config,
+                                format_bytes)
 from duplexcache.context import EmbeddingResult, EncoderPath, SessionContext, build_session_context
 from duplexcache.kv.kv_quant import kv_storage_dtype
 from duplexcache.kv.paged_attention import bytes_per_block

@@ -8,8 +8,8 @@ Life cycle (docs/protocol.md has the wire view):
   or ``conversation.item.create``, with the settings of that moment; from then on the settings
   the session was opened with (voice, instructions, ...) are fixed, turn detection is not.
 * admission errors reach the client as ``error`` events (the engine's code, a generic message:
-  pool sizes stay in the log; the same code at most once per ``server.queue_notice_s``, though
-  every append asks again); a queued session gets ``session.queued`` events with its position
+  pool sizes stay in the log; an append hears the same code at most once per
+  ``server.queue_notice_s``, though capacity is asked again at every append); a queued session gets ``session.queued`` events with its position
   and its input audio is discarded until it is admitted (``session.admitted``).
 
 All engine calls go through worker threads (the engine is thread-safe per engine_api).

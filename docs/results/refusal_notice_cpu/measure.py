@@ -1,7 +1,7 @@
 """A refused client streaming 20 ms chunks at real-time pace for 5 s beside one live session (a real tiny server
 whose memory budget holds one session): the error events it receives. CODE=<checkout> picks the code; argv[1] the
 memory budget (172MiB holds one tiny session). Run from a checkout with .venv: CODE=$PWD .venv/bin/python measure.py 172MiB"""
-import asyncio, base64, json, subprocess, sys, time, os, re, socket
+import asyncio, base64, json, subprocess, sys, time, os, socket
 import numpy as np, websockets, httpx
 
 budget = sys.argv[1]

@@ -55,10 +55,16 @@ class EngineTarget:
 
     name = "engine"
 
-    def __init__(self, models, deploy: DeployConfig, max_sessions: int) -> None:
+    def __init__(self, models, deploy: DeployConfig, max_sessions: int, voices: tuple[str, ...] = ("default",),
+                 contexts: int = 1) -> None:
+        """Session ``i`` speaks with ``voices[i % len(voices)]`` and opens with the
+        ``i % contexts``-th instructions (1: every session has the same context)."""
+        if contexts < 1 or not voices:
+            raise ValueError(f"need >= 1 voice and >= 1 context (got {voices!r}, {contexts})")
         self.models = models
         self.engine = DuplexEngine(always_speak(deploy), models)
-        self.voice = "default"
+        self.voices = voices
+        self.contexts = contexts
         self.outputs: dict[str, SessionOutput] = {}
         self.tick_s: list[float] = []
         self._pushed: dict[str, int] = {}
@@ -72,16 +78,34 @@ class EngineTarget:
 
     # ---------------------------------------------------------------- workload
     def open_sessions(self, n: int) -> None:
-        """Open ``n`` sessions and tick until each produced its first audio chunk (context
-        prefilled, voice set up, first unit done)."""
-        for _ in range(n):
-            sid = self.engine.open_session({"instructions": INSTRUCTIONS, "voice": self.voice})
+        """Open ``n`` sessions, prefill every context, then tick until each produced its first
+        audio chunk (voice set up, first unit done).
+
+        Every session's first unit runs in the same tick in every configuration: the contexts
+        are prefilled between ticks (``prefill_step``) before any audio is pushed. Without that
+        hold, a switch that skips prefill work (shared anchor blocks: a later session's context
+        is a cache hit) lets sessions go live ticks earlier than in ``all_off``, which prefills
+        ``engine.prefill_chunk_tokens`` per tick; the tick batches then differ and the equality
+        check compares different schedules, not the switch (docs/benchmarks.md, "Equality")."""
+        for i in range(n):
+            instructions = INSTRUCTIONS if i % self.contexts == 0 else f"{INSTRUCTIONS} Context {i % self.contexts}."
+            sid = self.engine.open_session({"instructions": instructions, "voice": self.voices[i % len(self.voices)]})
             self.outputs[sid] = SessionOutput()
             self._pushed[sid] = 0
+        self.prefill_all()
+        live_ticks = 0   # ticks since every context was prefilled
         while not all(o.audio for o in self.outputs.values()):
-            if self.units > 4:
+            if live_ticks > 4:
                 raise RuntimeError("bench: sessions produced no audio after 4 ticks")
+            live_ticks += not self.engine.prefill_pending()
             self.run_unit()
+
+    def prefill_all(self) -> None:
+        """Build and prefill every pending context now, between ticks (no unit runs)."""
+        while self.engine.prefill_pending():
+            for ev in self.engine.prefill_step():
+                if isinstance(ev, SessionError):
+                    raise RuntimeError(f"bench: session {ev.sid} could not open: {ev.code}: {ev.message}")
 
     def run_unit(self) -> None:
         enc = self.models.audio_encoder.cfg

@@ -160,7 +160,8 @@ def _engine_setup(deploy: DeployConfig, configs, args) -> _Setup:
                         "Code2Wav reaches P private frames by real units; encoder cache grown to max_cache_frames "
                         "(held, not computed)",
         "setup_sample": "after the tick that produced each session's first audio chunk (tick 2: speech "
-                        "lags text by one unit)",
+                        "lags text by one unit); every context is prefilled between ticks before the first "
+                        "unit, so each session's units fall on the same ticks in every configuration",
     }
     return _Setup(configs, "engine", lambda cfg, n: EngineTarget(models, cfg.deploy, n), models.weight_bytes(), floor,
                   args.units or EngineTarget.units_to_steady(p), p, notes)

@@ -268,6 +268,14 @@ class EngineConfig(_Strict):
     # shapes instead of ~650 launches. Off: the eager layers (A/B reference). Measured (H200): the
     # encoder stage 50.7 -> 4.5 ms at one session (docs/benchmarks.md). CUDA only.
     encoder_cuda_graphs: bool = True
+    # A session's text and audio bits do not depend on which other sessions share its ticks:
+    # every GEMM and conv runs in fixed-shape row tiles and the paged decode kernel splits a
+    # sequence by its own length only (models/batch_invariant.py). Off: kernels pick their
+    # reduction by the batch's shape, so a session alone and beside others can differ in the
+    # last bits (and then in tokens). The sharing switches stay bit-exact either way. Off by
+    # default: on the tiny CPU preset it made a 4-session tick ~5x slower (one small GEMM per
+    # 16-row tile, and the mode's dispatch on every op); docs/benchmarks.md, "Batch invariance".
+    batch_invariant: bool = False
     # Most Talker KV tokens one audio turn may hold; None = the Talker's max_position_embeddings
     # (4096 for minicpmo45, ~150 s of speech). Admission reserves this many tokens' blocks per
     # live session (as a count: blocks are taken as tokens arrive), so it bounds the pool. A

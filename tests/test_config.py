@@ -34,7 +34,7 @@ NON_DEFAULT = {
                  "max_num_seqs": 24, "graph_grid": [1, 4, 8], "vocoder_cuda_graphs": False},
     "precision": {"code2wav_dtype": "bfloat16", "kv_cache_dtype": "fp8_e4m3", "encoder_cache_dtype": "fp8_e4m3"},
     "engine": {"memory_budget": "80GiB", "memory_fraction": 0.8, "activation_reserve": "3GiB", "tick_seconds": 0.5, "decode_cuda_graphs": False, "ragged_step_graphs": False,
-               "encoder_cuda_graphs": False,
+               "encoder_cuda_graphs": False, "batch_invariant": True,
                "talker_turn_tokens": 1024,
                "tick_headroom": 0.5, "prefill_chunk_tokens": 256,
                "speak_policy": {"mode": "model", "k": 3, "turn_units": 1, "speech_rms": 0.02,

@@ -121,8 +121,12 @@ class PagedKVCache:
         self._decode_kernel: Callable | None = None
         # Short ragged steps through the decode kernel too (stage0.ragged_kernel); needs the kernel.
         self.ragged_steps_in_kernel = False
+        # The decode kernel's split count: None picks it from the batch (default_num_splits); a
+        # number fixes it, so a sequence is cut by its own length only (engine.batch_invariant).
+        self.fixed_num_splits: int | None = None
         # How many attention calls took each path: lets tests and benchmarks prove a path is used.
-        self.path_counts: dict[str, int] = {"reference": 0, "decode_kernel": 0, "ragged_kernel": 0}
+        self.path_counts: dict[str, int] = {"reference": 0, "decode_kernel": 0, "ragged_kernel": 0,
+                                            "per_sequence": 0}
 
 
     def set_decode_backend(self, name: str) -> None:
@@ -397,16 +401,50 @@ def paged_attention(
         )
     path = attention_path(cache, batch, q.is_cuda)
     cache.path_counts[path] += 1
-    if path in ("decode_kernel", "ragged_kernel"):
-        tables, seq_lens = ((batch.block_tables, batch.seq_lens) if path == "decode_kernel"
-                            else batch.token_rows())
-        if not cache.quantized:
-            return cache._decode_kernel(q, cache.k[layer], cache.v[layer], tables, seq_lens, scale)
-        # fp8: the kernel loads e4m3 values and their scales and dequantizes in registers.
-        ks, vs = cache.layer_scales(layer)
-        return cache._decode_kernel(q, cache.k[layer], cache.v[layer], tables, seq_lens, scale,
-                                    k_scale=ks, v_scale=vs)
+    if path == "decode_kernel":
+        return _kernel(q, cache, layer, batch.block_tables, batch.seq_lens, scale)
+    if path == "ragged_kernel":
+        tables, seq_lens = batch.token_rows()
+        return _kernel(q, cache, layer, tables, seq_lens, scale)
+    if path == "per_sequence":
+        return _per_sequence_paths(q, cache, layer, batch, scale)
     return _reference_paged_attention(q, cache, layer, batch, scale)
+
+
+def _kernel(q: torch.Tensor, cache: PagedKVCache, layer: int, tables: torch.Tensor, seq_lens: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    if not cache.quantized:
+        return cache._decode_kernel(q, cache.k[layer], cache.v[layer], tables, seq_lens, scale,
+                                    num_splits=cache.fixed_num_splits)
+    # fp8: the kernel loads e4m3 values and their scales and dequantizes in registers.
+    ks, vs = cache.layer_scales(layer)
+    return cache._decode_kernel(q, cache.k[layer], cache.v[layer], tables, seq_lens, scale,
+                                k_scale=ks, v_scale=vs, num_splits=cache.fixed_num_splits)
+
+
+def _per_sequence_paths(q: torch.Tensor, cache: PagedKVCache, layer: int, batch: PagedBatch,
+                        scale: float) -> torch.Tensor:
+    """A ragged step with a long append, batch-invariant: each sequence takes the path its own
+    append picks (the kernel up to RAGGED_KERNEL_MAX_NEW tokens, else gather + SDPA), so a
+    session's bits do not depend on a neighbour's long append."""
+    long = [n > RAGGED_KERNEL_MAX_NEW for n in batch.num_new_list]
+    out = _reference_paged_attention(q, cache, layer, batch, scale, only=long)
+    rows = [t for b, (start, n) in enumerate(zip(_starts(batch.num_new_list), batch.num_new_list))
+            if not long[b] for t in range(start, start + n)]
+    if rows:
+        idx = torch.tensor(rows, dtype=torch.long, device=q.device)
+        tables, seq_lens = batch.token_rows()
+        out[idx] = _kernel(q.index_select(0, idx), cache, layer, tables.index_select(0, idx),
+                           seq_lens.index_select(0, idx), scale)
+    return out
+
+
+def _starts(num_new: list[int]) -> list[int]:
+    starts, at = [], 0
+    for n in num_new:
+        starts.append(at)
+        at += n
+    return starts
 
 
 def attention_path(cache: PagedKVCache, batch: PagedBatch, on_cuda: bool) -> str:
@@ -416,16 +454,21 @@ def attention_path(cache: PagedKVCache, batch: PagedBatch, on_cuda: bool) -> str
         return "reference"
     if batch.is_decode:
         return "decode_kernel"
-    if (cache.ragged_steps_in_kernel and batch.token_seq_ids is not None
-            and max(batch.num_new_list) <= RAGGED_KERNEL_MAX_NEW):
-        return "ragged_kernel"
+    if cache.ragged_steps_in_kernel and batch.token_seq_ids is not None:
+        if max(batch.num_new_list) <= RAGGED_KERNEL_MAX_NEW:
+            return "ragged_kernel"
+        # batch-invariant (fixed splits): the path must not depend on a neighbour's append
+        if cache.fixed_num_splits is not None and batch.num_seqs > 1:
+            return "per_sequence"
     return "reference"
 
 
 def _reference_paged_attention(
-    q: torch.Tensor, cache: PagedKVCache, layer: int, batch: PagedBatch, scale: float
+    q: torch.Tensor, cache: PagedKVCache, layer: int, batch: PagedBatch, scale: float,
+    only: list[bool] | None = None,
 ) -> torch.Tensor:
-    """Gather each sequence's blocks into a contiguous K/V and run SDPA with a causal offset."""
+    """Gather each sequence's blocks into a contiguous K/V and run SDPA with a causal offset
+    (``only``: the sequences to compute; the other rows are left unwritten)."""
     out = torch.empty_like(q)
     group = q.shape[1] // cache.num_kv_heads
     bs = cache.block_size
@@ -433,6 +476,9 @@ def _reference_paged_attention(
     for b in range(batch.num_seqs):
         computed, new = batch.num_computed_list[b], batch.num_new_list[b]
         if new == 0:
+            continue
+        if only is not None and not only[b]:
+            start += new
             continue
         seq_len = computed + new
         blocks = batch.block_tables[b, : -(-seq_len // bs)].long()

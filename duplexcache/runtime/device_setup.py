@@ -68,8 +68,14 @@ class KVPools:
     talker_kv: TalkerBlocks
 
 
+# engine.batch_invariant: the paged decode kernel's split count, fixed for every batch, so a
+# sequence's splits depend on its own length only. 8 keeps a split >= ~1000 tokens of an 8k
+# window while 16+ sessions x kv heads x 8 still fill an H100's 132 SMs several times over.
+BATCH_INVARIANT_SPLITS = 8
+
+
 def build_kv_pools(models: ModelBundle, plan: MemoryPlan, stage0_cfg: Stage0Config, window: WindowConfig,
-                   storage_dtype: torch.dtype | None = None) -> KVPools:
+                   storage_dtype: torch.dtype | None = None, batch_invariant: bool = False) -> KVPools:
     """Allocate the Thinker and Talker pools at the plan's sizes and pick their attention paths.
 
     ``storage_dtype`` (``precision.kv_cache_dtype``): None stores the model dtype; fp8 e4m3 stores
@@ -95,6 +101,7 @@ def build_kv_pools(models: ModelBundle, plan: MemoryPlan, stage0_cfg: Stage0Conf
     for cache in (thinker_cache, talker_cache):
         select_attention_backend(cache)
         cache.ragged_steps_in_kernel = stage0_cfg.ragged_kernel
+        cache.fixed_num_splits = BATCH_INVARIANT_SPLITS if batch_invariant else None
     return KVPools(thinker_cache, thinker_manager, stage0, talker_cache, talker_kv)
 
 

@@ -27,6 +27,7 @@ raises is probed per session and re-run without the culprits.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -42,6 +43,7 @@ from duplexcache.context import EmbeddingResult, EncoderPath, SessionContextBuil
 from duplexcache.kv.decode_graphs import PagedDecodeGraphs
 from duplexcache.kv.kv_quant import kv_storage_dtype
 from duplexcache.kv.window import WindowConfig
+from duplexcache.models.batch_invariant import BatchInvariantMode, tile_rows_for
 from duplexcache.models.audio_encoder_graphs import EncoderGraphs
 from duplexcache.runtime import device_setup, turns
 from duplexcache.runtime.admission import AdmissionLedger, Footprint, TickCostModel
@@ -87,13 +89,18 @@ class DuplexEngine:
         self.control = ControlTokens.from_tokenizer(models.tokenizer)
         self._text_ids = text_token_ids(models.tokenizer, models.thinker.config.vocab_size)
         policy = make_policy(deploy.engine.speak_policy, self.control, self._text_ids)
+        # engine.batch_invariant: every model call of a tick, prefill, warm-up and fast-forward
+        # runs in this mode (graphs captured at warm-up bake its tiles in); None = plain kernels.
+        self.batch_invariant = (BatchInvariantMode(tile_rows_for(models.device))
+                                if deploy.engine.batch_invariant else None)
         self.block_size = deploy.stage0.block_size
         w = deploy.stage0.window
         self.window = WindowConfig(mode=w.mode, high_tokens=w.high_tokens, low_tokens=w.low_tokens)
         self.reference_encodes = 0
         self.builder = SessionContextBuilder.from_config(deploy, models.tokenizer, self._embed_tokens,
                                                          self._encode_reference_audio)
-        self.code2wav = build_code2wav(deploy, models)   # every voice's prompt state computed once
+        with self._numerics():   # a voice's prompt state with the same kernels as a tick's
+            self.code2wav = build_code2wav(deploy, models)   # every voice's prompt state computed once
         self.sizing = SessionSizing(deploy, models, self.code2wav)
         self.refusal_log = RefusalLog(logger)
         self.plan = self.sizing.plan()
@@ -135,7 +142,8 @@ class DuplexEngine:
 
     def _build_pools(self) -> None:
         kv = device_setup.build_kv_pools(self.models, self.plan, self.deploy.stage0, self.window,
-                                         kv_storage_dtype(self.deploy.precision.kv_cache_dtype))
+                                         kv_storage_dtype(self.deploy.precision.kv_cache_dtype),
+                                         batch_invariant=self.deploy.engine.batch_invariant)
         self.thinker_cache, self.thinker_manager, self.stage0 = kv.thinker_cache, kv.thinker_manager, kv.stage0
         self.talker_cache, self.talker_kv = kv.talker_cache, kv.talker_kv
         self.talker_pool = self.talker_kv.pool   # read by tests and stats; only talker_kv mutates it
@@ -181,7 +189,8 @@ class DuplexEngine:
             if self._closed:
                 raise RuntimeError("engine is shut down")
             before = self._graph_captures_total()
-            report = warm_up(self, should_stop or (lambda: False))
+            with self._numerics():
+                report = warm_up(self, should_stop or (lambda: False))
             self._warmup_captures += self._graph_captures_total() - before
             self.warmup_report = report
         return report
@@ -292,9 +301,10 @@ class DuplexEngine:
         with self._tick_lock:
             if self._closed:
                 raise RuntimeError("engine is shut down")
-            result = fast_forward(self.table.get_live(sid), req, self.stage0, self.talker_kv,
-                                  self.sizing.talker_turn_tokens, self._text_ids,
-                                  self._embed_tokens, self._end)
+            with self._numerics():
+                result = fast_forward(self.table.get_live(sid), req, self.stage0, self.talker_kv,
+                                      self.sizing.talker_turn_tokens, self._text_ids,
+                                      self._embed_tokens, self._end)
             self.recorder.refresh_pools()
         return result
 
@@ -304,8 +314,13 @@ class DuplexEngine:
         """One tick. ``unit_tick`` False: a tick between unit ticks of a server whose units stay
         on the unit tick (``server.phase_units: home``): it takes early closes and the whole units
         sessions already hold, and starts no session's units (no alignment, no silence fill)."""
-        with self._tick_lock:
+        with self._tick_lock, self._numerics():
             return self._tick(unit_tick)
+
+    def _numerics(self) -> contextlib.AbstractContextManager:
+        """The batch-invariant mode when ``engine.batch_invariant`` is on (entered on the thread
+        that runs the models: torch function modes are thread-local)."""
+        return self.batch_invariant if self.batch_invariant is not None else contextlib.nullcontext()
 
     def _tick(self, unit_tick: bool = True) -> list[EngineEvent]:
         if self._closed:
@@ -364,7 +379,8 @@ class DuplexEngine:
                 raise RuntimeError("engine is shut down")
             for sess in self.table.take_closing():   # as a tick does: no chunk for a closed session
                 self._free(sess)
-            return self._for_live(self.prefill_times.run(self._prefill_chunk))
+            with self._numerics():
+                return self._for_live(self.prefill_times.run(self._prefill_chunk))
 
     def predicted_prefill_s(self) -> float | None:
         return self.prefill_times.predicted_s()

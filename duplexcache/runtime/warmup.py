@@ -237,10 +237,12 @@ def _ragged_split_variants(engine: DuplexEngine) -> list[str]:
         table = torch.full((1, 1), NULL_BLOCK_ID, dtype=torch.int32, device=m.device)
         seq_lens = torch.ones(1, dtype=torch.int32, device=m.device)
         k_scale, v_scale = cache.layer_scales(0)   # None, None unless the pool is fp8
-        for splits in range(1, most + 1):   # one row of the null block, as a padding row reads it
+        # engine.batch_invariant fixes the count: only that one can occur
+        counts = [cache.fixed_num_splits] if cache.fixed_num_splits is not None else range(1, most + 1)
+        for splits in counts:   # one row of the null block, as a padding row reads it
             paged_decode_attention(q, cache.k[0], cache.v[0], table, seq_lens, c.head_dim ** -0.5,
                                    k_scale=k_scale, v_scale=v_scale, num_splits=splits)
-        ran.append(f"{name}:ragged_splits_1..{most}")
+        ran.append(f"{name}:ragged_splits_{counts[0]}..{counts[-1]}")
     return ran
 
 

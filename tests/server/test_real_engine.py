@@ -8,8 +8,9 @@ loopback, driven by real `websockets` clients.
    an ``error`` event or a clean close, and afterwards the engine's pools are back to their warm
    state (no private bytes, the same block counts).
 
-Batch composition. The tiny CPU engine's output bits depend on which sessions share a tick
-(Code2Wav: about 1 LSB on a few samples; pinned by the xfail test at the end), and each turn's
+Batch composition. With ``engine.batch_invariant`` off the tiny CPU engine's output bits depend on
+which sessions share a tick (Code2Wav: about 1 LSB on a few samples; the test at the end turns it
+on and checks they do not), and each turn's
 vocoder noise is seeded from the session id, which the engine hands out in open order. Two server runs whose ticks
 happened to batch different sessions would differ for that reason alone, so the on/off runs use
 :class:`GatedEngine`: the real engine whose first tick waits until every client's audio has been
@@ -547,17 +548,19 @@ def test_g711_output_is_the_pcm16_reply_at_8khz(models):
             assert snr > 30, (fmt, snr)   # G.711's own quantisation: ~38 dB on speech-like audio
 
 
-# ------------------------------------------------------------------------ a finding, pinned
+# ------------------------------------------------------------------------ batch invariance
 
-@pytest.mark.xfail(strict=True, reason="batched Code2Wav is not batch-invariant: a session whose audio arrives "
-                   "one tick later (so it shares its Code2Wav steps with other sessions) gets the same text and "
-                   "the same speech codes but pcm16 that differs by 1 LSB in ~17 samples")
 def test_engine_audio_does_not_depend_on_batch_composition(models):
     """Direct engine, no server: the same 3 sessions, once all starting together and once with
-    session 0's audio arriving one tick late."""
+    session 0's audio arriving one tick late. It was pinned as an xfail (batched Code2Wav differed
+    by 1 LSB in ~17 samples when session 0 shared its steps with others); with engine.batch_invariant
+    on it holds (tests/runtime/test_batch_invariance.py shows the same runs differ with it off)."""
+
+    deploy = tiny_deploy(sharing=False)
+    deploy.engine.batch_invariant = True
 
     def run(late: bool) -> list[bytes]:
-        engine = DuplexEngine(tiny_deploy(sharing=False), models)
+        engine = DuplexEngine(deploy, models)
         sids = [engine.open_session({"voice": VOICES[i % 2], "instructions": INSTRUCTIONS}) for i in range(3)]
         audio = {sid: client_pcm16(i).astype(np.float32) / 32767 for i, sid in enumerate(sids)}
         out = {sid: bytearray() for sid in sids}

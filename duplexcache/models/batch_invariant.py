@@ -1,0 +1,93 @@
+"""Batch-invariant numerics: a session's bits do not depend on which sessions share its batch.
+
+A batched kernel is free to pick its algorithm from the shapes it is given: a GEMM of 3 rows and
+one of 40 rows may block the reduction over K differently (MKL on CPU: ``linear`` of 1-8 rows
+and of 32 rows differ in the last bit; cuBLAS picks split-K and tile sizes by M), and a conv of
+batch 1 takes another path than a conv of batch 2. A session that shares its tick with 7 others
+then gets other bits than alone, which random weights (and long calls on real ones) turn into
+other tokens. The fix is a fixed reduction order per row, whatever the batch:
+
+* ``linear`` (every ``nn.Linear``): the rows are cut into tiles of exactly ``tile_rows`` rows
+  (the last one padded with zeros) and each tile is its own GEMM of one fixed shape. Within one
+  shape a row's output depends only on that row (checked over positions and neighbours in
+  tests/models/test_batch_invariant.py); the padding rows are dropped.
+* ``conv1d`` / ``conv_transpose1d``: the same over the batch axis (tiles of ``tile_rows`` samples).
+* The rest of the tick is already row-wise on every backend this project runs: per-sequence
+  attention (``paged_attention``'s reference path, SDPA per batch element), norms, softmax and
+  elementwise ops (measured on CPU: equal at every batch size). On CUDA the paged decode kernel's
+  split count is fixed per pool instead of chosen by the batch (``kv/triton_kernels.py``).
+
+This is the published recipe for batch-invariant inference (fixed tiling and reduction order in
+matmul, attention and norms), done here by dispatch rather than new GEMM kernels: a tile is an
+ordinary library GEMM. Its price is the padding of the last tile and one launch per tile
+(docs/benchmarks.md, "Batch invariance"). ``engine.batch_invariant`` turns it on; the engine
+enters :class:`BatchInvariantMode` around every model call of a tick, prefill, warm-up and
+fast-forward, so CUDA graphs captured at warm-up replay the tiled kernels.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+# Rows per GEMM tile. CPU: MKL's last-bit differences sit below 16 rows (tiles of 8, 16 and 32 are
+# each invariant). CUDA: 64 rows keep cuBLAS on tensor-core tiles while a decode step of a few
+# sessions wastes at most one tile of padding.
+CPU_TILE_ROWS = 16
+CUDA_TILE_ROWS = 64
+
+
+def tile_rows_for(device: torch.device) -> int:
+    return CUDA_TILE_ROWS if device.type == "cuda" else CPU_TILE_ROWS
+
+
+def _tiled(fn, x: torch.Tensor, tile: int) -> torch.Tensor:
+    """``fn`` over ``x``'s first axis in tiles of exactly ``tile`` (zero-padded): ``fn`` maps a
+    (tile, ...) tensor to a (tile, ...) tensor."""
+    n = x.shape[0]
+    if n == 0:
+        return fn(x)
+    outs = []
+    for start in range(0, n, tile):
+        # contiguous: a GEMM over a transposed view (a batch of one reshapes to a view where
+        # a larger batch copies) takes another kernel and other bits
+        part = x[start:start + tile].contiguous()
+        rows = part.shape[0]
+        if rows < tile:   # the last tile: pad to the one shape every tile has
+            part = torch.cat([part, part.new_zeros((tile - rows, *part.shape[1:]))])
+        outs.append(fn(part)[:rows])
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     tile: int = CPU_TILE_ROWS) -> torch.Tensor:
+    """``F.linear`` whose row ``i`` depends only on ``x``'s row ``i`` (not on how many rows)."""
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, x.shape[-1])
+    out = _tiled(lambda t: F.linear(t, weight, bias), rows, tile)
+    return out.reshape(*lead, out.shape[-1])
+
+
+class BatchInvariantMode(TorchFunctionMode):
+    """Within this mode ``F.linear``, ``F.conv1d`` and ``F.conv_transpose1d`` run in fixed-shape
+    tiles (module docstring). Thread-local, like every torch function mode: enter it on the thread
+    that runs the models."""
+
+    def __init__(self, tile_rows: int) -> None:
+        super().__init__()
+        if tile_rows < 1:
+            raise ValueError(f"tile_rows must be >= 1, got {tile_rows}")
+        self.tile_rows = tile_rows
+        self.calls = 0   # tiled calls made (tests check that the mode was in force)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            self.calls += 1
+            return invariant_linear(*args, **kwargs, tile=self.tile_rows)
+        if func is F.conv1d or func is F.conv_transpose1d:
+            x, rest = args[0], args[1:]
+            if x.dim() == 3:   # (B, C, L); an unbatched (C, L) input has nothing to vary with
+                self.calls += 1
+                return _tiled(lambda t: func(t, *rest, **kwargs), x, self.tile_rows)
+        return func(*args, **kwargs)

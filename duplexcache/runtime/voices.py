@@ -117,6 +117,10 @@ class VoiceRegistry:
             raise ValueError(f"voice {voice.name!r} is already registered")
         self._voices[voice.name] = voice
 
+    def remove(self, name: str) -> None:
+        """Forget a voice (a client's reference voice that no session holds any more)."""
+        self._voices.pop(name, None)
+
     def get(self, name: str) -> Voice:
         try:
             return self._voices[name]

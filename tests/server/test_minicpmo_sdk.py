@@ -162,8 +162,12 @@ def test_sdk_streams_hears_interrupts_reads_usage_and_shares_a_reference_voice(w
     assert not [f for f in wire[done_at + 1:] if f.get("response_id") == cut]
     kinds = [type(e).__name__ for e in events]
     assert "Interrupted" in kinds and "TurnCompleted" in kinds[kinds.index("Interrupted"):]
-    # usage the SDK read: input audio (10 tokens a second, 6.8 s sent), text and speech tokens out
-    assert usage is not None and usage.audio_input_tokens >= 60 and usage.prompt_tokens > usage.audio_input_tokens
+    # usage the SDK read, the final snapshot (session.closed's): input audio at 10 tokens a second
+    # of the 6.8 s sent plus the context (prompt and reference audio), text and speech tokens out
+    closed = next(f for f in wire if f["type"] == "session.closed")
+    assert usage is not None and usage.audio_input_tokens == 68 and usage.prompt_tokens > usage.audio_input_tokens
+    assert (usage.prompt_tokens, usage.completion_tokens) == (closed["usage"]["input_tokens"],
+                                                              closed["usage"]["output_tokens"])
     assert usage.completion_tokens > 0 and usage.audio_output_tokens > 0
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     # close() ended it cleanly: the server's session.closed, the SDK's own SessionClosed last
@@ -220,10 +224,12 @@ def test_sdk_waits_in_the_queue_and_is_admitted_when_room_frees(wire):
     assert types.count("session.queued") == 1 and "session.queue_update" in types
 
 
-def test_sdk_hears_a_refused_field_by_name():
-    """A field the engine cannot honour fails connect() with the code and the field's name."""
+def test_sdk_fields_are_honoured_or_refused_by_name():
+    """A field the engine cannot honour fails connect() with the code and the field's name; the
+    others do what they say: system_prompt, max_kv_tokens (the window), tts_enabled false (text
+    replies, no audio)."""
     deploy = _deploy()
-    engine = FakeEngine(deploy)
+    engine = FakeEngine(deploy, done_after_units=1)
 
     async def main(srv: LoopbackServer):
         client = _client(srv)
@@ -231,14 +237,24 @@ def test_sdk_hears_a_refused_field_by_name():
             await client.audio.connect(model="m", config=RealtimeConfig(temperature=0.7))
         with pytest.raises(RealtimeError) as video:
             await client.video.connect(model="m")
-        ok = await client.audio.connect(model="m", config=RealtimeConfig(tts_enabled=False, max_kv_tokens=4000))
-        await ok.close()
-        return temperature.value, video.value
+        text_only = await client.audio.connect(model="m", system_prompt="Answer in text.",
+                                               config=RealtimeConfig(tts_enabled=False, max_kv_tokens=4000))
+        heard = Listener(text_only)
+        await _stream(text_only, 2.1)
+        await heard.until(lambda ev: _count(TurnCompleted)(ev) >= 2, "two replies")
+        await text_only.close()
+        await asyncio.wait_for(heard.task, TIMEOUT)
+        return temperature.value, video.value, heard.events, text_only.usage
 
     with LoopbackServer(create_app(engine, deploy)) as srv:
-        temperature, video = asyncio.run(main(srv))
+        temperature, video, events, usage = asyncio.run(main(srv))
     assert temperature.code == "unsupported_parameter" and "payload.config.temperature" in temperature.message
     assert video.code == "unsupported_mode" and "mode='video'" in video.message
-    # the accepted session was opened with its window from max_kv_tokens (low mark at the server's ratio)
+    # the session was opened with its prompt and its window from max_kv_tokens (low mark at the
+    # server's ratio), and its replies came as text only
     (config,) = engine.configs.values()
+    assert config["instructions"] == "Answer in text."
     assert config["window"] == {"high_tokens": 4000, "low_tokens": 3000}
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "unit 1unit 2"
+    assert not [e for e in events if isinstance(e, AudioDelta)]
+    assert usage.audio_output_tokens == 0 and usage.completion_tokens == 4   # the fake's 2 text tokens a unit

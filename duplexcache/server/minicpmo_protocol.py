@@ -24,7 +24,6 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -255,7 +254,3 @@ def float32_b64(pcm16: bytes) -> str:
     """The engine's 24 kHz int16 audio as base64 float32 (the dialect's sample format both ways)."""
     samples = np.frombuffer(pcm16, "<i2").astype(np.float32) / 32768.0
     return base64.b64encode(samples.astype("<f4").tobytes()).decode("ascii")
-
-
-def seconds_of_pcm16(num_bytes: int, rate: int) -> float:
-    return num_bytes / 2 / rate if rate > 0 and not math.isnan(rate) else 0.0

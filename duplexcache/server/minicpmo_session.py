@@ -218,6 +218,9 @@ class MiniCPMoSession(RealtimeSession):
         # the first notice is session.queued, later ones updates (the SDK reads both)
         kind = "session.queued" if self.last_queue_notice == 0.0 else "session.queue_update"
         self.last_queue_notice = now
+        # The SDK cannot send audio until session.created: waiting in the queue is not idleness
+        # (server.idle_timeout_s would otherwise end every queue wait longer than it).
+        self.last_input_at = now
         queued = sum(1 for s in self.server._sessions if s.queued)   # noqa: SLF001 - this server's queue
         self.send(mp.event(kind, position=position, queue_length=max(queued, position or 0)))
 

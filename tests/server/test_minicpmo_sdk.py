@@ -21,7 +21,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from openbmb_realtime import (AudioDelta, Interrupted, RealtimeClient, RealtimeConfig, RealtimeError, SessionClosed,
+from openbmb_realtime import (AudioDelta, RealtimeClient, RealtimeConfig, RealtimeError, SessionClosed,
                               SessionQueued, SessionReady, SessionState, TextDelta, TurnCompleted, WorkerAssigned)
 from server_fakes import FakeEngine
 from websockets.asyncio.client import ClientConnection
@@ -189,21 +189,32 @@ def _metrics(srv: LoopbackServer) -> str:
     return httpx.get(srv.http_url("/metrics"), headers={"Authorization": f"Bearer {KEY}"}).text
 
 
+async def _keep_talking(session) -> None:
+    while True:
+        await _stream(session, 0.1, freq=0)
+        await asyncio.sleep(0.1)
+
+
 def test_sdk_waits_in_the_queue_and_is_admitted_when_room_frees(wire):
+    """Waiting longer than server.idle_timeout_s in the queue is not idleness: the SDK cannot
+    send audio before session.created."""
     deploy = _deploy()
     deploy.server.queue_notice_s = 0.2
+    deploy.server.idle_timeout_s = 0.6
     engine = FakeEngine(deploy, capacity=1)
 
     async def main(srv: LoopbackServer):
         client = _client(srv)
         first = await client.audio.connect(model="m")
+        talking = asyncio.create_task(_keep_talking(first))   # the first caller is not idle
         second_task = asyncio.create_task(client.audio.connect(model="m"))
 
-        async def queued_twice():
-            while sum(f["type"] in ("session.queued", "session.queue_update") for f in wire) < 2:
+        async def queued_a_while():   # 6 notices: over a second in the queue
+            while sum(f["type"] in ("session.queued", "session.queue_update") for f in wire) < 6:
                 await asyncio.sleep(0.01)
-        await asyncio.wait_for(queued_twice(), TIMEOUT)
+        await asyncio.wait_for(queued_a_while(), TIMEOUT)
         assert not second_task.done()    # connect() waits while queued
+        talking.cancel()
         await first.close()              # room frees: the next tick admits the queued session
         second = await asyncio.wait_for(second_task, TIMEOUT)
         events = []
@@ -216,7 +227,7 @@ def test_sdk_waits_in_the_queue_and_is_admitted_when_room_frees(wire):
         second, events = asyncio.run(main(srv))
 
     queued = [e for e in events if isinstance(e, SessionQueued)]
-    assert len(queued) >= 2 and queued[0].position == 1 and queued[0].queue_length == 1
+    assert len(queued) >= 6 and queued[0].position == 1 and queued[0].queue_length == 1
     kinds = [type(e) for e in events]
     assert kinds.index(SessionQueued) < len(kinds) - 1 - kinds[::-1].index(WorkerAssigned) < kinds.index(SessionReady)
     assert second.state is SessionState.CLOSED

@@ -517,8 +517,8 @@ def test_misbehaving_clients_next_to_a_good_one_leak_nothing(models):
     assert text["code"] == 1000 and text["later_errors"] == []
 
     assert [(e["error"]["code"], e["error"]["param"]) for e in minicpmo["errors"]] == [
-        ("invalid_value", "payload.voice.ref_audio_base64"), ("invalid_reference_audio", "payload.voice.ref_audio_base64"),
-        ("invalid_audio", "input.audio")]
+        ("invalid_value", "payload.voice.ref_audio_base64"),
+        ("invalid_reference_audio", "payload.voice.ref_audio_base64"), ("invalid_audio", "input.audio")]
     assert "too short" in minicpmo["errors"][1]["error"]["message"]
     assert minicpmo["created"]["type"] == "session.created" and minicpmo["closed"]["type"] == "session.closed"
     assert minicpmo["code"] == 1000 and engine.stats().reference_voices == 0

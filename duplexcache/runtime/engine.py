@@ -262,7 +262,7 @@ class DuplexEngine:
             embeddings = self.sizing.count_ref_embeddings(voice)
             self.code2wav.register_voice(voice.name, voice.prompt_tokens, voice.prompt_mel, voice.spk)
             self.sizing.ref_embeddings[voice.name] = embeddings
-            self.voices.add(voice)
+            self.voices.add(voice, listed=False)
             self.recorder.voice_names.append(voice.name)
             # captured outside any tick (as at start): not a capture inside a tick
             self._warmup_captures += self._graph_captures_total() - before

@@ -146,15 +146,18 @@ def test_sdk_streams_hears_interrupts_reads_usage_and_shares_a_reference_voice(w
         await other_heard.until(_count(AudioDelta), "the second session's audio")
         stats = engine.stats()
         metrics = await asyncio.to_thread(_metrics, srv)
+        listed = await asyncio.to_thread(_get_json, srv, "/v1/voices")
+        named = await _openai_names_a_reference_voice(srv, next(v for v in stats.cfm_prompt_passes
+                                                                if v.startswith("ref-")))
 
         await session.close()
         await other.close()
         await asyncio.wait_for(asyncio.gather(heard.task, other_heard.task), TIMEOUT)
         usage = session.usage   # read after close(): session.closed carries the final snapshot
-        return session, cut, events, heard.events, usage, stats, metrics
+        return session, cut, events, heard.events, usage, stats, metrics, listed, named
 
     with LoopbackServer(create_app(engine, deploy)) as srv:
-        session, cut, events, all_events, usage, stats, metrics = asyncio.run(main(srv))
+        session, cut, events, all_events, usage, stats, metrics, listed, named = asyncio.run(main(srv))
 
     # the interrupt cut the reply: cancelled, and nothing of it after its response.done
     done_at = next(i for i, f in enumerate(wire) if f["type"] == "response.done" and f["response"]["id"] == cut)
@@ -174,13 +177,33 @@ def test_sdk_streams_hears_interrupts_reads_usage_and_shares_a_reference_voice(w
     assert session.state is SessionState.CLOSED
     assert isinstance(all_events[-1], SessionClosed) and all_events[-1].reason == "user_stop"
     assert [f["reason"] for f in wire if f["type"] == "session.closed"] == ["user_stop", "user_stop"]
-    assert not [f for f in wire if f["type"] == "error"]
+    assert [f for f in wire if f["type"] == "error"] == [named]   # the OpenAI client's, below; none of the SDK's
     # one voice made from the recording, reused once, one Code2Wav prompt pass for it
     ref = [v for v in stats.cfm_prompt_passes if v.startswith("ref-")]
     assert len(ref) == 1 and stats.cfm_prompt_passes[ref[0]] == 1
     assert (stats.reference_voices, stats.reference_voices_added, stats.reference_voice_reuses) == (1, 1, 1)
     assert "duplexcache_reference_voice_reuses_total 1.0" in metrics
     assert "duplexcache_reference_voices_added_total 1.0" in metrics
+    # a reference voice is the sender's: not listed, and no other client may ask for it by name
+    assert sorted(listed["voices"]) == ["alt", "default"]
+    assert named["type"] == "error" and named["error"]["param"] == "session.voice", named
+    assert "ref-" not in named["error"]["message"].split("server has:")[1]
+
+
+def _get_json(srv: LoopbackServer, path: str) -> dict:
+    import httpx
+
+    return httpx.get(srv.http_url(path), headers={"Authorization": f"Bearer {KEY}"}).json()
+
+
+async def _openai_names_a_reference_voice(srv: LoopbackServer, voice: str) -> dict:
+    """An OpenAI-dialect client asking for a reference voice by its name: the answer."""
+    from websockets.asyncio.client import connect
+
+    async with connect(srv.ws_url("/v1/realtime"), additional_headers={"Authorization": f"Bearer {KEY}"}) as ws:
+        json.loads(await ws.recv())   # session.created
+        await ws.send(json.dumps({"type": "session.update", "session": {"voice": voice}}))
+        return json.loads(await asyncio.wait_for(ws.recv(), TIMEOUT))
 
 
 def _metrics(srv: LoopbackServer) -> str:

@@ -96,7 +96,6 @@ class MiniCPMoSession(RealtimeSession):
         self.initialized = False
         self.tts_enabled = True
         self.usage = mp.Usage(AUDIO_TOKENS_PER_SECOND, SPEECH_TOKENS_PER_SECOND)
-        self._pushed_ms = 0               # input audio counted in usage, ms at 16 kHz
 
     # ---------------------------------------------------------------- sending
     def announce(self) -> None:

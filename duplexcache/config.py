@@ -283,6 +283,10 @@ class EngineConfig(_Strict):
     # while the Thinker's turn goes on (the path taken at the model's limit), so replies shorter
     # than the cap are bit-identical; at least one unit's worst case (runtime/talker_stage.py).
     talker_turn_tokens: int | None = Field(None, gt=0)
+    # Voices made from clients' reference recordings (runtime/reference_voices.py) held at once:
+    # each costs a Code2Wav prompt state and a prompt pass when first seen; sessions sending the
+    # same recording share it. 0: clients may only name the server's voices.
+    max_reference_voices: int = Field(8, ge=0)
 
     @model_validator(mode="after")
     def _reserve_fits(self) -> "EngineConfig":

@@ -35,7 +35,7 @@ NON_DEFAULT = {
     "precision": {"code2wav_dtype": "bfloat16", "kv_cache_dtype": "fp8_e4m3", "encoder_cache_dtype": "fp8_e4m3"},
     "engine": {"memory_budget": "80GiB", "memory_fraction": 0.8, "activation_reserve": "3GiB", "tick_seconds": 0.5, "decode_cuda_graphs": False, "ragged_step_graphs": False,
                "encoder_cuda_graphs": False, "batch_invariant": True,
-               "talker_turn_tokens": 1024,
+               "talker_turn_tokens": 1024, "max_reference_voices": 2,
                "tick_headroom": 0.5, "prefill_chunk_tokens": 256,
                "speak_policy": {"mode": "model", "k": 3, "turn_units": 1, "speech_rms": 0.02,
                                 "reply_min_units": 3, "reply_max_units": 5, "end_quiet_ms": 300,

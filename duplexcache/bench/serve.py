@@ -136,6 +136,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "per character, and over server.max_context_tokens they are refused")
     parser.add_argument("--long-context-at", type=_bounded("--long-context-at", 0, MAX_DURATION_S), default=None,
                         help="seconds after a step's start when they connect, 0.5 s apart (default: --ramp + 5)")
+    parser.add_argument("--minicpmo-share", type=_bounded("--minicpmo-share", 0, 1), default=0.0,
+                        help="share of the callers that speak the MiniCPM-o Realtime dialect (map.realtime, a "
+                        "reference recording per voice) instead of OpenAI's, spread evenly; 0.5 = every other one")
     parser.add_argument("--ready-timeout", type=_bounded("--ready-timeout", 0, MAX_DURATION_S), default=600.0,
                         help="seconds to wait for a server whose /health says it is still warming up before the "
                              "first step (a server that nothing answers for fails at once)")
@@ -406,6 +409,7 @@ def summarize_step(n: int, rows: list[dict[str, Any]], before: dict, after: dict
         "gaps_over_200ms": sum(r["gaps_over_200ms"] for r in rows),
         "sessions_with_audio": sum(r["got_audio"] for r in rows),
         "sessions_with_errors": sum(bool(r["errors"]) for r in rows),
+        "sessions_by_dialect": _dialect_summary(rows),
         "errors_top": top_errors(rows),
         "replies_scheduled": sum(r["replies_scheduled"] for r in rows),
         "replies_done": sum(r["replies_done"] for r in rows),
@@ -445,6 +449,23 @@ def _long_context_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "gaps_over_200ms": sum(r["gaps_over_200ms"] for r in rows)}
 
 
+def caller_dialect(index: int, share: float) -> str:
+    """The wire protocol of caller ``index`` when ``share`` of the callers speak MiniCPM-o's:
+    spread evenly (0.5: the odd callers), so both dialects ramp up together."""
+    return "minicpmo" if math.floor((index + 1) * share) > math.floor(index * share) else "openai"
+
+
+def _dialect_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per wire protocol: callers, those that got audio, those with errors."""
+    out: dict[str, Any] = {}
+    for row in rows:
+        d = out.setdefault(row.get("dialect", "openai"), {"sessions": 0, "with_audio": 0, "with_errors": 0})
+        d["sessions"] += 1
+        d["with_audio"] += bool(row["got_audio"])
+        d["with_errors"] += bool(row["errors"])
+    return out
+
+
 def _voice_names(args: argparse.Namespace) -> list[str]:
     return [v for v in args.voices.split(",") if v.strip()]
 
@@ -457,7 +478,8 @@ async def run_step(n: int, args: argparse.Namespace, client: Any, base: str, bar
     voices = wl.pick_voices(n, _voice_names(args), args.seed)
     units = max(1, int(args.duration))
     callers = [Caller(i, voices[i], args.workload, units, args.seed, shape, INSTRUCTIONS,
-                      start_delay_s=args.ramp * i / max(1, n - 1) if n > 1 else 0.0, drain_s=args.drain)
+                      start_delay_s=args.ramp * i / max(1, n - 1) if n > 1 else 0.0, drain_s=args.drain,
+                      dialect=caller_dialect(i, args.minicpmo_share))
                for i in range(n)]
     # Long-context callers join later (0.5 s apart) and stop with the others: they open while
     # the regular callers are live, which is the case issue 11 is about.
@@ -467,7 +489,7 @@ async def run_step(n: int, args: argparse.Namespace, client: Any, base: str, bar
     callers += [Caller(n + j, long_voices[j], args.workload, max(1, units - int(at)), args.seed, shape,
                        long_instructions(args.long_context_chars), start_delay_s=at + 0.5 * j, drain_s=args.drain)
                 for j in range(extra)]
-    traces = [SessionTrace(c.index, c.voice) for c in callers]
+    traces = [SessionTrace(c.index, c.voice, c.dialect) for c in callers]
     before = await scrape(client, base)
     start = time.perf_counter()
     # Bounded: connect timeouts + ramp + audio + drain, with slack for a slow server.
@@ -520,7 +542,7 @@ def _results(args: argparse.Namespace, argv: list[str], steps: list[dict[str, An
         "config": {"sessions": list(args.sessions), "workload": args.workload, "duration_s": args.duration,
                    "ramp_s": args.ramp, "seed": args.seed, "voices": _voice_names(args),
                    "user_units": list(args.user_units), "max_lead_units": args.max_lead_units,
-                   "turn_ends": args.turn_ends,
+                   "turn_ends": args.turn_ends, "minicpmo_share": args.minicpmo_share,
                    "reply_units": [args.reply_min_units, args.reply_max_units], "drain_s": args.drain,
                    "gap_threshold_s": GAP_S, "input": "16 kHz pcm16 in 0.1 s chunks at real-time pace",
                    "api_key": bool(auth_headers())},   # whether a key was sent, never the key

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
+import hashlib
 import itertools
 import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import numpy as np
 
@@ -51,6 +54,11 @@ class Wire:
     INPUT_RATE = 16_000
     OUTPUT_RATE = 24_000
     INPUT_FORMAT = "pcm16"
+    SUBPROTOCOLS: list[str] | None = None
+
+    @staticmethod
+    def url(url: str) -> str:
+        return url
 
     @staticmethod
     def session_update(voice: str, instructions: str) -> str:
@@ -86,12 +94,75 @@ class Wire:
         return "other", kind
 
 
+class MiniCPMoWire:
+    """The MiniCPM-o Realtime dialect as this client speaks it (server/minicpmo_protocol.py):
+    ``?mode=audio`` and the ``map.realtime`` subprotocol, ``session.init`` with the caller's
+    voice as a reference recording, ``input.append`` of float32 16 kHz, float32 24 kHz audio
+    deltas. Its callers share one reference voice per voice name (the server makes each once)."""
+
+    INPUT_RATE = Wire.INPUT_RATE
+    OUTPUT_RATE = Wire.OUTPUT_RATE
+    SUBPROTOCOLS = ["map.realtime"]
+    MODEL = "duplexcache-bench"
+
+    @staticmethod
+    def url(url: str) -> str:
+        parts = urlsplit(url)
+        query = dict(parse_qsl(parts.query, keep_blank_values=True))
+        query.update({"mode": "audio", "model": query.get("model", MiniCPMoWire.MODEL)})
+        return urlunsplit(parts._replace(query=urlencode(query)))
+
+    @staticmethod
+    def session_update(voice: str, instructions: str) -> str:
+        return json.dumps({"type": "session.init", "payload": {
+            "system_prompt": instructions, "voice": {"ref_audio_base64": reference_recording(voice)}}})
+
+    @staticmethod
+    def append(pcm: np.ndarray) -> str:
+        samples = np.clip(pcm, -1.0, 1.0).astype("<f4")
+        return json.dumps({"type": "input.append",
+                           "input": {"audio": base64.b64encode(samples.tobytes()).decode("ascii")}})
+
+    @staticmethod
+    def parse(text: str | bytes) -> tuple[str, Any]:
+        """As :meth:`Wire.parse`, for this dialect's events."""
+        event = json.loads(text)
+        kind = event.get("type")
+        if kind == "session.created":
+            return "session", event.get("session_id")
+        if kind == "response.output_audio.delta":
+            return "audio", len(base64.b64decode(event.get("audio", ""))) // 4
+        if kind == "response.output_text.delta":
+            return "text", event.get("text", "")
+        if kind == "response.done":
+            return "done", (event.get("response") or {}).get("status", "completed")
+        if kind == "error":
+            err = event.get("error") or {}
+            return "error", f"{err.get('code')}: {err.get('message')}"
+        return "other", kind
+
+
+@functools.lru_cache(maxsize=None)
+def reference_recording(voice: str, seconds: float = 1.0) -> str:
+    """A deterministic 16 kHz float32 recording for a voice name (base64): a few harmonics of a
+    pitch drawn from the name, so callers of one voice send the same recording."""
+    pitch = 100.0 + int(hashlib.sha256(voice.encode("utf-8")).hexdigest()[:8], 16) % 150
+    t = np.arange(int(Wire.INPUT_RATE * seconds)) / Wire.INPUT_RATE
+    wave = sum(0.5 ** h * np.sin(2 * np.pi * pitch * (h + 1) * t) for h in range(4))
+    samples = (0.4 * wave / np.abs(wave).max()).astype("<f4")
+    return base64.b64encode(samples.tobytes()).decode("ascii")
+
+
+WIRES: dict[str, Any] = {"openai": Wire, "minicpmo": MiniCPMoWire}
+
+
 @dataclass
 class SessionTrace:
     """What one session sent and received (client clock)."""
 
     index: int
     voice: str
+    dialect: str = "openai"                 # which wire protocol the caller spoke (WIRES)
     sid: str | None = None
     connected_at: float | None = None
     ready_at: float | None = None           # session id known; audio starts
@@ -133,6 +204,11 @@ class Caller:
     start_delay_s: float
     ready_timeout_s: float = 30.0
     drain_s: float = 5.0
+    dialect: str = "openai"     # "openai" (Wire) or "minicpmo" (MiniCPMoWire)
+
+    @property
+    def wire(self) -> Any:
+        return WIRES[self.dialect]
 
     def script(self, sid: str) -> wl.SessionScript:
         if self.workload in TURN_WORKLOADS:
@@ -148,13 +224,14 @@ class Caller:
         await asyncio.sleep(self.start_delay_s)
         loop = asyncio.get_running_loop()
         try:
-            async with connect(url, max_size=None, open_timeout=self.ready_timeout_s,
-                               additional_headers=headers or None) as ws:
+            wire = self.wire
+            async with connect(wire.url(url), max_size=None, open_timeout=self.ready_timeout_s,
+                               additional_headers=headers or None, subprotocols=wire.SUBPROTOCOLS) as ws:
                 trace.connected_at = loop.time()
                 ready = asyncio.Event()
                 receiver = asyncio.create_task(self._receive(ws, trace, ready))
                 try:
-                    await ws.send(Wire.session_update(self.voice, self.instructions))
+                    await ws.send(wire.session_update(self.voice, self.instructions))
                     await asyncio.wait_for(ready.wait(), self.ready_timeout_s)
                     if trace.sid is None:   # the server refused the session (the error is recorded)
                         return
@@ -173,7 +250,7 @@ class Caller:
         loop = asyncio.get_running_loop()
         async for message in ws:
             now = loop.time()
-            kind, value = Wire.parse(message)
+            kind, value = self.wire.parse(message)
             if kind == "session":
                 if trace.sid is None:
                     trace.sid, trace.ready_at = value, now
@@ -205,7 +282,7 @@ class Caller:
             for c, chunk in enumerate(_unit_chunks(wl.unit_audio(trace.script, self.index, u, self.seed))):
                 await asyncio.sleep(max(0.0, start + sent / Wire.INPUT_RATE - loop.time()))
                 if not silent:
-                    await ws.send(Wire.append(chunk))
+                    await ws.send(self.wire.append(chunk))
                 sent += chunk.size
                 if c == last:
                     trace.turn_ends[ends[u]] = loop.time()
@@ -285,7 +362,7 @@ def session_row(trace: SessionTrace) -> dict[str, Any]:
     gaps = [g for reply in replies for g in playback_gaps(reply)]
     long_gaps = [g for g in gaps if g > GAP_S]
     return {
-        "index": trace.index, "sid": trace.sid, "voice": trace.voice, "units_sent": trace.units_sent,
+        "index": trace.index, "sid": trace.sid, "voice": trace.voice, "dialect": trace.dialect, "units_sent": trace.units_sent,
         "replies_scheduled": complete, "replies_done": len(trace.dones), "replies_with_audio": len(replies),
         "reply_latency_s": [round(x, 4) for x in latencies],
         "gaps_over_200ms": len(long_gaps), "max_gap_s": round(max(gaps), 4) if gaps else 0.0,

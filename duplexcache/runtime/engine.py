@@ -28,6 +28,7 @@ raises is probed per session and re-run without the culprits.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -59,6 +60,8 @@ from duplexcache.runtime.fast_forward import FastForwardRequest, FastForwardResu
 from duplexcache.runtime.isolation import FaultInjector
 from duplexcache.runtime.pacing import PrefillTimes
 from duplexcache.runtime.policy import ControlTokens, make_policy, text_token_ids
+from duplexcache.runtime.reference_voices import ReferenceVoices
+from duplexcache.runtime.voices import Voice
 from duplexcache.runtime.session_sizing import CLIENT_REFUSALS, RefusalLog, SessionSizing, refusal
 from duplexcache.runtime.talker_stage import TalkerStage
 from duplexcache.runtime.thinker_stage import ThinkerStage
@@ -137,6 +140,9 @@ class DuplexEngine:
         # Fault injection for tests (runtime/isolation.py); None when serving: no YAML key or
         # client message reaches it, only ``install_faults``.
         self.faults: FaultInjector | None = None
+        # Voices from clients' reference recordings, made on first sight and shared after.
+        self.reference_voices = ReferenceVoices(deploy.engine.max_reference_voices, self.voices.get("default"),
+                                                self._register_voice, self._unregister_voice, self._voices_in_use)
         self.recorder.refresh_pools()
         logger.info("engine ready: %s", self.plan.describe())
 
@@ -248,6 +254,42 @@ class DuplexEngine:
 
     def _refusal(self, fp: Footprint) -> tuple[str, str] | None:
         return refusal(self.ledger, self.tick_cost, fp, len(self.table.live))
+
+    def add_reference_voice(self, ref_audio: np.ndarray | torch.Tensor) -> str:
+        """The name of a voice made from a reference recording (16 kHz float32 mono), for a
+        session's ``voice``; registered on first sight, the same name (and state) for the same
+        recording after. Optional EngineAPI member. May wait for a running tick (only when the
+        recording is new). ReferenceAudioError for unusable audio or when every slot is held."""
+        if self._closed:
+            raise RuntimeError("engine is shut down")
+        return self.reference_voices.add(ref_audio)
+
+    def _register_voice(self, voice: Voice) -> None:
+        # Under the tick lock: the prompt pass and the encoder run use the models a tick uses
+        # (and their numerics: engine.batch_invariant).
+        with self._tick_lock, self._numerics():
+            before = self._graph_captures_total()
+            embeddings = self.sizing.count_ref_embeddings(voice)
+            self.code2wav.register_voice(voice.name, voice.prompt_tokens, voice.prompt_mel, voice.spk)
+            self.sizing.ref_embeddings[voice.name] = embeddings
+            self.voices.add(voice, listed=False)
+            self.recorder.voice_names.append(voice.name)
+            # captured outside any tick (as at start): not a capture inside a tick
+            self._warmup_captures += self._graph_captures_total() - before
+            self.recorder.refresh_pools()
+
+    def _unregister_voice(self, name: str) -> None:
+        with self._tick_lock:
+            self.voices.remove(name)
+            self.code2wav.unregister_voice(name)
+            self.sizing.ref_embeddings.pop(name, None)
+            self.recorder.voice_names.remove(name)
+            self.recorder.refresh_pools()
+
+    def _voices_in_use(self) -> set[str]:
+        table = self.table
+        with table.lock:
+            return {s.voice.name for s in (*table.live.values(), *table.queue.values(), *table.closing)}
 
     def is_queued(self, sid: str) -> bool:
         return self.table.is_queued(sid)
@@ -523,6 +565,11 @@ class DuplexEngine:
         logger.info("engine shut down")
 
     def stats(self) -> EngineStats:
+        return dataclasses.replace(self._stats(), reference_voices=len(self.reference_voices),
+                                   reference_voices_added=self.reference_voices.added,
+                                   reference_voice_reuses=self.reference_voices.reuses)
+
+    def _stats(self) -> EngineStats:
         return self.recorder.snapshot(
             {"thinker": self.thinker_graphs, "talker": self.talker_graphs}, self._warmup_captures,
             self._graph_captures_total(), self.warmup_report.seconds if self.warmup_report is not None else None,

@@ -200,6 +200,12 @@ class EngineStats:
     # Units closed with silence at the first tick after their caller's turn ended
     # (server.tick_phases > 1, runtime/engine_session.py EarlyClose).
     early_closes: int = 0
+    # Voices made from clients' reference recordings (runtime/reference_voices.py): held now,
+    # registered since start (one Code2Wav prompt pass each), and sessions that were given a
+    # voice already registered for the same recording (its state shared, nothing computed).
+    reference_voices: int = 0
+    reference_voices_added: int = 0
+    reference_voice_reuses: int = 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -273,6 +279,11 @@ class EngineAPI(Protocol):
         """Close every session and release the engine's memory."""
         ...
 
+
+# Optional: ``add_reference_voice(ref_audio) -> str``, a voice name made from a client's
+# reference recording (16 kHz float32 mono), the same name for the same recording
+# (runtime/reference_voices.py); a server offers reference voices only where an engine has it.
+REFERENCE_VOICE_METHOD = "add_reference_voice"
 
 # The turn-control members of EngineAPI; the server checks for them by name so that an engine
 # built before they existed still serves (turn_detection "duplex" only, no response.cancel).

@@ -123,9 +123,9 @@ class SessionSizing:
         # Talker KV tokens one audio turn may hold: admission reserves this many per session.
         self.talker_turn_tokens = resolve_turn_tokens(deploy.engine.talker_turn_tokens, models.talker.config)
         # Reference-audio embedding counts per voice: the only model run sizing needs, once.
-        self.ref_embeddings = {v: self._count_ref_embeddings(self.voices.get(v)) for v in self.voices.names()}
+        self.ref_embeddings = {v: self.count_ref_embeddings(self.voices.get(v)) for v in self.voices.names()}
 
-    def _count_ref_embeddings(self, voice: Voice) -> int:
+    def count_ref_embeddings(self, voice: Voice) -> int:
         with torch.no_grad():
             return int(self.models.audio_encoder.embed_audio(voice.ref_audio).shape[0])
 

@@ -109,19 +109,30 @@ class VoiceRegistry:
 
     def __init__(self, voices: list[Voice] | None = None) -> None:
         self._voices: dict[str, Voice] = {}
+        # Voices made from a client's reference recording (runtime/reference_voices.py): usable
+        # by the sessions that sent the recording, never listed, so no other client learns of
+        # them or asks for them by name (names() feeds /v1/voices and session.update's check).
+        self._unlisted: set[str] = set()
         for v in voices or []:
             self.add(v)
 
-    def add(self, voice: Voice, replace: bool = False) -> None:
+    def add(self, voice: Voice, replace: bool = False, listed: bool = True) -> None:
         if voice.name in self._voices and not replace:
             raise ValueError(f"voice {voice.name!r} is already registered")
+        if not listed:
+            self._unlisted.add(voice.name)
         self._voices[voice.name] = voice
+
+    def remove(self, name: str) -> None:
+        """Forget a voice (a client's reference voice that no session holds any more)."""
+        self._voices.pop(name, None)
+        self._unlisted.discard(name)
 
     def get(self, name: str) -> Voice:
         try:
             return self._voices[name]
         except KeyError:
-            raise ValueError(f"unknown voice {name!r} (known: {', '.join(sorted(self._voices))})") from None
+            raise ValueError(f"unknown voice {name!r} (known: {', '.join(sorted(self.names()))})") from None
 
     def __contains__(self, name: object) -> bool:
         return name in self._voices
@@ -130,7 +141,8 @@ class VoiceRegistry:
         return len(self._voices)
 
     def names(self) -> list[str]:
-        return list(self._voices)
+        """The server's voices, those a client may name (reference voices are not listed)."""
+        return [name for name in list(self._voices) if name not in self._unlisted]
 
     @classmethod
     def synthetic(cls, names: tuple[str, ...] = ("default", "alt"), **kwargs) -> VoiceRegistry:

@@ -53,6 +53,7 @@ from duplexcache.server import protocol as proto
 from duplexcache.server.auth import Refusal, bearer_ok, check_handshake
 from duplexcache.server.connection import Connection
 from duplexcache.server.metrics import ServerMetrics
+from duplexcache.server.minicpmo_session import session_for
 from duplexcache.server.realtime_session import RealtimeSession
 
 logger = logging.getLogger(__name__)
@@ -484,7 +485,7 @@ class RealtimeServer:
                 del self._pending_clients[client]
         conn = Connection(ws)
         conn.start()
-        session = RealtimeSession(self, conn, verdict, client, ws.query_params.get("model"))
+        session = session_for(self, conn, verdict, client, ws.query_params)   # the handshake's dialect
         # the context key a cluster router placed this connection by (cluster/placement.py)
         session.placement_key = ws.headers.get(proto.PLACEMENT_HEADER, "")[:MAX_PLACEMENT_KEY]
         self._sessions.add(session)
@@ -521,7 +522,7 @@ class RealtimeServer:
                 session.error("binary_frame", "binary frames are not supported; send JSON text frames")
                 continue
             try:
-                await session.handle(proto.parse_client_event(text))
+                await session.handle(getattr(session, "parse_event", proto.parse_client_event)(text))
             except proto.ProtocolError as exc:
                 session.error(exc.code, exc.message, event_id=exc.event_id, param=exc.param,
                               error_type=exc.error_type)

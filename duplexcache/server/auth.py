@@ -21,6 +21,7 @@ KEY_SUBPROTOCOL_PREFIX = "openai-insecure-api-key."
 REALTIME_SUBPROTOCOL = "realtime"
 BETA_SUBPROTOCOL = "openai-beta.realtime-v1"
 BETA_HEADER = "openai-beta"
+MINICPMO_SUBPROTOCOL = "map.realtime"   # OpenBMB's MiniCPM-o Realtime SDK (server/minicpmo_protocol.py)
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class Handshake:
     subprotocol: str | None  # to echo back on accept
     beta: bool               # speaks the beta dialect (OpenAI-Beta header or subprotocol)
     openai_client: bool      # identified itself as an OpenAI client (24 kHz defaults)
+    dialect: str = "openai"  # "openai" or "minicpmo": which wire protocol the session speaks
 
 
 def offered_subprotocols(headers: Mapping[str, str]) -> list[str]:
@@ -78,6 +80,10 @@ def check_handshake(config: ServerConfig, headers: Mapping[str, str], query: Map
     if not origin_allowed(headers.get("origin"), headers.get("host"), config.allowed_origins):
         return Refusal(403, "origin_not_allowed", "This origin may not connect to this server "
                        "(server.allowed_origins).")
+    if MINICPMO_SUBPROTOCOL in subprotocols or "mode" in query:
+        # the MiniCPM-o SDK offers map.realtime and always sends ?mode=; OpenAI clients neither
+        echo = MINICPMO_SUBPROTOCOL if MINICPMO_SUBPROTOCOL in subprotocols else None
+        return Handshake(subprotocol=echo, beta=False, openai_client=False, dialect="minicpmo")
     beta = BETA_HEADER in headers or BETA_SUBPROTOCOL in subprotocols
     # Echo one offered subprotocol (browsers fail a handshake that offered some and got none back),
     # never the key-bearing one.

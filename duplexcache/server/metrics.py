@@ -23,7 +23,8 @@ PREFIX = "duplexcache_"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 # EngineStats counter field -> metric attribute name on ServerMetrics
-_ENGINE_COUNTERS = ("context_cache_hits", "context_cache_misses", "cfm_fallbacks", "early_closes")
+_ENGINE_COUNTERS = ("context_cache_hits", "context_cache_misses", "cfm_fallbacks", "early_closes",
+                    "reference_voices_added", "reference_voice_reuses")
 GRAPH_CAPTURE_PLACES = ("warmup", "tick")
 
 
@@ -52,6 +53,12 @@ class ServerMetrics:
             "(server.prefill_between_ticks)", registry=r)
         self.early_closes = Counter(PREFIX + "early_closes", "Units closed with silence at the first tick after "
                                     "their caller's turn ended (server.tick_phases > 1)", registry=r)
+        self.reference_voices = Gauge(PREFIX + "reference_voices", "Voices made from clients' reference "
+                                      "recordings, held now (engine.max_reference_voices)", registry=r)
+        self.reference_voices_added = Counter(PREFIX + "reference_voices_added", "Reference recordings made into "
+                                              "voices (one Code2Wav prompt pass each)", registry=r)
+        self.reference_voice_reuses = Counter(PREFIX + "reference_voice_reuses", "Sessions given a voice already "
+                                              "made from the same recording (its state shared)", registry=r)
         self.tick_errors = Counter(PREFIX + "tick_errors", "Ticks that raised an exception", registry=r)
         self.protocol_errors = Counter(PREFIX + "protocol_errors", "Error events sent to clients",
                                        ["code"], registry=r)
@@ -86,6 +93,7 @@ class ServerMetrics:
         """Bring every engine-fed metric up to ``stats``."""
         self.live_sessions.set(stats.live_sessions)
         self.queued_sessions.set(stats.queued_sessions)
+        self.reference_voices.set(stats.reference_voices)
         for pool, tiers in stats.pools.items():
             for tier in TIERS:
                 self.bytes.labels(pool=pool, tier=tier).set(getattr(tiers, tier))

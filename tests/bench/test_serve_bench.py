@@ -336,6 +336,31 @@ def test_push_to_talk_callers_get_their_replies(tmp_path):
     assert results["criterion"]["reply_latency_p99_max_s"] is not None   # replies, so latency counts
 
 
+def test_callers_of_both_dialects_get_their_replies(tmp_path):
+    """``--minicpmo-share 0.5``: every other caller speaks the MiniCPM-o Realtime dialect
+    (session.init with a reference recording of its voice, float32 in and out) on the same
+    server; each hears its reply, and the step sums callers per dialect."""
+    deploy = _deploy()
+    engine = DuplexEngine(deploy, build_models(deploy, seed=0))
+    with LoopbackServer(create_app(engine, deploy)) as srv:
+        argv = ["--url", srv.ws_url(REALTIME_PATH), "--sessions", "2", "--duration", str(DURATION),
+                "--ramp", "0", "--user-units", "2,2", "--max-lead-units", "0", "--reply-min-units", str(REPLY[0]),
+                "--reply-max-units", str(REPLY[1]), "--drain", "8", "--minicpmo-share", "0.5", "--out", str(tmp_path)]
+        assert cli_main(["bench", "serve", *argv]) == 0
+        added = engine.stats().reference_voices_added
+    results = json.loads((tmp_path / "results.json").read_text())
+    (step,) = results["steps"]
+    assert results["config"]["minicpmo_share"] == 0.5
+    assert [row["dialect"] for row in step["per_session"]] == ["openai", "minicpmo"]
+    for row in step["per_session"]:
+        assert row["errors"] == [] and row["replies_done"] == row["replies_with_audio"] == 1, row
+        assert row["audio_received_s"] == pytest.approx(row["audio_scheduled_s"] + 0.12 + 0.16)
+    assert step["sessions_by_dialect"] == {"openai": {"sessions": 1, "with_audio": 1, "with_errors": 0},
+                                           "minicpmo": {"sessions": 1, "with_audio": 1, "with_errors": 0}}
+    assert added == 1   # the MiniCPM-o caller's voice came from its reference recording
+    assert [serve.caller_dialect(i, 0.25) for i in range(8)].count("minicpmo") == 2
+
+
 def _parsed(argv: list[str]):
     import argparse
 

@@ -438,6 +438,30 @@ async def _too_much_text(srv: LoopbackServer) -> dict[str, Any]:
     return {"error": error, "added": added, "code": code, "later_errors": heard.errors}
 
 
+async def _minicpmo_bad_input(srv: LoopbackServer) -> dict[str, Any]:
+    """The same guarantees through the MiniCPM-o dialect: bad base64 and a reference recording the
+    engine refuses (too short) are errors naming the field; the session then opens, takes audio,
+    refuses out-of-range samples by name and closes cleanly."""
+    f32 = lambda seconds: base64.b64encode(np.full(int(IN_RATE * seconds), 0.1, "<f4").tobytes()).decode()  # noqa: E731
+    errors = []
+    async with connect(srv.ws_url(REALTIME_PATH) + "?mode=audio&model=m", subprotocols=["map.realtime"],
+                       max_size=None) as ws:
+        assert (await recv(ws, TIMEOUT_S))["type"] == "session.queue_done"
+        for ref in ("***", f32(0.05)):
+            await send(ws, {"type": "session.init", "payload": {"voice": {"ref_audio_base64": ref}}})
+            errors.append(await recv(ws, TIMEOUT_S))
+        await send(ws, {"type": "session.init", "payload": {"system_prompt": INSTRUCTIONS}})
+        created = await recv(ws, TIMEOUT_S)
+        await send(ws, {"type": "input.append", "input": {"audio": f32(0.2)}})
+        await send(ws, {"type": "input.append", "input": {"audio": base64.b64encode(
+            np.full(8, 2.0, "<f4").tobytes()).decode()}})
+        errors.append(await recv(ws, TIMEOUT_S))
+        await send(ws, {"type": "session.close"})
+        closed = await recv(ws, TIMEOUT_S)
+        await asyncio.wait_for(ws.wait_closed(), TIMEOUT_S)
+    return {"errors": errors, "created": created, "closed": closed, "code": ws.close_code}
+
+
 def _pool_snapshot(engine: DuplexEngine) -> dict[str, Any]:
     ps = engine.stage0.pool_stats()
     pools = engine.stats().pools
@@ -461,13 +485,13 @@ def test_misbehaving_clients_next_to_a_good_one_leak_nothing(models):
         return await asyncio.gather(
             _good_client(srv, 40, "default", pause=0.01),
             _disconnect_mid_turn(srv), _malformed_json(srv), _unknown_event(srv), _odd_pcm16(srv),
-            _private_key(srv), _unknown_voice(srv), _too_much_text(srv))
+            _private_key(srv), _unknown_voice(srv), _too_much_text(srv), _minicpmo_bad_input(srv))
 
     with LoopbackServer(app, max_frame_bytes=deploy.server.max_frame_bytes) as srv:
         asyncio.run(warm_up(srv))
         _settle(engine, app)
         warm = _pool_snapshot(engine)
-        good, dropped, malformed, unknown, odd, private, voice, text = asyncio.run(misbehave(srv))
+        good, dropped, malformed, unknown, odd, private, voice, text, minicpmo = asyncio.run(misbehave(srv))
         _settle(engine, app)
         after = _pool_snapshot(engine)
         engine.thinker_manager.check_invariants()
@@ -492,6 +516,13 @@ def test_misbehaving_clients_next_to_a_good_one_leak_nothing(models):
     assert text["error"]["error"]["code"] == "user_text_too_long" and text["error"]["error"]["param"] == "item.content"
     assert "does not fit" in text["error"]["error"]["message"]
     assert text["code"] == 1000 and text["later_errors"] == []
+
+    assert [(e["error"]["code"], e["error"]["param"]) for e in minicpmo["errors"]] == [
+        ("invalid_value", "payload.voice.ref_audio_base64"),
+        ("invalid_reference_audio", "payload.voice.ref_audio_base64"), ("invalid_audio", "input.audio")]
+    assert "too short" in minicpmo["errors"][1]["error"]["message"]
+    assert minicpmo["created"]["type"] == "session.created" and minicpmo["closed"]["type"] == "session.closed"
+    assert minicpmo["code"] == 1000 and engine.stats().reference_voices == 0
 
     for name in PRIVATE_POOLS:
         assert warm["pools"][name].private == 0 and after["pools"][name].private == 0, name

@@ -12,8 +12,9 @@ draining) another one answers, and its ``/health`` (``replica``) and ``/metrics`
 A WebSocket stays on its replica for its whole life (it is one long request), so placement is
 sticky by construction. Stats are seconds old while a burst of sessions is placed in
 milliseconds: the router counts what it sent in the last few report periods against the replica
-(a context it sent is "held", a send takes one slot of room) until the replica's own report
-surely includes it; one router per proxy, so with several proxies each counts its own sends.
+(a context it sent is "held", every send -- with a context or without -- takes one slot of room)
+until the replica's own report surely includes it; one router per proxy, so with several proxies
+each counts its own sends.
 """
 
 from __future__ import annotations
@@ -78,9 +79,14 @@ class CacheAffinityRouter(RequestRouter):
         if not loads:  # nobody has reported yet: any replica (its own admission decides)
             return [candidate_replicas]
         choice = place(key or None, with_sent(loads, self._recent_sends()))
-        if key:  # a session handshake (GETs of /health and /metrics carry no context)
-            self._sent.setdefault(choice.replica, []).append((time.monotonic(), key))
-            logger.info("placed a session with context %s on replica %s (%s)", key, choice.replica, choice.reason)
-            if self._placements is not None:
-                self._placements.inc(tags={"reason": choice.reason})
+        # Every placement takes a slot of room until the replica's report includes it, keyed or
+        # not: a burst of handshakes without a placement header all saw the same room and landed
+        # on one replica while the other sat idle. The router cannot tell such a handshake from
+        # an unpinned GET of /health (Ray hands it neither the path nor the scope type), so a
+        # probe holds a slot for sent_ttl_s too: pessimistic by a few slots, never overbooked.
+        self._sent.setdefault(choice.replica, []).append((time.monotonic(), key or None))
+        logger.info("placed a request with context %s on replica %s (%s)", key or "(none)", choice.replica,
+                    choice.reason)
+        if self._placements is not None:
+            self._placements.inc(tags={"reason": choice.reason})
         return [[by_id[choice.replica]]]

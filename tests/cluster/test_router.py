@@ -62,9 +62,20 @@ def test_pins_unreported_replicas_and_keyless_requests():
     assert _choose(router, replicas, "replica:b") == ["b"]          # pinned, stats or not
     assert _choose(router, replicas, "replica:gone") == ["a", "b"]  # gone: any answers (and names itself)
     assert _choose(router, replicas, "k2") == ["a"]                 # b has not reported: left out
-    assert _choose(router, replicas, "") == ["a"]                   # /health, /metrics: not counted
-    assert router._placements.seen == ["new_context"]
+    assert _choose(router, replicas, "") == ["a"]                   # no header: a (its one slot went to k2)
+    assert router._placements.seen == ["new_context", "all_full"]
     assert _choose(router, [_replica("x", None)], "k1") == ["x"]    # nobody reported: any replica
     draining = [_replica("a", {"headroom": 5, "context_keys": ["k1"], "draining": True}),
                 _replica("b", {"headroom": 1, "context_keys": []})]
     assert _choose(router, draining, "k1") == ["b"]
+
+
+def test_a_burst_without_placement_headers_is_spread_by_room():
+    """Issue 46: four stock clients connecting at once (no placement header) all landed on one
+    replica: only keyed sends were counted against its room. 8 unkeyed handshakes split 4 and 4."""
+    router = _router()
+    replicas = [_replica("a", {"headroom": 10, "context_keys": []}),
+                _replica("b", {"headroom": 10, "context_keys": []})]
+    picks = [_choose(router, replicas, "")[0] for _ in range(8)]
+    assert sorted(picks.count(r) for r in "ab") == [4, 4], picks
+    assert router._placements.seen == ["no_key"] * 8

@@ -581,6 +581,11 @@ class EulerArena:
                                             self.dt_steps, self.t_emb, self.bank.frames, self.private_len,
                                             self.frame_map))
 
+    def index_nbytes(self) -> int:
+        """Bytes of the int64 row indexes (frame map, private lengths): the part of `nbytes` that
+        does not scale with the flow's dtype."""
+        return sum(b.numel() * b.element_size() for b in (self.private_len, self.frame_map))
+
     def nbytes(self) -> int:
         """Bytes of the static buffers (the graph pool's scratch is not included). The bank's
         frames that voices own are their prompt states (`voice_bytes`, counted once per voice by

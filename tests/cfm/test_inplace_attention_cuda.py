@@ -2,7 +2,7 @@
 
 Skipped without CUDA. Run on a GPU machine:
 
-    python -m pytest -q -rs tests/cfm/test_inplace_attention_cuda.py
+    python -m pytest -q -rs tests/cfm/test_inplace_attention_cuda.py -o log_cli=true --log-cli-level=INFO
 
 1. tiny models through `BatchedCode2Wav`, CUDA graphs on, sharing on and off: every chunk's mel
    and PCM `torch.equal` to the old layout (the whole cache copied into each row), 0 eager runs.
@@ -142,3 +142,14 @@ def test_cuda_minicpmo45_shapes_arena_level():
             a, b = new.new_att_cache(r, n), old.new_att_cache(r, n)
             assert _same(a, b), f"row {r}: {_diff(a, b)}"
     assert new.stats.captures == old.stats.captures == 1 and new.stats.replays == 2
+    # Not asserted: the replay time of the whole-Euler solve, old layout vs in place (same card).
+    for arena in (old, new):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            arena.run(rows, width, max_len)
+        end.record()
+        torch.cuda.synchronize()
+        logger.info("%s: %.2f ms per whole-Euler replay (%d rows, W %d, bucket %d, %s)",
+                    "in place" if arena is new else "old", start.elapsed_time(end) / 5, rows, width,
+                    arena.bucket(width, max_len), torch.cuda.get_device_name())

@@ -277,8 +277,7 @@ class ComponentTarget:
         """Bytes held per component, from the components' own accounting of tensor storage."""
         stats = self.stage0.pool_stats().to_bytes()
         c2w = self.code2wav
-        arena = sum(t.numel() * t.element_size() for t in vars(c2w.arena).values()
-                    if isinstance(t, torch.Tensor))
+        arena = c2w.arena.nbytes()   # its own accounting: device buffers only, voices' frames excluded
         cache = self.builder.cache
         return {
             "thinker_kv": Tier(stats["shared"], stats["private"], stats["free"]),

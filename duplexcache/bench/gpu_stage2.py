@@ -167,7 +167,8 @@ def arena_bytes(flow_cfg: FlowConfig, cfg: Code2WavConfig, sessions: int, grid: 
     for on in (False, True):
         rows = arena_rows(cfg.max_num_seqs, grid, on)
         arena = EulerArena(est, rows, cfg.max_chunk_frames, cfg.max_cache_frames, cfg.shape.n_timesteps,
-                           cfg.cfg_rate, cfg.key_bucket, max_setup_query=cfg.max_prompt_frames, use_cuda_graphs=False)
+                           cfg.cfg_rate, cfg.key_bucket, max_setup_query=cfg.max_prompt_frames, use_cuda_graphs=False,
+                           max_private=cfg.max_prompt_frames)
         groups = replay_groups(sessions, grid, rows)
         out["on" if on else "off"] = {"rows": rows, "bytes": arena.nbytes(),
                                       "replay_groups": [list(g) for g in groups]}

@@ -142,6 +142,7 @@ def run_arm(name: str, flow: torch.nn.Module, hift: torch.nn.Module, args: argpa
     timing = time_batches(stage, args, device)
     elem = stage.dtype.itemsize
     arm = {"code2wav_dtype": name, "arena_rows": stage.arena.rows, "arena_bytes": stage.arena.nbytes(),
+           "arena_index_bytes": stage.arena.index_nbytes(),
            "voice_bytes": stage.voice_bytes("v"), "fixed_alloc_delta": fixed_alloc,
            "steady_private_bytes": call["steady_private"], "steady_shared_bytes": call["steady_shared"],
            "admission_bytes": {stage_name: vars(code2wav_session_bytes(stage.config, args.prompt_frames, True,

@@ -5,17 +5,41 @@ after the row axis), so a tier of `t` rows is the contiguous prefix `[:t]` of ev
 session's slot `[:, :, r]` has exactly the per-session cache layout
 (steps, layers, cfg=2, heads, frames, 2*head_dim).
 
-Attention buffer, per (step, layer, row, cfg, head), along the key axis:
+Attention: the row's private keys live in the arena, the voice prompt's keys live once per voice
+in the `PromptBank`, and the solve reads both in place. Per (step, layer, row, cfg, head), along
+the key axis (d_r = the row's private delta, s_r = its shared prompt frames, L_r = d_r + s_r):
 
-    0        W          W + L_r                  W + Lb             K (capacity)
-    | new KV | cache (L_r frames, from copy_range_to) | masked padding |  unused  |
-    '--- the row's next cache, in reference key order ---'
+    arena row (static, per row)        0        W          W + d_r        Kp (private capacity)
+                                       | new KV | delta (d_r) | stale/unused |
+                                       '-- the row's next private frames --'
 
-The estimator writes the chunk's new K/V into [0, W) in place, so after a run `[0, W + L_r)` is
-the reference's `new_att_cache` for that row; nothing is concatenated. Keys past W + L_r are
-masked (rows of one micro-batch have their own cache lengths). Lb is a cache-length bucket.
-K = max(largest setup width, largest chunk width + largest cache): the setup pass (width P, no
-cache) and a chunk (width <= 56, cache <= P + 100) never need more.
+    PromptBank (static, per voice)     0     off_v                  off_v + P_v
+                                       | 0 | ... | voice v: prompt[0:P_v] | ... |   (frame 0 = zeros)
+
+    frame_map[r, j] (j < Lb)           0 .. 0 | off_v + [0, h_r) | off_v + [P_v - tail, P_v) | 0 ..
+                                       'd_r -'  '-- s_r = h_r (+ tail once trimmed) --'      pad
+
+    workspace (transient, one per solve, K wide, reused by every (step, layer)):
+                                       0        W          W + d_r     W + L_r         W + Lb     K
+                                       | new KV | delta    | prompt frames | zero frames | unused |
+                                       '--------- reference key order ---------'  masked
+
+At each attention the workspace gets the arena row's `[0, min(Kp, W + Lb))` and then, past
+`W + d_r`, the bank frames `frame_map` names (one `index_select` per (step, layer) over the tier's
+rows). So the workspace holds, value for value and stride for stride, what the old layout's row
+held (`[new KV | cache copied in | padding]`, K wide), and the attention call is the same call:
+sharing on/off and old/new layout stay `torch.equal`. The arena keeps only Kp = max(P, W + P)
+key slots per row (the private delta never exceeds P), not K = max(P, W + P + tail); the prompt
+is never copied into a row. Keys past W + L_r are masked (rows of one micro-batch have their own
+cache lengths; masked keys read finite zeros, so they add exact zeros). Lb is a cache-length
+bucket. K = max(largest setup width, largest chunk width + largest cache): the setup pass (width
+P, no cache) and a chunk (width <= 56, cache <= P + 100) never need more.
+
+The old layout (the whole cache copied into each row, `prompt_in_place=False`) is kept only as
+the reference the equality tests (tests/cfm/test_inplace_attention.py) and the CUDA check
+(tests/cfm/test_inplace_attention_cuda.py) compare against. Cost of the in-place read: the
+workspace plus one gather and one select of the cache keys per (step, layer), transient (about
+3 x 2 x tier x heads x K x 2hd elements; ~200 MiB at 20 rows of minicpmo45, in the graph pool).
 
 CUDA graphs (policy: capture at warm-up, lazy as a fallback). `run` looks up the key (tier, W,
 Lb); the first time a key is needed it is captured (one eager warm-up on a side stream, then the
@@ -43,7 +67,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from duplexcache.cfm.prompt_cache import AttCache
+from duplexcache.cfm.prompt_cache import FRAME_DIM, AttCache
 from duplexcache.kv.decode_graphs import warmup_stream
 
 logger = logging.getLogger(__name__)
@@ -128,35 +152,146 @@ def euler_times(n_timesteps: int, device: torch.device, dtype: torch.dtype) -> t
     return torch.stack(ts).to(out_dtype), torch.stack(dts).to(out_dtype)
 
 
-def _attention(attn: nn.Module, x: torch.Tensor, att: torch.Tensor, mask: torch.Tensor,
-               width: int, num_keys: int) -> torch.Tensor:
-    """x (B2, W, H); att (B2, heads, K, 2hd) updated in place at [0, W); mask (B2, 1, 1, keys)."""
+class PromptBank:
+    """The voices' estimator prompt states, packed on one frame axis so a graph can read any voice.
+
+    frames (steps, depth, cfg=2, heads, F, 2*head_dim); voice v owns frames [off_v, off_v + P_v)
+    and `add` returns that slice as the voice's `PromptState.estimator_att` (a view: the state
+    is stored once). Frame 0 is zeros and belongs to no voice: the arena's frame map points
+    private and padding keys at it, so they read finite values.
+
+    `capacity` frames (zero frame included) are allocated up front: the engine passes the sum of
+    its voices' P + 1, so the address never changes and graphs captured at warm-up stay valid.
+    A voice that does not fit grows (reallocates) `frames`; `version` counts reallocations so the
+    arena can drop graphs that baked in the old address, and the owner re-points the voices'
+    views (`view`).
+    """
+
+    def __init__(self, steps: int, depth: int, heads: int, head_dim: int, device: torch.device,
+                 dtype: torch.dtype, capacity: int = 1) -> None:
+        self.frames = torch.zeros(steps, depth, 2, heads, max(1, capacity), 2 * head_dim, device=device,
+                                  dtype=dtype)
+        self._slots: dict[str, tuple[int, int]] = {}   # voice -> (offset, frames)
+        self.version = 0
+
+    @property
+    def num_frames(self) -> int:
+        return self.frames.shape[FRAME_DIM]
+
+    def offset(self, name: str) -> int:
+        return self._slots[name][0]
+
+    def view(self, name: str) -> torch.Tensor:
+        off, n = self._slots[name]
+        return self.frames.narrow(FRAME_DIM, off, n)
+
+    def _free_offset(self, n: int) -> int | None:
+        """First gap of n frames between slots (left by `remove`), or None."""
+        pos = 1
+        for off, m in sorted(self._slots.values()):
+            if off - pos >= n:
+                return pos
+            pos = off + m
+        return pos if self.num_frames - pos >= n else None
+
+    def add(self, name: str, att: torch.Tensor) -> torch.Tensor:
+        """Store a voice's prompt state att (steps, depth, 2, heads, P, 2hd); return its view."""
+        if name in self._slots:
+            raise ValueError(f"voice {name!r} already in the prompt bank")
+        n = att.shape[FRAME_DIM]
+        off = self._free_offset(n)
+        if off is None:
+            off = self.num_frames
+            grown = self.frames.new_zeros(*self.frames.shape[:FRAME_DIM], off + n, self.frames.shape[-1])
+            grown.narrow(FRAME_DIM, 0, off).copy_(self.frames)
+            self.frames = grown
+            self.version += 1
+        self._slots[name] = (off, n)
+        dst = self.frames.narrow(FRAME_DIM, off, n)
+        dst.copy_(att)
+        return dst
+
+    def remove(self, name: str) -> None:
+        """Forget a voice; its frames become a gap the next `add` may reuse (no reallocation, so
+        no graph is invalidated)."""
+        del self._slots[name]
+
+    def nbytes(self) -> int:
+        return self.frames.numel() * self.frames.element_size()
+
+    def voice_nbytes(self) -> int:
+        """Bytes of the frames that registered voices own (their prompt states' estimator part)."""
+        per_frame = self.nbytes() // self.num_frames
+        return per_frame * sum(n for _, n in self._slots.values())
+
+
+def _qkv(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     b2, w, _ = x.shape
     nh, hd = attn.num_heads, attn.head_dim
     q = attn.to_q(x).reshape(b2, w, nh, hd).transpose(1, 2)   # (B2, heads, W, hd)
     k = attn.to_k(x).reshape(b2, w, nh, hd).transpose(1, 2)
     v = attn.to_v(x).reshape(b2, w, nh, hd).transpose(1, 2)
-    q, k = attn.q_norm(q), attn.k_norm(k)
-    att[:, :, :width, :hd] = k       # keys are [new | cache]: new frames first
-    att[:, :, :width, hd:] = v
-    keys = att[:, :, :num_keys]
+    return attn.q_norm(q), attn.k_norm(k), v
+
+
+def _attend(attn: nn.Module, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    b2, nh, w, hd = q.shape
     out = F.scaled_dot_product_attention(q, keys[..., :hd], keys[..., hd:], attn_mask=mask)
     return attn.proj(out.transpose(1, 2).reshape(b2, w, nh * hd))
 
 
+@dataclass
+class _Keys:
+    """Where one solve's attention keys come from (see the module docstring).
+
+    copied: the old layout, whole cache in the row (att is then K wide; the other fields unused).
+    """
+
+    width: int
+    num_keys: int
+    mask: torch.Tensor                  # (B2, 1, 1, num_keys) bool
+    copied: bool
+    workspace: torch.Tensor | None = None   # (B2, heads, K, 2hd), transient
+    frame_idx: torch.Tensor | None = None   # (tier * Lb,) bank frame per cache key
+    private: torch.Tensor | None = None     # (tier, 1, 1, Lb, 1) bool: key from the arena row
+
+
+def _attention(attn: nn.Module, x: torch.Tensor, att: torch.Tensor, bank: torch.Tensor,
+               keys: _Keys) -> torch.Tensor:
+    """x (B2, W, H); att (B2, heads, Kp, 2hd), the rows' private keys, updated in place at
+    [0, W); bank (2, heads, F, 2hd), this (step, layer)'s prompt frames of every voice."""
+    q, k, v = _qkv(attn, x)
+    hd, width = attn.head_dim, keys.width
+    att[:, :, :width, :hd] = k       # keys are [new | cache]: new frames first
+    att[:, :, :width, hd:] = v
+    if keys.copied:
+        return _attend(attn, q, att[:, :, :keys.num_keys], keys.mask)
+    ws = keys.workspace
+    n = min(att.shape[2], keys.num_keys)
+    ws[:, :, :n].copy_(att[:, :, :n])
+    lb = keys.num_keys - width
+    if lb:
+        b2, nh, cap, hd2 = ws.shape
+        tier = b2 // 2
+        shared = bank.index_select(2, keys.frame_idx).unflatten(2, (tier, lb)).permute(2, 0, 1, 3, 4)
+        cache = ws.view(tier, 2, nh, cap, hd2)[:, :, :, width:keys.num_keys]
+        # Private keys (j < d_r) stay; every other cache key is a prompt frame or a zero frame.
+        cache.copy_(torch.where(keys.private, cache, shared))
+    return _attend(attn, q, ws[:, :, :keys.num_keys], keys.mask)
+
+
 def _estimator(est: nn.Module, x: torch.Tensor, mu: torch.Tensor, c: torch.Tensor, spks: torch.Tensor,
                cond: torch.Tensor, cnn_in: torch.Tensor, cnn_out: torch.Tensor, att: torch.Tensor,
-               mask: torch.Tensor, num_keys: int) -> torch.Tensor:
+               bank: torch.Tensor, keys: _Keys) -> torch.Tensor:
     """One DiT call over B2 = 2 * tier rows. c (B2, 1, H) timestep embedding;
-    cnn_in/out (depth, B2, 2H, 2); att (depth, B2, heads, K, 2hd)."""
+    cnn_in/out (depth, B2, 2H, 2); att (depth, B2, heads, Kp, 2hd); bank (depth, 2, heads, F, 2hd)."""
     width = x.shape[2]
     h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, width), cond], dim=1)
     h = est.in_proj(h.transpose(1, 2))                      # (B2, W, H)
     for i, block in enumerate(est.blocks):
         (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp,
          shift_conv, scale_conv, gate_conv) = block.adaLN_modulation(c).chunk(9, dim=-1)
-        a = _attention(block.attn, _modulate(block.norm1(h), shift_msa, scale_msa), att[i], mask,
-                       width, num_keys)
+        a = _attention(block.attn, _modulate(block.norm1(h), shift_msa, scale_msa), att[i], bank[i], keys)
         h = h + gate_msa * a
         conv, new_cnn = block.conv.forward_chunk(_modulate(block.norm3(h), shift_conv, scale_conv), cnn_in[i])
         cnn_out[i].copy_(new_cnn)
@@ -169,13 +304,20 @@ class EulerArena:
     """Static buffers for `rows` sessions and the whole-Euler solve over a prefix of them.
 
     max_query: widest chunk (frames) that comes with a cache; max_cache: longest cache (P + 100);
-    max_setup_query: widest setup pass (P frames, no cache). The estimator's weights must be final
-    before the first `run` (graphs read them in place; the timestep embedding is computed once).
+    max_setup_query: widest setup pass (P frames, no cache); max_private: most private (delta)
+    frames a row's cache holds (P: the trim keeps the newest P frames); None means max_cache (a
+    cache all private). The estimator's weights must be final before the first `run` (graphs read
+    them in place; the timestep embedding is computed once).
+
+    prompt_in_place=False keeps the old layout (each row K wide, the whole cache copied in): the
+    reference the equality tests compare against, not a deploy setting.
     """
 
     def __init__(self, estimator: nn.Module, rows: int, max_query: int, max_cache: int,
                  n_timesteps: int, cfg_rate: float, key_bucket: int = 64, max_setup_query: int = 0,
-                 use_cuda_graphs: bool = True, graph_backend: GraphBackend | None = None) -> None:
+                 use_cuda_graphs: bool = True, graph_backend: GraphBackend | None = None,
+                 max_private: int | None = None, prompt_in_place: bool = True,
+                 prompt_bank_frames: int = 1) -> None:
         if rows < 1 or max_query < 1 or max_cache < 0 or key_bucket < 1:
             raise ValueError(f"bad arena shape: rows={rows} max_query={max_query} max_cache={max_cache} "
                              f"key_bucket={key_bucket}")
@@ -190,6 +332,11 @@ class EulerArena:
         hidden = estimator.in_proj.out_features
         mel = estimator.out_channels
         self.key_capacity = max(max_setup_query, max_query + max_cache)
+        self.prompt_in_place = prompt_in_place
+        max_private = max_cache if max_private is None else min(max_private, max_cache)
+        # Key slots a row keeps: its private frames only, [new | delta] (old layout: the whole cache).
+        self.private_capacity = (max(max_setup_query, max_query + max_private) if prompt_in_place
+                                 else self.key_capacity)
         z = dict(device=device, dtype=dtype)
         width = self.max_query
         self.x = torch.zeros(rows, mel, width, **z)        # initial noise per row
@@ -199,9 +346,18 @@ class EulerArena:
         self.spks = torch.zeros(rows, mel, **z)
         self.cnn_in = torch.zeros(n_timesteps, depth, rows, 2, 2 * hidden, 2, **z)
         self.cnn_out = torch.zeros_like(self.cnn_in)
-        self.att = torch.zeros(n_timesteps, depth, rows, 2, attn.num_heads, self.key_capacity,
+        self.att = torch.zeros(n_timesteps, depth, rows, 2, attn.num_heads, self.private_capacity,
                                2 * attn.head_dim, **z)
+        self.bank = PromptBank(n_timesteps, depth, attn.num_heads, attn.head_dim, device, dtype,
+                               prompt_bank_frames)
+        self._bank_version = self.bank.version
         self.cache_len = torch.zeros(rows, dtype=torch.long, device=device)
+        # Per row: its private frames (d_r) and, per cache key, the bank frame it reads (0 = the
+        # zero frame). Filled on the host by load_row, copied once per run like cache_len.
+        self.private_len = torch.zeros(rows, dtype=torch.long, device=device)
+        self.frame_map = torch.zeros(rows, self.key_capacity, dtype=torch.long, device=device)
+        self._host_private_len = [0] * rows
+        self._host_frame_map = torch.zeros(rows, self.key_capacity, dtype=torch.long)
         # Rows' cache lengths as loaded, copied to `cache_len` once per run: a per-row write of a
         # Python int into a device tensor is a blocking copy each.
         self._host_cache_len = [0] * rows
@@ -224,17 +380,48 @@ class EulerArena:
         return list(self._graphs)
 
     # ---- filling rows ------------------------------------------------------------------
+    def add_voice(self, name: str, att: torch.Tensor) -> torch.Tensor:
+        """Store a voice's prompt state (steps, depth, 2, heads, P, 2hd) in the bank, once; returns
+        the view that is the voice's state from now on. If the bank had to grow, graphs captured
+        over the old bank are dropped (captured again when next needed) and the caller must
+        re-point earlier voices' views (`bank.view`)."""
+        view = self.bank.add(name, att)
+        if self.bank.version != self._bank_version:
+            # Only graphs with cache keys (bucket > 0) read the bank.
+            stale = [key for key in self._graphs if key[2] > 0]
+            if stale:
+                logger.warning("prompt bank grew to %d frames after %d graphs reading it were captured: "
+                               "dropping them (size code2wav's prompt_bank_frames for every voice)",
+                               self.bank.num_frames, len(stale))
+                for key in stale:
+                    del self._graphs[key]
+            self._bank_version = self.bank.version
+            self._buffer_ptrs = self._ptrs()
+        return view
+
+    def remove_voice(self, name: str) -> None:
+        self.bank.remove(name)
+
     def load_row(self, row: int, width: int, noise: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor,
-                 cond: torch.Tensor | None, cnn_cache: torch.Tensor | None, att_cache: AttCache | None) -> None:
+                 cond: torch.Tensor | None, cnn_cache: torch.Tensor | None, att_cache: AttCache | None,
+                 voice: str | None = None) -> None:
         """Copy one session's inputs into row `row`. noise, mu, cond (mel, W); spks (mel,).
 
-        The attention cache is written by `att_cache.copy_range_to` straight into the arena.
+        Only the cache's private delta is copied into the row (`copy_private_to`); its prompt
+        frames are read from `voice`'s bank slot during the solve, through the row's frame map.
+        (Old layout: the whole cache, by `copy_range_to`.)
         """
         cache_len = 0 if att_cache is None else len(att_cache)
+        private = 0 if att_cache is None else att_cache.num_delta
         if width > self.max_query or width + cache_len > self.key_capacity:
             raise ArenaShapeError(
                 f"chunk of {width} frames with a cache of {cache_len} does not fit the arena "
                 f"(max query {self.max_query}, key capacity {self.key_capacity})")
+        if width + private > self.private_capacity:
+            raise ArenaShapeError(f"chunk of {width} frames with {private} private cache frames does not "
+                                  f"fit the arena rows ({self.private_capacity} key slots)")
+        if self.prompt_in_place and cache_len > private and voice is None:
+            raise ValueError("a cache with prompt frames needs its voice (the bank slot to read)")
         self.x[row, :, :width].copy_(noise)
         self.mu[row, :, :width].copy_(mu)
         self.spks[row].copy_(spks)
@@ -246,9 +433,24 @@ class EulerArena:
             self.cnn_in[:, :, row].zero_()
         else:
             self.cnn_in[:, :, row].copy_(cnn_cache)
-        if cache_len:
-            att_cache.copy_range_to(self.att[:, :, row, :, :, width:width + cache_len], 0, cache_len)
+        fmap = self._host_frame_map[row]
+        fmap.zero_()
+        if not self.prompt_in_place:
+            if cache_len:
+                att_cache.copy_range_to(self.att[:, :, row, :, :, width:width + cache_len], 0, cache_len)
+            private = 0
+        elif cache_len:
+            att_cache.copy_private_to(self.att[:, :, row, :, :, width:width + private])
+            off, p, head, tail = self.bank.offset(voice), att_cache.num_prompt, att_cache.head, att_cache.tail
+            if self.bank.view(voice).shape[FRAME_DIM] != p:
+                raise ValueError(f"voice {voice!r} has {self.bank.view(voice).shape[FRAME_DIM]} prompt "
+                                 f"frames, the cache {p}")
+            # cache key j: [0, d) private, [d, d + head) prompt[0:head], then prompt[P - tail:P]
+            fmap[private:private + head] = torch.arange(off, off + head)
+            if att_cache.trimmed:
+                fmap[private + head:private + head + tail] = torch.arange(off + p - tail, off + p)
         self._host_cache_len[row] = cache_len
+        self._host_private_len[row] = private
 
     def pad_row(self, row: int, width: int) -> None:
         """A slot the replay computes but nobody reads: zero inputs, only its own new keys valid."""
@@ -257,6 +459,8 @@ class EulerArena:
         self.spks[row].zero_()
         self.cnn_in[:, :, row].zero_()
         self._host_cache_len[row] = 0
+        self._host_private_len[row] = 0
+        self._host_frame_map[row].zero_()
 
     # ---- reading rows ------------------------------------------------------------------
     def mel(self, row: int, width: int) -> torch.Tensor:
@@ -266,7 +470,10 @@ class EulerArena:
         return self.cnn_out[:, :, row]                      # (steps, depth, 2, 2H, 2)
 
     def new_att_cache(self, row: int, length: int) -> torch.Tensor:
-        """View of the row's cache after the run, `[new | old]`, first `length` frames."""
+        """View of the row's private keys after the run, `[new | old delta]`, first `length`
+        frames (at most W + d_r: the prompt frames are not in the row)."""
+        if length > self.private_capacity:
+            raise ArenaShapeError(f"{length} frames asked of rows of {self.private_capacity}")
         return self.att[:, :, row, :, :, :length]          # (steps, depth, 2, heads, length, 2hd)
 
     # ---- running -----------------------------------------------------------------------
@@ -289,6 +496,10 @@ class EulerArena:
             raise ArenaShapeError(f"cache of {max_cache_len} frames does not fit with width {width}")
         self._prepare_time_embedding()
         self.cache_len[:tier].copy_(torch.tensor(self._host_cache_len[:tier], dtype=torch.long), non_blocking=True)
+        if self.prompt_in_place:
+            self.private_len[:tier].copy_(torch.tensor(self._host_private_len[:tier], dtype=torch.long),
+                                          non_blocking=True)
+            self.frame_map[:tier].copy_(self._host_frame_map[:tier], non_blocking=True)
         if self.graph_backend is None:
             self.stats.eager_runs += 1
             self._euler(tier, width, lb)
@@ -345,11 +556,20 @@ class EulerArena:
         keys = torch.arange(num_keys, device=x.device)
         valid = keys.unsqueeze(0) < (width + self.cache_len[:tier]).unsqueeze(1)      # (tier, keys)
         mask = _twice(valid)[:, None, None, :]                                        # (2*tier, 1, 1, keys)
+        spec = _Keys(width, num_keys, mask, copied=not self.prompt_in_place)
+        if self.prompt_in_place:
+            attn = self.estimator.blocks[0].attn
+            # One workspace for every (step, layer): K wide like the old rows, so the attention
+            # sees the same strides. Transient (the graph pool), never per row.
+            spec.workspace = torch.empty(2 * tier, attn.num_heads, self.key_capacity, 2 * attn.head_dim,
+                                         device=x.device, dtype=x.dtype)
+            spec.frame_idx = self.frame_map[:tier, :lb].reshape(-1)
+            spec.private = (keys[:lb].unsqueeze(0) < self.private_len[:tier].unsqueeze(1))[:, None, None, :, None]
         for k in range(self.n_timesteps):
             c = self.t_emb[k].reshape(1, 1, -1)                                        # same t for every row
             dphi = _estimator(self.estimator, _twice(x), mu_in, c, spks_in, cond_in,
                               self.cnn_in[k, :, :tier].flatten(1, 2), self.cnn_out[k, :, :tier].flatten(1, 2),
-                              self.att[k, :, :tier].flatten(1, 2), mask, num_keys)
+                              self.att[k, :, :tier].flatten(1, 2), self.bank.frames[k], spec)
             dphi = dphi.unflatten(0, (tier, 2))
             dphi = (1.0 + self.cfg_rate) * dphi[:, 0] - self.cfg_rate * dphi[:, 1]
             x = x + self.dt_steps[k] * dphi
@@ -358,9 +578,19 @@ class EulerArena:
     def _ptrs(self) -> tuple[int, ...]:
         return tuple(b.data_ptr() for b in (self.x, self.out, self.mu, self.cond, self.spks, self.cnn_in,
                                             self.cnn_out, self.att, self.cache_len, self.t_steps,
-                                            self.dt_steps, self.t_emb))
+                                            self.dt_steps, self.t_emb, self.bank.frames, self.private_len,
+                                            self.frame_map))
+
+    def index_nbytes(self) -> int:
+        """Bytes of the int64 row indexes (frame map, private lengths): the part of `nbytes` that
+        does not scale with the flow's dtype."""
+        return sum(b.numel() * b.element_size() for b in (self.private_len, self.frame_map))
 
     def nbytes(self) -> int:
-        """Bytes of the static buffers (the graph pool's scratch is not included)."""
-        return sum(b.numel() * b.element_size() for b in (self.x, self.out, self.mu, self.cond, self.spks,
-                                                         self.cnn_in, self.cnn_out, self.att))
+        """Bytes of the static buffers (the graph pool's scratch is not included). The bank's
+        frames that voices own are their prompt states (`voice_bytes`, counted once per voice by
+        the memory plan); its zero frame and any gap left by a removed voice count here."""
+        bufs = (self.x, self.out, self.mu, self.cond, self.spks, self.cnn_in, self.cnn_out, self.att,
+                self.private_len, self.frame_map)
+        return (sum(b.numel() * b.element_size() for b in bufs)
+                + self.bank.nbytes() - self.bank.voice_nbytes())

@@ -122,10 +122,12 @@ class BatchedCode2Wav:
     """Many Code2Wav sessions per estimator call, with optional shared prompt attention."""
 
     def __init__(self, flow: nn.Module, hift: nn.Module, config: Code2WavConfig,
-                 graph_backend: GraphBackend | None = None) -> None:
+                 graph_backend: GraphBackend | None = None, prompt_in_place: bool = True) -> None:
         """On CUDA (and `config.use_cuda_graphs`) every estimator solve is a CUDA-graph replay,
         captured lazily per (tier, width, cache bucket); elsewhere it runs eagerly. `graph_backend`
-        replaces the CUDA one (tests inject a fake to exercise the capture logic on CPU)."""
+        replaces the CUDA one (tests inject a fake to exercise the capture logic on CPU).
+        `prompt_in_place=False` builds the arena's old layout (the whole cache copied into each
+        row): only the reference of the equality tests and the GPU check, not a deploy setting."""
         # The vocoder without weight norm's per-call recompute (same values; models.vocoder)
         self.flow, self.hift, self.config = flow, frozen_weight_norm(hift), config
         # What the copy holds beyond the models' own weights (0 when hift had no weight norm):
@@ -140,7 +142,8 @@ class BatchedCode2Wav:
             est, rows=rows, max_query=config.max_chunk_frames, max_cache=config.max_cache_frames,
             n_timesteps=config.shape.n_timesteps, cfg_rate=config.cfg_rate, key_bucket=config.key_bucket,
             max_setup_query=config.max_prompt_frames, use_cuda_graphs=config.use_cuda_graphs,
-            graph_backend=graph_backend)
+            graph_backend=graph_backend, max_private=config.max_prompt_frames,
+            prompt_in_place=prompt_in_place, prompt_bank_frames=config.prompt_bank_frames)
         self.registry = PromptRegistry(config.prompt_att_sharing)
         self.sessions: dict[str, _Session] = {}
         self._pending: dict[str, _Pending] = {}
@@ -202,7 +205,19 @@ class BatchedCode2Wav:
                              f"[{cfg.cache_tail_frames}, {cfg.max_prompt_frames}]")
         self._check_tokens(tokens, f"voice {name!r}")
         prompt = VoicePrompt(tokens.to(self.device), mel.to(self.device), spk.reshape(-1).to(self.device))
+        version = self.arena.bank.version
         self.registry.register_voice(name, prompt, self._prompt_pass(name, prompt))
+        if self.arena.bank.version != version:
+            self._rebind_prompts()
+
+    def _rebind_prompts(self) -> None:
+        """The arena's prompt bank grew (reallocated): point every voice's state and every sharing
+        stream at the new frames, so nothing keeps the old bank alive."""
+        for voice in self.registry.names():
+            self.registry.state(voice).estimator_att = self.arena.bank.view(voice)
+        for sess in self.sessions.values():
+            if sess.prompt is not None and isinstance(sess.att, SharedPromptAttCache):
+                sess.att.prompt = sess.prompt.estimator_att
 
     def unregister_voice(self, name: str) -> None:
         """Remove a voice and free its prompt state; refused while a stream (queued or live) uses it."""
@@ -210,6 +225,7 @@ class BatchedCode2Wav:
         if queued:
             raise ValueError(f"voice {name!r} still has {queued} queued streams")
         self.registry.unregister_voice(name)
+        self.arena.remove_voice(name)
 
     def add_session(self, sid: str, voice: str, seed: int = 0) -> None:
         """Queue a stream of `voice`; it opens from the voice's prompt state at the next `step`
@@ -309,13 +325,14 @@ class BatchedCode2Wav:
         h, spk, ccnn, (catt,) = self._conformer(tokens, vp.spk[None], False, None, [None], [1])
         work = _Work(voice, False, h[0], spk[0], vp.mel.transpose(0, 1), noise_offset=0)
         width = work.mu.shape[1]
-        self._run_rows([(work, None, None)], width, tier=1)
+        self._run_rows([(work, None, None, None)], width, tier=1)
         self._batch_stats.record_prompt_pass(voice)
         logger.info("voice %r: prompt pass over %d frames", voice, width)
         return PromptState(
             spk=_own(spk[0]), conformer_cnn=_own(ccnn), conformer_att=_own(catt),
             estimator_cnn=self.arena.new_cnn_cache(0).clone(),
-            estimator_att=self.arena.new_att_cache(0, width).clone())
+            # stored once, in the arena's prompt bank, where every solve reads it in place
+            estimator_att=self.arena.add_voice(voice, self.arena.new_att_cache(0, width)))
 
     def _open_pending(self) -> None:
         """Open every queued stream from its voice's prompt state: views of it (sharing on) or a
@@ -413,18 +430,21 @@ class BatchedCode2Wav:
 
     def _solve(self, group: list[_Work], width: int, tier: int) -> None:
         sessions = [self.sessions[w.sid] for w in group]
-        self._run_rows([(w, s.estimator_cnn, s.att) for w, s in zip(group, sessions)], width, tier)
+        self._run_rows([(w, s.estimator_cnn, s.att, s.voice) for w, s in zip(group, sessions)], width, tier)
         for r, (w, sess) in enumerate(zip(group, sessions)):
             sess.last_mel = self.arena.mel(r, width).clone()
             sess.estimator_cnn = self.arena.new_cnn_cache(r).clone()
-            sess.att.advance(width, self.arena.new_att_cache(r, width + len(sess.att)))
+            # the row holds [new | old delta]: all the next delta can take (prompt frames stay put)
+            sess.att.advance(width, self.arena.new_att_cache(r, width + sess.att.num_delta))
 
-    def _run_rows(self, rows: list[tuple[_Work, torch.Tensor | None, AttCache | None]], width: int, tier: int) -> None:
+    def _run_rows(self, rows: list[tuple[_Work, torch.Tensor | None, AttCache | None, str | None]], width: int,
+                  tier: int) -> None:
+        """rows: (work, estimator cnn cache, attention cache, voice whose bank slot the cache reads)."""
         noise = self.flow.decoder.rand_noise[0]      # (80, frames), sliced at each row's own offset
         max_len = 0
-        for r, (w, cnn, att) in enumerate(rows):
+        for r, (w, cnn, att, voice) in enumerate(rows):
             self.arena.load_row(r, width, noise[:, w.noise_offset:w.noise_offset + width], w.mu, w.spk,
-                                w.cond, cnn, att)
+                                w.cond, cnn, att, voice)
             max_len = max(max_len, 0 if att is None else len(att))
         for r in range(len(rows), tier):
             self.arena.pad_row(r, width)

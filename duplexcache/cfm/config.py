@@ -83,6 +83,9 @@ class Code2WavConfig:
     # MiniCPM-o's duplex driver seeds each turn's chunk buffer with 3 (runtime/code2wav_stage.py).
     prompt_pad_token: int = 4218
     key_bucket: int = 64             # cache-length bucket granularity of captured graphs
+    # Frames of the arena's prompt bank allocated up front (every voice's P + 1 zero frame): a
+    # voice that does not fit reallocates the bank and drops the graphs that read it.
+    prompt_bank_frames: int = 1
     mel_cache_len: int = 8           # vocoder: 160 ms of mel kept between chunks
     samples_per_frame: int = 480     # 24 kHz / 50 Hz
     use_cuda_graphs: bool = True     # only used on CUDA devices
@@ -106,6 +109,8 @@ class Code2WavConfig:
         if not 0 <= self.prompt_pad_token < self.vocab_size:
             raise ValueError(
                 f"prompt_pad_token {self.prompt_pad_token} outside vocabulary of {self.vocab_size}")
+        if self.prompt_bank_frames < 1:
+            raise ValueError(f"prompt_bank_frames must be >= 1 (the zero frame), got {self.prompt_bank_frames}")
         if self.max_chunk_tokens <= self.pre_lookahead_len:
             raise ValueError("max_chunk_tokens must exceed pre_lookahead_len")
 

@@ -10,6 +10,11 @@ Two classes with one interface:
   fallbacks and debugging.
 * `PlainAttCache`: one ordinary private tensor (sharing off, or a verification fallback). It
   follows the reference trim literally (slices + cat).
+
+Both report the same layout (`num_delta`, `head`, `trimmed`, `num_prompt`, `tail`): the arena
+copies only the private delta into its row (`copy_private_to`) and reads the prompt frames from
+the voice's slot of its `PromptBank` (for `PlainAttCache` those frames are bit-identical copies of
+the voice's, so reading the bank instead of the copy changes no value).
 """
 from __future__ import annotations
 
@@ -98,6 +103,11 @@ class SharedPromptAttCache:
                 dst.narrow(FRAME_DIM, lo - start, hi - lo).copy_(part.narrow(FRAME_DIM, lo - pos, hi - lo))
             pos += n
 
+    def copy_private_to(self, dst: torch.Tensor) -> None:
+        """Copy the private delta (its `num_delta` newest frames) into `dst` (an arena row)."""
+        if self.num_delta:
+            dst.copy_(self.delta)
+
     def materialize(self) -> torch.Tensor:
         """Concatenated copy of the logical cache. Eager fallbacks only: the arena never calls it."""
         return torch.cat(self.parts(), dim=FRAME_DIM)
@@ -139,14 +149,25 @@ class SharedPromptAttCache:
 
 
 class PlainAttCache:
-    """An ordinary private cache tensor, trimmed exactly as Token2wav.stream does."""
+    """An ordinary private cache tensor, trimmed exactly as Token2wav.stream does.
+
+    `data` starts as a private copy of the voice's prompt frames; the layout counters
+    (`num_delta`, `head`, `trimmed`) follow `SharedPromptAttCache`'s, so `data` always reads
+    `[delta | prompt[0:head] | prompt[P-tail:P] if trimmed]`.
+    """
 
     def __init__(self, data: torch.Tensor, num_prompt: int, tail: int) -> None:
         if data.dim() != 6:
             raise ValueError(f"att cache must be 6-D, got shape {tuple(data.shape)}")
+        if data.shape[FRAME_DIM] != num_prompt:
+            raise ValueError(f"a stream starts from the prompt's {num_prompt} frames, got "
+                             f"{data.shape[FRAME_DIM]}")
         self.data = data
         self.num_prompt = num_prompt
         self.tail = tail
+        self.num_delta = 0
+        self.head = num_prompt
+        self.trimmed = False
 
     def __len__(self) -> int:
         return self.data.shape[FRAME_DIM]
@@ -156,19 +177,31 @@ class PlainAttCache:
             raise ValueError(f"range [{start}, {start + length}) outside cache of {len(self)} frames")
         dst.copy_(self.data.narrow(FRAME_DIM, start, length))
 
+    def copy_private_to(self, dst: torch.Tensor) -> None:
+        if self.num_delta:
+            dst.copy_(self.data.narrow(FRAME_DIM, 0, self.num_delta))
+
     def materialize(self) -> torch.Tensor:
         return self.data
 
     def advance(self, new_frames: int, src: torch.Tensor) -> None:
-        total = new_frames + len(self)
-        if src.shape[FRAME_DIM] < total:
-            raise ValueError(f"src has {src.shape[FRAME_DIM]} frames, need {total}")
-        full = src.narrow(FRAME_DIM, 0, total)
+        """The reference step literally: keys `[new | cache]` (cat), then the trim. `src` starts
+        with the chunk's `new_frames` new frames (the arena row; it holds no prompt frames)."""
+        if new_frames < 1:
+            raise ValueError(f"a chunk must add at least one frame, got {new_frames}")
+        if src.shape[FRAME_DIM] < new_frames:
+            raise ValueError(f"src has {src.shape[FRAME_DIM]} frames, need {new_frames}")
+        full = torch.cat([src.narrow(FRAME_DIM, 0, new_frames), self.data], dim=FRAME_DIM)
+        total = full.shape[FRAME_DIM]
         if total > self.num_prompt + self.tail:
             self.data = torch.cat([full.narrow(FRAME_DIM, 0, self.num_prompt),
                                    full.narrow(FRAME_DIM, total - self.tail, self.tail)], dim=FRAME_DIM)
+            self.num_delta = min(self.num_delta + new_frames, self.num_prompt)
+            self.head = self.num_prompt - self.num_delta
+            self.trimmed = True
         else:
-            self.data = full.clone()
+            self.data = full
+            self.num_delta += new_frames
 
     def private_bytes(self) -> int:
         return _nbytes(self.data)

@@ -68,11 +68,13 @@ def vocoder_graph_shapes(config: CfmConfig, tokens_per_unit: int) -> tuple[tuple
 def code2wav_config(deploy: DeployConfig, models: ModelBundle) -> CfmConfig:
     """Code2Wav's config for the deploy's switches, its arena sized for the longest voice prompt."""
     c = deploy.code2wav
-    prompt = max(models.voices.get(v).prompt_frames for v in models.voices.names())
+    frames = [models.voices.get(v).prompt_frames for v in models.voices.names()]
+    prompt = max(frames)
     config = CfmConfig(shape=Code2WavShape.from_flow(models.flow), max_num_seqs=c.max_num_seqs,
                        prompt_att_sharing=c.cfm_prompt_att_sharing,
                        arena_rows_from_graph_grid=c.cfm_arena_rows_from_graph_grid,
                        graph_grid=c.graph_grid or (), max_prompt_frames=max(prompt, 100),
+                       prompt_bank_frames=1 + sum(frames),   # every voice's prompt, stored once
                        use_cuda_graphs=models.device.type == "cuda", vocoder_cuda_graphs=c.vocoder_cuda_graphs)
     return dataclasses.replace(
         config, vocoder_graph_shapes=vocoder_graph_shapes(config, models.talker.config.tokens_per_unit))

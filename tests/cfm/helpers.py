@@ -43,6 +43,7 @@ def tiny_models():
 def make_config(flow, **kw) -> Code2WavConfig:
     base = dict(shape=Code2WavShape.from_flow(flow), max_num_seqs=8, cache_tail_frames=TAIL,
                 max_prompt_frames=24, max_chunk_tokens=CHUNK + LOOKAHEAD, key_bucket=8,
+                prompt_bank_frames=1 + 4 * 24,   # room for the tests' voices: the bank never moves
                 use_cuda_graphs=False)
     base.update(kw)
     return Code2WavConfig(**base)

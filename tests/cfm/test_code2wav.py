@@ -67,8 +67,10 @@ def test_sharing_on_off_bit_identical_and_stored_once():
         prompt = stage.registry.state(voice).estimator_att
         assert sess.att.prompt is prompt
         assert stage.session_bytes(sid).shared == stage.voice_bytes(voice)
-    ptrs = {stage.sessions[s].att.prompt.untyped_storage().data_ptr() for s in first}
-    assert len(ptrs) == 2                                  # once per voice
+    ptrs = {stage.sessions[s].att.prompt.data_ptr() for s in first}
+    assert len(ptrs) == 2                                  # once per voice, in the arena's prompt bank
+    bank = stage.arena.bank.frames.untyped_storage().data_ptr()
+    assert all(stage.sessions[s].att.prompt.untyped_storage().data_ptr() == bank for s in first)
     # replay the whole plan on a fresh stage (same schedule as `off`) and compare bits
     stage = new_stage(flow, hift, prompt_att_sharing=True)
     on = _run(stage, SHARING_PLAN, 6)
@@ -83,7 +85,7 @@ def test_sharing_on_off_bit_identical_and_stored_once():
     frame = s0.prompt[..., :1, :].numel() * 4
     p = s0.num_prompt
     assert s0.private_bytes() == p * frame and s0.shared_bytes() == TAIL * frame
-    voice_ptrs = {stage.sessions[s].att.prompt.untyped_storage().data_ptr() for s in SHARING_PLAN}
+    voice_ptrs = {stage.sessions[s].att.prompt.data_ptr() for s in SHARING_PLAN}
     assert len(voice_ptrs) == 2
     for sid in SHARING_PLAN:
         stage.remove_session(sid)
@@ -105,11 +107,15 @@ def test_replay_groups_match_one_big_batch(monkeypatch):
                       arena_rows_from_graph_grid=True)
     assert stage.arena.rows == 2
     calls = []
-    orig = SharedPromptAttCache.copy_range_to
-    monkeypatch.setattr(SharedPromptAttCache, "copy_range_to",
+    orig = SharedPromptAttCache.copy_private_to
+    monkeypatch.setattr(SharedPromptAttCache, "copy_private_to",
                         lambda self, *a: (calls.append(1), orig(self, *a))[1])
+
+    def no_prompt_copy(self, *a):
+        raise AssertionError("the prompt frames were copied into an arena row")
+    monkeypatch.setattr(SharedPromptAttCache, "copy_range_to", no_prompt_copy)
     small = _run(stage, plan, 3)
-    assert len(calls) == 7 * 3                             # every row of every chunk
+    assert len(calls) == 7 * 3                             # every row of every chunk: its delta only
     # Not bit-exact on CPU: a row's GEMMs see a different batch size (2 vs 7 rows).
     for sid in plan:
         for a, b in zip(small[sid][0], big[sid][0]):

@@ -38,6 +38,12 @@ def test_layout_matches_reference_trim(p, tail, widths):
         assert len(shared) == ref.shape[FRAME_DIM]
         assert torch.equal(shared.materialize(), ref)
         assert torch.equal(plain.materialize(), ref)
+        # both report the same layout (the arena reads it to copy only the delta into a row)
+        assert (plain.num_delta, plain.head, plain.trimmed) == (shared.num_delta, shared.head, shared.trimmed)
+        for cache in (shared, plain):
+            dst = torch.full_like(ref[..., :cache.num_delta, :], float("nan"))
+            cache.copy_private_to(dst)
+            assert torch.equal(dst, ref[..., :cache.num_delta, :])
         # every part but the delta is a view of the one prompt tensor
         for part in shared.parts()[1 if shared.num_delta else 0:]:
             assert part.untyped_storage().data_ptr() == prompt.untyped_storage().data_ptr()

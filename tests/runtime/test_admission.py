@@ -101,8 +101,14 @@ def test_a_cause_of_refusal_is_logged_once_per_interval_with_the_refusals_it_sta
 
 
 def test_budget_too_small_for_one_session_is_a_clear_error(tmp_path):
+    # The fixed part plus half a session, from the plan (a fixed "100MiB" stopped being too small
+    # when the Code2Wav arena stopped copying the voice prompt into every row).
+    probe = engine(tmp_path, "probe")
+    per_session, _ = _independent_session_bytes(probe, share=False)
+    nulls = probe.plan.thinker_block_bytes + probe.plan.talker_block_bytes
+    budget = probe.plan.fixed_bytes + nulls + per_session // 2 + RESERVE
     with pytest.raises(BudgetTooSmall, match="cannot hold one session"):
-        engine(tmp_path, "small", {"engine": {"memory_budget": "100MiB", "activation_reserve": "1MiB"}})
+        engine(tmp_path, "small", {"engine": {"memory_budget": budget, "activation_reserve": RESERVE}})
 
 
 @pytest.mark.parametrize("share", [True, False])

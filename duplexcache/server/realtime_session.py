@@ -32,7 +32,7 @@ from duplexcache.server import protocol as proto
 from duplexcache.server.audio_io import AudioError, InputAudio, OutputAudio
 from duplexcache.server.auth import Handshake
 from duplexcache.server.connection import Connection
-from duplexcache.server.session_config import SessionSettings, apply_update, to_wire
+from duplexcache.server.session_config import ECHOED_TEXTS, SessionSettings, apply_update, to_wire
 from duplexcache.server.turns import Outgoing, ResponseTracker, wire_name
 
 if TYPE_CHECKING:
@@ -118,12 +118,14 @@ class RealtimeSession:
         logger.info("error to client (session %s): %s: %s", self.log_name, code, message)
         self.send(proto.error_event(code, message, error_type=error_type, event_id=event_id, param=param))
 
-    def _wire_session(self) -> dict[str, Any]:
+    def _wire_session(self, texts: bool = False) -> dict[str, Any]:
+        """The session object; ``texts``: with the instructions and initial text (only where the
+        client's event set them, or at session.created, where they are the defaults)."""
         fmt = self.settings.input_format(self.openai_client) if self.audio is None else self.audio.format
-        return to_wire(self.id, self.settings, fmt, "default", self.model)
+        return to_wire(self.id, self.settings, fmt, "default", self.model, texts=texts)
 
     def announce(self) -> None:
-        self.send(proto.event("session.created", session=self._wire_session()))
+        self.send(proto.event("session.created", session=self._wire_session(texts=True)))
 
     # ---------------------------------------------------------------- client events
     async def handle(self, ev: proto.ClientEvent) -> None:
@@ -150,7 +152,8 @@ class RealtimeSession:
                                       param="queue_if_full")
         settings, changed = apply_update(self.settings, ev.data.get("session", {}), ev.event_id,
                                          audio_started=self.sid is not None,
-                                         voice_aliases=self.server.config.server.voice_aliases)
+                                         voice_aliases=self.server.config.server.voice_aliases,
+                                         max_text_chars=self.server.config.server.max_session_text_chars)
         if settings.turn.type != "duplex" and not self.server.turn_control:
             raise proto.ProtocolError("unsupported_turn_detection", "this engine supports turn_detection "
                                       "'duplex' only (it has no turn control)", ev.event_id,
@@ -163,7 +166,11 @@ class RealtimeSession:
             self.vad = None  # rebuilt with the new parameters on the next audio
             if self.sid is not None and not self.queued:
                 await self._apply_turn_mode()
-        self.send(proto.event("session.updated", session=self._wire_session()))
+        # The texts are echoed only when this update set them: the reply is then no larger than
+        # the request, where it used to carry the whole session (3.9 MB for a 40-byte update).
+        body = ev.data.get("session")
+        echo_texts = isinstance(body, dict) and any(name in body for name in ECHOED_TEXTS)
+        self.send(proto.event("session.updated", session=self._wire_session(texts=echo_texts)))
 
     def _check_engine_settings(self, settings: SessionSettings, eid: str | None) -> None:
         """The engine's own validation of what it will be opened with (window limits, voice, ...)."""
@@ -285,6 +292,14 @@ class RealtimeSession:
             played_ms = self.conn.played_ms(current.id)
         cancelled = await asyncio.to_thread(self.engine.cancel_response, self.sid, played_ms)
         if not cancelled:
+            if current is None and self.response_requested:
+                # A reply asked for and not started: the engine withdrew the request (False: no
+                # response existed). Forget it too, or every later response.create is refused as
+                # already active and the call never hears another reply.
+                self.response_requested = False
+                if not quiet:
+                    logger.info("session %s: requested reply withdrawn before it started", self.id)
+                return True
             return False
         self.response_requested = False
         if self.output is not None:
@@ -367,10 +382,15 @@ class RealtimeSession:
             raise proto.ProtocolError("rate_limit_exceeded", "too many sessions from this client address "
                                       f"(server.max_sessions_per_client = {server.config.server.max_sessions_per_client})",
                                       eid, error_type=proto.RATE_LIMIT)
+        refusal: proto.ProtocolError | None = None
         if self.settings_refusal is not None and self.settings_refusal[0] == self.settings:
+            refusal = self.settings_refusal[1]
+        else:
+            refusal = server.refusals.get(self.settings)   # another connection's, same settings
+        if refusal is not None:
             # Building the context again would give the same answer, and costs what tokenizing the
             # instructions costs (~0.25 s for a 2 MB string, on every append a client streams).
-            refusal = self.settings_refusal[1]
+            self.settings_refusal = (self.settings, refusal)
             if self._told_recently(refusal.code, streaming):
                 return False
             raise proto.ProtocolError(refusal.code, refusal.message, eid, param=refusal.param,
@@ -424,6 +444,7 @@ class RealtimeSession:
     def _refuse_settings(self, error: proto.ProtocolError) -> proto.ProtocolError:
         """Remember a refusal that only the current settings decide; returns it to raise."""
         self.settings_refusal = (self.settings, error)
+        self.server.refusals.put(self.settings, error)
         self.refusal_notice = (error.code, time.monotonic())
         return error
 

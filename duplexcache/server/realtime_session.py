@@ -51,6 +51,9 @@ _ADMISSION_MESSAGES = {
 # other code is asked again on the next append, as capacity is.
 _SETTINGS_REFUSALS = frozenset({"context_length_exceeded"})
 MAX_USER_TEXT_CHARS = 8192
+# Longest audio one append may carry: what the engine buffers per session (engine_session's
+# MAX_BUFFERED_SECONDS); a longer chunk could only be refused after decoding it.
+MAX_CHUNK_SECONDS = 10
 
 
 def _vad_factory(threshold: float, silence_duration_ms: int, prefix_padding_ms: int) -> Any:
@@ -195,6 +198,13 @@ class RealtimeSession:
             return
         assert self.audio is not None
         self.last_input_at = time.monotonic()
+        # A chunk longer than the engine can buffer can only be refused: say so from its base64
+        # length, before decoding and resampling it, and without counting it as received (a
+        # 3.9 MiB frame was decoded, resampled and counted in the input timestamps, then refused).
+        seconds = self.audio.format.samples_in(len(audio_b64) * 3 // 4) / self.audio.format.rate
+        if seconds > MAX_CHUNK_SECONDS + 0.01:   # base64 padding: a chunk of exactly the bound passes
+            raise proto.ProtocolError("invalid_audio", f"a chunk of {seconds:.1f} s; at most {MAX_CHUNK_SECONDS} s "
+                                      "per append (send audio in real time, in chunks)", ev.event_id)
         try:
             pcm = self.audio.push(audio_b64)
         except AudioError as exc:

@@ -325,6 +325,29 @@ def test_a_settings_refusal_is_remembered_across_connections(shared, monkeypatch
     assert opened.count(long_text) == 1
 
 
+def test_an_append_longer_than_the_engine_buffers_is_refused_before_decoding(shared):
+    """12 s in one append: invalid_audio from its length, and it is not counted as received (it
+    was decoded, resampled and counted in the input timestamps, then refused by the engine)."""
+    from duplexcache.runtime.engine_session import MAX_BUFFERED_SECONDS
+    from duplexcache.server.realtime_session import MAX_CHUNK_SECONDS
+
+    assert MAX_CHUNK_SECONDS == MAX_BUFFERED_SECONDS
+
+    async def main() -> tuple[dict[str, Any], int]:
+        async with _connect(shared) as ws:
+            wire_id = (await recv(ws, WAIT_S))["session"]["id"]
+            await send(ws, {"type": "input_audio_buffer.append", "audio": pcm16_b64(silence(0.1))})
+            await send(ws, {"type": "input_audio_buffer.append", "audio": pcm16_b64(silence(12.0))})
+            while (event := await recv(ws, WAIT_S))["type"] != "error":
+                pass
+            session = next(s for s in shared.app.state.server._sessions if s.id == wire_id)
+            return event["error"], session.audio.ms_in
+
+    error, ms_in = asyncio.run(main())
+    assert ms_in == 100   # the refused chunk is not part of the session's input
+    assert error["code"] == "invalid_audio" and "at most 10 s per append" in error["message"], error
+
+
 # ------------------------------------------------------------ 4. cancel before the reply starts
 
 @pytest.mark.parametrize("turn_detection", [None, {"type": "server_vad"}, {"type": "duplex"}],

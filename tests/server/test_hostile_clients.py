@@ -348,6 +348,26 @@ def test_an_append_longer_than_the_engine_buffers_is_refused_before_decoding(sha
     assert error["code"] == "invalid_audio" and "at most 10 s per append" in error["message"], error
 
 
+def test_the_tick_does_not_tokenize_the_instructions(models, monkeypatch):
+    """open_session tokenizes the context to size it (on the caller's worker thread); the tick
+    that builds the context finds those ids remembered and tokenizes no instructions itself."""
+    engine = DuplexEngine(tiny_deploy(), models)
+    try:
+        instructions = "i" * 6000          # 6000 byte tokens: under the tiny preset's 8192
+        sid = engine.open_session({"instructions": instructions})
+        in_tick: list[int] = []
+        built: list[str] = []
+        real_encode, real_build = models.tokenizer.encode, engine.builder.build
+        monkeypatch.setattr(models.tokenizer, "encode", lambda text: in_tick.append(len(text)) or real_encode(text))
+        monkeypatch.setattr(engine.builder, "build", lambda text, *a, **k: built.append(text) or real_build(text, *a, **k))
+        engine.push_audio(sid, np.zeros(IN_RATE, np.float32))
+        engine.tick()   # builds the context of the session that opened (and starts its prefill)
+        assert built == [instructions]
+        assert max(in_tick, default=0) < len(instructions), in_tick
+    finally:
+        engine.shutdown()
+
+
 # ------------------------------------------------------------ 4. cancel before the reply starts
 
 @pytest.mark.parametrize("turn_detection", [None, {"type": "server_vad"}, {"type": "duplex"}],

@@ -198,6 +198,7 @@ def test_a_non_reader_flooded_with_large_events_stays_under_the_byte_bound(model
             wait_health(srv, lambda h: h["connections"] == 1, "the connection")
             conn = next(iter(conns)).conn
             assert conn._max_bytes == 4 * 2**20 and conn._close_timeout == 1.0   # the YAML's, not the defaults
+            assert conn.on_drop is not None   # a drop ends the engine session at once
             for i in range(100):
                 client.send({"type": "session.update", "session": {"instructions": f"{i} {base}"}})
                 sent += 1

@@ -94,7 +94,7 @@ class Connection:
                  close_timeout: float = CLOSE_TIMEOUT_S, on_drop: Callable[[], None] | None = None):
         self.ws = ws
         self.closing = False              # a close is queued; send nothing more
-        self.dropped = False              # the server dropped this client (too slow, or its close was stuck)
+        self.dropped = False              # the server dropped this client (its outbox passed a bound)
         self._outbox: collections.deque[_Out | _Close] = collections.deque()
         self._outbox_bytes = 0
         self._ready = asyncio.Event()
@@ -120,7 +120,9 @@ class Connection:
         if self.closing:
             return
         text = proto.encode(event)
-        if len(self._outbox) >= self._max_pending or self._outbox_bytes + len(text) > self._max_bytes:
+        # the byte bound applies to a backlog: one event alone always fits an empty outbox
+        too_many_bytes = bool(self._outbox) and self._outbox_bytes + len(text) > self._max_bytes
+        if len(self._outbox) >= self._max_pending or too_many_bytes:
             logger.warning("client of session %s is too slow (%d events, %d bytes pending); dropping it", self.label,
                            len(self._outbox), self._outbox_bytes + len(text))
             self.drop(proto.CLOSE_POLICY, "client too slow")

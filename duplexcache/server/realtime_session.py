@@ -435,7 +435,9 @@ class RealtimeSession:
         except PrivateConfigKeyError as exc:
             raise self._refuse_settings(proto.ProtocolError("private_config_key", str(exc), eid)) from None
         except ValueError as exc:
-            raise self._refuse_settings(proto.ProtocolError("invalid_session_config", str(exc), eid)) from None
+            # any ValueError: most are the settings', but not surely, so not shared with other connections
+            raise self._refuse_settings(proto.ProtocolError("invalid_session_config", str(exc), eid),
+                                        shared=False) from None
         finally:
             self.opening = False
         self.audio = InputAudio(fmt)
@@ -451,10 +453,12 @@ class RealtimeSession:
             await self._on_live()
         return True
 
-    def _refuse_settings(self, error: proto.ProtocolError) -> proto.ProtocolError:
-        """Remember a refusal that only the current settings decide; returns it to raise."""
+    def _refuse_settings(self, error: proto.ProtocolError, shared: bool = True) -> proto.ProtocolError:
+        """Remember a refusal that only the current settings decide; returns it to raise.
+        ``shared``: for every connection of the server too (RefusalMemory)."""
         self.settings_refusal = (self.settings, error)
-        self.server.refusals.put(self.settings, error)
+        if shared:
+            self.server.refusals.put(self.settings, error)
         self.refusal_notice = (error.code, time.monotonic())
         return error
 

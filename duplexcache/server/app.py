@@ -51,7 +51,7 @@ from duplexcache.runtime.engine_api import (
 from duplexcache.runtime.pacing import UnitGrid, deadline_after_late, prefill_fits
 from duplexcache.server import protocol as proto
 from duplexcache.server.auth import Refusal, bearer_ok, check_handshake, client_address
-from duplexcache.server.connection import Connection, TransportScope
+from duplexcache.server.connection import Connection, TransportScope, transport_of
 from duplexcache.server.metrics import ServerMetrics
 from duplexcache.server.realtime_session import RealtimeSession
 from duplexcache.server.session_config import RefusalMemory
@@ -438,6 +438,15 @@ class RealtimeServer:
 
     async def _enforce_limits(self, session: RealtimeSession, now: float) -> None:
         cfg = self.config.server
+        transport = transport_of(session.conn.ws)
+        if transport is not None and transport.is_closing() and not session.conn.closing:
+            # The ASGI server closed the socket on its own (uvicorn: a keepalive ping not answered)
+            # and waits for a send buffer this client does not drain; until it drains, the receive
+            # loop hears nothing and the session would live on. Drop it: the engine session ends
+            # now, and the transport is aborted if its close cannot be written.
+            logger.info("session %s: its connection was closed under it (no pong?); dropping it", session.log_name)
+            session.conn.drop(proto.CLOSE_GOING_AWAY, "connection closed")
+            return
         if session.conn.closing:
             # Its close is on the way, but may never be written (a client that does not read): the
             # limits still end it, and its transport is aborted (they used to skip it for good).

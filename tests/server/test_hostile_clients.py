@@ -165,6 +165,30 @@ def test_a_non_reader_with_a_full_send_buffer_is_ended_and_its_slots_freed(model
             client.close()
 
 
+def test_a_non_reader_that_misses_its_pings_is_ended_at_once(models):
+    """The same silent non-reader, when the ping times out first (uvicorn's keepalive: it closes
+    the transport, and the close waits behind the full buffer): the engine session ends at once
+    and the connection is aborted, long before the idle timeout. Before: both waited for the
+    client (the receive loop hears nothing until the transport is really gone)."""
+    # the byte bound out of the way: the replies queued behind the full buffer do not drop it here
+    deploy = tiny_deploy(idle_timeout_s=120.0, close_timeout_s=1.0, max_outbox_bytes=64 * 2**20)
+    srv = LoopbackServer(create_app(DuplexEngine(deploy, models), deploy))
+    srv._server.config.ws_ping_interval, srv._server.config.ws_ping_timeout = 3.0, 1.0   # read per connection
+    with srv:
+        client = RawClient(srv.port, rcvbuf=4096)
+        try:
+            text = "v" * 60_000   # 7.8 MB of echoes: the send buffer is full (see the test above)
+            for i in range(130):
+                client.send({"type": "session.update", "session": {"instructions": f"{i} {text}"}})
+            client.send({"type": "session.update", "session": {"instructions": "short enough to open"}})
+            client.send({"type": "input_audio_buffer.append", "audio": pcm16_b64(silence(0.1))})
+            wait_health(srv, lambda h: h["live_sessions"] == 1, "the engine session to open", timeout=10)
+            wait_health(srv, lambda h: h["live_sessions"] == 0 and h["connections"] == 0,
+                        "the session and connection of a client that missed its ping to end", timeout=10)
+        finally:
+            client.close()
+
+
 # ------------------------------------------------------------ 2. outbox bounded in bytes
 
 def test_a_non_reader_flooded_with_large_events_stays_under_the_byte_bound(models, tmp_path):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import ipaddress
 import logging
 import os
 from dataclasses import dataclass
@@ -316,6 +317,25 @@ class ServerConfig(_Strict):
     allowed_origins: list[str] = Field(default_factory=list)
     idle_timeout_s: float = Field(120.0, ge=0)        # no input audio for this long ends a session; 0 = off
     max_session_s: float = Field(3600.0, ge=0)        # longest a connection may stay open; 0 = off
+    # Encoded events queued for one client before it is dropped as too slow (besides 1024 events):
+    # a client that stops reading holds at most this much of the server's memory.
+    max_outbox_bytes: ByteSize = parse_bytes("8MiB")
+    # A close that cannot be written this long (the client does not read) is abandoned: the
+    # transport is aborted. The engine session is released before, when the close is decided.
+    close_timeout_s: float = Field(5.0, gt=0)
+    # An HTTP request (a WebSocket handshake too) whose headers have not all arrived this long after
+    # the connection opened is dropped; uvicorn has no such timeout of its own.
+    header_timeout_s: float = Field(10.0, gt=0)
+    keep_alive_timeout_s: float = Field(5.0, gt=0)   # an idle HTTP keep-alive connection is closed after this
+    # Addresses (or CIDR networks) of reverse proxies whose X-Forwarded-For / X-Forwarded-Proto are
+    # believed: the per-address caps then count the client they name. Empty: no proxy is trusted and
+    # the caps count the TCP peer (uvicorn's own default trusts 127.0.0.1, so any local process could
+    # name itself a new address per connection).
+    trusted_proxies: list[str] = Field(default_factory=list)
+    # Longest instructions / initial_user_text (characters, each) a session.update may set; longer is
+    # refused there, before any tokenizing. A token is rarely under 2 characters, so the default
+    # leaves room for max_context_tokens of ordinary text; a cap on work, not the context limit.
+    max_session_text_chars: int = Field(65536, gt=0)
     max_connections_per_client: int = Field(16, ge=1)  # open WebSockets per client address
     max_sessions_per_client: int = Field(8, ge=1)      # engine sessions (admitted or queued) per client address
     queue_notice_s: float = Field(2.0, gt=0)           # period of session.queued events while waiting, and of
@@ -378,6 +398,17 @@ class ServerConfig(_Strict):
     # names map to "default", which every engine has. Checked against the engine's voices when
     # the server starts; {} refuses them.
     voice_aliases: dict[str, str] = Field(default_factory=lambda: {name: "default" for name in OPENAI_VOICES})
+
+    @model_validator(mode="after")
+    def _trusted_proxies_are_addresses(self) -> "ServerConfig":
+        for entry in self.trusted_proxies:
+            if entry != "*":
+                try:
+                    ipaddress.ip_network(entry, strict=False)
+                except ValueError:
+                    raise ValueError(f"server.trusted_proxies: {entry!r} is not an IP address or CIDR network "
+                                     "('*' trusts every peer)") from None
+        return self
 
     @model_validator(mode="after")
     def _home_phase_needs_alignment(self) -> "ServerConfig":
@@ -593,16 +624,19 @@ class SessionRuntimeConfig:
 
 
 def find_private_key(obj: Any, prefix: str = "") -> str | None:
-    """The dotted path of the first server-owned key anywhere in ``obj`` (nested dicts too)."""
-    if not isinstance(obj, Mapping):
-        return None
-    for key, value in obj.items():
-        path = f"{prefix}{key}"
-        if key in PRIVATE_RUNTIME_CONFIG_KEYS:
-            return path
-        found = find_private_key(value, path + ".")
-        if found is not None:
-            return found
+    """The dotted path of the first server-owned key anywhere in ``obj`` (nested dicts too).
+    Iterative: a client's session object may nest deeper than Python's recursion limit."""
+    stack: list[tuple[Any, str]] = [(obj, prefix)]
+    while stack:
+        node, path = stack.pop()
+        if not isinstance(node, Mapping):
+            continue
+        nested = []
+        for key, value in node.items():
+            if key in PRIVATE_RUNTIME_CONFIG_KEYS:
+                return f"{path}{key}"
+            nested.append((value, f"{path}{key}."))
+        stack.extend(reversed(nested))   # a level's own keys first, then its values in key order
     return None
 
 

@@ -42,6 +42,8 @@ NON_DEFAULT = {
                                 "end_quiet_lookahead": False}},
     "server": {"host": "0.0.0.0", "port": 9001, "max_frame_bytes": "1MiB", "api_key": "sk-test",
                "allowed_origins": ["https://app.example"], "idle_timeout_s": 30.0, "max_session_s": 600.0,
+               "max_outbox_bytes": 2**20, "close_timeout_s": 2.0, "header_timeout_s": 3.0, "keep_alive_timeout_s": 2.0,
+               "trusted_proxies": ["10.0.0.0/8"], "max_session_text_chars": 1000,
                "max_connections_per_client": 3, "max_sessions_per_client": 2, "queue_notice_s": 0.5, "max_context_tokens": 4096,
                "switch_interval_ms": 0.5, "catch_up_ticks": False,
                "prefill_between_ticks": False, "align_units_to_ticks": False, "unit_align_margin_ms": 80.0, "tick_phases": 4,

@@ -17,9 +17,11 @@ positions) and ``<|audio_end|>`` 151699, the slots MiniCPM-o 2.6 gave them just 
 
 from __future__ import annotations
 
+import collections
 import logging
+import threading
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +99,47 @@ class HFTokenizer:
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+
+
+class MemoTokenizer:
+    """A tokenizer that remembers the ids of its last few long texts (thread-safe).
+
+    The engine tokenizes a session's context twice: once in ``open_session``, on the caller's
+    worker thread, to size it (SessionSizing.context_layout), and again when the tick builds it
+    (ThinkerStage.open_pending). With both going through one MemoTokenizer the tick finds the
+    ids ready, so tokenizing instructions never runs on the tick's time (issue 48: 3.9 MB of
+    instructions took 0.5-2.2 s to tokenize). Short texts are not remembered: they cost less
+    than the lookup. Everything else is the wrapped tokenizer's."""
+
+    MIN_CHARS = 256      # shorter texts are tokenized each time
+    ENTRIES = 32         # texts remembered (the newest); a context is a handful of them
+
+    def __init__(self, inner: Tokenizer):
+        self._inner = inner
+        self._lock = threading.Lock()
+        self._ids: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
+
+    def encode(self, text: str) -> list[int]:
+        if not isinstance(text, str) or len(text) < self.MIN_CHARS:
+            return self._inner.encode(text)
+        with self._lock:
+            ids = self._ids.get(text)
+            if ids is not None:
+                self._ids.move_to_end(text)
+                return list(ids)    # a copy: a caller may extend what it is given
+        ids = self._inner.encode(text)
+        with self._lock:
+            self._ids[text] = ids
+            while len(self._ids) > self.ENTRIES:
+                self._ids.popitem(last=False)
+        return list(ids)
+
+    def token_id(self, token: str) -> int:
+        return self._inner.token_id(token)
+
+    def __getattr__(self, name: str) -> Any:
+        # what else a caller reads of the real tokenizer (special_token_ids, HF's inner _tok)
+        return getattr(self._inner, name)
 
 
 def load_tokenizer(checkpoint_dir: str | Path | None) -> Tokenizer:

@@ -41,6 +41,7 @@ from torch.profiler import record_function
 
 from duplexcache.config import DeployConfig
 from duplexcache.context import EmbeddingResult, EncoderPath, SessionContextBuilder
+from duplexcache.context.tokenizer import MemoTokenizer
 from duplexcache.kv.decode_graphs import PagedDecodeGraphs
 from duplexcache.kv.kv_quant import kv_storage_dtype
 from duplexcache.kv.window import WindowConfig
@@ -100,11 +101,14 @@ class DuplexEngine:
         w = deploy.stage0.window
         self.window = WindowConfig(mode=w.mode, high_tokens=w.high_tokens, low_tokens=w.low_tokens)
         self.reference_encodes = 0
-        self.builder = SessionContextBuilder.from_config(deploy, models.tokenizer, self._embed_tokens,
+        # One memo for the context's two tokenizations: open_session's sizing (a worker thread)
+        # fills it, the tick's context build reads it (context/tokenizer.py MemoTokenizer).
+        self.context_tokenizer = MemoTokenizer(models.tokenizer)
+        self.builder = SessionContextBuilder.from_config(deploy, self.context_tokenizer, self._embed_tokens,
                                                          self._encode_reference_audio)
         with self._numerics():   # a voice's prompt state with the same kernels as a tick's
             self.code2wav = build_code2wav(deploy, models)   # every voice's prompt state computed once
-        self.sizing = SessionSizing(deploy, models, self.code2wav)
+        self.sizing = SessionSizing(deploy, models, self.code2wav, self.context_tokenizer)
         self.refusal_log = RefusalLog(logger)
         self.plan = self.sizing.plan()
         self.ledger = AdmissionLedger(self.plan)

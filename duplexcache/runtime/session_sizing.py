@@ -21,6 +21,7 @@ from duplexcache.cfm.code2wav import BatchedCode2Wav, code2wav_session_bytes
 from duplexcache.config import (DeployConfig, SessionConfigError, SessionRuntimeConfig, build_runtime_config,
                                 format_bytes)
 from duplexcache.context import EmbeddingResult, EncoderPath, SessionContext, build_session_context
+from duplexcache.context.tokenizer import Tokenizer
 from duplexcache.kv.kv_quant import kv_storage_dtype
 from duplexcache.kv.paged_attention import bytes_per_block
 from duplexcache.kv.window import WindowConfig
@@ -114,8 +115,12 @@ def resolve_turn_tokens(requested: int | None, config: TalkerConfig) -> int:
 class SessionSizing:
     """Shape-only sizes for one engine's models and voices."""
 
-    def __init__(self, deploy: DeployConfig, models: ModelBundle, code2wav: BatchedCode2Wav) -> None:
+    def __init__(self, deploy: DeployConfig, models: ModelBundle, code2wav: BatchedCode2Wav,
+                 tokenizer: Tokenizer | None = None) -> None:
         self.deploy = deploy
+        # the engine's (a MemoTokenizer shared with its context builder: what sizing tokenizes on
+        # the caller's thread, the tick's build finds ready)
+        self.tokenizer = tokenizer if tokenizer is not None else models.tokenizer
         self.models = models
         self.voices = models.voices
         self.code2wav = code2wav
@@ -145,7 +150,7 @@ class SessionSizing:
     def context_layout(self, cfg: SessionRuntimeConfig, voice: Voice) -> SessionContext:
         r = self.ref_embeddings[voice.name]
         return build_session_context(
-            self.models.tokenizer, lambda ids: torch.zeros(len(ids), 1),
+            self.tokenizer, lambda ids: torch.zeros(len(ids), 1),
             lambda a, s: EmbeddingResult(torch.zeros(r, 1), EncoderPath.WHOLE_CLIP),
             cfg.instructions, voice.ref_audio, cfg.initial_user_text, model_revision=cfg.model_revision)
 

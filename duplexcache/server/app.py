@@ -50,11 +50,12 @@ from duplexcache.runtime.engine_api import (
 )
 from duplexcache.runtime.pacing import UnitGrid, deadline_after_late, prefill_fits
 from duplexcache.server import protocol as proto
-from duplexcache.server.auth import Refusal, bearer_ok, check_handshake
-from duplexcache.server.connection import Connection
+from duplexcache.server.auth import Refusal, bearer_ok, check_handshake, client_address
+from duplexcache.server.connection import Connection, TransportScope, transport_of
 from duplexcache.server.metrics import ServerMetrics
 from duplexcache.server.minicpmo_session import session_for
 from duplexcache.server.realtime_session import RealtimeSession
+from duplexcache.server.session_config import RefusalMemory
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +129,8 @@ class RealtimeServer:
         self._tick_task: asyncio.Task[None] | None = None
         self._housekeeping_task: asyncio.Task[None] | None = None
         self._pending_clients: dict[str, int] = {}  # handshakes in progress per address
+        self._ending: set[asyncio.Task[None]] = set()  # end_session of dropped clients, in flight
+        self.refusals = RefusalMemory()        # settings-decided refusals, for every connection
         self.warm_state = "warming"            # -> "ready" | "warmup_failed"
         self.warmup_error: str | None = None
         self._saved_switch_interval: float | None = None  # Python's, while ours is set
@@ -436,29 +439,47 @@ class RealtimeServer:
 
     async def _enforce_limits(self, session: RealtimeSession, now: float) -> None:
         cfg = self.config.server
+        transport = transport_of(session.conn.ws)
+        if transport is not None and transport.is_closing() and not session.conn.closing:
+            # The ASGI server closed the socket on its own (uvicorn: a keepalive ping not answered)
+            # and waits for a send buffer this client does not drain; until it drains, the receive
+            # loop hears nothing and the session would live on. Drop it: the engine session ends
+            # now, and the transport is aborted if its close cannot be written.
+            logger.info("session %s: its connection was closed under it (no pong?); dropping it", session.log_name)
+            session.conn.drop(proto.CLOSE_GOING_AWAY, "connection closed")
+            return
         if session.conn.closing:
+            # Its close is on the way, but may never be written (a client that does not read): the
+            # limits still end it, and its transport is aborted (they used to skip it for good).
+            if (cfg.max_session_s and now - session.connected_at > cfg.max_session_s) or \
+                    (cfg.idle_timeout_s and now - session.last_input_at > cfg.idle_timeout_s):
+                await self.end_session(session)
+                session.conn.abort()
             return
         if cfg.max_session_s and now - session.connected_at > cfg.max_session_s:
-            session.error("session_expired", f"the session hit the maximum duration of {cfg.max_session_s:g} s "
-                          "(server.max_session_s)")
             self.metrics.limit_closes.labels(reason="max_session_s").inc()
-            await self._expire(session, "session expired")
+            await self._expire(session, "session expired", "session_expired", f"the session hit the maximum "
+                               f"duration of {cfg.max_session_s:g} s (server.max_session_s)")
         elif cfg.idle_timeout_s and now - session.last_input_at > cfg.idle_timeout_s:
-            session.error("idle_timeout", f"no input audio for {cfg.idle_timeout_s:g} s (server.idle_timeout_s); "
-                          "the session is closed")
             self.metrics.limit_closes.labels(reason="idle_timeout_s").inc()
-            await self._expire(session, "idle timeout")
+            await self._expire(session, "idle timeout", "idle_timeout", f"no input audio for "
+                               f"{cfg.idle_timeout_s:g} s (server.idle_timeout_s); the session is closed")
         elif session.queued and now - session.last_queue_notice >= cfg.queue_notice_s:
             session.notify_queued(now)
 
-    async def _expire(self, session: RealtimeSession, reason: str) -> None:
+    async def _expire(self, session: RealtimeSession, reason: str, code: str, message: str) -> None:
+        # Audio the client has not read is dropped (it may never read it); the error saying why
+        # and the close go out next.
+        session.conn.discard_backlog()
+        session.error(code, message)
         await self.end_session(session)
         session.conn.close(proto.CLOSE_POLICY, reason)
 
     # ---------------------------------------------------------------- sockets
 
     async def handle_socket(self, ws: WebSocket) -> None:
-        client = ws.client.host if ws.client is not None else "unknown"
+        peer = ws.client.host if ws.client is not None else "unknown"
+        client = client_address(peer, ws.headers, self.config.server.trusted_proxies)
         if self._stopping.is_set():
             await _refuse(ws, Refusal(503, "server_shutting_down", "The server is shutting down.",
                                       proto.SERVER_ERROR))
@@ -483,9 +504,12 @@ class RealtimeServer:
             self._pending_clients[client] -= 1
             if not self._pending_clients[client]:
                 del self._pending_clients[client]
-        conn = Connection(ws)
+        cfg = self.config.server
+        conn = Connection(ws, max_bytes=cfg.max_outbox_bytes, close_timeout=cfg.close_timeout_s)
         conn.start()
         session = session_for(self, conn, verdict, client, ws.query_params)   # the handshake's dialect
+        # A client dropped as too slow frees its engine session now, not when its socket goes.
+        conn.on_drop = functools.partial(self._end_soon, session)
         # the context key a cluster router placed this connection by (cluster/placement.py)
         session.placement_key = ws.headers.get(proto.PLACEMENT_HEADER, "")[:MAX_PLACEMENT_KEY]
         self._sessions.add(session)
@@ -540,6 +564,11 @@ class RealtimeServer:
         self._by_sid[sid] = session
         logger.info("session %s opened", session.log_name)
 
+    def _end_soon(self, session: RealtimeSession) -> None:
+        task = asyncio.create_task(self.end_session(session))
+        self._ending.add(task)   # held: the loop keeps only weak references to tasks
+        task.add_done_callback(self._ending.discard)
+
     async def end_session(self, session: RealtimeSession) -> None:
         name = session.log_name
         sid, session.sid = session.sid, None
@@ -589,6 +618,8 @@ def create_app(engine: EngineAPI, config: DeployConfig, metrics: ServerMetrics |
             await server.stop()
 
     app = FastAPI(title="duplexcache realtime", lifespan=lifespan)
+    # outermost: it must see the server's own send (a client that must go is aborted through it)
+    app.add_middleware(TransportScope)
     app.state.server = server
     app.state.health_extras = []   # async callables returning more /health fields
 

@@ -9,7 +9,9 @@ connections), sent as a WebSocket denial response.
 
 from __future__ import annotations
 
+import functools
 import hmac
+import ipaddress
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 from urllib.parse import urlsplit
@@ -94,3 +96,44 @@ def check_handshake(config: ServerConfig, headers: Mapping[str, str], query: Map
 def bearer_ok(config: ServerConfig, headers: Mapping[str, str]) -> bool:
     """For plain HTTP routes (/metrics): the key in the Authorization header, or no key configured."""
     return config.api_key is None or key_matches(config.api_key, presented_key(headers, []))
+
+
+# Longest client address kept from a forwarded header (it names a cap's key and log lines).
+MAX_ADDRESS_CHARS = 64
+
+
+@functools.lru_cache(maxsize=8)
+def _networks(trusted: tuple[str, ...]) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] | None:
+    """The trusted proxies as networks; None when every peer is trusted ("*")."""
+    if "*" in trusted:
+        return None
+    return tuple(ipaddress.ip_network(entry, strict=False) for entry in trusted)
+
+
+def _trusted(address: str, trusted: tuple[str, ...]) -> bool:
+    networks = _networks(trusted)
+    if networks is None:
+        return True
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return any(ip in network for network in networks)
+
+
+def client_address(peer: str, headers: Mapping[str, str], trusted_proxies: Sequence[str]) -> str:
+    """The address the per-client caps count: the TCP peer, unless the peer is a trusted proxy
+    (``server.trusted_proxies``) and names the client in ``X-Forwarded-For``; then the nearest
+    address in that list that is not itself a trusted proxy (entries to its left are whatever the
+    client wrote, so only the part our proxies appended is believed)."""
+    trusted = tuple(trusted_proxies)
+    if not trusted or not _trusted(peer, trusted):
+        return peer
+    forwarded = headers.get("x-forwarded-for")
+    if not forwarded:
+        return peer
+    hops = [hop.strip() for hop in forwarded.split(",") if hop.strip()]
+    for hop in reversed(hops):
+        if not _trusted(hop, trusted):
+            return hop[:MAX_ADDRESS_CHARS]
+    return hops[0][:MAX_ADDRESS_CHARS] if hops else peer

@@ -167,7 +167,8 @@ def _serve_on(sock: socket.socket, deploy: DeployConfig, args: argparse.Namespac
         logger.warning("listening on %s without an API key: anyone who can reach it may open sessions "
                        "(set DUPLEXCACHE_API_KEY or --api-key)", host)
     try:
-        uvicorn.Server(uvicorn_config(app, host, port, deploy.server.max_frame_bytes, args.log_level)).run(
+        uvicorn.Server(uvicorn_config(app, host, port, deploy.server.max_frame_bytes, args.log_level,
+                                      server=deploy.server)).run(
             sockets=[sock])
     except KeyboardInterrupt:
         # Ctrl-C: uvicorn has already shut the app down (sessions closed, engine stopped) and then

@@ -19,6 +19,9 @@ from typing import Any
 
 import uvicorn
 
+from duplexcache.config import ServerConfig
+from duplexcache.server.http_limits import header_timeout_protocol
+
 logger = logging.getLogger(__name__)
 
 # Let frames a little over the app's max_frame_bytes reach the app, so the app (not the
@@ -27,8 +30,10 @@ WS_SIZE_HEADROOM = 64 * 1024
 
 
 def uvicorn_config(app: Any, host: str, port: int, max_frame_bytes: int, log_level: str = "warning",
-                   graceful_timeout: float | None = 10.0) -> uvicorn.Config:
-    """The uvicorn settings the CLI and the loopback server share."""
+                   graceful_timeout: float | None = 10.0, server: ServerConfig | None = None) -> uvicorn.Config:
+    """The uvicorn settings the CLI and the loopback server share; ``server`` (the deploy's
+    ``server`` section; its defaults when None) gives the HTTP timeouts."""
+    server = server or ServerConfig()
     return uvicorn.Config(
         app, host=host, port=port, log_level=log_level, lifespan="on",
         ws_max_size=max_frame_bytes + WS_SIZE_HEADROOM,
@@ -36,13 +41,27 @@ def uvicorn_config(app: Any, host: str, port: int, max_frame_bytes: int, log_lev
         # that the tick loop and the other sessions need more than the network needs the bytes.
         ws_per_message_deflate=False,
         timeout_graceful_shutdown=graceful_timeout,
+        # Forwarded headers are the app's to judge (server.trusted_proxies, server/auth.py):
+        # uvicorn's own default believes X-Forwarded-For from 127.0.0.1, so any local process could
+        # name a new client address per connection and pass the per-address caps.
+        proxy_headers=False,
+        timeout_keep_alive=server.keep_alive_timeout_s,
+        http=header_timeout_protocol(server.header_timeout_s),
     )
+
+
+def _server_config_of(app: Any) -> ServerConfig | None:
+    """The deploy's server section of an app made by create_app (None for another app)."""
+    realtime = getattr(getattr(app, "state", None), "server", None)
+    config = getattr(realtime, "config", None)
+    return getattr(config, "server", None)
 
 
 class LoopbackServer:
     def __init__(self, app: Any, max_frame_bytes: int = 4 * 2**20, start_timeout: float = 20.0):
         self.app = app
-        self._server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", 0, max_frame_bytes))
+        self._server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", 0, max_frame_bytes,
+                                                     server=_server_config_of(app)))
         self._thread = threading.Thread(target=self._server.run, name="duplexcache-loopback", daemon=True)
         self._start_timeout = start_timeout
         self.port: int | None = None

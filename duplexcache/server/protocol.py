@@ -40,6 +40,9 @@ CLIENT_EVENT_TYPES = (
 )
 # Longest client string (event id, field name, value) echoed back in an error.
 MAX_ECHO_CHARS = 64
+# Deepest nesting of objects/arrays accepted in a client event (the deepest real one, a GA
+# session.update's audio.input.format, is 5 levels).
+MAX_JSON_DEPTH = 32
 # Longest error message sent (messages are ours, but may embed clipped client strings).
 MAX_MESSAGE_CHARS = 400
 
@@ -89,12 +92,41 @@ def new_id(prefix: str) -> str:
 # Parsing client events
 # --------------------------------------------------------------------------------------------
 
+def json_depth_over(obj: Any, limit: int) -> bool:
+    """Whether ``obj`` nests objects/arrays more than ``limit`` deep; iterative, so a client's
+    nesting cannot reach Python's recursion limit here."""
+    stack = [(obj, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            children: Any = value.values()
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
+
+
+def _too_deep() -> ProtocolError:
+    return ProtocolError("nesting_too_deep", f"the event nests objects or arrays more than {MAX_JSON_DEPTH} levels "
+                         "deep; no event of this API needs more than a few")
+
+
 def parse_client_event(text: str) -> ClientEvent:
     """Parse one text frame; raises ProtocolError naming what is wrong."""
     try:
         obj = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as exc:
+    except RecursionError:   # deeper than the JSON decoder's own recursion allows
+        raise _too_deep() from None
+    except json.JSONDecodeError as exc:
         raise ProtocolError("invalid_json", f"frame is not valid JSON: {clip(str(exc), 120)}") from None
+    # Everything after this (the private-key walk, validation, the session echo) may recurse
+    # into what the client sent; past this bound none of it sees the event.
+    if json_depth_over(obj, MAX_JSON_DEPTH):
+        raise _too_deep()
     if not isinstance(obj, dict):
         raise ProtocolError("invalid_event", f"an event must be a JSON object, got {type(obj).__name__}")
     event_id = obj.get("event_id")

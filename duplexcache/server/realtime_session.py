@@ -32,7 +32,7 @@ from duplexcache.server import protocol as proto
 from duplexcache.server.audio_io import AudioError, InputAudio, OutputAudio
 from duplexcache.server.auth import Handshake
 from duplexcache.server.connection import Connection
-from duplexcache.server.session_config import SessionSettings, apply_update, to_wire
+from duplexcache.server.session_config import ECHOED_TEXTS, SessionSettings, apply_update, to_wire
 from duplexcache.server.turns import Outgoing, ResponseTracker, wire_name
 
 if TYPE_CHECKING:
@@ -51,6 +51,9 @@ _ADMISSION_MESSAGES = {
 # other code is asked again on the next append, as capacity is.
 _SETTINGS_REFUSALS = frozenset({"context_length_exceeded"})
 MAX_USER_TEXT_CHARS = 8192
+# Longest audio one append may carry: what the engine buffers per session (engine_session's
+# MAX_BUFFERED_SECONDS); a longer chunk could only be refused after decoding it.
+MAX_CHUNK_SECONDS = 10
 
 
 def _vad_factory(threshold: float, silence_duration_ms: int, prefix_padding_ms: int) -> Any:
@@ -118,12 +121,14 @@ class RealtimeSession:
         logger.info("error to client (session %s): %s: %s", self.log_name, code, message)
         self.send(proto.error_event(code, message, error_type=error_type, event_id=event_id, param=param))
 
-    def _wire_session(self) -> dict[str, Any]:
+    def _wire_session(self, texts: bool = False) -> dict[str, Any]:
+        """The session object; ``texts``: with the instructions and initial text (only where the
+        client's event set them, or at session.created, where they are the defaults)."""
         fmt = self.settings.input_format(self.openai_client) if self.audio is None else self.audio.format
-        return to_wire(self.id, self.settings, fmt, "default", self.model)
+        return to_wire(self.id, self.settings, fmt, "default", self.model, texts=texts)
 
     def announce(self) -> None:
-        self.send(proto.event("session.created", session=self._wire_session()))
+        self.send(proto.event("session.created", session=self._wire_session(texts=True)))
 
     # ---------------------------------------------------------------- client events
     async def handle(self, ev: proto.ClientEvent) -> None:
@@ -150,7 +155,8 @@ class RealtimeSession:
                                       param="queue_if_full")
         settings, changed = apply_update(self.settings, ev.data.get("session", {}), ev.event_id,
                                          audio_started=self.sid is not None,
-                                         voice_aliases=self.server.config.server.voice_aliases)
+                                         voice_aliases=self.server.config.server.voice_aliases,
+                                         max_text_chars=self.server.config.server.max_session_text_chars)
         if settings.turn.type != "duplex" and not self.server.turn_control:
             raise proto.ProtocolError("unsupported_turn_detection", "this engine supports turn_detection "
                                       "'duplex' only (it has no turn control)", ev.event_id,
@@ -163,7 +169,11 @@ class RealtimeSession:
             self.vad = None  # rebuilt with the new parameters on the next audio
             if self.sid is not None and not self.queued:
                 await self._apply_turn_mode()
-        self.send(proto.event("session.updated", session=self._wire_session()))
+        # The texts are echoed only when this update set them: the reply is then no larger than
+        # the request, where it used to carry the whole session (3.9 MB for a 40-byte update).
+        body = ev.data.get("session")
+        echo_texts = isinstance(body, dict) and any(name in body for name in ECHOED_TEXTS)
+        self.send(proto.event("session.updated", session=self._wire_session(texts=echo_texts)))
 
     def _check_engine_settings(self, settings: SessionSettings, eid: str | None) -> None:
         """The engine's own validation of what it will be opened with (window limits, voice, ...)."""
@@ -188,6 +198,13 @@ class RealtimeSession:
             return
         assert self.audio is not None
         self.last_input_at = time.monotonic()
+        # A chunk longer than the engine can buffer can only be refused: say so from its base64
+        # length, before decoding and resampling it, and without counting it as received (a
+        # 3.9 MiB frame was decoded, resampled and counted in the input timestamps, then refused).
+        seconds = self.audio.format.samples_in(len(audio_b64) * 3 // 4) / self.audio.format.rate
+        if seconds > MAX_CHUNK_SECONDS + 0.01:   # base64 padding: a chunk of exactly the bound passes
+            raise proto.ProtocolError("invalid_audio", f"a chunk of {seconds:.1f} s; at most {MAX_CHUNK_SECONDS} s "
+                                      "per append (send audio in real time, in chunks)", ev.event_id)
         try:
             pcm = self.audio.push(audio_b64)
         except AudioError as exc:
@@ -285,6 +302,14 @@ class RealtimeSession:
             played_ms = self.conn.played_ms(current.id)
         cancelled = await asyncio.to_thread(self.engine.cancel_response, self.sid, played_ms)
         if not cancelled:
+            if current is None and self.response_requested:
+                # A reply asked for and not started: the engine withdrew the request (False: no
+                # response existed). Forget it too, or every later response.create is refused as
+                # already active and the call never hears another reply.
+                self.response_requested = False
+                if not quiet:
+                    logger.info("session %s: requested reply withdrawn before it started", self.id)
+                return True
             return False
         self.response_requested = False
         if self.output is not None:
@@ -367,10 +392,15 @@ class RealtimeSession:
             raise proto.ProtocolError("rate_limit_exceeded", "too many sessions from this client address "
                                       f"(server.max_sessions_per_client = {server.config.server.max_sessions_per_client})",
                                       eid, error_type=proto.RATE_LIMIT)
+        refusal: proto.ProtocolError | None = None
         if self.settings_refusal is not None and self.settings_refusal[0] == self.settings:
+            refusal = self.settings_refusal[1]
+        else:
+            refusal = server.refusals.get(self.settings)   # another connection's, same settings
+        if refusal is not None:
             # Building the context again would give the same answer, and costs what tokenizing the
             # instructions costs (~0.25 s for a 2 MB string, on every append a client streams).
-            refusal = self.settings_refusal[1]
+            self.settings_refusal = (self.settings, refusal)
             if self._told_recently(refusal.code, streaming):
                 return False
             raise proto.ProtocolError(refusal.code, refusal.message, eid, param=refusal.param,
@@ -405,7 +435,9 @@ class RealtimeSession:
         except PrivateConfigKeyError as exc:
             raise self._refuse_settings(proto.ProtocolError("private_config_key", str(exc), eid)) from None
         except ValueError as exc:
-            raise self._refuse_settings(proto.ProtocolError("invalid_session_config", str(exc), eid)) from None
+            # any ValueError: most are the settings', but not surely, so not shared with other connections
+            raise self._refuse_settings(proto.ProtocolError("invalid_session_config", str(exc), eid),
+                                        shared=False) from None
         finally:
             self.opening = False
         self.audio = InputAudio(fmt)
@@ -421,9 +453,12 @@ class RealtimeSession:
             await self._on_live()
         return True
 
-    def _refuse_settings(self, error: proto.ProtocolError) -> proto.ProtocolError:
-        """Remember a refusal that only the current settings decide; returns it to raise."""
+    def _refuse_settings(self, error: proto.ProtocolError, shared: bool = True) -> proto.ProtocolError:
+        """Remember a refusal that only the current settings decide; returns it to raise.
+        ``shared``: for every connection of the server too (RefusalMemory)."""
         self.settings_refusal = (self.settings, error)
+        if shared:
+            self.server.refusals.put(self.settings, error)
         self.refusal_notice = (error.code, time.monotonic())
         return error
 

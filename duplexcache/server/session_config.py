@@ -20,6 +20,9 @@ otherwise get something other than it asked for; anything else is an unknown-fie
 
 from __future__ import annotations
 
+import collections
+import hashlib
+import json
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
@@ -101,11 +104,16 @@ def _bad(field_path: str, message: str, eid: str | None, code: str = "invalid_va
     return ProtocolError(code, f"session.{field_path}: {message}", eid, param=f"session.{field_path}")
 
 
-def _str(value: Any, path: str, eid: str | None, nullable: bool = False) -> str | None:
+def _str(value: Any, path: str, eid: str | None, nullable: bool = False, max_chars: int | None = None) -> str | None:
     if value is None and nullable:
         return None
     if not isinstance(value, str):
         raise _bad(path, f"must be a string, got {type(value).__name__}", eid)
+    if max_chars is not None and len(value) > max_chars:
+        # Refused on its length alone, before anything reads the text (a 3.9 MB string used to be
+        # tokenized in full at the open, 0.5-2.2 s, only to be refused as too many tokens).
+        raise _bad(path, f"{len(value)} characters; this server takes at most {max_chars} "
+                   "(server.max_session_text_chars)", eid, code="string_above_max_length")
     problem = unicode_problem(value)
     if problem is not None:
         raise _bad(path, problem, eid)
@@ -173,10 +181,13 @@ def _check_modalities(value: Any, path: str, eid: str | None) -> None:
 
 
 def apply_update(settings: SessionSettings, session: Any, eid: str | None, *, audio_started: bool,
-                 voice_aliases: Mapping[str, str] | None = None) -> tuple[SessionSettings, list[str]]:
+                 voice_aliases: Mapping[str, str] | None = None,
+                 max_text_chars: int | None = None) -> tuple[SessionSettings, list[str]]:
     """``settings`` changed by one ``session.update`` body; also returns the names it changed.
     A voice named in ``voice_aliases`` (server.voice_aliases) becomes the server's voice it maps to,
     before the comparison with the current one (a client that repeats its alias changes nothing).
+    ``instructions`` and ``initial_user_text`` longer than ``max_text_chars`` are refused
+    (``string_above_max_length``) before anything else reads them.
 
     Raises ProtocolError naming the offending field (``error.param``) and changes nothing then.
     """
@@ -193,11 +204,12 @@ def apply_update(settings: SessionSettings, session: Any, eid: str | None, *, au
             raise _bad(clip(str(key)), "unknown session field", eid, code="unknown_parameter")
     new: dict[str, Any] = {}
     if "instructions" in session:
-        new["instructions"] = _str(session["instructions"], "instructions", eid) or ""
+        new["instructions"] = _str(session["instructions"], "instructions", eid, max_chars=max_text_chars) or ""
     if "voice" in session:
         new["voice"] = _str(session["voice"], "voice", eid, nullable=True)
     if "initial_user_text" in session:
-        new["initial_user_text"] = _str(session["initial_user_text"], "initial_user_text", eid, nullable=True)
+        new["initial_user_text"] = _str(session["initial_user_text"], "initial_user_text", eid, nullable=True,
+                                        max_chars=max_text_chars)
     if "window" in session:
         if session["window"] is not None and not isinstance(session["window"], Mapping):
             raise _bad("window", "must be an object", eid)
@@ -262,9 +274,17 @@ def _apply_ga_audio(audio: Any, new: dict[str, Any], turn: TurnDetection,
     return new, turn
 
 
+# The client's own texts, echoed in a session object only where the event set them (to_wire).
+ECHOED_TEXTS = ("instructions", "initial_user_text")
+
+
 def to_wire(sid: str, settings: SessionSettings, fmt: InputFormat, engine_voice: str,
-            model: str | None) -> dict[str, Any]:
-    """The session object of session.created/updated: GA shape, beta flat fields and our extras."""
+            model: str | None, texts: bool = True) -> dict[str, Any]:
+    """The session object of session.created/updated: GA shape, beta flat fields and our extras.
+
+    ``texts`` False leaves out ``instructions`` and ``initial_user_text`` (ECHOED_TEXTS): a
+    ``session.update`` that did not set them is answered without them, so a 40-byte update cannot
+    ask for 64K characters back (docs/protocol.md)."""
     input_format = {"type": {"pcm16": "audio/pcm", "pcmu": "audio/pcmu", "pcma": "audio/pcma",
                              "f32": "f32"}[fmt.kind]}
     if fmt.kind in ("pcm16", "f32"):
@@ -273,7 +293,7 @@ def to_wire(sid: str, settings: SessionSettings, fmt: InputFormat, engine_voice:
                      else {"type": f"audio/{settings.output_kind}"})
     turn = settings.turn.to_wire()
     voice = settings.voice or engine_voice
-    return {
+    wire = {
         "type": "realtime", "object": "realtime.session", "id": sid, "model": model,
         "output_modalities": ["audio"], "instructions": settings.instructions,
         "audio": {"input": {"format": input_format, "turn_detection": turn},
@@ -287,3 +307,41 @@ def to_wire(sid: str, settings: SessionSettings, fmt: InputFormat, engine_voice:
         "input_sample_rate": fmt.rate,
         "output_sample_rate": OUTPUT_RATE if settings.output_kind == "pcm16" else G711_RATE,
     }
+    if not texts:
+        for name in ECHOED_TEXTS:
+            del wire[name]
+    return wire
+
+
+class RefusalMemory:
+    """Refusals that a session's settings alone decide (context too long, bad reference audio,
+    ...), remembered by a hash of those settings for every connection of the server: a client
+    that opens connection after connection with the same refused settings is answered from here,
+    not by building (tokenizing) its context again each time. Least recently used first out."""
+
+    def __init__(self, size: int = 1024):
+        self._size = size
+        self._by_hash: collections.OrderedDict[str, ProtocolError] = collections.OrderedDict()
+
+    @staticmethod
+    def key(settings: SessionSettings) -> str:
+        """The hash of what the engine session would be opened with (what decides the refusal)."""
+        canonical = json.dumps(settings.engine_session(), sort_keys=True, default=str)
+        return hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()
+
+    def get(self, settings: SessionSettings) -> ProtocolError | None:
+        key = self.key(settings)
+        error = self._by_hash.get(key)
+        if error is not None:
+            self._by_hash.move_to_end(key)
+        return error
+
+    def put(self, settings: SessionSettings, error: ProtocolError) -> None:
+        key = self.key(settings)
+        self._by_hash[key] = error
+        self._by_hash.move_to_end(key)
+        while len(self._by_hash) > self._size:
+            self._by_hash.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._by_hash)

@@ -797,6 +797,31 @@ def test_slow_client_is_dropped_not_buffered_forever():
     assert ws.closed_with == (1008, "client too slow")
 
 
+@pytest.mark.parametrize("bound", ["events", "bytes"])
+def test_a_dropped_client_tells_the_server_at_once(bound):
+    """Past either outbox bound the client is dropped and ``on_drop`` runs right then (the server
+    ends the engine session there), before any close is written; the backlog is gone."""
+    from duplexcache.server.connection import Connection
+    from duplexcache.server.protocol import event
+
+    dropped = []
+
+    async def main():
+        ws = _StuckSocket()
+        conn = (Connection(ws, max_pending=4) if bound == "events" else Connection(ws, max_bytes=300))
+        conn.on_drop = lambda: dropped.append(conn.pending_bytes)
+        conn.start()
+        for i in range(10):
+            conn.send(event("response.output_audio_transcript.delta", delta="x" * 50))
+            await asyncio.sleep(0)
+        assert dropped == [0] and conn.dropped   # told once, with nothing left queued
+        await conn.finish(timeout=1.0)
+        return ws
+
+    ws = asyncio.run(main())
+    assert ws.closed_with == (1008, "client too slow")
+
+
 def test_written_audio_is_counted_for_the_newest_responses_only():
     """A long call's replies do not each keep a count: the newest few do, the current one exactly."""
     from duplexcache.server.connection import REMEMBERED_RESPONSES, Connection

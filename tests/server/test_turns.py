@@ -213,7 +213,7 @@ def test_cancel_drops_unsent_audio_from_the_outbox():
             conn.send(event("response.output_audio.delta", delta="AA=="), response_id=rid, audio_bytes=2)
         conn.send(event("response.done"))
         dropped = conn.drop_pending("r1")
-        return dropped, [(item.response_id, item.event["type"]) for item in conn._outbox]
+        return dropped, [(item.response_id, item.kind) for item in conn._outbox]
 
     dropped, left = asyncio.run(main())
     assert dropped == 2 and left == [("r2", "response.output_audio.delta"), (None, "response.done")]

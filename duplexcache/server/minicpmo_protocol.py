@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from duplexcache.server.protocol import ProtocolError, clip, new_id, unicode_problem
+from duplexcache.server.protocol import ProtocolError, clip, load_frame_json, new_id, unicode_problem
 
 SUBPROTOCOL = "map.realtime"
 MODES = ("audio", "video")
@@ -97,10 +96,7 @@ def _unknown(keys: Any, allowed: frozenset[str], prefix: str) -> None:
 
 def parse_client_event(text: str) -> ClientEvent:
     """One text frame; raises ProtocolError naming what is wrong."""
-    try:
-        obj = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as exc:
-        raise ProtocolError("invalid_json", f"frame is not valid JSON: {clip(str(exc), 120)}") from None
+    obj = load_frame_json(text)   # the OpenAI dialect's bounds: valid JSON, at most 32 levels deep
     if not isinstance(obj, dict):
         raise ProtocolError("invalid_event", f"an event must be a JSON object, got {type(obj).__name__}")
     kind = obj.get("type")

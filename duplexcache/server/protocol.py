@@ -115,8 +115,9 @@ def _too_deep() -> ProtocolError:
                          "deep; no event of this API needs more than a few")
 
 
-def parse_client_event(text: str) -> ClientEvent:
-    """Parse one text frame; raises ProtocolError naming what is wrong."""
+def load_frame_json(text: str) -> Any:
+    """A text frame's JSON, nested at most MAX_JSON_DEPTH deep (both dialects parse with it);
+    raises ProtocolError (invalid_json, nesting_too_deep)."""
     try:
         obj = json.loads(text)
     except RecursionError:   # deeper than the JSON decoder's own recursion allows
@@ -127,6 +128,12 @@ def parse_client_event(text: str) -> ClientEvent:
     # into what the client sent; past this bound none of it sees the event.
     if json_depth_over(obj, MAX_JSON_DEPTH):
         raise _too_deep()
+    return obj
+
+
+def parse_client_event(text: str) -> ClientEvent:
+    """Parse one text frame; raises ProtocolError naming what is wrong."""
+    obj = load_frame_json(text)
     if not isinstance(obj, dict):
         raise ProtocolError("invalid_event", f"an event must be a JSON object, got {type(obj).__name__}")
     event_id = obj.get("event_id")

@@ -220,3 +220,13 @@ def test_parse_helpers_name_their_field():
                      output_audio_seconds=2.0).to_wire()
     assert (usage["input_tokens"], usage["output_tokens"], usage["total_tokens"]) == (50, 54, 104)
     assert usage["input_tokens_details"]["audio_tokens"] == 30 and usage["output_tokens_details"]["audio_tokens"] == 50
+
+
+@pytest.mark.parametrize("depth", [40, 2000])
+def test_deep_json_is_refused_as_in_the_openai_dialect(depth):
+    """The dialect parses frames with the OpenAI dialect's bounds (issue 48: a deep event reached
+    recursive walks); past 32 levels it is nesting_too_deep, not invalid_json or a traceback."""
+    frame = '{"type": "input.append", "input": ' + '{"a": ' * depth + '1' + '}' * depth + '}'
+    with pytest.raises(mp.ProtocolError) as err:
+        mp.parse_client_event(frame)
+    assert err.value.code == "nesting_too_deep"

@@ -61,7 +61,7 @@ from duplexcache.runtime.policy import ControlTokens, make_policy, text_token_id
 from duplexcache.runtime.session_sizing import CLIENT_REFUSALS, RefusalLog, SessionSizing, refusal
 from duplexcache.runtime.talker_stage import TalkerStage
 from duplexcache.runtime.thinker_stage import ThinkerStage
-from duplexcache.runtime.warmup import WarmupReport, replan_after_warmup, warm_up
+from duplexcache.runtime.warmup import WarmupReport, cached_bytes, replan_after_warmup, warm_up
 
 # Names other modules import from here (their home is where the work moved).
 __all__ = ["LATENCY_HISTORY", "LOOKAHEAD", "MAX_BUFFERED_SAMPLES", "MAX_BUFFERED_SECONDS", "STAGES",
@@ -102,6 +102,11 @@ class DuplexEngine:
         self.activation_reserve = deploy.engine.activation_reserve
         self.headroom_bytes = 0
         self.dynamic_reserved_bytes = 0   # what the warm-up held of the dynamic region (CUDA)
+        # The graphs' private pools the warm-up measured (CUDA; runtime/warmup.py): decode and
+        # encoder graphs (rebuilt with the pools), Code2Wav and vocoder graphs (kept for good).
+        self.session_graph_pool_bytes = 0
+        # each voice's Code2Wav prompt pass was captured by build_code2wav: its pool is held now
+        self.fixed_graph_pool_bytes = cached_bytes(models.device)
         self._replanned = False
         # Held by tick() and fast_forward(): both run models over the tick thread's state.
         self._tick_lock = threading.Lock()

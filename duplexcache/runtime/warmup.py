@@ -421,6 +421,16 @@ def _log_device_memory(engine: DuplexEngine) -> None:
                 ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in pools.items()) or "nothing (no decode graphs)")
 
 
+def cached_bytes(device: torch.device) -> int:
+    """What the caching allocator holds beyond allocated tensors after giving back every block it
+    can (graphs' private pools are not given back): 0 off CUDA."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -442,6 +452,8 @@ def warm_up(engine: DuplexEngine, should_stop: Callable[[], bool] = _never) -> W
     start = time.perf_counter()
     decode: dict[str, int] = {}
     c2w, kernels, cancelled = 0, (), False
+    device = engine.models.device
+    before = cached_bytes(device)
     for name, keys in decode_keys(engine).items():
         graphs = engine.thinker_graphs if name == "thinker" else engine.talker_graphs
         assert graphs is not None
@@ -457,6 +469,11 @@ def warm_up(engine: DuplexEngine, should_stop: Callable[[], bool] = _never) -> W
         if should_stop():
             break
         encoder += engine.encoder_graphs.warm(batch, frames)
+    # The graphs' private pools, measured as what stays cached once everything else cached is
+    # given back: those of the session side (decode, encoder) are rebuilt with the pools; the
+    # Code2Wav and vocoder graphs' are captured once and kept (the card waterfall names both).
+    mid = cached_bytes(device)
+    engine.session_graph_pool_bytes = max(0, mid - before)
     arena = engine.code2wav.arena
     for tier, width, length in code2wav_keys(engine) if arena.use_graphs else ():
         if should_stop():
@@ -467,6 +484,7 @@ def warm_up(engine: DuplexEngine, should_stop: Callable[[], bool] = _never) -> W
         if should_stop():
             break
         vocoder += engine.code2wav.vocoder_graphs.warm(tier, shape)
+    engine.fixed_graph_pool_bytes += max(0, cached_bytes(device) - mid)
     peak = None
     if should_stop():
         cancelled = True

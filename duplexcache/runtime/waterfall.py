@@ -10,9 +10,10 @@ CUDA (``total`` = ``torch.cuda.mem_get_info``'s total, the whole card)::
                                         voice prompt states, vocoder copy, vocoder graph
                                         buffers), encoder graph buffers, Thinker KV pool,
                                         Talker KV pool, session caches in use, other allocated
-          + cached by the allocator     decode graph pools, session dynamic region (held on
-                                        purpose by the warm-up, runtime/warmup.py), allocator
-                                        slack (the rest of reserved - allocated)
+          + cached by the allocator     graph pools (decode + encoder; Code2Wav + vocoder), the
+                                        session dynamic region (held on purpose by the warm-up,
+                                        runtime/warmup.py), allocator slack (the rest of
+                                        reserved - allocated)
           + outside PyTorch             the CUDA context, cuBLAS/cuDNN/NCCL memory of their own
                                         (total - free - reserved)
           + free                        activation reserve (the warm-up's measured peak +
@@ -166,24 +167,27 @@ def engine_waterfall(engine: DuplexEngine) -> Waterfall:
         allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
         in_use = engine.table.encoder_bytes() + engine.recorder.code2wav_tier().private
         known = weights + sum(p.bytes for p in fixed) + enc_graphs + plan.thinker_bytes + plan.talker_bytes + in_use
-        decode_pools = sum(g.stats.pool_bytes for g in (engine.thinker_graphs, engine.talker_graphs) if g is not None)
+        session_pools, fixed_pools = engine.session_graph_pool_bytes, engine.fixed_graph_pool_bytes
+        graph_pools = session_pools + fixed_pools
         cached = reserved - allocated
-        dynamic_cached = max(0, min(engine.dynamic_reserved_bytes - in_use, cached - decode_pools))
+        dynamic_cached = max(0, min(engine.dynamic_reserved_bytes - in_use, cached - graph_pools))
         headroom = engine.headroom_bytes
+        act_free = max(0, reserve - session_pools - enc_graphs)
         parts = [Part("weights", weights, "weights"), *fixed,
                  Part("encoder_graph_buffers", enc_graphs, "graphs"),
                  *sessions,
                  Part("session_caches_in_use", in_use, "sessions"),
                  Part("other_allocated", allocated - known, "allocator"),
-                 Part("decode_graph_pools", decode_pools, "graphs"),
+                 Part("graph_pools_decode_encoder", session_pools, "graphs"),
+                 Part("graph_pools_code2wav_vocoder", fixed_pools, "graphs"),
                  Part("session_dynamic_region_cached", dynamic_cached, "sessions"),
-                 Part("allocator_slack", cached - decode_pools - dynamic_cached, "allocator"),
+                 Part("allocator_slack", cached - graph_pools - dynamic_cached, "allocator"),
                  Part("outside_pytorch", total - free - reserved, "outside"),
-                 # The reserve covers the graphs' pools and buffers too (held now, parts above):
-                 # what stays free of it is the room for the transient activations.
-                 Part("activation_reserve_free_part", max(0, reserve - decode_pools - enc_graphs), "activation"),
+                 # The reserve covers the session side's graph pools and buffers too (held now,
+                 # parts above): what stays free of it is the room for the transient activations.
+                 Part("activation_reserve_free_part", act_free, "activation"),
                  Part("headroom", headroom, "free"),
-                 Part("free_unplanned", free - max(0, reserve - decode_pools - enc_graphs) - headroom, "free")]
+                 Part("free_unplanned", free - act_free - headroom, "free")]
         return Waterfall(str(device), int(total), "torch.cuda.mem_get_info total", tuple(parts),
                          plan.planned_sessions, floor, weights)
     # A host device: the budget the engine plans in is the figure (module docstring).

@@ -1,96 +1,133 @@
-"""Expected sessions admitted on a card, from shapes only (no weights, nothing on a device).
+"""Expected sessions admitted on a card for a minicpmo45 deploy config, from shapes only.
 
-    python scripts/card_capacity.py [--total-gib 79.6] [--fixed-gib 9.87] [--activation-gib 3.0]
+    python scripts/card_capacity.py [--config examples/minicpmo45-shared.yaml] [--policy reply]
+                                    [--total-gib 79.6] [--outside-gib 2.31] [--activation-gib 3.0]
 
-The plan's own arithmetic (runtime/admission.py plan_memory) over the minicpmo45 shapes of
-examples/minicpmo45-shared.yaml as `gpu_bench.sh serve_conversation` serves it (the reply
-policy, reply_max_units 8; window 8000; sharing on; float32 Code2Wav; bf16 KV), before and
-after issue 43's changes. What shapes cannot give is an argument, with the H100 measurement
-of issue 43 as its default: the device total, the fixed buffers (the Code2Wav arena is being
-cut by the in-place prompt attention, elsewhere), what lives outside PyTorch (CUDA context,
-cuBLAS/Triton: total - free - reserved = 79.6 - 10.96 - 66.33 GiB), and the warm-up's
-activation peak (the graph pools measured 1.4 GiB on the H100, docs/benchmarks.md, plus the
-prefill and encoder transients: an assumption until the GPU run measures it).
+The engine itself plans on the ``meta`` device (the models' shapes, no weights, nothing
+allocated; as tests/runtime/test_memory_budget.py does): the same footprints, fixed buffers and
+``plan_memory`` that serve uses, with the device's free memory injected. Two plans: before issue
+43 (the config's fixed activation_reserve, ``fixed + 0.9 x free``, whole Talker turns) and after
+(``engine.activation_from_warmup``: the measured peak + activation_margin, ``free -
+memory_headroom``, the policy's Talker turn). What shapes cannot give is an argument, defaulting
+to issue 43's H100 measurement: the device total (79.6 GiB), what lives outside PyTorch (CUDA
+context, cuBLAS, Triton: 79.6 - 10.96 free - 66.33 reserved = 2.31 GiB) and the warm-up's peak
+above the pools (assumed 3 GiB: the graph pools measured 1.4 GiB, plus the prefill and encoder
+transients; the GPU run measures it). ``--policy reply`` is what ``gpu_bench.sh`` serves with.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
 import torch
 
-from duplexcache.bench.floor import session_floor
-from duplexcache.cfm.code2wav import code2wav_session_bytes
-from duplexcache.cfm.config import Code2WavConfig, Code2WavShape
-from duplexcache.kv.paged_attention import bytes_per_block
-from duplexcache.models.audio_encoder import AudioEncoderConfig
-from duplexcache.models.talker import TalkerConfig
-from duplexcache.models.thinker import ThinkerConfig
-from duplexcache.runtime.policy import MAX_UNIT_TOKENS
+GIB, MIB = 2**30, 2**20
+WEIGHTS = 18125065184          # minicpmo45's weight_bytes (issue 43)
 
 logger = logging.getLogger("card_capacity")
 
-GIB, MIB = 2**30, 2**20
-WEIGHTS = 18125065184          # weight_bytes of minicpmo45 (issue 43)
-BLOCK = 16
-HIGH = 8000                    # stage0.window.high_tokens
-P = 300                        # the voices' prompt frames (6 s)
-# Thinker private blocks of the reference session at a full window: ceil((C + 8000) / 16) - C // 16
-# for its context C; the H100 plan (10031 blocks for 20 sessions, issue 43) gives 501 (C % 16 != 0)
-# with 10 shared blocks for the two voices' contexts.
-THINKER_PRIVATE, THINKER_SHARED = 501, 10
-REPLY_MAX_UNITS = 8
+
+def meta_models():
+    """minicpmo45 with meta weights (shapes only), the two synthetic voices."""
+    from duplexcache.context.tokenizer import load_tokenizer
+    from duplexcache.models.audio_encoder import AudioEncoder
+    from duplexcache.models.flow import build_flow
+    from duplexcache.models.talker import Talker
+    from duplexcache.models.thinker import Thinker
+    from duplexcache.models.vocoder import build_vocoder
+    from duplexcache.runtime import bundle as B
+    from duplexcache.runtime.voices import VoiceRegistry, synthetic_voice
+
+    tk, tl, enc, flow_cfg, voc = B.preset_configs("minicpmo45")
+    meta, dtype = torch.device("meta"), torch.bfloat16
+    with meta:
+        thinker, talker, encoder = Thinker(tk).to(dtype), Talker(tl).to(dtype), AudioEncoder(enc).to(dtype)
+    ref_s, prompt_s = B.VOICE_SECONDS["minicpmo45"]
+    voices = VoiceRegistry([synthetic_voice(n, ref_s, prompt_s, flow_cfg.vocab_size) for n in B.DEFAULT_VOICES])
+    # The reference-audio check reads values (isfinite), which meta tensors do not have.
+    AudioEncoder._check_mel = lambda self, mel, batched: None
+    return B.ModelBundle(thinker, talker, encoder, build_flow(flow_cfg, device="meta"),
+                         build_vocoder(voc, device="meta"), load_tokenizer(None), voices, dtype, meta)
 
 
-def per_session(talker_tokens: int) -> tuple[int, dict[str, int]]:
-    dt = torch.bfloat16
-    th, tk = ThinkerConfig.minicpmo45(), TalkerConfig.minicpmo45()
-    tb = bytes_per_block(th.num_hidden_layers, BLOCK, th.num_key_value_heads, th.head_dim, dt)
-    kb = bytes_per_block(tk.num_hidden_layers, BLOCK, tk.num_key_value_heads, tk.head_dim, dt)
-    cfg = Code2WavConfig(shape=Code2WavShape.minicpmo45(), prompt_att_sharing=True)
-    setup = code2wav_session_bytes(cfg, P, True, "setup", 4)
-    steady = code2wav_session_bytes(cfg, P, True, "steady", 4)
-    enc = AudioEncoderConfig.minicpmo45().kv_bytes_per_session(dt)
-    parts = {"thinker": THINKER_PRIVATE * tb, "talker": -(-talker_tokens // BLOCK) * kb,
-             "dynamic": max(setup.private, steady.private) + enc, "thinker_block": tb, "talker_block": kb}
-    return parts["thinker"] + parts["talker"] + parts["dynamic"], parts
+def plan_on_card(models, config: Path, policy: str | None, after: bool, free_after_weights: int,
+                 activation: int):
+    """The engine's plan on ``meta`` with ``free_after_weights`` bytes free on the device."""
+    from duplexcache.config import DeployConfig
+    from duplexcache.runtime import memory_budget as MB
+    from duplexcache.runtime.engine import DuplexEngine
+
+    raw = DeployConfig.from_yaml(config, environ={}).to_dict()
+    raw["model"]["device"] = "meta"
+    if policy:
+        raw["engine"]["speak_policy"]["mode"] = policy
+    raw["engine"]["talker_turn_from_policy"] = after
+    deploy = DeployConfig.from_dict(raw, environ={})
+    # mem_get_info after the fixed buffers are allocated: the engine asks once they are
+    fixed_box: list[int] = []
+    resolve = MB.resolve_memory_budget
+    MB.device_free_bytes = lambda device: free_after_weights - fixed_box[0] if fixed_box else None
+
+    def on_the_card(engine_cfg, fixed, free, *, where="the device"):
+        return resolve(engine_cfg, fixed, free_after_weights - fixed, where=where)
+
+    MB.resolve_memory_budget = on_the_card
+    try:
+        eng = DuplexEngine(deploy, models)   # plan 1: the config's reserve, 0.9 x free
+        if not after:
+            return eng.plan, deploy.engine.activation_reserve, eng
+        e = deploy.engine
+        fixed_box.append(eng.sizing.fixed_bytes())
+        # plan 2, as replan_after_warmup makes it: measured peak + margin, free - headroom
+        reserve = activation + e.activation_margin
+        return eng.sizing.plan(activation_reserve=reserve, headroom=e.memory_headroom), reserve, eng
+    finally:
+        MB.resolve_memory_budget = resolve
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", type=Path, default=Path("examples/minicpmo45-shared.yaml"))
+    ap.add_argument("--policy", choices=("reply", "model", "every_k_units"), default="reply",
+                    help="engine.speak_policy.mode (gpu_bench.sh serves the example with reply)")
     ap.add_argument("--total-gib", type=float, default=79.6)
-    ap.add_argument("--fixed-gib", type=float, default=9.87, help="fixed buffers (today's H100 plan: 9.87)")
     ap.add_argument("--outside-gib", type=float, default=2.31, help="outside PyTorch (H100: 79.6 - 10.96 - 66.33)")
     ap.add_argument("--activation-gib", type=float, default=3.0, help="warm-up peak above the pools (assumed)")
-    ap.add_argument("--margin-gib", type=float, default=1.0, help="engine.activation_margin")
-    ap.add_argument("--headroom-gib", type=float, default=1.0, help="engine.memory_headroom")
+    ap.add_argument("--arena-cut-gib", type=float, default=0.0,
+                    help="fixed bytes another change gives back (the Code2Wav arena without the prompt copy per "
+                         "row): counted as free memory, the arena here stays as built")
     a = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    total, fixed = a.total_gib * GIB, a.fixed_gib * GIB
-    tk = TalkerConfig.minicpmo45()
-    unit = MAX_UNIT_TOKENS + tk.tokens_per_unit + 1
-    floor = session_floor(ThinkerConfig.minicpmo45(), HIGH, Code2WavShape.minicpmo45(), P,
-                          AudioEncoderConfig.minicpmo45(), "bfloat16").total
-    floor_limited = (total - WEIGHTS) / floor
-    logger.info("floor %.1f MiB per session; floor-limited (%.1f GiB - weights) / floor = %.2f sessions",
-                floor / MIB, a.total_gib, floor_limited)
-    for name, talker_tokens, budget in (
-            ("before (8 GiB reserve, 0.9 x free, whole 4096-token turns)", tk.max_position_embeddings,
-             None),
-            ("after (measured reserve + margin, free - headroom, reply turns)", REPLY_MAX_UNITS * unit,
-             total - WEIGHTS - a.outside_gib * GIB - a.headroom_gib * GIB)):
-        cost, parts = per_session(talker_tokens)
-        if budget is None:   # today: fixed + 0.9 x free after weights and fixed, less 8 GiB
-            free = total - WEIGHTS - a.outside_gib * GIB - fixed
-            room = 0.9 * free - 8 * GIB
-        else:
-            room = budget - fixed - (a.activation_gib + a.margin_gib) * GIB
-        room -= parts["thinker_block"] + parts["talker_block"] + THINKER_SHARED * parts["thinker_block"]
-        n = int(room // cost)
-        logger.info("%s: per session %.1f MiB (Thinker %.1f, Talker %.1f, Code2Wav+encoder %.1f); %d admitted; "
-                    "admitted / floor-limited = %.3f", name, cost / MIB, parts["thinker"] / MIB,
-                    parts["talker"] / MIB, parts["dynamic"] / MIB, n, n / floor_limited)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logger.setLevel(logging.INFO)
+    models = meta_models()
+    total = int(a.total_gib * GIB)
+    free_after_weights = total - WEIGHTS - int(a.outside_gib * GIB) + int(a.arena_cut_gib * GIB)
+    for after in (False, True):
+        plan, reserve, eng = plan_on_card(models, a.config, a.policy, after, free_after_weights,
+                                          int(a.activation_gib * GIB))
+        from duplexcache.bench.floor import session_floor
+        from duplexcache.cfm.config import Code2WavShape
+        from duplexcache.kv.kv_quant import kv_storage_dtype
+
+        d = eng.deploy
+        floor = session_floor(models.thinker.config, d.stage0.window.high_tokens,
+                              Code2WavShape.from_flow(models.flow), models.voices.get("default").prompt_frames,
+                              models.audio_encoder.cfg, d.model.dtype, code2wav_dtype=d.precision.code2wav_dtype,
+                              kv_storage_dtype=kv_storage_dtype(d.precision.kv_cache_dtype),
+                              encoder_storage_dtype=kv_storage_dtype(d.precision.encoder_cache_dtype)).total
+        floor_limited = (total - WEIGHTS) / floor
+        fp = eng.sizing.footprint(eng.sizing.default_config("default"), eng.voices.get("default"))
+        per = (fp.thinker_private_blocks * plan.thinker_block_bytes + fp.talker_blocks * plan.talker_block_bytes
+               + fp.dynamic_private_bytes)
+        logger.info("%s, %s policy: fixed %.2f GiB, activation reserve %.2f GiB, budget %.2f GiB; per session "
+                    "%.1f MiB (Thinker %d blocks, Talker %d blocks = %.1f MiB, Code2Wav+encoder %.1f MiB); "
+                    "%d admitted; floor %.1f MiB, floor-limited %.2f; admitted / floor-limited = %.3f",
+                    "after" if after else "before", a.policy, plan.fixed_bytes / GIB, reserve / GIB,
+                    (plan.budget_bytes + reserve) / GIB, per / MIB, fp.thinker_private_blocks, fp.talker_blocks,
+                    fp.talker_blocks * plan.talker_block_bytes / MIB, fp.dynamic_private_bytes / MIB,
+                    plan.planned_sessions, floor / MIB, floor_limited, plan.planned_sessions / floor_limited)
 
 
 if __name__ == "__main__":

@@ -243,7 +243,9 @@ class EngineConfig(_Strict):
     # Share of the free device memory an "auto" budget takes; the rest stays for the CUDA
     # context's growth, cuBLAS/cuDNN workspaces, Triton and the allocator's fragmentation.
     memory_fraction: float = Field(0.9, gt=0, le=1)
-    # Kept free for activations/scratch; admission only hands out memory_budget - this.
+    # Kept free for activations/scratch; admission only hands out memory_budget - this. With
+    # activation_from_warmup on CUDA, an upper bound for the first plan only: the re-plan keeps
+    # the peak the warm-up measured + activation_margin instead.
     activation_reserve: ByteSize = parse_bytes("64MiB")
     tick_seconds: float = Field(1.0, gt=0)
     # Admission by time: admit while the measured per-session cost predicts a tick under
@@ -288,6 +290,26 @@ class EngineConfig(_Strict):
     # each costs a Code2Wav prompt state and a prompt pass when first seen; sessions sending the
     # same recording share it. 0: clients may only name the server's voices.
     max_reference_voices: int = Field(8, ge=0)
+    # Reserve per session the speak policy's longest audio turn instead of talker_turn_tokens when
+    # the policy bounds it (every_k_units with turn_units < k: turn_units units; reply:
+    # reply_max_units units; model: no bound, the whole talker_turn_tokens). The Talker stage caps
+    # the turn at the same number, so a turn can never outgrow its reservation
+    # (runtime/session_sizing.py reserved_turn_tokens, docs/engine.md "Talker turns").
+    talker_turn_from_policy: bool = True
+    # Size the activation reserve from the device memory the warm-up measured (its peak above the
+    # pools, graph pools included) plus activation_margin, and an auto budget from what is free
+    # then less memory_headroom: the engine plans, warms up, re-plans once and warms up again
+    # (runtime/warmup.py measured_replan). CUDA only; elsewhere activation_reserve as written.
+    activation_from_warmup: bool = False
+    activation_margin: ByteSize = parse_bytes("1GiB")
+    # What an auto budget re-planned after the warm-up leaves free on the device: the CUDA
+    # context's lazy growth, cuBLAS/cuDNN workspaces, Triton and NCCL (replaces memory_fraction's
+    # 10 % of free when activation_from_warmup is on).
+    memory_headroom: ByteSize = parse_bytes("1GiB")
+    # CUDA: `duplexcache serve` sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before CUDA
+    # starts (unless the environment already sets PYTORCH_CUDA_ALLOC_CONF), so freed memory is
+    # given back in pages instead of staying cached in whole segments (allocator slack).
+    cuda_expandable_segments: bool = True
 
     @model_validator(mode="after")
     def _reserve_fits(self) -> "EngineConfig":
@@ -437,7 +459,7 @@ _PRESET_OVERRIDES: dict[str, dict[str, Any]] = {
     "minicpmo45": {
         "model": {"preset": "minicpmo45", "dtype": "bfloat16", "device": "cuda"},
         "code2wav": {"max_num_seqs": 32},
-        "engine": {"activation_reserve": "8GiB", "prefill_chunk_tokens": 1024},
+        "engine": {"activation_reserve": "8GiB", "prefill_chunk_tokens": 1024, "activation_from_warmup": True},
         "server": {"max_context_tokens": 16384},
     },
 }
@@ -495,7 +517,7 @@ class DeployConfig(_Strict):
     def to_dict(self) -> dict[str, Any]:
         """Plain YAML-able dict; ``DeployConfig.from_dict(c.to_dict()) == c``."""
         data = self.model_dump(mode="json")
-        for key in ("memory_budget", "activation_reserve"):
+        for key in ("memory_budget", "activation_reserve", "activation_margin", "memory_headroom"):
             if data["engine"][key] != AUTO:
                 data["engine"][key] = format_bytes(data["engine"][key])
         data["server"]["max_frame_bytes"] = format_bytes(data["server"]["max_frame_bytes"])
@@ -587,7 +609,8 @@ PRIVATE_RUNTIME_CONFIG_KEYS: frozenset[str] = frozenset({
     "duplex_context_caching", "context_cache_capacity", "capacity",
     "cfm_prompt_att_sharing", "cfm_arena_rows_from_graph_grid", "max_num_seqs", "graph_grid",
     "shared_anchor_blocks", "block_size", "window_mode", "mode", "client_window_override",
-    "memory_budget", "memory_fraction", "activation_reserve", "tick_seconds", "speak_policy", "tick_headroom",
+    "memory_budget", "memory_fraction", "activation_reserve", "activation_from_warmup", "activation_margin",
+    "memory_headroom", "cuda_expandable_segments", "talker_turn_from_policy", "tick_seconds", "speak_policy", "tick_headroom",
     "prefill_chunk_tokens", "max_context_tokens", "switch_interval_ms",
     "preset", "checkpoint_dir", "revision", "model_revision", "dtype", "device",
     "max_frame_bytes", "code2wav_dtype", "kv_cache_dtype", "encoder_cache_dtype",

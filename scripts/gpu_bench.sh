@@ -6,7 +6,7 @@
 # ticks, ticks_continuous, ticks_steady, ticks_ragged, ticks_eager, ticks_conversation, serve_conversation, serve_sweep, serve_align, serve_ptt, serve_threads, serve_switch,
 # serve_catch_up, serve_vocoder, ticks_vocoder, vocoder_exact, serve_lookahead, serve_phases, serve_precision, serve_prefill_between, serve_long_context, serve_profile, warm_start,
 # serve_ready, stage0, precision, kv_precision, ticks_conversation_bf16, ticks_conversation_fp8, ticks_capacity, ticks_profile_small,
-# ticks_ragged_graphs, serve_ragged_graphs,
+# ticks_ragged_graphs, serve_ragged_graphs, card_tests, card_waterfall, card_before, card_capacity, card_bench,
 # stage2: the minicpmo45 figures (random weights), each a few minutes on an H200 (each fits one 10-minute call).
 # Every step is a `duplexcache bench BENCHMARK` command (run as `python3 -m duplexcache.cli`, so no install is needed).
 # Needs torch with CUDA, triton, numpy, pyyaml, safetensors, pydantic, tqdm, matplotlib; the serve modes also
@@ -63,9 +63,10 @@ PY
   python3 -m duplexcache.cli serve --config "$cfg" --port "$port" >"$out/${name}_server.log" 2>&1 &
   local server=$!
   # /health may answer 503 ("warming") before it answers 200; give the model build and warm-up 240 s
-  if python3 - "$port" "$server" <<'PY'
+  # (SERVE_READY_S: the card modes' measured re-plan warms up twice)
+  if python3 - "$port" "$server" "${SERVE_READY_S:-240}" <<'PY'
 import os, sys, time, urllib.request, urllib.error
-url, deadline = f"http://127.0.0.1:{sys.argv[1]}/health", time.monotonic() + 240
+url, deadline = f"http://127.0.0.1:{sys.argv[1]}/health", time.monotonic() + float(sys.argv[3])
 while time.monotonic() < deadline:
     try:
         os.kill(int(sys.argv[2]), 0)   # the server exited: stop waiting
@@ -87,9 +88,9 @@ PY
     # the server's own counters after the run: graph captures inside ticks (0 after a warm-up), late ticks
     python3 -c 'import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=30).read().decode())' \
       "http://127.0.0.1:$port/metrics" >"$out/${name}_metrics.txt" 2>&1
-    grep -E '^duplexcache_(graph_captures_total|warmup_seconds|cfm_prompt_passes_total|late_ticks|catch_up_ticks|early_closes|prefill_chunks_between_ticks|tick_errors|(between_)?tick_duration_seconds_(count|sum))' "$out/${name}_metrics.txt"
+    grep -E '^duplexcache_(device_bytes|device_total_bytes|admitted_over_floor_limited|graph_captures_total|warmup_seconds|cfm_prompt_passes_total|late_ticks|catch_up_ticks|early_closes|prefill_chunks_between_ticks|tick_errors|(between_)?tick_duration_seconds_(count|sum))' "$out/${name}_metrics.txt"
   else
-    echo "=== $name: the server exited or was not healthy within 240 s ==="
+    echo "=== $name: the server exited or was not healthy within ${SERVE_READY_S:-240} s ==="
   fi
   # SIGINT: uvicorn shuts the app down gracefully; SIGKILL only if it has not exited 20 s later
   kill -INT "$server" 2>/dev/null
@@ -147,6 +148,28 @@ case "$mode" in
     # fit at all (a refusal is recorded and larger counts skipped). Expected wall time ~6-8 min (build ~1 min, then per
     # count: open + 8 warm-up + fill + 1 + 12 recorded ticks at 1-3 s each).
     step engine_ticks_conversation 560 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 16,32,40,48 --workload conversation --steady-window --all-switches on --ticks 12 --warmup-ticks 8 --max-seconds 480 --memory-budget auto --out "$out/engine_ticks_conversation" ;;
+  card_tests)  # issue 43: the card waterfall sums to mem_get_info's total, slack <= 1 GiB after warm-up (tiny on
+    # CUDA, expandable segments as serve sets them), and the card-filling tests (~2 min)
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True step card_tests 300 python3 -m pytest -q -x \
+      tests/runtime/test_card_waterfall.py tests/runtime/test_card_fill.py -p no:cacheprovider ;;
+  card_waterfall)  # issue 43 after: a fresh server on examples/minicpmo45-shared.yaml (auto budget, measured activation
+    # reserve, expandable segments, reply-policy Talker turns), 40 callers: more than it admits. The server log has
+    # the waterfall ("card waterfall on cuda:0", one line per part, then "admitted / floor-limited = X"); the
+    # bench's report the admitted count; card_waterfall_metrics.txt the duplexcache_device_bytes gauges (~5 min)
+    SERVE_READY_S=420 serve_conversation card_waterfall examples/minicpmo45-shared.yaml 40 60
+    grep -E 'card waterfall|cumulative|parts sum|admitted / floor-limited|re-plan|activation peak|engine ready' \
+      "$out/card_waterfall_server.log" | tail -n 40 ;;
+  card_before)  # issue 43 before, same server and callers with the issue's switches off: the fixed 8 GiB reserve,
+    # 0.9 x free, whole Talker turns, no expandable segments (its waterfall is logged too) (~5 min)
+    SERVE_READY_S=420 serve_conversation card_before examples/minicpmo45-shared.yaml 40 60 \
+      "engine.activation_from_warmup=false engine.talker_turn_from_policy=false engine.cuda_expandable_segments=false"
+    grep -E 'card waterfall|cumulative|parts sum|admitted / floor-limited|engine ready' "$out/card_before_server.log" | tail -n 40 ;;
+  card_capacity)  # issue 43: the capacity config (examples/minicpmo45-capacity.yaml), 64 callers (~5 min)
+    SERVE_READY_S=420 serve_conversation card_capacity examples/minicpmo45-capacity.yaml 64 60
+    grep -E 'admitted / floor-limited|re-plan|engine ready' "$out/card_capacity_server.log" | tail -n 5 ;;
+  card_bench)  # issue 43: `bench memory` on the exact shared config writes report.json's waterfall and waterfall.png
+    step card_bench 560 python3 -m duplexcache.cli bench memory --config examples/minicpmo45-shared.yaml --device cuda \
+      --sessions 1,2 --out "$out/card_bench" ;;
   serve_conversation)  # issue 10: the real server from a fresh process, 32 callers over WebSockets for 60 s.
     # The example config with engine.speak_policy.mode: reply (the conversation's replies come from the server's
     # policy). Expected wall time ~4 min: server start + warm-up <= 4 min (bounded), 5 s ramp + 60 s + drain.
@@ -335,6 +358,6 @@ d = DeployConfig.from_packaged_yaml("minicpmo45"); d.code2wav.vocoder_cuda_graph
     step gpu_stage0 120 python3 -m duplexcache.cli bench kernels --out "$out/gpu_stage0" ;;
   stage2)
     step gpu_stage2 300 python3 -m duplexcache.cli bench stage2 --out "$out/gpu_stage2" --batches 1,8,32 ;;
-  *) echo "unknown mode $mode (smoke|bench|bench_turn|bench_capacity|setup|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|ticks_conversation|ticks_conversation_large|serve_conversation|serve_switch|serve_catch_up|serve_precision|serve_prefill_between|serve_long_context|serve_profile|prefill|prefill_between|prefill_512|warm_start|serve_ready|stage0|stage2|precision|kv_precision|ticks_conversation_bf16|ticks_conversation_fp8|ticks_capacity)"; exit 2 ;;
+  *) echo "unknown mode $mode (card_tests|card_waterfall|card_before|card_capacity|card_bench|smoke|bench|bench_turn|bench_capacity|setup|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|ticks_conversation|ticks_conversation_large|serve_conversation|serve_switch|serve_catch_up|serve_precision|serve_prefill_between|serve_long_context|serve_profile|prefill|prefill_between|prefill_512|warm_start|serve_ready|stage0|stage2|precision|kv_precision|ticks_conversation_bf16|ticks_conversation_fp8|ticks_capacity)"; exit 2 ;;
 esac
 done

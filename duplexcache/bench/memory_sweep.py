@@ -79,6 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "deploy config's, else the Talker's max_position_embeddings)")
     parser.add_argument("--target", choices=("engine", "components"), default="engine",
                         help="engine: the serving engine (default); components: the stages wired directly")
+    parser.add_argument("--no-waterfall", dest="waterfall", action="store_false",
+                        help="skip the card waterfall (engine target: one engine of the deploy config as given, "
+                             "warmed up as serve does, every device byte by part; report.json 'waterfall' and "
+                             "waterfall.png)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
 
@@ -118,6 +122,7 @@ class _Setup:
     units: int
     prompt_frames: int
     notes: dict
+    models: object = None   # the engine target's weights (the card waterfall builds one more engine on them)
 
 
 def _fit_engine_budget(deploy: DeployConfig, configs, device: torch.device):
@@ -164,7 +169,7 @@ def _engine_setup(deploy: DeployConfig, configs, args) -> _Setup:
                         "unit, so each session's units fall on the same ticks in every configuration",
     }
     return _Setup(configs, "engine", lambda cfg, n: EngineTarget(models, cfg.deploy, n), models.weight_bytes(), floor,
-                  args.units or EngineTarget.units_to_steady(p), p, notes)
+                  args.units or EngineTarget.units_to_steady(p), p, notes, models)
 
 
 def _components_setup(deploy: DeployConfig, configs, args) -> _Setup:
@@ -214,15 +219,45 @@ def run(args: argparse.Namespace) -> int:
         results = run_sweep(configs, sessions, setup.make_target, setup.units, device,
                             FF_CHUNK[args.preset], progress=bar)
     report = build_report(results, _run_meta(args, deploy, configs, device, sessions, setup))
-    report["wall_s"] = round(time.perf_counter() - start, 1)
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    wf = None
+    if args.waterfall and setup.models is not None:
+        from duplexcache.runtime.waterfall import plot_waterfall
+
+        wf = card_waterfall(setup.models, deploy)
+        report["waterfall"] = wf.to_json()
+        plot_waterfall(wf, out / "waterfall.png")
+    report["wall_s"] = round(time.perf_counter() - start, 1)
     path = write_report(report, out)
     from duplexcache.bench.plot import plot_memory
 
     plot_memory(report, out / "memory.png")
     print(format_table(report))
+    if wf is not None:
+        print("\n".join(wf.lines()))
+        print(f"wrote {out / 'waterfall.png'}")
     print(f"wrote {path} and {out / 'memory.png'} in {report['wall_s']} s")
     return 0 if report["all_equal"] else 1
+
+
+def card_waterfall(models, deploy: DeployConfig):
+    """The card waterfall of ``deploy`` as given (runtime/waterfall.py): one engine on the bench's
+    weights, warmed up as ``duplexcache serve`` warms up (a measured re-plan included), after
+    the sweep's engines are gone, then shut down."""
+    import gc
+
+    from duplexcache.runtime.engine import DuplexEngine
+
+    gc.collect()
+    if models.device.type == "cuda":
+        torch.cuda.empty_cache()
+    engine = DuplexEngine(deploy, models)
+    try:
+        engine.warmup()
+        return engine.waterfall()
+    finally:
+        engine.shutdown()
 
 
 def _run_meta(args, deploy: DeployConfig, configs, device: torch.device, sessions: list[int],

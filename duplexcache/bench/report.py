@@ -165,6 +165,14 @@ def validate_report(report: dict[str, Any]) -> None:
         for key in ("setup_slope_mib", "steady_slope_mib", "floor_mib"):
             if not isinstance(c[key], (int, float)):
                 raise ValueError(f"report.json: configs[{i}].{key} must be a number")
+    wf = report.get("waterfall")   # optional: the engine target writes it unless --no-waterfall
+    if wf is not None:
+        for key in ("device", "total_bytes", "parts", "parts_sum_bytes", "admitted", "floor_limited",
+                    "admitted_over_floor_limited"):
+            if key not in wf:
+                raise ValueError(f"report.json: waterfall lacks {key!r}")
+        if sum(p["bytes"] for p in wf["parts"]) != wf["total_bytes"]:
+            raise ValueError("report.json: the waterfall's parts do not add up to its total_bytes")
 
 
 def format_table(report: dict[str, Any]) -> str:

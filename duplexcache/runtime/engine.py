@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import threading
 import time
@@ -48,7 +49,7 @@ from duplexcache.kv.window import WindowConfig
 from duplexcache.models.batch_invariant import BatchInvariantMode, tile_rows_for
 from duplexcache.models.audio_encoder_graphs import EncoderGraphs
 from duplexcache.runtime import device_setup, turns
-from duplexcache.runtime.admission import AdmissionLedger, Footprint, TickCostModel
+from duplexcache.runtime.admission import AdmissionLedger, Footprint, MemoryPlan, TickCostModel
 from duplexcache.runtime.bundle import ModelBundle, build_models
 from duplexcache.runtime.code2wav_stage import LOOKAHEAD, Code2WavStage, build_code2wav, pcm16_bytes
 from duplexcache.runtime.engine_api import (INPUT_SAMPLE_RATE, AdmissionError, AudioDelta, EngineEvent, EngineStats,
@@ -66,7 +67,7 @@ from duplexcache.runtime.voices import Voice
 from duplexcache.runtime.session_sizing import CLIENT_REFUSALS, RefusalLog, SessionSizing, refusal
 from duplexcache.runtime.talker_stage import TalkerStage
 from duplexcache.runtime.thinker_stage import ThinkerStage
-from duplexcache.runtime.warmup import WarmupReport, warm_up
+from duplexcache.runtime.warmup import WarmupReport, cached_bytes, replan_after_warmup, warm_up
 
 # Names other modules import from here (their home is where the work moved).
 __all__ = ["LATENCY_HISTORY", "LOOKAHEAD", "MAX_BUFFERED_SAMPLES", "MAX_BUFFERED_SECONDS", "STAGES",
@@ -110,23 +111,21 @@ class DuplexEngine:
             self.code2wav = build_code2wav(deploy, models)   # every voice's prompt state computed once
         self.sizing = SessionSizing(deploy, models, self.code2wav, self.context_tokenizer)
         self.refusal_log = RefusalLog(logger)
-        self.plan = self.sizing.plan()
-        self.ledger = AdmissionLedger(self.plan)
-        self._build_pools()
-        self.table = SessionTable(self.ledger)
+        # What the plan keeps for activations, and the headroom an auto budget left free: the
+        # configured reserve until a measured warm-up re-plans (warmup(); runtime/warmup.py).
+        self.activation_reserve = deploy.engine.activation_reserve
+        self.headroom_bytes = 0
+        self.dynamic_reserved_bytes = 0   # what the warm-up held of the dynamic region (CUDA)
+        # The graphs' private pools the warm-up measured (CUDA; runtime/warmup.py): decode and
+        # encoder graphs (rebuilt with the pools), Code2Wav and vocoder graphs (kept for good).
+        self.session_graph_pool_bytes = 0
+        # each voice's Code2Wav prompt pass was captured by build_code2wav: its pool is held now
+        self.fixed_graph_pool_bytes = cached_bytes(models.device)
+        self._replanned = False
         # Held by tick() and fast_forward(): both run models over the tick thread's state.
         self._tick_lock = threading.Lock()
-        self.recorder = EngineStatsRecorder(self.table, self.stage0, self.talker_kv, self.talker_cache.bytes_per_block,
-                                            self.code2wav, self.voices.names(), self.builder, self.plan.dynamic_bytes)
-        self.latency_history = self.recorder.latency_history   # per stage, the last LATENCY_HISTORY ticks
-        self.code2wav_stage = Code2WavStage(self.code2wav, self.talker_kv, self.control, self.table, self._end,
-                                            self.recorder.note_code2wav_peak)
-        self.talker_stage = TalkerStage(models.talker, self.talker_cache, self.talker_kv, self.talker_graphs,
-                                        self.control, self.code2wav_stage, self._end, self.sizing.talker_turn_tokens,
-                                        ragged_graphs=deploy.engine.ragged_step_graphs)
-        self.thinker_stage = ThinkerStage(self.stage0, models.audio_encoder, self.builder, models.tokenizer,
-                                          self.control, policy, self._embed_tokens, self.table, self._end,
-                                          kv_storage_dtype(deploy.precision.encoder_cache_dtype), self.encoder_graphs)
+        self.table: SessionTable | None = None
+        self._build_session_side(self.sizing.plan(), policy)
         self._closed = False
         self.prefill_times = PrefillTimes(models.device)   # prefill chunk times, for a server's pacing
         self._unit_alignment: UnitAlignment | None = None   # set by a server (set_unit_alignment)
@@ -149,6 +148,55 @@ class DuplexEngine:
                                                 self._register_voice, self._unregister_voice, self._voices_in_use)
         self.recorder.refresh_pools()
         logger.info("engine ready: %s", self.plan.describe())
+
+    def _build_session_side(self, plan: MemoryPlan, policy: Any, faults: FaultInjector | None = None) -> None:
+        """The plan's ledger, pools, graphs and the stages over them: everything sized by the
+        plan, built at start and again by a re-plan after a measured warm-up (``warmup``). The
+        session table (and what a server set on it) is kept; a re-plan runs with no session."""
+        self.plan = plan
+        self.ledger = AdmissionLedger(plan)
+        if self.models.device.type == "cuda":
+            # The warm-up's activation peak is measured from here (runtime/warmup.py).
+            torch.cuda.synchronize(self.models.device)
+            torch.cuda.reset_peak_memory_stats(self.models.device)
+            self.reserved_before_pools = torch.cuda.memory_reserved(self.models.device)
+        else:
+            self.reserved_before_pools = 0
+        self._build_pools()
+        if self.table is None:
+            self.table = SessionTable(self.ledger)
+        else:
+            assert not self.table.live and not self.table.queue, "re-plan with sessions open"
+            self.table.ledger = self.ledger
+        models, deploy = self.models, self.deploy
+        self.recorder = EngineStatsRecorder(self.table, self.stage0, self.talker_kv, self.talker_cache.bytes_per_block,
+                                            self.code2wav, self.voices.names(), self.builder, plan.dynamic_bytes)
+        self.latency_history = self.recorder.latency_history   # per stage, the last LATENCY_HISTORY ticks
+        self.code2wav_stage = Code2WavStage(self.code2wav, self.talker_kv, self.control, self.table, self._end,
+                                            self.recorder.note_code2wav_peak)
+        self.talker_stage = TalkerStage(models.talker, self.talker_cache, self.talker_kv, self.talker_graphs,
+                                        self.control, self.code2wav_stage, self._end, self.sizing.talker_turn_tokens,
+                                        ragged_graphs=deploy.engine.ragged_step_graphs)
+        self.thinker_stage = ThinkerStage(self.stage0, models.audio_encoder, self.builder, models.tokenizer,
+                                          self.control, policy, self._embed_tokens, self.table, self._end,
+                                          kv_storage_dtype(deploy.precision.encoder_cache_dtype), self.encoder_graphs)
+        if faults is not None:
+            self.install_faults(faults)
+
+    def _release_session_side(self) -> None:
+        """Drop the pools and the graphs over them (a re-plan), so their memory can be freed."""
+        for graphs in (self.thinker_graphs, self.talker_graphs):
+            if graphs is not None:
+                graphs.close()
+        self.stage0.use_decode_graphs(None)
+        self.thinker_graphs = self.talker_graphs = self.encoder_graphs = None
+        for name in ("talker_stage", "thinker_stage", "code2wav_stage", "recorder", "stage0", "thinker_manager",
+                     "thinker_cache", "talker_cache", "talker_kv", "talker_pool"):
+            setattr(self, name, None)
+        gc.collect()
+        if self.models.device.type == "cuda":
+            torch.cuda.synchronize(self.models.device)
+            torch.cuda.empty_cache()
 
     def _build_pools(self) -> None:
         kv = device_setup.build_kv_pools(self.models, self.plan, self.deploy.stage0, self.window,
@@ -198,12 +246,29 @@ class DuplexEngine:
         with self._tick_lock:
             if self._closed:
                 raise RuntimeError("engine is shut down")
+            stop = should_stop or (lambda: False)
             before = self._graph_captures_total()
             with self._numerics():
-                report = warm_up(self, should_stop or (lambda: False))
+                report = warm_up(self, stop)
+                if self._replan_wanted(report):
+                    # Plan, warm, re-plan once, warm again (docs/engine.md "Memory: the order of start-up").
+                    replan_after_warmup(self, report)
+                    report = warm_up(self, stop)
             self._warmup_captures += self._graph_captures_total() - before
             self.warmup_report = report
         return report
+
+    def _replan_wanted(self, report: WarmupReport) -> bool:
+        """Whether this warm-up's measurement re-plans the pools: once, with
+        ``engine.activation_from_warmup``, on a device that measures (CUDA), not cancelled."""
+        return (self.deploy.engine.activation_from_warmup and not self._replanned and not report.cancelled
+                and report.activation_peak_bytes is not None)
+
+    def waterfall(self) -> Any:
+        """The card waterfall now (runtime/waterfall.py): every byte of the device by part."""
+        from duplexcache.runtime.waterfall import engine_waterfall
+
+        return engine_waterfall(self)
 
     def _graph_captures_total(self) -> int:
         """Decode-graph keys first used (captures on CUDA) + Code2Wav graphs captured."""

@@ -17,6 +17,11 @@ On a host device (CPU) ``auto`` means ``CPU_AUTO_BUDGET`` (512 MiB, what the tin
 had), capped at ``memory_fraction`` of the RAM available now: the pools are preallocated, so a
 fraction of a shared machine's RAM would be far too much for a demo.
 
+With ``engine.activation_from_warmup`` (the minicpmo45 configs) this is the first plan's budget
+only: after the warm-up has measured the activation peak, an auto budget is re-planned as
+``fixed + free - engine.memory_headroom`` (runtime/warmup.py ``replan_after_warmup``,
+docs/engine.md "Memory: the order of start-up").
+
 A fixed byte budget keeps the old contract: on CUDA it must fit what is free, else start-up fails
 with :class:`BudgetExceedsDevice` naming both numbers.
 """

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from duplexcache.cfm.code2wav import BatchedCode2Wav, code2wav_session_bytes
-from duplexcache.config import (DeployConfig, SessionConfigError, SessionRuntimeConfig, build_runtime_config,
-                                format_bytes)
+from duplexcache.config import (DeployConfig, SessionConfigError, SessionRuntimeConfig, SpeakPolicy,
+                                build_runtime_config, format_bytes)
 from duplexcache.context import EmbeddingResult, EncoderPath, SessionContext, build_session_context
 from duplexcache.context.tokenizer import Tokenizer
 from duplexcache.kv.kv_quant import kv_storage_dtype
@@ -34,6 +34,8 @@ from duplexcache.runtime.engine_api import AdmissionError
 from duplexcache.runtime.policy import MAX_UNIT_TOKENS
 from duplexcache.runtime.stage0 import session_worst_case
 from duplexcache.runtime.voices import Voice
+
+logger = logging.getLogger(__name__)
 
 # What a refused client reads (AdmissionError.reason): no pool sizes; the numbers go to the log.
 CLIENT_REFUSALS = {
@@ -112,6 +114,37 @@ def resolve_turn_tokens(requested: int | None, config: TalkerConfig) -> int:
     return turn
 
 
+def policy_turn_units(policy: SpeakPolicy) -> int | None:
+    """The most units one audio turn of ``policy`` can span, None when it has no bound.
+
+    An audio turn is a run of speaking units; a listening unit closes it (talker_stage.py).
+    ``every_k_units`` speaks the last ``min(turn_units, k)`` units of each block of ``k``: with
+    ``turn_units < k`` a listening unit follows every ``turn_units`` speaking ones, otherwise
+    every unit speaks and the turn never ends. ``reply`` speaks ``reply_max_units`` units at most
+    per reply; a caller who starts a new user turn while a reply runs can chain two replies
+    without a listening unit between, which the Talker stage then cuts into audio turns at this
+    bound (the path it already takes at ``talker_turn_tokens``). ``model``: the Thinker decides,
+    no bound."""
+    if policy.mode == "every_k_units":
+        return policy.turn_units if policy.turn_units < policy.k else None
+    if policy.mode == "reply":
+        return policy.reply_max_units
+    return None
+
+
+def reserved_turn_tokens(deploy: DeployConfig, config: TalkerConfig) -> int:
+    """Talker KV tokens admission reserves per session, and the cap the Talker stage holds an
+    audio turn to: ``engine.talker_turn_tokens`` (checked), or with
+    ``engine.talker_turn_from_policy`` the speak policy's longest turn at the largest unit's
+    tokens when that is smaller. Both the ledger and the stage read this one number, so no turn
+    can outgrow its reservation whatever the policy does (docs/engine.md, "Talker turns")."""
+    turn = resolve_turn_tokens(deploy.engine.talker_turn_tokens, config)
+    units = policy_turn_units(deploy.engine.speak_policy) if deploy.engine.talker_turn_from_policy else None
+    if units is None:
+        return turn
+    return min(turn, units * largest_unit_tokens(config))
+
+
 class SessionSizing:
     """Shape-only sizes for one engine's models and voices."""
 
@@ -125,8 +158,9 @@ class SessionSizing:
         self.voices = models.voices
         self.code2wav = code2wav
         self.block_size = deploy.stage0.block_size
-        # Talker KV tokens one audio turn may hold: admission reserves this many per session.
-        self.talker_turn_tokens = resolve_turn_tokens(deploy.engine.talker_turn_tokens, models.talker.config)
+        # Talker KV tokens one audio turn may hold: admission reserves this many per session and
+        # the Talker stage caps a turn at it (engine.talker_turn_tokens, or the policy's bound).
+        self.talker_turn_tokens = reserved_turn_tokens(deploy, models.talker.config)
         # Reference-audio embedding counts per voice: the only model run sizing needs, once.
         self.ref_embeddings = {v: self.count_ref_embeddings(self.voices.get(v)) for v in self.voices.names()}
 
@@ -200,20 +234,39 @@ class SessionSizing:
     def _kv_storage(self) -> torch.dtype | None:
         return kv_storage_dtype(self.deploy.precision.kv_cache_dtype)   # precision.kv_cache_dtype
 
-    def plan(self) -> MemoryPlan:
-        """The pools' sizes for the budget left after what is already allocated."""
-        e = self.deploy.engine
+    def fixed_bytes(self) -> int:
+        """The engine's fixed buffers (runtime/waterfall.py lists them one by one)."""
         names = self.voices.names()
         # The voices' Code2Wav prompt states were computed by register_voice and live as long as
         # the engine: fixed, once per voice (sharing on or off), never per session.
-        fixed = (self.code2wav.arena.nbytes() + sum(self.voices.get(v).nbytes() for v in names)
-                 + sum(self.code2wav.voice_bytes(v) for v in names) + self.code2wav.vocoder_copy_bytes
-                 + self.code2wav.vocoder_graph_bytes)
+        return (self.code2wav.arena.nbytes() + sum(self.voices.get(v).nbytes() for v in names)
+                + sum(self.code2wav.voice_bytes(v) for v in names) + self.code2wav.vocoder_copy_bytes
+                + self.code2wav.vocoder_graph_bytes)
+
+    def plan(self, activation_reserve: int | None = None, headroom: int | None = None) -> MemoryPlan:
+        """The pools' sizes for the budget left after what is already allocated.
+
+        ``activation_reserve`` (default ``engine.activation_reserve``) and ``headroom``: a re-plan
+        after a measured warm-up (runtime/warmup.py ``replan_after_warmup``) passes the measured
+        reserve and, for an auto budget, ``engine.memory_headroom``: the budget is then what is
+        free less the headroom, not ``memory_fraction`` of it."""
+        e = self.deploy.engine
+        reserve = e.activation_reserve if activation_reserve is None else activation_reserve
+        if reserve != e.activation_reserve or headroom is not None:
+            e = e.model_copy(update={"activation_reserve": reserve})
+        fixed = self.fixed_bytes()
         # The arena, the voices, the vocoder copy and its graphs' buffers are already allocated: free memory is
         # measured after them.
-        budget = memory_budget.resolve_memory_budget(e, fixed, memory_budget.device_free_bytes(self.models.device),
-                                                     where=str(self.models.device)) - e.activation_reserve
-        refs = [self.footprint(self.default_config(v), self.voices.get(v)) for v in names]
+        free = memory_budget.device_free_bytes(self.models.device)
+        if headroom is not None and e.memory_budget == "auto" and free is not None:
+            total = fixed + free - headroom
+            logger.info("engine.memory_budget = %.2f GiB (auto after warm-up: fixed %.2f GiB + %.2f GiB free - "
+                        "engine.memory_headroom %.2f GiB)", total / 2**30, fixed / 2**30, free / 2**30,
+                        headroom / 2**30)
+        else:
+            total = memory_budget.resolve_memory_budget(e, fixed, free, where=str(self.models.device))
+        budget = total - e.activation_reserve
+        refs = [self.footprint(self.default_config(v), self.voices.get(v)) for v in self.voices.names()]
         try:
             return plan_memory(budget, fixed, refs, self.thinker_block_bytes(), self.talker_block_bytes())
         except BudgetTooSmall as exc:

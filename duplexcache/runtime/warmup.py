@@ -80,6 +80,10 @@ class WarmupReport:
     cancelled: bool = False                                       # stopped early (server shutting down)
     vocoder_graphs: int = 0
     encoder_graphs: int = 0   # audio-encoder keys (each its layers' pieces), engine.encoder_cuda_graphs
+    # CUDA: the device memory the warm-up needed above the pools, from the pools' build to its
+    # peak (graph pools and static buffers, transient activations, library workspaces), the
+    # dynamic region's reservation excluded; None where nothing measures it (CPU).
+    activation_peak_bytes: int | None = None
 
     @property
     def graphs(self) -> int:
@@ -351,6 +355,58 @@ def reserve_dynamic_region(engine: DuplexEngine) -> int:
     return n
 
 
+def activation_peak(engine: DuplexEngine) -> int | None:
+    """Device memory reserved at the peak since the pools were built, less the pools: what the
+    graphs, the warm-up's runs at the largest batch and the libraries needed beyond the plan's
+    preallocated blocks (CUDA; called before the dynamic region is reserved). None off CUDA:
+    host memory has no allocator peak to read, and the configured reserve stands."""
+    device = engine.models.device
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_reserved(device) - engine.reserved_before_pools
+    return max(0, peak - engine.plan.thinker_bytes - engine.plan.talker_bytes)
+
+
+def replan_after_warmup(engine: DuplexEngine, report: WarmupReport) -> None:
+    """Re-plan the pools from a measured warm-up (``engine.activation_from_warmup``).
+
+    The order (docs/engine.md, "Memory: the order of start-up")::
+
+        weights, fixed buffers          built, allocated
+        plan 1                          engine.activation_reserve as written (an upper bound)
+        pools 1, warm-up 1              measures the peak P above the pools
+        release pools 1 and graphs      what stays held (Code2Wav/vocoder graph pools captured
+                                        once, workspaces) is H: it is out of "free" now
+        plan 2                          reserve = P - H + activation_margin; an auto budget =
+                                        fixed + free - memory_headroom
+        pools 2, warm-up 2              captures again at plan 2's batch buckets; its own peak is
+                                        logged against the reserve
+
+    Plan 2 holds more sessions than plan 1, so its graph buckets are larger: the margin covers
+    the larger batches' activations (warm-up 2's peak is logged so a short margin shows)."""
+    e = engine.deploy.engine
+    assert report.activation_peak_bytes is not None
+    device = engine.models.device
+    base = engine.reserved_before_pools
+    policy = engine.policy
+    engine._release_session_side()
+    held = (torch.cuda.memory_reserved(device) - base) if device.type == "cuda" else 0
+    reserve = max(0, report.activation_peak_bytes - max(0, held)) + e.activation_margin
+    headroom = e.memory_headroom if e.memory_budget == "auto" else 0
+    logger.info("re-plan after warm-up: peak %.2f GiB above the pools, %.2f GiB of it still held after releasing "
+                "them; activation reserve %.2f GiB (+ engine.activation_margin %.2f GiB) instead of "
+                "engine.activation_reserve %.2f GiB", report.activation_peak_bytes / 2**30, held / 2**30,
+                reserve / 2**30, e.activation_margin / 2**30, e.activation_reserve / 2**30)
+    engine.activation_reserve = reserve
+    engine.headroom_bytes = headroom
+    engine._replanned = True
+    plan = engine.sizing.plan(activation_reserve=reserve, headroom=headroom if e.memory_budget == "auto" else None)
+    engine._build_session_side(plan, policy, engine.faults)
+    engine.recorder.refresh_pools()
+    logger.info("re-planned: %s", plan.describe())
+
+
 def _log_device_memory(engine: DuplexEngine) -> None:
     """Where the device memory stands after the warm-up: what the graphs' pools took is the part
     the memory plan does not count (docs/benchmarks.md, "The graph switches: the retained memory
@@ -365,6 +421,16 @@ def _log_device_memory(engine: DuplexEngine) -> None:
                 "grew reserved by %s", torch.cuda.memory_allocated(device) / 2**30,
                 torch.cuda.memory_reserved(device) / 2**30, free / 2**30,
                 ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in pools.items()) or "nothing (no decode graphs)")
+
+
+def cached_bytes(device: torch.device) -> int:
+    """What the caching allocator holds beyond allocated tensors after giving back every block it
+    can (graphs' private pools are not given back): 0 off CUDA."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def _sync(device: torch.device) -> None:
@@ -388,6 +454,8 @@ def warm_up(engine: DuplexEngine, should_stop: Callable[[], bool] = _never) -> W
     start = time.perf_counter()
     decode: dict[str, int] = {}
     c2w, kernels, cancelled = 0, (), False
+    device = engine.models.device
+    before = cached_bytes(device)
     for name, keys in decode_keys(engine).items():
         graphs = engine.thinker_graphs if name == "thinker" else engine.talker_graphs
         assert graphs is not None
@@ -403,6 +471,11 @@ def warm_up(engine: DuplexEngine, should_stop: Callable[[], bool] = _never) -> W
         if should_stop():
             break
         encoder += engine.encoder_graphs.warm(batch, frames)
+    # The graphs' private pools, measured as what stays cached once everything else cached is
+    # given back: those of the session side (decode, encoder) are rebuilt with the pools; the
+    # Code2Wav and vocoder graphs' are captured once and kept (the card waterfall names both).
+    mid = cached_bytes(device)
+    engine.session_graph_pool_bytes = max(0, mid - before)
     arena = engine.code2wav.arena
     for tier, width, length in code2wav_keys(engine) if arena.use_graphs else ():
         if should_stop():
@@ -413,15 +486,26 @@ def warm_up(engine: DuplexEngine, should_stop: Callable[[], bool] = _never) -> W
         if should_stop():
             break
         vocoder += engine.code2wav.vocoder_graphs.warm(tier, shape)
+    engine.fixed_graph_pool_bytes += max(0, cached_bytes(device) - mid)
+    peak = None
     if should_stop():
         cancelled = True
     else:
         kernels = run_kernels_once(engine)
         if engine.models.device.type == "cuda":
             kernels += (f"thinker:prefill_{run_prefill_once(engine)}_tokens",
-                        f"audio_encoder:batch_{run_encoder_once(engine)}",
-                        f"allocator:dynamic_{reserve_dynamic_region(engine) >> 20}_MiB")
-    report = WarmupReport(time.perf_counter() - start, decode, c2w, kernels, cancelled, vocoder, encoder)
+                        f"audio_encoder:batch_{run_encoder_once(engine)}")
+        peak = activation_peak(engine)
+        if engine.models.device.type == "cuda":
+            # The transients of the runs above stay cached unless given back: allocator slack
+            # that no session could use (issue 43). The graphs' private pools are not released.
+            torch.cuda.empty_cache()
+            engine.dynamic_reserved_bytes = reserve_dynamic_region(engine)
+            kernels += (f"allocator:dynamic_{engine.dynamic_reserved_bytes >> 20}_MiB",)
+    report = WarmupReport(time.perf_counter() - start, decode, c2w, kernels, cancelled, vocoder, encoder, peak)
+    if peak is not None:
+        logger.info("warm-up: activation peak %.2f GiB above the pools (graph pools and buffers, transients, "
+                    "workspaces); the plan reserved %.2f GiB", peak / 2**30, engine.activation_reserve / 2**30)
     _log_device_memory(engine)
     logger.info("engine %s%s", report.describe(), " (cancelled)" if cancelled else "")
     return report

@@ -219,9 +219,26 @@ class RealtimeServer:
                 return
             logger.info("warm-up finished in %.2f s (%s); ready", time.perf_counter() - start,
                         getattr(report, "describe", lambda: report)())
+            await self._log_waterfall()
         self.metrics.update(await asyncio.to_thread(self.engine.stats))
         self.warm_state = "ready"
         await self._tick_loop()
+
+    async def _log_waterfall(self) -> None:
+        """The card waterfall once, after the warm-up (issue 43): logged line by line and set on
+        /metrics as ``duplexcache_device_bytes{part=...}``. Optional: an engine without
+        ``waterfall()`` has none; a failure to account is logged, never fatal."""
+        waterfall = getattr(self.engine, "waterfall", None)
+        if waterfall is None:
+            return
+        try:
+            wf = await asyncio.to_thread(waterfall)
+        except Exception:  # noqa: BLE001 - accounting must not keep a warm server from serving
+            logger.exception("card waterfall failed")
+            return
+        for line in wf.lines():
+            logger.info("%s", line)
+        self.metrics.set_waterfall(wf)
 
     async def stop(self) -> None:
         """Graceful shutdown: finish the running tick, close every session, shut the engine down."""

@@ -10,8 +10,10 @@ import errno
 import importlib
 import importlib.util
 import logging
+import os
 import socket
 import sys
+from collections.abc import MutableMapping
 
 from duplexcache.config import PRESETS, ConfigError, DeployConfig
 from duplexcache.runtime.device import device_problem
@@ -81,6 +83,27 @@ def build_engine(deploy: DeployConfig):  # -> EngineAPI
     return factory(deploy)
 
 
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+EXPANDABLE = "expandable_segments:True"
+
+
+def configure_cuda_allocator(deploy: DeployConfig, environ: MutableMapping[str, str] | None = None) -> str | None:
+    """``engine.cuda_expandable_segments``: set ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
+    before anything initialises CUDA (the caching allocator reads it once, at its first
+    allocation), so memory freed after the warm-up goes back in pages rather than staying cached
+    in whole segments: the allocator slack of the card waterfall (issue 43). A value the
+    environment already sets wins (the operator's). Returns what the variable is now."""
+    env = os.environ if environ is None else environ
+    if deploy.engine.cuda_expandable_segments and deploy.model.device.startswith("cuda"):
+        if ALLOC_CONF in env:
+            logger.info("%s=%s from the environment; engine.cuda_expandable_segments leaves it", ALLOC_CONF,
+                        env[ALLOC_CONF])
+        else:
+            env[ALLOC_CONF] = EXPANDABLE
+            logger.info("%s=%s (engine.cuda_expandable_segments)", ALLOC_CONF, EXPANDABLE)
+    return env.get(ALLOC_CONF)
+
+
 def bind_server_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to ``host:port`` (0: a free port), not yet listening: uvicorn listens on
     it once the engine is built (``Server.run(sockets=...)``). Binding first makes a taken port
@@ -117,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
         # machine that launches them may well have no GPU of its own.
 
         return serve_replicas(deploy)
+    configure_cuda_allocator(deploy)   # before anything initialises CUDA (device_problem, the engine)
     problem = device_problem(deploy.model.device)
     if problem is not None:
         print(f"duplexcache serve: {problem}", file=sys.stderr)

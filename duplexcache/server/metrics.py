@@ -12,6 +12,7 @@ exactly once (keyed by ``EngineStats.ticks``), so it may be called by both the t
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -82,6 +83,14 @@ class ServerMetrics:
                                          "Code2Wav voice-prompt setup passes, by voice (one per registered "
                                          "voice; a growing count means turn starts pay the pass again)",
                                          ["voice"], registry=r)
+        self.device_bytes = Gauge(PREFIX + "device_bytes", "The card waterfall after the warm-up: device bytes "
+                                  "by part, adding up to the device total (runtime/waterfall.py)", ["part"], registry=r)
+        self.device_total_bytes = Gauge(PREFIX + "device_total_bytes", "The device total the waterfall's parts add "
+                                        "up to (CUDA: mem_get_info's total; CPU: weights + the memory budget)",
+                                        registry=r)
+        self.admitted_over_floor_limited = Gauge(
+            PREFIX + "admitted_over_floor_limited", "Sessions admission takes / (device total - weights) / the "
+            "floor bytes of one session", registry=r)
         for where in GRAPH_CAPTURE_PLACES:   # export 0 before the first capture
             self.graph_captures.labels(where=where)
         self._last_captures = dict.fromkeys(GRAPH_CAPTURE_PLACES, 0)
@@ -127,6 +136,14 @@ class ServerMetrics:
                 for seconds in samples:
                     child.observe(seconds)
             self._last_tick = stats.ticks
+
+    def set_waterfall(self, wf: Any) -> None:
+        """Export a card waterfall (runtime/waterfall.py ``Waterfall``): one gauge child per part."""
+        for part in wf.parts:
+            self.device_bytes.labels(part=part.name).set(part.bytes)
+        self.device_total_bytes.set(wf.total_bytes)
+        if wf.ratio is not None:
+            self.admitted_over_floor_limited.set(wf.ratio)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

@@ -254,6 +254,11 @@ def test_cli_runs_reduced_engine(tmp_path, monkeypatch, engine_models):
     assert (tmp_path / "memory.png").stat().st_size > 0
     report = json.loads((tmp_path / "report.json").read_text())
     validate_report(report)
+    # the card waterfall of the deploy config as given (issue 43): parts add up, PNG beside it
+    wf = report["waterfall"]
+    assert sum(p["bytes"] for p in wf["parts"]) == wf["total_bytes"] == wf["parts_sum_bytes"]
+    assert wf["admitted"] > 0 and 0 < wf["admitted_over_floor_limited"]
+    assert (tmp_path / "waterfall.png").stat().st_size > 0
     assert report["target"] == "engine" and report["all_equal"] is True
     assert report["budget_includes_weights"] is True
     assert report["available_bytes"] == 2**30 - report["weight_bytes"] - report["activation_reserve_bytes"]

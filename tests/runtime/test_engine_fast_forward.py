@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import audio, collect, engine
 
 from duplexcache.server.metrics import ServerMetrics
+from duplexcache.runtime.session_sizing import largest_unit_tokens
 
 HIGH, LOW = 80, 40
 WINDOW = {"stage0": {"window": {"mode": "basic", "high_tokens": HIGH, "low_tokens": LOW}},
@@ -49,7 +50,9 @@ def test_fill_to_high_mark_then_next_unit_compacts_as_serving(tmp_path):
 
     res = eng.fast_forward(sid, thinker_tokens=HIGH, talker_full_turn=True, chunk_tokens=16)
     after = eng.session_info(sid)
-    talker_max = eng.models.talker.config.max_position_embeddings
+    # a full turn is what admission reserved: this policy's 2-unit turn (engine.talker_turn_from_policy)
+    talker_max = eng.sizing.talker_turn_tokens
+    assert talker_max == 2 * largest_unit_tokens(eng.models.talker.config)
     assert res.thinker_tokens_appended == HIGH - have and after.thinker_tokens == anchor + HIGH
     assert res.talker_blocks_added == after.talker_blocks == -(-talker_max // eng.block_size)
     assert after.talker_tokens == 0   # held, not computed

@@ -424,3 +424,17 @@ def test_example_sends_the_key_from_the_environment(tmp_path, monkeypatch):
         assert example.main(["--url", srv.ws_url(REALTIME_PATH), "--tone-seconds", "1", "--fast",
                              "--timeout", "30", "--out", str(tmp_path / "r.wav")]) == 0
         assert "could not read" not in example.server_load(srv.ws_url(REALTIME_PATH))   # /metrics, behind the key
+
+
+def test_serve_sets_the_allocator_conf_before_cuda_starts(monkeypatch):
+    """engine.cuda_expandable_segments reaches `serve`: PYTORCH_CUDA_ALLOC_CONF is set before the
+    device check and the engine build (here the device check fails: no CUDA)."""
+    import torch
+
+    monkeypatch.delenv(cli.ALLOC_CONF, raising=False)
+    seen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: seen.append(cli.os.environ.get(cli.ALLOC_CONF)) or False)
+    monkeypatch.setattr(cli, "build_engine", lambda deploy: pytest.fail("no engine without CUDA"))
+    assert cli.run(_parse(["--device", "cuda", "--port", "0"])) == 2
+    assert seen and seen[0] == cli.EXPANDABLE
+    monkeypatch.delenv(cli.ALLOC_CONF, raising=False)

@@ -126,3 +126,35 @@ def test_stop_during_warmup_does_not_wait_for_it():
     srv = LoopbackServer(create_app(engine, deploy)).start(wait_ready=False)
     srv.stop(timeout=10)             # never released: the warm-up must notice the shutdown
     assert engine.stopped_early and engine.shutdown_called and engine.ticks == 0
+
+
+class WaterfallEngine(WarmingEngine):
+    """A warming FakeEngine that accounts its card (runtime/waterfall.py's interface)."""
+
+    def waterfall(self):
+        from duplexcache.runtime.waterfall import Part, Waterfall
+
+        assert self.warmed, "the waterfall is taken after the warm-up"
+        return Waterfall("cuda:0", 1000, "test", (Part("weights", 400, "weights"),
+                                                  Part("thinker_kv_pool", 500, "sessions"),
+                                                  Part("free_unplanned", 100, "free")),
+                         admitted=6, floor_bytes=100, weight_bytes=400)
+
+
+def test_waterfall_logged_once_after_warmup_and_on_metrics(caplog):
+    deploy = DeployConfig.default("tiny")
+    deploy.engine.tick_seconds = 0.05
+    engine = WaterfallEngine(deploy)
+    srv = LoopbackServer(create_app(engine, deploy)).start(wait_ready=False)
+    try:
+        with caplog.at_level("INFO", logger="duplexcache.server.app"):
+            engine.release.set()
+            srv.wait_ready(10)
+        metrics = httpx.get(srv.http_url("/metrics")).text
+    finally:
+        srv.stop()
+    assert _metric(metrics, "duplexcache_device_bytes", part="thinker_kv_pool") == 500
+    assert _metric(metrics, "duplexcache_device_total_bytes") == 1000
+    assert _metric(metrics, "duplexcache_admitted_over_floor_limited") == 1.0   # 6 / ((1000 - 400) / 100)
+    assert caplog.text.count("card waterfall on cuda:0") == 1
+    assert "admitted / floor-limited = 1.000" in caplog.text

@@ -228,10 +228,26 @@ def test_bad_image_bytes_are_a_value_error_naming_the_field(data, problem):
         V.decode_jpeg(data, "video_frames[0]")
 
 
+def _noise_jpeg(width: int, height: int) -> bytes:
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    rgb = np.random.default_rng(0).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    Image.fromarray(rgb).save(buf, format="JPEG")
+    return buf.getvalue()
+
+
 def test_truncated_jpeg_is_a_value_error():
-    data = _jpeg(64, 48)
-    with pytest.raises(ValueError, match="frame: corrupt or truncated"):
-        V.decode_jpeg(data[: len(data) // 2], "frame")
+    """Headers intact, scan data cut: Pillow opens it lazily, so only a forced decode catches it."""
+    data = _noise_jpeg(256, 256)
+    with pytest.raises(ValueError, match="frame: corrupt or truncated JPEG data"):
+        V.decode_jpeg(data[: len(data) * 3 // 4], "frame")
+
+
+def test_jpeg_cut_inside_its_header_is_a_value_error():
+    with pytest.raises(ValueError, match="frame: corrupt or truncated image data"):
+        V.decode_jpeg(_jpeg(64, 48)[:200], "frame")
 
 
 def test_oversized_image_is_refused_before_decoding(monkeypatch):

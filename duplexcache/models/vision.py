@@ -45,6 +45,10 @@ token, then the frame, then the unit's audio)::
 
     [</unit>] <unit> <image> v1 .. v64 </image> a1 .. a10  then <|listen|> | <|speak|> ...
 
+The resampler is MiniCPM-o 4.5's 2D one (``Resampler.forward(x, tgt_sizes)``): MiniCPM-V 4.5's "3D"
+resampler, which compresses several video frames together with temporal positions, is not in
+MiniCPM-o 4.5's modeling file; each frame here is resampled alone.
+
 Parameter names are those of the checkpoint (``vpm.embeddings.patch_embedding.weight``,
 ``vpm.encoder.layers.N.self_attn.q_proj.weight``, ``resampler.attn.in_proj_weight``, ...), so
 ``VisionModel.from_pretrained`` loads a MiniCPM-o directory strictly.
@@ -70,6 +74,8 @@ if TYPE_CHECKING:
     from duplexcache.context.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+Grid = tuple[int, int]  # (rows, cols) of patches
 
 # Grid sides (patches) at which MiniCPM-o's bucketing and transformers' Idefics2 bucketing differ
 # on the 70 x 70 table (computed by tests/models/test_vision.py; none on the tiny 8 x 8 table).
@@ -454,7 +460,7 @@ class VisionModel(nn.Module):
         self.vpm = SiglipVisionTransformer(cfg)
         self.resampler = Resampler(cfg)
 
-    def pack(self, frames: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
+    def pack(self, frames: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[Grid]]:
         """Frames (3, H_i, W_i) -> zero-padded patches (B, L, 3*p*p), position ids (B, L),
         valid (B, L) bool and the grids, L = the most patches of any frame."""
         if not frames:

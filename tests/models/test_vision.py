@@ -104,9 +104,9 @@ def test_resampler_positions_follow_the_grid_not_the_count(model):
     sd = model.resampler.state_dict()
     wide = model.resampler(hidden, [(2, 8)], valid)[0]
     tall = model.resampler(hidden, [(8, 2)], valid)[0]
-    cfg = model.cfg
-    assert relative_error(wide, reference_resampler(sd, hidden[0], (2, 8), cfg.resampler_heads, cfg.resampler_eps)) <= TOL
-    assert relative_error(tall, reference_resampler(sd, hidden[0], (8, 2), cfg.resampler_heads, cfg.resampler_eps)) <= TOL
+    heads, eps = model.cfg.resampler_heads, model.cfg.resampler_eps
+    assert relative_error(wide, reference_resampler(sd, hidden[0], (2, 8), heads, eps)) <= TOL
+    assert relative_error(tall, reference_resampler(sd, hidden[0], (8, 2), heads, eps)) <= TOL
     assert relative_error(wide, tall) > 1e-3
 
 
@@ -171,7 +171,8 @@ def test_checkpoint_missing_a_layer_is_a_checkpoint_error(tmp_path):
         V.VisionModel.from_pretrained(tmp_path)
     # ...which is what a checkpoint of drop_vision_last_layer=true holds: its config says so
     cfg_path = tmp_path / "config.json"
-    cfg_path.write_text(cfg_path.read_text().replace('"drop_vision_last_layer": false', '"drop_vision_last_layer": true'))
+    text = cfg_path.read_text().replace('"drop_vision_last_layer": false', '"drop_vision_last_layer": true')
+    cfg_path.write_text(text)
     assert V.VisionModel.from_pretrained(tmp_path).cfg.num_hidden_layers == 1
 
 

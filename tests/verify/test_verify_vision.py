@@ -48,3 +48,9 @@ def test_unloadable_checkpoint_exits_2(run_verify, tmp_path):
 
 def test_preset_without_random_weights_exits_2(run_verify):
     assert run_verify(verify_vision, "--preset", "tiny") == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda_exits_2(run_verify, capsys):
+    assert run_verify(verify_vision, "--preset", "tiny", "--random-weights", "--device", "cuda") == 2
+    assert "CUDA is not available" in capsys.readouterr().out

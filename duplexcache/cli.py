@@ -20,6 +20,7 @@ VERIFY_TARGETS = {
     "talker": "duplexcache.verify.talker",
     "audio-encoder": "duplexcache.verify.audio_encoder",
     "flow": "duplexcache.verify.flow",
+    "vision": "duplexcache.verify.vision",
 }
 
 # top-level command -> module exposing ``add_arguments(parser)`` and ``run(args) -> int``.

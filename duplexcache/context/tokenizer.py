@@ -12,7 +12,11 @@ Special-token ids. Given by the spec: ``<unit>`` 151683, ``</unit>`` 151684, ``<
 available): ``<|im_start|>`` 151644 and ``<|im_end|>`` 151645 as in the Qwen3 vocabulary the
 Thinker inherits; ``<|audio_start|>`` 151697, ``<|audio|>`` 151698 (the filler id at audio
 positions) and ``<|audio_end|>`` 151699, the slots MiniCPM-o 2.6 gave them just below
-``<|tts_bos|>`` 151703, which 4.5 keeps. A real tokenizer's ids always win over this table.
+``<|tts_bos|>`` 151703, which 4.5 keeps. Vision (read from MiniCPM-o 4.5's ``added_tokens.json`` /
+``tokenizer_config.json``): ``<image>`` 151669, ``</image>`` 151670, ``<slice>`` 151679, ``</slice>``
+151680, and ``<unk>`` 128244, the processor's placeholder at the 64 vision positions of a frame
+(below FIRST_SPECIAL_ID: it is an added token of the Qwen vocabulary's upper range, never
+produced by ``encode``). A real tokenizer's ids always win over this table.
 """
 
 from __future__ import annotations
@@ -26,8 +30,13 @@ from typing import Any, Protocol, runtime_checkable
 logger = logging.getLogger(__name__)
 
 SPECIAL_TOKEN_IDS: dict[str, int] = {
+    "<unk>": 128244,
     "<|im_start|>": 151644,
     "<|im_end|>": 151645,
+    "<image>": 151669,
+    "</image>": 151670,
+    "<slice>": 151679,
+    "</slice>": 151680,
     "<unit>": 151683,
     "</unit>": 151684,
     "<|audio_start|>": 151697,

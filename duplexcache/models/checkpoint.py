@@ -2,8 +2,11 @@
 
 A checkpoint is a file or a directory of ``*.safetensors`` (single or sharded with a
 ``*.index.json``) or ``*.pt`` / ``*.bin`` (loaded with ``weights_only=True``). A MiniCPM-o
-checkpoint holds all stages in one state dict under per-component prefixes (``llm.``, ``apm.``,
-``tts.``...), so loading takes an optional prefix that selects and strips one component.
+checkpoint holds all stages in one state dict under per-component prefixes, so loading takes an
+optional prefix that selects and strips one component. Each model's ``from_pretrained`` names
+its own: ``llm.`` (thinker.py), ``apm.`` + ``audio_projection_layer.`` (audio_encoder.py),
+``tts.`` (talker.py), ``vpm.`` + ``resampler.`` (vision.py: ``VPM_PREFIX``, ``RESAMPLER_PREFIX``;
+the resampler's ``pos_embed`` is a non-persistent buffer, so it is not in the checkpoint).
 
 Every failure is a ``CheckpointError`` naming the component, which the CLI turns into exit 2
 and the server into an error event.

@@ -15,6 +15,7 @@ REFERENCES = {
     "talker": ("transformers", "transformers>=4.51"),
     "audio-encoder": ("transformers", "transformers>=4.51"),
     "flow": ("stepaudio2", "minicpmo-utils==1.0.5"),
+    "vision": ("transformers", "transformers>=4.51"),
 }
 
 

@@ -276,8 +276,9 @@ class EngineConfig(_Strict):
     # sequence by its own length only (models/batch_invariant.py). Off: kernels pick their
     # reduction by the batch's shape, so a session alone and beside others can differ in the
     # last bits (and then in tokens). The sharing switches stay bit-exact either way. Off by
-    # default: on the tiny CPU preset it made a 4-session tick ~5x slower (one small GEMM per
-    # 16-row tile, and the mode's dispatch on every op); docs/benchmarks.md, "Batch invariance".
+    # default, as measured: the tiny CPU tick ~5x slower; on an H100 at 32 minicpmo45 sessions
+    # 550 -> 1269 ms per tick, with 3-4 samples of 1 LSB still differing on CUDA
+    # (docs/benchmarks.md, "Batch invariance" and "Batch invariance on the GPU").
     batch_invariant: bool = False
     # Most Talker KV tokens one audio turn may hold; None = the Talker's max_position_embeddings
     # (4096 for minicpmo45, ~150 s of speech). Admission reserves this many tokens' blocks per

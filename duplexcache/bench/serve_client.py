@@ -110,7 +110,7 @@ class MiniCPMoWire:
         parts = urlsplit(url)
         query = dict(parse_qsl(parts.query, keep_blank_values=True))
         query.update({"mode": "audio", "model": query.get("model", MiniCPMoWire.MODEL)})
-        return urlunsplit(parts._replace(query=urlencode(query)))
+        return urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(query), parts.fragment))
 
     @staticmethod
     def session_update(voice: str, instructions: str) -> str:

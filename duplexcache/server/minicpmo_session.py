@@ -207,13 +207,7 @@ class MiniCPMoSession(RealtimeSession):
         self.send(mp.event("session.created", session_id=self.id, model=self.model, usage=self._usage_wire()))
 
     def notify_queued(self, now: float) -> None:
-        position = None
-        queue_position = getattr(self.engine, "queue_position", None)
-        if queue_position is not None:
-            try:
-                position = queue_position(self.sid)
-            except Exception:  # noqa: BLE001 - a notice is best effort
-                logger.exception("engine.queue_position failed")
+        position = self.queue_position()
         # the first notice is session.queued, later ones updates (the SDK reads both)
         kind = "session.queued" if self.last_queue_notice == 0.0 else "session.queue_update"
         self.last_queue_notice = now

@@ -499,14 +499,19 @@ class RealtimeSession:
             self.pending_response = False
             await self._request_response()
 
-    def notify_queued(self, now: float) -> None:
-        position = None
+    def queue_position(self) -> int | None:
+        """This session's place in the engine's queue (None when the engine does not say)."""
         queue_position = getattr(self.engine, "queue_position", None)
-        if queue_position is not None:
-            try:
-                position = queue_position(self.sid)
-            except Exception:  # noqa: BLE001 - a notice is best effort
-                logger.exception("engine.queue_position failed")
+        if queue_position is None:
+            return None
+        try:
+            return queue_position(self.sid)
+        except Exception:  # noqa: BLE001 - a notice is best effort
+            logger.exception("engine.queue_position failed")
+            return None
+
+    def notify_queued(self, now: float) -> None:
+        position = self.queue_position()
         self.last_queue_notice = now
         self.send(proto.event("session.queued", position=position,
                               message="waiting for admission; input audio is discarded until session.admitted"))

@@ -200,7 +200,8 @@ def test_attention_backend_selection():
     batch = PagedBatch.build([[1], [2]], [1, 2], [1, 1], None, 4)
     assert batch.is_decode
     paged_attention(torch.randn(2, HQ, D), cache, 0, batch, 1.0)
-    assert calls == [] and cache.path_counts == {"reference": 1, "decode_kernel": 0, "ragged_kernel": 0}
+    assert calls == [] and cache.path_counts == {"reference": 1, "decode_kernel": 0, "ragged_kernel": 0,
+                                                          "per_sequence": 0}
 
 
 def test_attention_path_routes_ragged_steps_only_when_switched_on():
@@ -254,6 +255,38 @@ def test_ragged_step_as_decode_rows_is_causal_attention():
     want = paged_attention(q, cache, 0, batch, 0.3)          # gather + SDPA per sequence (CPU)
     got = _decode_rows_reference(q, cache, 0, rows, lens, 0.3)
     torch.testing.assert_close(got.float(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_batch_invariant_ragged_steps_choose_each_sequence_s_path_by_its_own_append():
+    """engine.batch_invariant (a fixed split count): a ragged step with one long append goes
+    per sequence -- the short appends through the kernel (as they would beside no long one), the
+    long one through gather + SDPA -- and the result is the causal attention of every token."""
+    import duplexcache.kv.paged_attention as pa
+
+    g = torch.Generator().manual_seed(11)
+    cache = PagedKVCache(1, 24, 4, HKV, D)
+    cache.k.normal_(generator=g)
+    cache.v.normal_(generator=g)
+    long_new = RAGGED_KERNEL_MAX_NEW + 3
+    batch = PagedBatch.build([[3, 5], [1, 2, 4, 6, 7, 8, 9, 10, 11, 12, 13], [14, 15]], [2, 0, 5], [3, long_new, 1],
+                             None, 4)
+    seen = []
+
+    def kernel(q, k, v, tables, seq_lens, scale, num_splits=None, **kw):
+        seen.append((q.shape[0], num_splits))
+        return _decode_rows_reference(q, cache, 0, tables, seq_lens, scale).float()
+
+    cache._decode_kernel, cache.ragged_steps_in_kernel = kernel, True
+    assert attention_path(cache, batch, on_cuda=True) == "reference"            # batch-chosen paths
+    cache.fixed_num_splits = 8
+    assert attention_path(cache, batch, on_cuda=True) == "per_sequence"
+    alone = PagedBatch.build([[3, 5]], [2], [3], None, 4)
+    assert attention_path(cache, alone, on_cuda=True) == "ragged_kernel"        # the same path alone
+    q = torch.randn(batch.num_tokens, HQ, D, generator=g)
+    got = pa._per_sequence_paths(q, cache, 0, batch, 0.3)
+    assert seen == [(3 + 1, 8)]          # the two short sequences' 4 token rows, at the fixed splits
+    want = pa._reference_paged_attention(q, cache, 0, batch, 0.3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -83,14 +83,15 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         # What is the user's to fix is one line: a checkpoint that cannot be loaded
         # (model.checkpoint_dir of a --config), an engine.memory_budget this machine cannot hold
-        # (too small for one session, more than the device has free). The modules are looked up,
+        # (too small for one session, more than the device has free), a config key the model's
+        # shapes refuse (a minicpmo45 Talker turn on the tiny preset). The modules are looked up,
         # not imported: a command that never loaded them cannot have raised their errors, and the
         # GPU image's `bench kernels` runs without pydantic, which config needs.
         checkpoint = sys.modules.get("duplexcache.models.checkpoint")
         config = sys.modules.get("duplexcache.config")
         if checkpoint is not None and isinstance(exc, checkpoint.CheckpointError):
             print(f"duplexcache {_command(args)}: checkpoint: {exc}", file=sys.stderr)
-        elif config is not None and isinstance(exc, config.BudgetError):
+        elif config is not None and isinstance(exc, (config.BudgetError, config.ConfigError)):
             print(f"duplexcache {_command(args)}: {exc}", file=sys.stderr)
         else:
             raise

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from duplexcache.cfm.code2wav import BatchedCode2Wav, code2wav_session_bytes
-from duplexcache.config import (DeployConfig, SessionConfigError, SessionRuntimeConfig, SpeakPolicy,
+from duplexcache.config import (ConfigError, DeployConfig, SessionConfigError, SessionRuntimeConfig, SpeakPolicy,
                                 build_runtime_config, format_bytes)
 from duplexcache.context import EmbeddingResult, EncoderPath, SessionContext, build_session_context
 from duplexcache.context.tokenizer import Tokenizer
@@ -104,11 +104,12 @@ def largest_unit_tokens(config: TalkerConfig) -> int:
 
 def resolve_turn_tokens(requested: int | None, config: TalkerConfig) -> int:
     """``engine.talker_turn_tokens`` checked against the Talker: None = its
-    ``max_position_embeddings``; ValueError outside [largest unit, max_position_embeddings]."""
+    ``max_position_embeddings``; ConfigError (a ValueError: the CLI reports it in one line)
+    outside [largest unit, max_position_embeddings], e.g. a minicpmo45 config on the tiny preset."""
     turn = config.max_position_embeddings if requested is None else requested
     low, high = largest_unit_tokens(config), config.max_position_embeddings
     if not low <= turn <= high:
-        raise ValueError(f"engine.talker_turn_tokens must be between {low} (one unit: {MAX_UNIT_TOKENS} condition "
+        raise ConfigError(f"engine.talker_turn_tokens must be between {low} (one unit: {MAX_UNIT_TOKENS} condition "
                          f"rows + {config.tokens_per_unit} codes + end) and the Talker's max_position_embeddings "
                          f"{high}, got {turn}")
     return turn

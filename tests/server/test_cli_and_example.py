@@ -121,6 +121,19 @@ def test_a_memory_budget_the_machine_cannot_hold_is_one_line(tmp_path, monkeypat
         assert "engine.memory_budget 2147483648 bytes exceeds the" in err
 
 
+def test_a_talker_turn_the_tiny_talker_cannot_hold_is_one_line(tmp_path, monkeypatch, capsys):
+    """The capacity example's 1024-token Talker turns on the tiny preset (max 512 positions), as a
+    newcomer tried it: one line naming the key and the bounds (exit 2), not a ValueError traceback."""
+    path = tmp_path / "deploy.yaml"
+    path.write_text("engine:\n  talker_turn_tokens: 1024\n")
+    served = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda server, sockets=None: served.append(server))
+    assert top_cli.main(["serve", "--config", str(path), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and not served
+    assert err.startswith("duplexcache serve: engine.talker_turn_tokens must be between 46") and "got 1024" in err
+
+
 def test_a_cuda_config_without_cuda_fails_clearly(monkeypatch, capsys):
     """examples/minicpmo45-shared.yaml (model.device cuda) on a CPU machine: one line and exit 2,
     not torch's traceback from deep in model building."""

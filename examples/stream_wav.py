@@ -77,6 +77,11 @@ class Reply:
     session_ready: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     changed: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # any response.done or error
     closing: bool = False  # session.close sent: its answering response.done is no reply
+    wanted: int = 1  # replies to keep: a reply the server starts after them (before the close) is not ours
+
+    @property
+    def complete(self) -> bool:
+        return self.responses >= self.wanted
 
 
 def read_wav_16k(path: str) -> np.ndarray:
@@ -104,11 +109,13 @@ def write_wav_24k(path: str, pcm16: bytes) -> None:
 
 def _take(reply: Reply, event: dict) -> None:
     kind = event.get("type")
-    if kind == AUDIO_DELTA:
+    # Past the wanted replies the server may already have started another one (its response.done
+    # can arrive before our session.close is read): it is neither counted nor written.
+    if kind == AUDIO_DELTA and not reply.complete:
         reply.audio += base64.b64decode(event["delta"])
-    elif kind in TEXT_DELTAS:
+    elif kind in TEXT_DELTAS and not reply.complete:
         reply.text.append(event["delta"])
-    elif kind == REPLY_DONE and not reply.closing:
+    elif kind == REPLY_DONE and not reply.closing and not reply.complete:
         reply.responses += 1
         reply.changed.set()
     elif kind in SESSION_EVENTS:
@@ -175,7 +182,7 @@ async def stream(url: str, samples: np.ndarray, *, instructions: str = "", voice
     """Run one session: send ``samples`` (int16, 16 kHz), collect ``responses`` replies.
 
     Raises NoReply (with the server's late-tick figures) when ``timeout`` seconds pass first."""
-    reply = Reply()
+    reply = Reply(wanted=responses)
     try:
         await asyncio.wait_for(_session(url, samples, reply, instructions=instructions, voice=voice,
                                         chunk_ms=chunk_ms, realtime=realtime, responses=responses), timeout)

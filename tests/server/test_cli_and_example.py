@@ -451,3 +451,17 @@ def test_serve_sets_the_allocator_conf_before_cuda_starts(monkeypatch):
     assert cli.run(_parse(["--device", "cuda", "--port", "0"])) == 2
     assert seen and seen[0] == cli.EXPANDABLE
     monkeypatch.delenv(cli.ALLOC_CONF, raising=False)
+
+
+def test_example_keeps_only_the_replies_it_waits_for():
+    """A newcomer saw '2 response(s)' with --responses 1: the server's next reply can finish before
+    our session.close is read. Only the wanted replies are counted and written."""
+    import base64
+
+    example = _load_example()
+    reply = example.Reply(wanted=1)
+    pcm = base64.b64encode(b"\x01\x00" * 4).decode()
+    for event in ({"type": example.AUDIO_DELTA, "delta": pcm}, {"type": example.REPLY_DONE},
+                  {"type": example.AUDIO_DELTA, "delta": pcm}, {"type": example.REPLY_DONE}):
+        example._take(reply, event)
+    assert reply.responses == 1 and len(reply.audio) == 8

@@ -124,9 +124,29 @@ def _ticks_after_sending(engine: DuplexEngine, seconds: int) -> Callable[[Client
     return wait
 
 
+def server_late_ticks(metrics_url: str) -> int | None:
+    """The server's ``duplexcache_late_ticks_total`` from its /metrics, as an operator reads it:
+    every tick that ended past its deadline, unit ticks and the ticks between them (the engine's
+    own count has unit ticks only). None when it cannot be read."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=10) as response:
+            text = response.read().decode()
+    except OSError:
+        return None
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "duplexcache_late_ticks_total":
+                return int(sample.value)
+    return None
+
+
 async def _run_server(engine: DuplexEngine, deploy: DeployConfig, results: list[ClientResult],
                       audios: list[np.ndarray], turns: int | None, seconds: int, timeout: float,
-                      served: list[bool]) -> EngineStats:
+                      served: list[bool], late: list[int | None]) -> EngineStats:
     from duplexcache.server.app import REALTIME_PATH, create_app
     from duplexcache.server.loopback import LoopbackServer
 
@@ -147,6 +167,8 @@ async def _run_server(engine: DuplexEngine, deploy: DeployConfig, results: list[
         except asyncio.TimeoutError:
             raise DemoFailed(f"the server did not close the sessions within {max(CLOSE_TIMEOUT_S, timeout):g} s; "
                              f"{diagnose(engine)}") from None
+        # after the closes: every tick the server logged as late by now is in the table's count
+        late.append(await asyncio.to_thread(server_late_ticks, srv.http_url("/metrics")))
         return snapshot
     finally:
         for task in tasks:
@@ -257,13 +279,15 @@ def _p50_ms(engine: DuplexEngine, stage: str) -> float:
 
 
 def report(engine: DuplexEngine, snapshot: EngineStats, results: list[ClientResult], mode: str,
-           wall: float) -> str:
+           wall: float, late_ticks: int | None = None) -> str:
+    """The table; ``late_ticks``: the server's count (its log's late ticks), else the engine's."""
     d = engine.deploy
+    late = engine.late_ticks if late_ticks is None else late_ticks
     lines = [
         f"duplexcache demo ({mode}): preset {d.model.preset}, {len(results)} sessions, "
         f"{len({r.voice for r in results})} voices, {wall:.1f} s wall",
         describe_switches(d),
-        f"ticks {snapshot.ticks} (late {engine.late_ticks}); audio out "
+        f"ticks {snapshot.ticks} (late {late}); audio out "
         f"{sum(r.seconds_out for r in results):.2f} s; responses {sum(r.done for r in results)}; "
         f"context cache hits {snapshot.context_cache_hits} misses {snapshot.context_cache_misses}",
         "p50 latency per tick (ms): " + "  ".join(f"{s} {_p50_ms(engine, s):.1f}" for s in STAGES),
@@ -329,16 +353,17 @@ def _run_built(args: argparse.Namespace, deploy: DeployConfig, engine: DuplexEng
     print(f"duplexcache demo: {describe_switches(deploy)}\n"
           f"duplexcache demo: {mode}: {args.sessions} clients send {args.seconds} s of audio and wait for "
           f"{wanted} (deadline {args.timeout:g} s)", flush=True)
+    late: list[int | None] = []   # the server's late ticks, read from its /metrics
     try:
         if mode == "direct":
             snapshot = _run_direct(engine, results, audios, args.seconds, turns, args.timeout)
         else:
             snapshot = asyncio.run(_run_server(engine, deploy, results, audios, turns, args.seconds, args.timeout,
-                                               served))
+                                               served, late))
     except (DemoFailed, ServerError) as exc:
         print(f"duplexcache demo: FAILED: {exc}", file=sys.stderr)
         return 1
-    print(report(engine, snapshot, results, mode, time.perf_counter() - start))
+    print(report(engine, snapshot, results, mode, time.perf_counter() - start, late[0] if late else None))
     if sum(r.seconds_out for r in results) == 0:
         print(f"duplexcache demo: FAILED: no audio came back ({sum(r.done for r in results)} replies); "
               f"{diagnose(engine)}", file=sys.stderr)

@@ -111,6 +111,24 @@ def test_demo_waits_for_the_reply_however_slow_the_ticks(tmp_path, capsys, monke
     assert "session 0 has its replies (1, 2.28 s of audio)" in caplog.text
     late_lines = [r for r in caplog.records if r.levelno >= logging.WARNING and "late" in r.getMessage()]
     assert built[0].late_ticks >= 1 and len(late_lines) == built[0].late_ticks, late_lines
+    # the table counts what the log says (the server's late ticks, between ticks included): a
+    # newcomer saw a late tick logged above a table that said "late 0"
+    assert f"(late {len(late_lines)});" in capsys.readouterr().out
+
+
+def test_the_table_counts_the_server_s_late_ticks(tmp_path):
+    """A tick between unit ticks that ran late is the server's (the engine counts unit ticks):
+    the demo reads it from the server's /metrics as an operator would."""
+    from duplexcache.server.loopback import LoopbackServer
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    text = "# TYPE duplexcache_late_ticks counter\nduplexcache_late_ticks_total 3.0\n"
+    app = Starlette(routes=[Route("/metrics", lambda request: PlainTextResponse(text))])
+    with LoopbackServer(app) as srv:
+        assert demo.server_late_ticks(srv.http_url("/metrics")) == 3
+    assert demo.server_late_ticks("http://127.0.0.1:9/metrics") is None   # nothing listens: unknown
 
 
 def test_demo_fails_when_no_reply_comes(tmp_path, capsys, monkeypatch):

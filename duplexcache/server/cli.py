@@ -179,8 +179,9 @@ def _serve_on(sock: socket.socket, deploy: DeployConfig, args: argparse.Namespac
         print(f"duplexcache serve: {exc}", file=sys.stderr)
         return 2
     host, port = deploy.server.host, sock.getsockname()[1]   # port 0 was bound to a free one
-    logger.info("serving preset %s on ws://%s:%d%s", deploy.model.preset,
-                f"[{host}]" if ":" in host else host, port, REALTIME_PATH)
+    shown = f"[{host}]" if ":" in host else host
+    logger.info("serving preset %s on ws://%s:%d%s; the browser page at http://%s:%d/", deploy.model.preset,
+                shown, port, REALTIME_PATH, shown, port)
     logger.info("weights: %s",
                 deploy.model.checkpoint_dir or "random (no model.checkpoint_dir: text and audio are noise)")
     logger.info("%s", describe_switches(deploy))

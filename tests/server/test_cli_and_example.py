@@ -256,6 +256,9 @@ def test_serve_logs_the_switches_that_are_on(tmp_path, monkeypatch, caplog, shar
         assert "sharing switches on: none (the unshared baseline)" in caplog.text
         assert "nothing is shared between sessions" in caplog.text
     assert "weights: random (no model.checkpoint_dir: text and audio are noise)" in caplog.text
+    # where to point a client and where the page is (a newcomer found only the ws:// address)
+    assert re.search(r"on ws://127\.0\.0\.1:\d+/v1/realtime; the browser page at http://127\.0\.0\.1:\d+/",
+                     caplog.text), caplog.text
 
 
 def _load_example():

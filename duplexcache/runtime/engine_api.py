@@ -205,6 +205,8 @@ class EngineStats:
     # voice already registered for the same recording (its state shared, nothing computed).
     reference_voices: int = 0
     reference_voices_added: int = 0
+    # Thinker window compactions since start, every session (anchor kept, whole blocks dropped).
+    window_compactions: int = 0
     reference_voice_reuses: int = 0
 
 

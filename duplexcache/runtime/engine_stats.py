@@ -120,4 +120,5 @@ class EngineStatsRecorder:
                 ragged_graph_steps={name: g.stats.ragged_replays for name, g in decode_graphs.items() if g is not None},
                 encoder_graph_ticks=encoder_graph_ticks,
                 graph_captures={"warmup": warmup_captures, "tick": captures_total - warmup_captures},
-                warmup_seconds=warmup_seconds, early_closes=table.early_closes)
+                warmup_seconds=warmup_seconds, early_closes=table.early_closes,
+                window_compactions=self.stage0.compactions)

@@ -161,6 +161,7 @@ class Stage0Runner:
         self.block_size = block_size
         self.max_positions = int(thinker.config.max_position_embeddings)
         self.sessions: dict[str, Stage0Session] = {}
+        self.compactions = 0   # window compactions applied since start, every session (/metrics)
         # One-token steps replay CUDA graphs when the engine installs them (use_decode_graphs).
         self.decode_graphs: PagedDecodeGraphs | None = None
         self.ragged_step_graphs = False
@@ -498,6 +499,7 @@ class Stage0Runner:
                                sess.unit_starts)  # raises ContextLengthExceeded (this session's marks)
         num_computed = num_tokens
         if plan is not None and plan.num_dropped_blocks > 0:
+            self.compactions += 1
             if self.window.mode == "basic":
                 compact_basic(self.manager, self.cache, sess, plan, self.thinker.config.rope_theta)
                 num_computed = plan.new_num_tokens

@@ -25,7 +25,7 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 
 # EngineStats counter field -> metric attribute name on ServerMetrics
 _ENGINE_COUNTERS = ("context_cache_hits", "context_cache_misses", "cfm_fallbacks", "early_closes",
-                    "reference_voices_added", "reference_voice_reuses")
+                    "reference_voices_added", "reference_voice_reuses", "window_compactions")
 GRAPH_CAPTURE_PLACES = ("warmup", "tick")
 
 
@@ -60,6 +60,8 @@ class ServerMetrics:
                                               "voices (one Code2Wav prompt pass each)", registry=r)
         self.reference_voice_reuses = Counter(PREFIX + "reference_voice_reuses", "Sessions given a voice already "
                                               "made from the same recording (its state shared)", registry=r)
+        self.window_compactions = Counter(PREFIX + "window_compactions", "Thinker window compactions (the "
+                                          "anchor kept, whole blocks after it dropped), every session", registry=r)
         self.tick_errors = Counter(PREFIX + "tick_errors", "Ticks that raised an exception", registry=r)
         self.protocol_errors = Counter(PREFIX + "protocol_errors", "Error events sent to clients",
                                        ["code"], registry=r)

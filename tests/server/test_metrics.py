@@ -38,3 +38,29 @@ def test_prompt_passes_counter_counts_one_pass_per_voice_however_many_turns():
     after = _samples(metrics.render()[0].decode(), "duplexcache_cfm_prompt_passes_total")
     assert after == at_start   # turn starts took the registered state: no pass in a tick
     engine.shutdown()
+
+
+def test_window_compactions_are_counted_on_metrics():
+    """Issue 46: how often the Thinker windows compacted, for a soak's record. A 64/48-token
+    window compacts within a few units; the counter is the engine's, exported as a counter."""
+    data = DeployConfig.default("tiny").to_dict()
+    data["stage0"]["window"].update(high_tokens=64, low_tokens=48)
+    data["engine"]["tick_headroom"] = 1e9
+    deploy = DeployConfig.from_dict(data, environ={})
+    engine = DuplexEngine(deploy, build_models(deploy, seed=0))
+    metrics = ServerMetrics()
+    metrics.update(engine.stats())
+    assert _samples(metrics.render()[0].decode(), "duplexcache_window_compactions_total") == {"": 0.0}
+    sids = [engine.open_session({"voice": "default", "instructions": f"compact {i}"}) for i in range(2)]
+    rng = np.random.default_rng(1)
+    for sid in sids:
+        engine.push_audio(sid, rng.uniform(-0.3, 0.3, 16_560 + 7 * 16_000).astype(np.float32))
+    for _ in range(9):
+        engine.tick()
+    per_session = [engine.stage0.sessions[sid].num_compactions for sid in sids]
+    assert min(per_session) >= 1
+    stats = engine.stats()
+    assert stats.window_compactions == sum(per_session)
+    metrics.update(stats)
+    assert _samples(metrics.render()[0].decode(), "duplexcache_window_compactions_total") == {"": sum(per_session)}
+    engine.shutdown()

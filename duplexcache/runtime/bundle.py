@@ -79,6 +79,20 @@ def build_models(deploy: DeployConfig, seed: int = 0) -> ModelBundle:
                        load_tokenizer(None), voices, dtype, device)
 
 
+def meta_model_bundle(preset: str, dtype: torch.dtype = torch.bfloat16) -> ModelBundle:
+    """The preset's models on the ``meta`` device: shapes and bytes, no weights, nothing computed.
+    For planning a card from shapes alone (scripts/card_capacity.py, the memory-plan tests); never
+    a bundle to serve with (``build_models`` refuses ``meta``)."""
+    tk, tl, enc, flow_cfg, voc = preset_configs(preset)
+    meta = torch.device("meta")
+    with meta:
+        thinker, talker, encoder = Thinker(tk).to(dtype), Talker(tl).to(dtype), AudioEncoder(enc).to(dtype)
+    ref_s, prompt_s = VOICE_SECONDS[preset]
+    voices = VoiceRegistry([synthetic_voice(n, ref_s, prompt_s, flow_cfg.vocab_size) for n in DEFAULT_VOICES])
+    return ModelBundle(thinker, talker, encoder, build_flow(flow_cfg, device="meta"), build_vocoder(voc, device="meta"),
+                       load_tokenizer(None), voices, dtype, meta)
+
+
 def code2wav_flow(deploy: DeployConfig, flow: nn.Module) -> nn.Module:
     """The flow in ``precision.code2wav_dtype``: the float32 weights rounded once (capacity mode
     runs the same weights as exact mode, which is what its measured error compares). ``flow`` is

@@ -115,23 +115,9 @@ def test_tiny_default_serves_with_auto_on_cpu(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def meta_models():
-    from duplexcache.context.tokenizer import load_tokenizer
-    from duplexcache.models.audio_encoder import AudioEncoder
-    from duplexcache.models.flow import build_flow
-    from duplexcache.models.talker import Talker
-    from duplexcache.models.thinker import Thinker
-    from duplexcache.models.vocoder import build_vocoder
-    from duplexcache.runtime import bundle as B
-    from duplexcache.runtime.voices import VoiceRegistry, synthetic_voice
+    from duplexcache.runtime.bundle import meta_model_bundle
 
-    tk, tl, enc, flow_cfg, voc = B.preset_configs("minicpmo45")
-    meta, dtype = torch.device("meta"), torch.bfloat16
-    with meta:
-        thinker, talker, encoder = Thinker(tk).to(dtype), Talker(tl).to(dtype), AudioEncoder(enc).to(dtype)
-    ref_s, prompt_s = B.VOICE_SECONDS["minicpmo45"]
-    voices = VoiceRegistry([synthetic_voice(n, ref_s, prompt_s, flow_cfg.vocab_size) for n in B.DEFAULT_VOICES])
-    return B.ModelBundle(thinker, talker, encoder, build_flow(flow_cfg, device="meta"),
-                         build_vocoder(voc, device="meta"), load_tokenizer(None), voices, dtype, meta)
+    return meta_model_bundle("minicpmo45")
 
 
 def _meta_engine(monkeypatch, models, path: Path, budget: str | None = None, available: int | None = None):

@@ -421,6 +421,11 @@ class ServerConfig(_Strict):
     # names map to "default", which every engine has. Checked against the engine's voices when
     # the server starts; {} refuses them.
     voice_aliases: dict[str, str] = Field(default_factory=lambda: {name: "default" for name in OPENAI_VOICES})
+    # A session whose client's network dropped (no close frame) is parked this long: it keeps its
+    # engine session and admission, hears silence, keeps what it sends (bounded by
+    # max_outbox_bytes), and a new connection with its resume token takes it back
+    # (server/resume.py, docs/protocol.md "Resume"). 0 = off: a dropped connection ends the session.
+    resume_window_s: float = Field(30.0, ge=0, le=3600)
 
     @model_validator(mode="after")
     def _trusted_proxies_are_addresses(self) -> "ServerConfig":

@@ -51,7 +51,8 @@ NON_DEFAULT = {
                "prefill_between_ticks": False, "align_units_to_ticks": False, "unit_align_margin_ms": 80.0, "tick_phases": 4,
                "phase_units": "spread",
                "fill_silence_after_ms": 1500.0,
-               "compute_threads": 3, "voice_aliases": {"alloy": "alt"}},
+               "compute_threads": 3, "voice_aliases": {"alloy": "alt"},
+               "resume_window_s": 7.5},
     "cluster": {"replicas": 2, "max_replicas": 4, "target_utilisation": 0.5, "drain_timeout_s": 60.0,
                 "routing_stats_period_s": 0.5},
 }

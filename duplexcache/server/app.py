@@ -55,6 +55,7 @@ from duplexcache.server.connection import Connection, TransportScope, transport_
 from duplexcache.server.metrics import ServerMetrics
 from duplexcache.server.minicpmo_session import session_for
 from duplexcache.server.realtime_session import RealtimeSession
+from duplexcache.server.resume import RESUME_QUERY, REPLAY_QUERY, ParkedSessions, ResumeRefusal
 from duplexcache.server.session_config import RefusalMemory
 
 logger = logging.getLogger(__name__)
@@ -131,6 +132,8 @@ class RealtimeServer:
         self._pending_clients: dict[str, int] = {}  # handshakes in progress per address
         self._ending: set[asyncio.Task[None]] = set()  # end_session of dropped clients, in flight
         self.refusals = RefusalMemory()        # settings-decided refusals, for every connection
+        # resume tokens, and sessions whose connection dropped waiting for theirs (server/resume.py)
+        self.resumes = ParkedSessions(config.server.resume_window_s, config.server.max_outbox_bytes)
         self.warm_state = "warming"            # -> "ready" | "warmup_failed"
         self.warmup_error: str | None = None
         self._saved_switch_interval: float | None = None  # Python's, while ours is set
@@ -140,7 +143,8 @@ class RealtimeServer:
 
     @property
     def num_connections(self) -> int:
-        return len(self._sessions)
+        """Connected sessions (parked ones have no connection: ``len(self.resumes)``)."""
+        return len(self._sessions) - len(self.resumes)
 
     @property
     def stopping(self) -> bool:
@@ -169,7 +173,9 @@ class RealtimeServer:
         return len(sessions)
 
     def connections_of(self, client: str) -> int:
-        return sum(s.client == client for s in self._sessions) + self._pending_clients.get(client, 0)
+        # a parked session holds no connection (it counts in sessions_of)
+        return sum(s.client == client and not self.resumes.is_parked(s) for s in self._sessions) + \
+            self._pending_clients.get(client, 0)
 
     def sessions_of(self, client: str) -> int:
         return sum(s.client == client and (s.sid is not None or s.opening) for s in self._sessions)
@@ -448,6 +454,10 @@ class RealtimeServer:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), period)
             now = time.monotonic()
+            for session in self.resumes.due():   # parked past server.resume_window_s: freed now
+                await self.end_session(session)
+                self._sessions.discard(session)
+            self.metrics.connections.set(self.num_connections)
             for session in list(self._sessions):
                 try:
                     await self._enforce_limits(session, now)
@@ -456,14 +466,19 @@ class RealtimeServer:
 
     async def _enforce_limits(self, session: RealtimeSession, now: float) -> None:
         cfg = self.config.server
+        if self.resumes.is_parked(session):
+            return   # no connection to check; its window is the resume registry's (due())
         transport = transport_of(session.conn.ws)
         if transport is not None and transport.is_closing() and not session.conn.closing:
             # The ASGI server closed the socket on its own (uvicorn: a keepalive ping not answered)
             # and waits for a send buffer this client does not drain; until it drains, the receive
             # loop hears nothing and the session would live on. Drop it: the engine session ends
-            # now, and the transport is aborted if its close cannot be written.
+            # now (or is parked for a resume: a network that stopped answering), and the transport
+            # is aborted if its close cannot be written.
             logger.info("session %s: its connection was closed under it (no pong?); dropping it", session.log_name)
-            session.conn.drop(proto.CLOSE_GOING_AWAY, "connection closed")
+            conn = session.conn
+            self.resumes.park(session, conn, None)
+            conn.drop(proto.CLOSE_GOING_AWAY, "connection closed")
             return
         if session.conn.closing:
             # Its close is on the way, but may never be written (a client that does not read): the
@@ -524,31 +539,58 @@ class RealtimeServer:
         cfg = self.config.server
         conn = Connection(ws, max_bytes=cfg.max_outbox_bytes, close_timeout=cfg.close_timeout_s)
         conn.start()
-        session = session_for(self, conn, verdict, client, ws.query_params)   # the handshake's dialect
+        if RESUME_QUERY in ws.query_params:
+            resumed = self._resume(conn, verdict.dialect, client, ws.query_params)
+            if resumed is None:
+                await conn.finish()
+                return
+            session = resumed
+        else:
+            session = session_for(self, conn, verdict, client, ws.query_params)   # the handshake's dialect
+            # the context key a cluster router placed this connection by (cluster/placement.py)
+            session.placement_key = ws.headers.get(proto.PLACEMENT_HEADER, "")[:MAX_PLACEMENT_KEY]
+            self._sessions.add(session)
+            session.announce()
         # A client dropped as too slow frees its engine session now, not when its socket goes.
-        conn.on_drop = functools.partial(self._end_soon, session)
-        # the context key a cluster router placed this connection by (cluster/placement.py)
-        session.placement_key = ws.headers.get(proto.PLACEMENT_HEADER, "")[:MAX_PLACEMENT_KEY]
-        self._sessions.add(session)
-        self.metrics.connections.set(len(self._sessions))
-        session.announce()
+        conn.on_drop = functools.partial(self._end_soon, session, conn)
+        self.metrics.connections.set(self.num_connections)
+        close_code: int | None = None
         try:
-            await self._receive_loop(session)
+            close_code = await self._receive_loop(session, conn)
         finally:
-            await self.end_session(session)  # a disconnect frees everything the session owned
-            self._sessions.discard(session)
-            self.metrics.connections.set(len(self._sessions))
+            # A disconnect frees everything the session owned, unless its network dropped and it
+            # is parked for a resume, or it was resumed on another connection already.
+            if session.conn is conn and (self.stopping or not self.resumes.park(session, conn, close_code)):
+                await self.end_session(session)
+                self._sessions.discard(session)
+                self.resumes.forget(session)   # its token now answers resume_ended
+            self.metrics.connections.set(self.num_connections)
             await conn.finish()
 
-    async def _receive_loop(self, session: RealtimeSession) -> None:
-        conn, limit = session.conn, self.config.server.max_frame_bytes
+    def _resume(self, conn: Connection, dialect: str, client: str, query: Any) -> RealtimeSession | None:
+        """The parked session a ``?resume=`` handshake names, re-attached to ``conn``; None (after
+        an ``error`` event and close 1008) when this client may not resume it."""
+        claimed = self.resumes.claim(query, client, dialect)
+        if isinstance(claimed, ResumeRefusal):
+            logger.warning("refused a resume from %s: %s", client, claimed.code)
+            self.metrics.protocol_errors.labels(code=claimed.code).inc()
+            conn.send(proto.error_event(claimed.code, claimed.message, param=claimed.param))
+            conn.close(proto.CLOSE_POLICY, claimed.code)
+            return None
+        self.resumes.attach(claimed, conn, replay=query.get(REPLAY_QUERY, "replay") == "replay")
+        return claimed
+
+    async def _receive_loop(self, session: RealtimeSession, conn: Connection) -> int | None:
+        """Until the connection ends; returns the client's close code (1006: the network
+        dropped), or None when the server ended it."""
+        limit = self.config.server.max_frame_bytes
         while not conn.closing:
             try:
                 message = await conn.ws.receive()
             except RuntimeError:  # receive after the socket closed
-                return
+                return None
             if message["type"] == "websocket.disconnect":
-                return
+                return int(message.get("code", 1005))
             text = message.get("text")
             if text is None:
                 size = len(message.get("bytes") or b"")
@@ -558,7 +600,7 @@ class RealtimeServer:
                 logger.warning("closing session %s: frame of %d bytes > max_frame_bytes %d", session.id, size, limit)
                 self.metrics.protocol_errors.labels(code="frame_too_large").inc()
                 conn.close(proto.CLOSE_TOO_BIG, f"frame of {size} bytes exceeds max_frame_bytes {limit}")
-                return
+                return None
             if text is None:
                 session.error("binary_frame", "binary frames are not supported; send JSON text frames")
                 continue
@@ -574,14 +616,17 @@ class RealtimeServer:
                 session.error("server_error", "The server failed to handle this event; the session is closed.",
                               error_type=proto.SERVER_ERROR)
                 conn.close(proto.CLOSE_INTERNAL_ERROR, "server error")
-                return
+                return None
+        return None
 
     def register(self, session: RealtimeSession, sid: str) -> None:
         session.sid = sid
         self._by_sid[sid] = session
         logger.info("session %s opened", session.log_name)
 
-    def _end_soon(self, session: RealtimeSession) -> None:
+    def _end_soon(self, session: RealtimeSession, conn: Connection) -> None:
+        if session.conn is not conn:
+            return   # parked or resumed elsewhere: this connection no longer holds the session
         task = asyncio.create_task(self.end_session(session))
         self._ending.add(task)   # held: the loop keeps only weak references to tasks
         task.add_done_callback(self._ending.discard)
@@ -651,7 +696,8 @@ def create_app(engine: EngineAPI, config: DeployConfig, metrics: ServerMetrics |
         stats = await asyncio.to_thread(engine.stats)
         stopping = server.stopping
         body = {"status": "stopping" if stopping else "ok", "live_sessions": stats.live_sessions,
-                "queued_sessions": stats.queued_sessions, "connections": server.num_connections}
+                "queued_sessions": stats.queued_sessions, "connections": server.num_connections,
+                "parked_sessions": len(server.resumes)}
         for extra in app.state.health_extras:   # e.g. the cluster summary of a Ray Serve replica
             body.update(await extra())
         return JSONResponse(body, status_code=503 if stopping else 200)

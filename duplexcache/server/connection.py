@@ -58,8 +58,9 @@ class _Out:
     audio_bytes: int = 0
 
 
-# The ASGI scope key under which TransportScope leaves the connection's transport.
+# The ASGI scope keys under which TransportScope leaves the connection's transport and protocol.
 TRANSPORT_SCOPE_KEY = "duplexcache.transport"
+PROTOCOL_SCOPE_KEY = "duplexcache.ws_protocol"
 
 
 class TransportScope:
@@ -77,10 +78,28 @@ class TransportScope:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "websocket":
-            transport = getattr(getattr(send, "__self__", None), "transport", None)
+            protocol = getattr(send, "__self__", None)
+            transport = getattr(protocol, "transport", None)
             if callable(getattr(transport, "abort", None)):
-                scope = {**scope, TRANSPORT_SCOPE_KEY: transport}
+                scope = {**scope, TRANSPORT_SCOPE_KEY: transport, PROTOCOL_SCOPE_KEY: protocol}
         await self.app(scope, receive, send)
+
+
+_UNSET = object()
+
+
+def close_frame_received(ws: Any) -> bool | None:
+    """Whether the client sent a close frame (None: cannot tell). uvicorn reports both a close
+    frame without a status code and a connection lost without any close frame as code 1005; its
+    WebSocket protocol (websockets' ``close_rcvd``, on the sans-I/O ``conn`` or the legacy
+    protocol itself) still knows which it was. A resume needs the difference (server/resume.py)."""
+    scope = getattr(ws, "scope", None)
+    protocol = scope.get(PROTOCOL_SCOPE_KEY) if isinstance(scope, dict) else None
+    for holder in (getattr(protocol, "conn", None), protocol):
+        received = getattr(holder, "close_rcvd", _UNSET)
+        if received is not _UNSET:
+            return received is not None
+    return None
 
 
 def transport_of(ws: Any) -> Any:
@@ -95,6 +114,7 @@ class Connection:
         self.ws = ws
         self.closing = False              # a close is queued; send nothing more
         self.dropped = False              # the server dropped this client (its outbox passed a bound)
+        self.server_closed = False        # the server decided to close it (not the client or the network)
         self._outbox: collections.deque[_Out | _Close] = collections.deque()
         self._outbox_bytes = 0
         self._ready = asyncio.Event()
@@ -131,6 +151,30 @@ class Connection:
         self._outbox_bytes += len(text)
         self._ready.set()
 
+    def take_backlog(self) -> list[_Out]:
+        """Take every event not yet written out of the outbox (a session parked after its
+        client's network dropped keeps them for the connection that resumes it: server/resume.py)."""
+        items = [item for item in self._outbox if isinstance(item, _Out)]
+        self._outbox = collections.deque(item for item in self._outbox if not isinstance(item, _Out))
+        self._outbox_bytes = 0
+        return items
+
+    def adopt(self, items: list[_Out]) -> None:
+        """Queue events encoded for another connection of the same session (a resume's replay),
+        under the same bounds as :meth:`send`."""
+        for item in items:
+            if self.closing:
+                return
+            if len(self._outbox) >= self._max_pending or (self._outbox and self._outbox_bytes + len(item.text) >
+                                                          self._max_bytes):
+                logger.warning("client of session %s cannot take the replay of its resumed session; dropping it",
+                               self.label)
+                self.drop(proto.CLOSE_POLICY, "client too slow")
+                return
+            self._outbox.append(item)
+            self._outbox_bytes += len(item.text)
+        self._ready.set()
+
     def drop_pending(self, response_id: str) -> int:
         """Take a response's unsent deltas out of the outbox; returns how many were dropped."""
         keep = [item for item in self._outbox if not (isinstance(item, _Out) and item.response_id == response_id)]
@@ -161,7 +205,7 @@ class Connection:
         """Queue a close frame after everything already queued; bounded by ``close_timeout``."""
         if self.closing:
             return
-        self.closing = True
+        self.closing = self.server_closed = True
         self._outbox.append(_Close(code, reason[:120]))  # close reasons are limited to 123 bytes
         self._ready.set()
         self._watch_close()
@@ -172,7 +216,7 @@ class Connection:
         and a close that cannot be written within ``close_timeout`` aborts the transport."""
         if self.dropped:
             return
-        self.closing = self.dropped = True
+        self.closing = self.dropped = self.server_closed = True
         if self._sender is not None:
             self._sender.cancel()
         self._outbox.clear()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,7 @@ from duplexcache.server.audio_io import OUTPUT_RATE
 from duplexcache.server.auth import Handshake
 from duplexcache.server.connection import Connection
 from duplexcache.server.realtime_session import RealtimeSession
+from duplexcache.server.resume import ResumeReport
 from duplexcache.server.session_config import SessionSettings
 
 if TYPE_CHECKING:
@@ -204,7 +206,13 @@ class MiniCPMoSession(RealtimeSession):
 
     # ---------------------------------------------------------------- admission
     def _created(self) -> None:
-        self.send(mp.event("session.created", session_id=self.id, model=self.model, usage=self._usage_wire()))
+        self.send(mp.event("session.created", session_id=self.id, model=self.model, usage=self._usage_wire(),
+                           **self._resume_token()))
+
+    def announce_resumed(self, report: ResumeReport) -> None:
+        self.last_input_at = time.monotonic()
+        self.send(mp.event("session.resumed", session_id=self.id, usage=self._usage_wire(),
+                           **dataclasses.asdict(report)))
 
     def notify_queued(self, now: float) -> None:
         position = self.queue_position()

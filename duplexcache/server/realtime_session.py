@@ -18,6 +18,7 @@ All engine calls go through worker threads (the engine is thread-safe per engine
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable
@@ -32,6 +33,7 @@ from duplexcache.server import protocol as proto
 from duplexcache.server.audio_io import AudioError, InputAudio, OutputAudio
 from duplexcache.server.auth import Handshake
 from duplexcache.server.connection import Connection
+from duplexcache.server.resume import ResumeReport
 from duplexcache.server.session_config import ECHOED_TEXTS, SessionSettings, apply_update, to_wire
 from duplexcache.server.turns import Outgoing, ResponseTracker, wire_name
 
@@ -128,7 +130,17 @@ class RealtimeSession:
         return to_wire(self.id, self.settings, fmt, "default", self.model, texts=texts)
 
     def announce(self) -> None:
-        self.send(proto.event("session.created", session=self._wire_session(texts=True)))
+        self.send(proto.event("session.created", session=self._wire_session(texts=True), **self._resume_token()))
+
+    def _resume_token(self) -> dict[str, str]:
+        """``resume_token`` for a session.created event (none when the server does not resume)."""
+        token = self.server.resumes.issue(self)
+        return {} if token is None else {"resume_token": token}
+
+    def announce_resumed(self, report: ResumeReport) -> None:
+        """The first event on the connection that resumed this session (server/resume.py)."""
+        self.last_input_at = time.monotonic()   # the idle limit counts from the resume, not the drop
+        self.send(proto.event("session.resumed", session=self._wire_session(), **dataclasses.asdict(report)))
 
     # ---------------------------------------------------------------- client events
     async def handle(self, ev: proto.ClientEvent) -> None:

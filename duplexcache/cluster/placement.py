@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 # The header Ray Serve's proxy reads into the multiplexed model id (what the router sees).
 from duplexcache.server.protocol import PLACEMENT_HEADER as CONTEXT_HEADER
 
+# A placement header ``replica:<id>`` pins a request to one replica (cluster/router.py).
+PIN_PREFIX = "replica:"
+
 # Placement reasons (logged, and counted in duplexcache_placements_total{reason}).
 AFFINITY = "affinity"              # the replica that holds the context, with room
 AFFINITY_FULL = "affinity_full"    # the context's replicas are full: the roomiest other one

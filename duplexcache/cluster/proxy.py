@@ -1,5 +1,11 @@
-"""A Ray Serve proxy middleware: a realtime session whose replica went away without closing it
-gets an ``error`` event (``replica_lost``) and close 1011, instead of a dropped socket (1006).
+"""Ray Serve proxy middlewares for the realtime WebSocket.
+
+* :class:`ResumeRoutingMiddleware`: a handshake resuming a session (``?resume=<token>``,
+  server/resume.py) goes to the replica that holds it. A replica's tokens start with its id and
+  a dot; the middleware turns that into the ``replica:<id>`` pin the router obeys
+  (cluster/router.py), which Ray's proxy reads from the placement header after this runs.
+* :class:`ReplicaLossMiddleware`: a realtime session whose replica went away without closing it
+  gets an ``error`` event (``replica_lost``) and close 1011, instead of a dropped socket (1006).
 
 A replica process that dies (killed, out of memory, node lost) cannot say anything itself; the
 proxy that holds the client's WebSocket can. Ray Serve loads proxy middlewares from the function
@@ -12,8 +18,11 @@ from __future__ import annotations
 import contextlib
 import logging
 from typing import Any, Awaitable, Callable
+from urllib.parse import parse_qs
 
+from duplexcache.cluster.placement import PIN_PREFIX
 from duplexcache.server import protocol as proto
+from duplexcache.server.resume import RESUME_QUERY, route_prefix_of
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +30,35 @@ PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 PROXY_CALLBACK = "duplexcache.cluster.proxy:proxy_middlewares"
 
 Message = dict[str, Any]
+
+
+def resume_pin(scope: dict[str, Any]) -> str | None:
+    """The ``replica:<id>`` pin for a realtime handshake that resumes a replica's session, or None."""
+    if scope.get("type") != "websocket" or not scope.get("path", "").endswith(proto.REALTIME_PATH):
+        return None
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    tokens = query.get(RESUME_QUERY)
+    replica = route_prefix_of(tokens[0]) if tokens else None
+    return f"{PIN_PREFIX}{replica}" if replica else None
+
+
+class ResumeRoutingMiddleware:
+    """Pins a resuming handshake to the replica its token names (replacing any placement header:
+    the session is where it is, whatever context the client names)."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]]) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[Message]],
+                       send: Callable[[Message], Awaitable[None]]) -> None:
+        pin = resume_pin(scope)
+        if pin is not None:
+            header = proto.PLACEMENT_HEADER.encode()
+            headers = [(k, v) for k, v in scope.get("headers", [])
+                       if k.lower().replace(b"-", b"_") != header]
+            scope = {**scope, "headers": headers + [(header, pin.encode())]}
+            logger.info("resuming handshake pinned to %s", pin)
+        await self.app(scope, receive, send)
 
 
 class ReplicaLossMiddleware:
@@ -73,7 +111,7 @@ def proxy_middlewares() -> list[Any]:
     """What Ray Serve's proxy calls (``PROXY_CALLBACK_ENV``): the middlewares to wrap itself in."""
     from starlette.middleware import Middleware
 
-    return [Middleware(ReplicaLossMiddleware)]
+    return [Middleware(ResumeRoutingMiddleware), Middleware(ReplicaLossMiddleware)]
 
 
 def proxy_env() -> dict[str, str]:

@@ -56,6 +56,8 @@ class DuplexReplica:
         self.engine = build_engine(self.deploy)
         self.asgi_app = create_app(self.engine, self.deploy, ServerMetrics(target_info={"replica": self.replica_id}))
         self.server = self.asgi_app.state.server
+        # resume tokens name this replica, so the proxy sends a resume here (cluster/proxy.py)
+        self.server.resumes.route_prefix = self.replica_id
         self.asgi_app.state.health_extras.append(self._cluster_health)
         self._recent: dict[str, float] = {}     # context key -> last time a session held it
         self._seq = 0

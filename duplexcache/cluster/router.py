@@ -25,11 +25,9 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from duplexcache.cluster.placement import ReplicaLoad, place, with_sent
+from duplexcache.cluster.placement import PIN_PREFIX, ReplicaLoad, place, with_sent
 
 logger = logging.getLogger(__name__)
-
-PIN_PREFIX = "replica:"
 
 
 def replica_load(replica: RunningReplica) -> ReplicaLoad | None:

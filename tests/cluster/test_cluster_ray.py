@@ -205,6 +205,49 @@ def test_sessions_land_by_context_and_leave_nothing_behind(cluster):
                   f"replica {rid} idle")
 
 
+def test_a_resume_reaches_the_replica_that_holds_the_session(cluster):
+    """A session on replica A whose network drops is parked there; the resume arrives with a
+    placement header naming replica B, and still reaches A: its token names A (server/resume.py)
+    and the proxy pins the handshake to A (cluster/proxy.py ResumeRoutingMiddleware)."""
+    base, _ = cluster
+    home, other = sorted(_replicas(base))
+    out: dict[str, Any] = {}
+
+    async def run() -> None:
+        ws = await connect(f"ws://{base}/v1/realtime", additional_headers={CONTEXT_HEADER: f"replica:{home}"},
+                           max_size=None, open_timeout=60).__aenter__()
+        created = json.loads(await ws.recv())
+        token = created["resume_token"]
+        out["prefix"] = token.rsplit(".", 1)[0]
+        await ws.send(json.dumps({"type": "session.update", "session": {
+            "audio": {"input": {"format": {"type": "audio/pcm", "rate": RATE}}}}}))
+        for _ in range(5):
+            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": _pcm(0.1, 0)}))
+        _wait_for(lambda: _health(base, home)["live_sessions"] == 1, "the session to open on its replica")
+        ws.transport.abort()    # the network drops: no close frame
+        _wait_for(lambda: _health(base, home)["parked_sessions"] == 1, "the session to be parked")
+        async with connect(f"ws://{base}/v1/realtime?resume={token}",
+                           additional_headers={CONTEXT_HEADER: f"replica:{other}"},
+                           max_size=None, open_timeout=60) as ws2:
+            while True:
+                event = json.loads(await asyncio.wait_for(ws2.recv(), TIMEOUT_S))
+                if event["type"] in ("session.resumed", "error"):
+                    break
+            out["event"] = event
+            out["parked_after"] = _health(base, home)["parked_sessions"]
+            await ws2.send(json.dumps({"type": "session.close"}))
+            with pytest.raises(ConnectionClosed):
+                while True:
+                    await asyncio.wait_for(ws2.recv(), TIMEOUT_S)
+
+    asyncio.run(run())
+    assert out["prefix"] == home
+    assert out["event"]["type"] == "session.resumed", out["event"]
+    assert out["event"]["session"]["id"] and out["parked_after"] == 0
+    _wait_for(lambda: _health(base, home)["live_sessions"] == 0 and _private_bytes(base, home) == 0,
+              "the resumed session's replica idle after its close")
+
+
 def test_a_killed_replica_closes_its_sessions_and_the_other_carries_on(cluster):
     base, deploy = cluster
     calls = _calls(deploy, 4)

@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from duplexcache.cluster.proxy import PROXY_CALLBACK, PROXY_CALLBACK_ENV, ReplicaLossMiddleware, proxy_env
+from duplexcache.cluster.proxy import (PROXY_CALLBACK, PROXY_CALLBACK_ENV, ReplicaLossMiddleware,
+                                      ResumeRoutingMiddleware, proxy_env)
 
 SCOPE = {"type": "websocket", "path": "/v1/realtime"}
 
@@ -75,5 +76,28 @@ def test_other_requests_pass_through_and_errors_still_raise():
         _run(refuses)
     assert proxy_env() == {PROXY_CALLBACK_ENV: PROXY_CALLBACK}
     module, name = PROXY_CALLBACK.split(":")    # what Ray's proxy imports and calls
-    (middleware,) = getattr(importlib.import_module(module), name)()
-    assert middleware.cls is ReplicaLossMiddleware
+    middlewares = getattr(importlib.import_module(module), name)()
+    assert [m.cls for m in middlewares] == [ResumeRoutingMiddleware, ReplicaLossMiddleware]
+
+
+def _routed_headers(scope) -> list[tuple[bytes, bytes]]:
+    seen = {}
+
+    async def app(scope, receive, send):
+        seen["headers"] = scope.get("headers", [])
+
+    asyncio.run(ResumeRoutingMiddleware(app)(scope, None, None))
+    return seen["headers"]
+
+
+def test_a_resume_is_pinned_to_the_replica_its_token_names():
+    """A replica's tokens start with its id (server/resume.py); the proxy pins the handshake to it,
+    replacing a placement header the client sent (either spelling Ray accepts)."""
+    other = [(b"serve-multiplexed-model-id", b"ctx:abc"), (b"host", b"x")]
+    scope = {**SCOPE, "query_string": b"resume=r1a2b3.SECRET_token-xyz&resume_replay=skip", "headers": other}
+    assert _routed_headers(scope) == [(b"host", b"x"), (b"serve_multiplexed_model_id", b"replica:r1a2b3")]
+    # no resume, a token without a replica, another path: untouched
+    for query, path in ((b"model=x", "/v1/realtime"), (b"resume=plain-token", "/v1/realtime"),
+                        (b"resume=r1.tok", "/other")):
+        scope = {"type": "websocket", "path": path, "query_string": query, "headers": other}
+        assert _routed_headers(scope) == other

@@ -169,9 +169,11 @@ def test_a_non_reader_that_misses_its_pings_is_ended_at_once(models):
     """The same silent non-reader, when the ping times out first (uvicorn's keepalive: it closes
     the transport, and the close waits behind the full buffer): the engine session ends at once
     and the connection is aborted, long before the idle timeout. Before: both waited for the
-    client (the receive loop hears nothing until the transport is really gone)."""
+    client (the receive loop hears nothing until the transport is really gone). A missed ping is
+    how a server sees a network that dropped, so the session is parked for its resume window
+    (server/resume.py; 2 s here) and ended when that passes: freed without waiting for the client."""
     # the byte bound out of the way: the replies queued behind the full buffer do not drop it here
-    deploy = tiny_deploy(idle_timeout_s=120.0, close_timeout_s=1.0, max_outbox_bytes=64 * 2**20)
+    deploy = tiny_deploy(idle_timeout_s=120.0, close_timeout_s=1.0, max_outbox_bytes=64 * 2**20, resume_window_s=2.0)
     srv = LoopbackServer(create_app(DuplexEngine(deploy, models), deploy))
     srv._server.config.ws_ping_interval, srv._server.config.ws_ping_timeout = 3.0, 1.0   # read per connection
     with srv:
@@ -183,8 +185,10 @@ def test_a_non_reader_that_misses_its_pings_is_ended_at_once(models):
             client.send({"type": "session.update", "session": {"instructions": "short enough to open"}})
             client.send({"type": "input_audio_buffer.append", "audio": pcm16_b64(silence(0.1))})
             wait_health(srv, lambda h: h["live_sessions"] == 1, "the engine session to open", timeout=10)
-            wait_health(srv, lambda h: h["live_sessions"] == 0 and h["connections"] == 0,
-                        "the session and connection of a client that missed its ping to end", timeout=10)
+            wait_health(srv, lambda h: h["parked_sessions"] == 1 and h["connections"] == 0,
+                        "the connection of a client that missed its ping to end, its session parked", timeout=10)
+            wait_health(srv, lambda h: h["live_sessions"] == 0 and h["parked_sessions"] == 0,
+                        "the parked session to end with its resume window", timeout=10)
         finally:
             client.close()
 

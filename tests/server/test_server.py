@@ -326,7 +326,8 @@ def test_health_and_metrics(serve):
 
     health, metrics = asyncio.run(main())
     assert health.status_code == 200
-    assert health.json() == {"status": "ok", "live_sessions": 2, "queued_sessions": 0, "connections": 2}
+    assert health.json() == {"status": "ok", "live_sessions": 2, "queued_sessions": 0, "connections": 2,
+                             "parked_sessions": 0}
     assert metrics.headers["content-type"].startswith("text/plain")
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for fam in text_string_to_metric_families(metrics.text) for s in fam.samples}

@@ -3,6 +3,7 @@
     duplexcache bench memory        memory per session and the ceiling, A/B per switch
     duplexcache bench ticks         per-stage tick latency, largest real-time session count
     duplexcache bench serve         real-time callers over WebSockets against a running server
+    duplexcache bench soak          long calls over WebSockets, latency/late ticks/memory/compactions over time
     duplexcache bench setup         setup time and private bytes of later same-context sessions
     duplexcache bench prefill       what a longest-context session's prefill adds to live ticks
     duplexcache bench warm-start    time to ready, graph captures of the first ticks
@@ -27,6 +28,7 @@ BENCHMARKS = {
     "memory": ("duplexcache.bench.memory_sweep", "memory per session and the concurrency ceiling, A/B per switch"),
     "ticks": ("duplexcache.bench.engine_ticks", "per-stage tick latency and the largest real-time session count"),
     "serve": ("duplexcache.bench.serve", "drive a running server over WebSockets at real-time pace"),
+    "soak": ("duplexcache.bench.soak", "long calls over WebSockets with compacting windows, recorded over time"),
     "setup": ("duplexcache.bench.session_setup",
               "setup time and private bytes of later sessions with the same context"),
     "prefill": ("duplexcache.bench.prefill_isolation",

@@ -708,6 +708,7 @@ def create_app(engine: EngineAPI, config: DeployConfig, metrics: ServerMetrics |
             return JSONResponse(proto.http_error_body("invalid_api_key", "Missing or incorrect API key."),
                                 status_code=401)
         server.metrics.update(await asyncio.to_thread(engine.stats))
+        await asyncio.to_thread(server.metrics.sample_memory, config.model.device)
         body, content_type = server.metrics.render()
         return Response(content=body, media_type=content_type)
 

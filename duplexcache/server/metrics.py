@@ -12,6 +12,7 @@ exactly once (keyed by ``EngineStats.ticks``), so it may be called by both the t
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -93,6 +94,9 @@ class ServerMetrics:
         self.admitted_over_floor_limited = Gauge(
             PREFIX + "admitted_over_floor_limited", "Sessions admission takes / (device total - weights) / the "
             "floor bytes of one session", registry=r)
+        self.memory_in_use = Gauge(PREFIX + "memory_in_use_bytes", "Memory the serving process holds now, read at "
+                                   "each /metrics scrape (CUDA: torch's allocated and reserved bytes and the card's "
+                                   "used bytes; CPU: the resident set)", ["kind"], registry=r)
         for where in GRAPH_CAPTURE_PLACES:   # export 0 before the first capture
             self.graph_captures.labels(where=where)
         self._last_captures = dict.fromkeys(GRAPH_CAPTURE_PLACES, 0)
@@ -147,6 +151,28 @@ class ServerMetrics:
         if wf.ratio is not None:
             self.admitted_over_floor_limited.set(wf.ratio)
 
+    def sample_memory(self, device: str) -> None:
+        """Set ``memory_in_use_bytes`` to what ``device`` holds now (a soak plots it over a call)."""
+        for kind, value in memory_in_use(device).items():
+            self.memory_in_use.labels(kind=kind).set(value)
+
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def memory_in_use(device: str) -> dict[str, int]:
+    """Bytes held now: on CUDA torch's ``allocated`` and ``reserved`` and the card's ``device_used``
+    (total - free, every process); on the CPU this process's ``resident`` set (Linux; empty elsewhere)."""
+    if device.startswith("cuda"):
+        import torch
+
+        dev = torch.device(device)
+        free, total = torch.cuda.mem_get_info(dev)
+        return {"allocated": torch.cuda.memory_allocated(dev), "reserved": torch.cuda.memory_reserved(dev),
+                "device_used": total - free}
+    try:
+        with open("/proc/self/statm") as f:
+            return {"resident": int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")}
+    except (OSError, ValueError, AttributeError):
+        return {}

@@ -20,12 +20,13 @@ from duplexcache.cli import build_parser
 from duplexcache.cli import main as cli_main
 
 # The smallest arguments each benchmark's parser accepts.
-REQUIRED = {"serve": ["--url", "ws://127.0.0.1:9/v1/realtime"], "warm-start": ["--config", "x.yaml"],
+REQUIRED = {"serve": ["--url", "ws://127.0.0.1:9/v1/realtime"], "soak": ["--url", "ws://127.0.0.1:9/v1/realtime"],
+            "warm-start": ["--config", "x.yaml"],
             "kernels": ["--out", "x"], "stage2": ["--out", "x"]}
 
 
 def test_every_benchmark_is_a_subcommand():
-    assert list(BENCHMARKS) == ["memory", "ticks", "serve", "setup", "prefill", "warm-start", "kernels", "stage2",
+    assert list(BENCHMARKS) == ["memory", "ticks", "serve", "soak", "setup", "prefill", "warm-start", "kernels", "stage2",
                                 "stage0-bytes", "precision", "kv-precision"]
 
 

@@ -6,7 +6,7 @@
 # ticks, ticks_continuous, ticks_steady, ticks_ragged, ticks_eager, ticks_conversation, serve_conversation, serve_sweep, serve_align, serve_ptt, serve_threads, serve_switch,
 # serve_catch_up, serve_vocoder, ticks_vocoder, vocoder_exact, serve_lookahead, serve_phases, serve_precision, serve_prefill_between, serve_long_context, serve_profile, warm_start,
 # serve_ready, stage0, precision, kv_precision, ticks_conversation_bf16, ticks_conversation_fp8, ticks_capacity, ticks_profile_small,
-# ticks_ragged_graphs, serve_ragged_graphs, card_tests, card_waterfall, card_before, card_capacity, card_bench,
+# ticks_ragged_graphs, serve_ragged_graphs, card_tests, card_waterfall, card_before, card_capacity, card_bench, soak,
 # stage2: the minicpmo45 figures (random weights), each a few minutes on an H200 (each fits one 10-minute call).
 # Every step is a `duplexcache bench BENCHMARK` command (run as `python3 -m duplexcache.cli`, so no install is needed).
 # Needs torch with CUDA, triton, numpy, pyyaml, safetensors, pydantic, tqdm, matplotlib; the serve modes also
@@ -36,7 +36,7 @@ step() {  # step NAME SECONDS CMD...
 REPLY_LATENCY_S=${REPLY_LATENCY_S:-3.0}
 
 serve_conversation() {  # NAME BASE_YAML SESSIONS DURATION [OVERRIDES]: start `duplexcache serve` with the reply policy,
-  # wait for /health 200, run `bench serve --workload conversation`, stop the server. OVERRIDES: space-separated
+  # wait for /health 200, run `bench serve --workload conversation` (SERVE_BENCH=soak: `bench soak`), stop the server. OVERRIDES: space-separated
   # SECTION.KEY=VALUE (a YAML value), e.g. "server.switch_interval_ms=0.5 server.catch_up_ticks=false";
   # SERVE_OVERRIDES adds more to every arm
   local name=$1 base=$2 sessions=$3 duration=$4 overrides="${5:-} ${SERVE_OVERRIDES:-}" port=${SERVE_PORT:-8000}
@@ -82,13 +82,13 @@ while time.monotonic() < deadline:
 sys.exit(1)
 PY
   then
-    step "$name" "${SERVE_STEP_LIMIT:-300}" python3 -m duplexcache.cli bench serve --url "ws://127.0.0.1:$port/v1/realtime" \
+    step "$name" "${SERVE_STEP_LIMIT:-300}" python3 -m duplexcache.cli bench "${SERVE_BENCH:-serve}" --url "ws://127.0.0.1:$port/v1/realtime" \
       --workload "${SERVE_WORKLOAD:-conversation}" --sessions "$sessions" --ramp 5 --duration "$duration" --max-reply-latency "$REPLY_LATENCY_S" \
       ${SERVE_EXTRA:-} --out "$out/$name"
     # the server's own counters after the run: graph captures inside ticks (0 after a warm-up), late ticks
     python3 -c 'import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=30).read().decode())' \
       "http://127.0.0.1:$port/metrics" >"$out/${name}_metrics.txt" 2>&1
-    grep -E '^duplexcache_(device_bytes|device_total_bytes|admitted_over_floor_limited|graph_captures_total|warmup_seconds|cfm_prompt_passes_total|late_ticks|catch_up_ticks|early_closes|prefill_chunks_between_ticks|tick_errors|(between_)?tick_duration_seconds_(count|sum))' "$out/${name}_metrics.txt"
+    grep -E '^duplexcache_(window_compactions|memory_in_use_bytes|device_bytes|device_total_bytes|admitted_over_floor_limited|graph_captures_total|warmup_seconds|cfm_prompt_passes_total|late_ticks|catch_up_ticks|early_closes|prefill_chunks_between_ticks|tick_errors|(between_)?tick_duration_seconds_(count|sum))' "$out/${name}_metrics.txt"
   else
     echo "=== $name: the server exited or was not healthy within ${SERVE_READY_S:-240} s ==="
   fi
@@ -170,6 +170,17 @@ case "$mode" in
   card_bench)  # issue 43: `bench memory` on the exact shared config writes report.json's waterfall and waterfall.png
     step card_bench 560 python3 -m duplexcache.cli bench memory --config examples/minicpmo45-shared.yaml --device cuda \
       --sessions 1,2 --out "$out/card_bench" ;;
+  soak)  # issue 46: an hour-long call shown in minutes. A fresh server on the exact shared config, SOAK_SESSIONS callers
+    # (default 32, the exact-mode count of serve_conversation) for SOAK_SECONDS (default 540: 9 min) each, every caller
+    # lowering its Thinker window by session.update to SOAK_WINDOW_HIGH / SOAK_WINDOW_LOW tokens (default 1024 / 512: the first
+    # compaction within ~2 min, then one every minute or so) so each window compacts several times; a row every
+    # SOAK_INTERVAL s (default 30): reply latency p50/p99, late ticks, device memory, bytes per pool, compactions
+    # per session (soak/soak.json, .csv, .png; the log ends with the first-vs-last comparison). The whole mode takes
+    # SOAK_SECONDS + the warm-up (~4 min) + ~1 min: over one 10-minute device call at the default, so split it or
+    # lower SOAK_SECONDS there (e.g. SOAK_SECONDS=300 for a 5-minute soak)
+    SERVE_BENCH=soak SERVE_STEP_LIMIT=$(( ${SOAK_SECONDS:-540} + 180 )) \
+      SERVE_EXTRA="--interval ${SOAK_INTERVAL:-30} --window-high ${SOAK_WINDOW_HIGH:-1024} --window-low ${SOAK_WINDOW_LOW:-512}" \
+      serve_conversation soak examples/minicpmo45-shared.yaml "${SOAK_SESSIONS:-32}" "${SOAK_SECONDS:-540}" ;;
   serve_conversation)  # issue 10: the real server from a fresh process, 32 callers over WebSockets for 60 s.
     # The example config with engine.speak_policy.mode: reply (the conversation's replies come from the server's
     # policy). Expected wall time ~4 min: server start + warm-up <= 4 min (bounded), 5 s ramp + 60 s + drain.
@@ -358,6 +369,6 @@ d = DeployConfig.from_packaged_yaml("minicpmo45"); d.code2wav.vocoder_cuda_graph
     step gpu_stage0 120 python3 -m duplexcache.cli bench kernels --out "$out/gpu_stage0" ;;
   stage2)
     step gpu_stage2 300 python3 -m duplexcache.cli bench stage2 --out "$out/gpu_stage2" --batches 1,8,32 ;;
-  *) echo "unknown mode $mode (card_tests|card_waterfall|card_before|card_capacity|card_bench|smoke|bench|bench_turn|bench_capacity|setup|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|ticks_conversation|ticks_conversation_large|serve_conversation|serve_switch|serve_catch_up|serve_precision|serve_prefill_between|serve_long_context|serve_profile|prefill|prefill_between|prefill_512|warm_start|serve_ready|stage0|stage2|precision|kv_precision|ticks_conversation_bf16|ticks_conversation_fp8|ticks_capacity)"; exit 2 ;;
+  *) echo "unknown mode $mode (soak|card_tests|card_waterfall|card_before|card_capacity|card_bench|smoke|bench|bench_turn|bench_capacity|setup|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|ticks_conversation|ticks_conversation_large|serve_conversation|serve_switch|serve_catch_up|serve_precision|serve_prefill_between|serve_long_context|serve_profile|prefill|prefill_between|prefill_512|warm_start|serve_ready|stage0|stage2|precision|kv_precision|ticks_conversation_bf16|ticks_conversation_fp8|ticks_capacity)"; exit 2 ;;
 esac
 done

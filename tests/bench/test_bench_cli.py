@@ -203,9 +203,13 @@ def test_gpu_bench_script_commands_parse():
     for line in commands:
         for extra in extras if "SERVE_EXTRA" in line else [""]:
             shell_vars["SERVE_EXTRA"] = expand(extra)
+            soak = "--interval" in extra   # the soak mode's options go to `bench soak` (SERVE_BENCH=soak)
+            shell_vars["SERVE_BENCH"] = "soak" if soak else "serve"
             args = build_parser().parse_args(shlex.split(expand(line.split(" >")[0].split(";;")[0])))
             assert args.benchmark in BENCHMARKS, line
-            if extra:
+            if soak:
+                assert args.benchmark == "soak" and (args.window_high, args.window_low) == (1024, 512), line
+            elif extra:
                 assert args.long_context_callers == 1 and args.long_context_chars == 15000, line
 
 

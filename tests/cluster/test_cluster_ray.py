@@ -223,9 +223,12 @@ def test_a_resume_reaches_the_replica_that_holds_the_session(cluster):
             "audio": {"input": {"format": {"type": "audio/pcm", "rate": RATE}}}}}))
         for _ in range(5):
             await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": _pcm(0.1, 0)}))
-        _wait_for(lambda: _health(base, home)["live_sessions"] == 1, "the session to open on its replica")
+        # waits in a thread: the client's event loop must run (its abort closes the socket there)
+        await asyncio.to_thread(_wait_for, lambda: _health(base, home)["live_sessions"] == 1,
+                                "the session to open on its replica")
         ws.transport.abort()    # the network drops: no close frame
-        _wait_for(lambda: _health(base, home)["parked_sessions"] == 1, "the session to be parked")
+        await asyncio.to_thread(_wait_for, lambda: _health(base, home)["parked_sessions"] == 1,
+                                "the session to be parked")
         async with connect(f"ws://{base}/v1/realtime?resume={token}",
                            additional_headers={CONTEXT_HEADER: f"replica:{other}"},
                            max_size=None, open_timeout=60) as ws2:
@@ -234,7 +237,7 @@ def test_a_resume_reaches_the_replica_that_holds_the_session(cluster):
                 if event["type"] in ("session.resumed", "error"):
                     break
             out["event"] = event
-            out["parked_after"] = _health(base, home)["parked_sessions"]
+            out["parked_after"] = (await asyncio.to_thread(_health, base, home))["parked_sessions"]
             await ws2.send(json.dumps({"type": "session.close"}))
             with pytest.raises(ConnectionClosed):
                 while True:

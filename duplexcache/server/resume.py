@@ -189,7 +189,7 @@ class ParkedSessions:
         self.clock = clock
         self.route_prefix = ""                           # a cluster replica's id (cluster/replica.py)
         self._tickets: dict[str, _Ticket] = {}           # token digest -> ticket, one per session
-        self._digest_of: dict[int, str] = {}             # id(session) -> its token's digest
+        self._digest_of: dict["RealtimeSession", str] = {}   # session -> its token's digest
         # digest -> (refusal code, client) of tokens that no longer resume (oldest first)
         self._ended: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
 
@@ -207,7 +207,7 @@ class ParkedSessions:
         """A new resume token for ``session`` (its previous one stops working); None when off."""
         if not self.enabled:
             return None
-        old = self._digest_of.get(id(session))
+        old = self._digest_of.get(session)
         ticket = self._tickets.pop(old) if old is not None else _Ticket(session, session.client)
         if old is not None:
             self._remember(old, "resume_used", ticket.client)
@@ -216,12 +216,12 @@ class ParkedSessions:
             token = f"{self.route_prefix}.{token}"
         digest = _digest(token)
         self._tickets[digest] = ticket
-        self._digest_of[id(session)] = digest
+        self._digest_of[session] = digest
         return token
 
     def forget(self, session: "RealtimeSession", code: str = "resume_ended") -> None:
         """``session`` ended: its token is refused with ``code`` from now on."""
-        digest = self._digest_of.pop(id(session), None)
+        digest = self._digest_of.pop(session, None)
         if digest is not None:
             ticket = self._tickets.pop(digest)
             self._remember(digest, code, ticket.client)
@@ -235,7 +235,7 @@ class ParkedSessions:
     # ---------------------------------------------------------------- parking
 
     def is_parked(self, session: "RealtimeSession") -> bool:
-        digest = self._digest_of.get(id(session))
+        digest = self._digest_of.get(session)
         return digest is not None and self._tickets[digest].parked_at is not None
 
     def park(self, session: "RealtimeSession", conn: Connection, close_code: int | None) -> bool:
@@ -243,7 +243,7 @@ class ParkedSessions:
         saw the transport die under it), if that is a dropped network and not a goodbye or the
         server's own close, and the session has an engine session to keep. True if parked: the
         session's ``conn`` is then a :class:`KeptOutbox`."""
-        digest = self._digest_of.get(id(session))
+        digest = self._digest_of.get(session)
         goodbye = close_code in CLIENT_GOODBYES or (close_code == NO_STATUS and close_frame_received(conn.ws))
         if digest is None or session.conn is not conn or conn.server_closed or session.sid is None or goodbye:
             return False
@@ -297,7 +297,7 @@ class ParkedSessions:
         (without the kept audio unless ``replay``) and the session gets a new token. A session
         still attached to a connection (the server has not yet seen that one drop: a half-open
         socket) is taken from it first; that connection is closed with 1001."""
-        ticket = self._tickets[self._digest_of[id(session)]]
+        ticket = self._tickets[self._digest_of[session]]
         old = session.conn
         if isinstance(old, Connection):
             logger.info("session %s is resumed while its old connection is still open; closing that one",

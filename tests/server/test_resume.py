@@ -144,13 +144,16 @@ def _engine_snapshot(engine: DuplexEngine) -> dict[str, Any]:
 
 
 async def _bystander(srv: LoopbackServer, stop: asyncio.Event) -> Heard:
-    """Streams real-time audio and reads its replies until ``stop``; closes cleanly."""
+    """Streams real-time audio and reads its replies until ``stop`` and two whole replies (its
+    speak policy answers every 2 units); closes cleanly."""
     heard = Heard()
     ws, _, _ = await _open(srv, "10.0.0.9", sine(0.1, 330))
     pcm = sine(60.0, 330)
     reader = asyncio.create_task(_read(ws, heard))
     i = 1
-    while not stop.is_set():
+    while not stop.is_set() or len(heard.done) < 2:
+        assert i < 590, f"the bystander's replies did not come: {heard}"
+
         await send(ws, {"type": "input_audio_buffer.append", "audio": pcm16_b64(pcm[i * CHUNK:(i + 1) * CHUNK])})
         i += 1
         await asyncio.sleep(0.1)
@@ -349,3 +352,45 @@ def test_the_yaml_window_reaches_the_registry_and_tokens_carry_a_route_prefix(tm
     token = server.resumes.issue(Stub())
     assert route_prefix_of(token) == "replica7" and len(token.split(".", 1)[1]) >= 43   # 256 bits, base64url
     assert route_prefix_of("no-prefix-token") is None
+
+
+def test_a_minicpmo_session_resumes_in_its_own_dialect(models):
+    """The MiniCPM-o dialect's session.created carries the token too; its resume speaks that
+    dialect (?mode=audio, map.realtime) and an OpenAI-dialect resume of it is refused."""
+    deploy = tiny_deploy(resume_window_s=30.0)
+    engine = DuplexEngine(deploy, models)
+    app = create_app(engine, deploy)
+    server = app.state.server
+    out: dict[str, Any] = {}
+
+    def minicpmo(query: str):
+        return connect(srv.ws_url(REALTIME_PATH + query), subprotocols=["map.realtime"], max_size=None,
+                       open_timeout=20, additional_headers={"X-Forwarded-For": "10.0.0.5"})
+
+    async def run() -> None:
+        ws = await minicpmo("?mode=audio&model=m").__aenter__()
+        assert (await recv(ws, WAIT_S))["type"] == "session.queue_done"
+        await send(ws, {"type": "session.init", "payload": {"system_prompt": "You are a test."}})
+        created = await recv(ws, WAIT_S)
+        assert created["type"] == "session.created", created
+        audio = base64.b64encode((sine(0.3) / 32767).astype("<f4").tobytes()).decode()
+        await send(ws, {"type": "input.append", "input": {"audio": audio}})
+        await await_(lambda: server.engine_sid(created["session_id"]) is not None, "the engine session to open")
+        _cut(ws)
+        await await_(lambda: len(server.resumes) == 1, "the session to be parked")
+        token = created["resume_token"]
+        out["mismatch"] = await _refused(srv, "10.0.0.5", f"?resume={token}")
+        async with minicpmo(f"?mode=audio&model=m&resume={token}") as ws2:
+            out["resumed"] = await recv(ws2, WAIT_S)
+            await send(ws2, {"type": "session.close"})
+            while (event := await recv(ws2, WAIT_S))["type"] != "session.closed":
+                pass
+        out["created"] = created
+
+    with LoopbackServer(app) as srv:
+        asyncio.run(run())
+        wait(lambda: not engine.session_ids(), "the session to close")
+    assert out["mismatch"][0]["error"]["code"] == "resume_dialect_mismatch"
+    resumed = out["resumed"]
+    assert resumed["type"] == "session.resumed" and resumed["session_id"] == out["created"]["session_id"]
+    assert resumed["resume_token"] != out["created"]["resume_token"] and "usage" in resumed

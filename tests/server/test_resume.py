@@ -277,6 +277,9 @@ def test_resume_refusals_have_their_codes_and_an_expired_session_frees_every_byt
         out["foreign"] = await _refused(srv, "10.0.0.3", f"?resume={token}")
         # not resumed within the window: closed, its memory freed
         await await_(lambda: sid not in engine.session_ids() and len(server.resumes) == 0, "the parked session to expire")
+        # its reservations are all back: the ledger is what it was with the bystander alone
+        await await_(lambda: _engine_snapshot(engine)["ledger"] == out["baseline"]["ledger"],
+                     "the expired session's ledger entries to be freed", timeout=10)
         out["expired"] = await _refused(srv, "10.0.0.2", f"?resume={token}")
         # a clean close (code 1000) is a goodbye: nothing is parked
         ws, wire_id, token = await _open(srv, "10.0.0.4", sine(0.3))

@@ -527,7 +527,8 @@ def _fmt(x: float | None, scale: float = 1.0, digits: int = 3) -> str:
 
 
 def _results(cfg: TickBenchConfig, deploy: DeployConfig, models: ModelBundle, rows: list[RunResult],
-             build_s: float, weights_alloc: int | None, deadline: _Deadline, floor_device: str = "auto") -> dict[str, Any]:
+             build_s: float, weights_alloc: int | None, deadline: _Deadline,
+             floor_device: str = "auto") -> dict[str, Any]:
     skipped = [r.sessions for r in rows if r.status == "skipped"]
     return {
         "hardware": hardware_line(models.device),
@@ -593,7 +594,8 @@ def tick_shape(rows: list[RunResult], models: ModelBundle) -> fl.TickShape | Non
     n = total["sessions"]
     unit_tokens = fl.talker_unit_tokens(models.talker.config)
     talker = total["talker_kv_tokens"] / total["speakers"] if total["speakers"] else unit_tokens / 2
-    return fl.TickShape(speaking_fraction=total["speakers"] / n, thinker_window_tokens=total["thinker_window_tokens"] / n,
+    return fl.TickShape(speaking_fraction=total["speakers"] / n,
+                        thinker_window_tokens=total["thinker_window_tokens"] / n,
                         talker_turn_tokens=talker, prompt_frames=max(1, round(total["prompt_frames"] / n)),
                         encoder_cache_frames=total["encoder_cache_frames"] / n)
 
@@ -646,7 +648,8 @@ def per_session_markdown(results: dict[str, Any]) -> str:
         dev = floor["device"]
         shape = floor["shape"]
         peak = "no device peaks (the floor's time is not claimed here)" if dev is None else \
-            f"{dev['name']}: {dev['hbm_gb_s']:.0f} GB/s, " + ", ".join(f"{d} {t:.1f} TFLOP/s" for d, t in dev["tflops"].items())
+            f"{dev['name']}: {dev['hbm_gb_s']:.0f} GB/s, " \
+            + ", ".join(f"{d} {t:.1f} TFLOP/s" for d, t in dev["tflops"].items())
         lines += [f"Floor device: {peak}. Shapes of the recorded ticks: {shape['speaking_fraction']:.2f} of sessions "
                   f"speaking, Thinker window {shape['thinker_window_tokens']:.0f} tokens, Talker turn "
                   f"{shape['talker_turn_tokens']:.0f} tokens, P {shape['prompt_frames']} frames, encoder cache "

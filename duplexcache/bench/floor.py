@@ -13,6 +13,10 @@ The talker's per-turn KV, conformer caches and vocoder caches are private too bu
 the floor the spec defines; they show up as the gap between measured and floor. No tensor is
 allocated: the numbers come from config objects, so this works for the minicpmo45 shapes on
 any machine.
+
+The second half is the time floor (``tick_floor``, used by ``bench ticks``): per stage, the ms
+one extra session adds to a tick at best, from the bytes of its own state read and the matmul
+FLOPs of its own rows per tick, at a device's peak HBM bandwidth and dense FLOP/s (``DEVICE_PEAKS``).
 """
 
 from __future__ import annotations
@@ -317,8 +321,9 @@ def talker_tick_work(config, shape: TickShape, dtype: torch.dtype | str,
 
 def encoder_chunk_flops(config, cache_frames: float, samples: int | None = None) -> tuple[float, float]:
     """(matmul, attention) FLOPs of one streaming chunk (``AudioEncoderConfig``): the mel
-    filterbank and the conv front end over its mel frames, the layers over its encoder frames (attending to the cache and the
-    chunk), the projection (Linear d->out, ReLU, Linear out->out) over every frame before the pool."""
+    filterbank and the conv front end over its mel frames, the layers over its encoder frames
+    (attending to the cache and the chunk), the projection (Linear d->out, ReLU, Linear out->out)
+    over every frame before the pool."""
     c = config
     samples = c.chunk_samples if samples is None else samples
     mel = samples // c.hop_length
@@ -421,7 +426,8 @@ def vocoder_flops(voc_config, mel_frames: int) -> float:
     v = voc_config
     samples = mel_frames * int(np.prod(v.upsample_rates)) * v.hop_len
     c_f = v.f0_cond_channels
-    flops = 2.0 * v.in_channels * c_f * 3 * mel_frames + 4 * 2.0 * c_f * c_f * 3 * mel_frames + _linear(mel_frames, c_f, 1)
+    flops = 2.0 * v.in_channels * c_f * 3 * mel_frames + 4 * 2.0 * c_f * c_f * 3 * mel_frames   # F0 predictor convs
+    flops += _linear(mel_frames, c_f, 1)
     flops += _linear(samples, v.nb_harmonics + 1, 1)
     flops += 2.0 * v.in_channels * v.base_channels * 7 * mel_frames
     stft_frames = samples // v.hop_len + 1
@@ -507,7 +513,8 @@ class TickFloor:
                 "stages": stages, "tick_ms": self.ms("tick")}
 
 
-def tick_floor(thinker_config, talker_config, encoder_config, flow_config, voc_config, shape: TickShape, dtype: torch.dtype | str, code2wav_dtype: torch.dtype | str = torch.float32,
+def tick_floor(thinker_config, talker_config, encoder_config, flow_config, voc_config, shape: TickShape,
+               dtype: torch.dtype | str, code2wav_dtype: torch.dtype | str = torch.float32,
                kv_storage_dtype: torch.dtype | None = None, encoder_storage_dtype: torch.dtype | None = None,
                peak: DevicePeak | None = None) -> TickFloor:
     """The four stages' floors for one extra session. ``dtype``: the Thinker's, Talker's and

@@ -194,9 +194,10 @@ def test_sdk_streams_hears_interrupts_reads_usage_and_shares_a_reference_voice(w
     first_session_replies = {f["response_id"] for f in wire[:done_at + 1] if f["type"] == "response.output_text.delta"}
     assert sdk_text.startswith("".join(d["text"] for d in wire if d["type"] == "response.output_text.delta"
                                        and d["response_id"] in first_session_replies))
-    # one voice made from the recording, reused once, one Code2Wav prompt pass for it
+    # one voice made from the recording, reused once; its Code2Wav prompt is the default voice's,
+    # so it shares that voice's prompt state: no prompt pass of its own (and no bank growth)
     ref = [v for v in stats.cfm_prompt_passes if v.startswith("ref-")]
-    assert len(ref) == 1 and stats.cfm_prompt_passes[ref[0]] == 1
+    assert len(ref) == 1 and stats.cfm_prompt_passes[ref[0]] == 0 and stats.cfm_prompt_passes["default"] == 1
     assert (stats.reference_voices, stats.reference_voices_added, stats.reference_voice_reuses) == (1, 1, 1)
     assert "duplexcache_reference_voice_reuses_total 1.0" in metrics
     assert "duplexcache_reference_voices_added_total 1.0" in metrics

@@ -314,7 +314,8 @@ class FakeEngine:
     @staticmethod
     def _usage(session: _FakeSession) -> ResponseUsage:
         spoken = session.config.get("audio_output", True)
-        return ResponseUsage(text_tokens=2 * session.reply_units, audio_seconds=float(session.reply_units) if spoken else 0.0)
+        return ResponseUsage(text_tokens=2 * session.reply_units,
+                             audio_seconds=float(session.reply_units) if spoken else 0.0)
 
 
 # ---------------------------------------------------------------------- client helpers

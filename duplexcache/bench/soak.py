@@ -67,7 +67,8 @@ def _positive(kind: type, name: str, upper: float):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", required=True, help="the server's realtime WebSocket, e.g. ws://127.0.0.1:8000/v1/realtime")
+    parser.add_argument("--url", required=True,
+                        help="the server's realtime WebSocket, e.g. ws://127.0.0.1:8000/v1/realtime")
     parser.add_argument("--sessions", type=_positive(int, "--sessions", MAX_SESSIONS), default=8,
                         help="concurrent callers, each for the whole soak")
     parser.add_argument("--duration", type=_positive(float, "--duration", MAX_DURATION_S), default=540.0,

@@ -276,7 +276,8 @@ def test_resume_refusals_have_their_codes_and_an_expired_session_frees_every_byt
         await await_(lambda: len(server.resumes) == 1, "the session to be parked")
         out["foreign"] = await _refused(srv, "10.0.0.3", f"?resume={token}")
         # not resumed within the window: closed, its memory freed
-        await await_(lambda: sid not in engine.session_ids() and len(server.resumes) == 0, "the parked session to expire")
+        await await_(lambda: sid not in engine.session_ids() and len(server.resumes) == 0,
+                     "the parked session to expire")
         # its reservations are all back: the ledger is what it was with the bystander alone
         await await_(lambda: _engine_snapshot(engine)["ledger"] == out["baseline"]["ledger"],
                      "the expired session's ledger entries to be freed", timeout=10)

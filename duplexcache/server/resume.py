@@ -255,15 +255,19 @@ class ParkedSessions:
         return True
 
     def due(self) -> list["RealtimeSession"]:
-        """Parked sessions to close now (their window passed, or they could not keep what they
-        were sent); their tokens are forgotten (resume_expired)."""
+        """Parked sessions to close now: their window passed (their tokens then answer
+        resume_expired), or they were closed while parked: they could not keep what they were
+        sent, or the engine ended them (resume_ended)."""
         now = self.clock()
         out = []
         for digest, ticket in list(self._tickets.items()):
             if ticket.parked_at is None:
                 continue
-            kept = ticket.session.conn
-            if now - ticket.parked_at >= self.window_s or getattr(kept, "closing", False):
+            if getattr(ticket.session.conn, "closing", False):   # closed while parked (the bound, an engine error)
+                logger.info("parked session %s was closed while parked; ending it", ticket.session.log_name)
+                self.forget(ticket.session, "resume_ended")
+                out.append(ticket.session)
+            elif now - ticket.parked_at >= self.window_s:
                 logger.info("parked session %s was not resumed within %.0f s; closing it",
                             ticket.session.log_name, self.window_s)
                 self.forget(ticket.session, "resume_expired")

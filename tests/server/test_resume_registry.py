@@ -108,7 +108,7 @@ def test_the_kept_events_are_bounded_audio_dropped_and_counted_anything_else_end
     kept.send(proto.event("response.done", response={"id": "resp_1", "pad": "x" * 700}))
     assert kept.closing                      # it could not keep a reply's end: the session ends
     assert registry.due() == [session]       # at the next housekeeping pass
-    assert registry.claim({"resume": token}, "10.0.0.1", "openai").code == "resume_expired"
+    assert registry.claim({"resume": token}, "10.0.0.1", "openai").code == "resume_ended"
 
 
 def test_refusals_and_expiry_on_the_clock():

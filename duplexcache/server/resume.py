@@ -294,6 +294,11 @@ class ParkedSessions:
             return _refusal("resume_forbidden")
         if ticket.session.handshake.dialect != dialect:
             return _refusal("resume_dialect_mismatch")
+        conn = ticket.session.conn
+        if ticket.session.sid is None or (isinstance(conn, Connection) and conn.server_closed):
+            # no engine session (not opened, or being ended: a goodbye whose handler has not
+            # finished), or a connection the server is closing: nothing to take over
+            return _refusal("resume_ended")
         return ticket.session
 
     def attach(self, session: "RealtimeSession", conn: Connection, replay: bool) -> ResumeReport:

@@ -145,6 +145,14 @@ def test_goodbyes_and_server_closes_do_not_park():
     session.conn = conn
     registry.issue(session)
     assert not registry.park(session, conn, 1006)
+    # a session being ended (its engine session gone, its token not yet forgotten) is not taken over
+    ending, conn = Session(), _conn()
+    ending.conn = conn
+    token = registry.issue(ending)
+    ending.sid = None
+    assert registry.claim({"resume": token}, "10.0.0.1", "openai").code == "resume_ended"
+    ending.sid, conn.server_closed = "sess_x", True
+    assert registry.claim({"resume": token}, "10.0.0.1", "openai").code == "resume_ended"
     off, _ = _registry(window_s=0)
     assert off.issue(Session()) is None
     assert off.claim({"resume": "t"}, "10.0.0.1", "openai").code == "resume_disabled"

@@ -222,10 +222,13 @@ def make_row(index: int, t0: float, t1: float, traces: list[SessionTrace], befor
     return row
 
 
-def compare(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def compare(rows: list[dict[str, Any]], interval_s: float) -> dict[str, Any]:
     """First vs last interval for each compared figure (the first and the last interval that
-    has it: the first may hold no reply yet), with both intervals' numbers and last - first."""
+    has it: the first may hold no reply yet), with both intervals' numbers and last - first. A
+    last interval shorter than half the others (the seconds the callers took to finish) is left
+    out when there are others."""
     out = {}
+    rows = [row for row in rows if row["t_end_s"] - row["t_start_s"] >= 0.5 * interval_s] or rows
     for key in COMPARED:
         have = [row for row in rows if row.get(key) is not None]
         if not have:
@@ -284,7 +287,7 @@ async def run_soak(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         "config": {"url": args.url, "sessions": args.sessions, "duration_s": args.duration, "interval_s": args.interval,
                    "workload": args.workload, "window": window or "server default", "seed": args.seed},
         "rows": rows,
-        "first_vs_last": compare(rows),
+        "first_vs_last": compare(rows, args.interval),
         "compactions_per_session": rows[-1]["compactions_per_session"] if rows else None,
         "sessions_with_errors": sum(bool(s["errors"]) for s in sessions),
         "errors_first": sorted({e for s in sessions for e in s["errors"]})[:5],

@@ -10,7 +10,7 @@ from typing import Any
 
 from duplexcache.bench.tick_profile import profile_markdown
 
-STAGES = ("encoder", "thinker", "talker", "code2wav", "tick")   # the engine's stages, in tick order
+STAGES = ("encoder", "vision", "thinker", "talker", "code2wav", "tick")   # the engine's stages, in tick order
 
 
 def _stage_cell(s: dict) -> str:

@@ -22,7 +22,7 @@ from duplexcache.runtime.stage0 import Stage0Runner
 
 logger = logging.getLogger(__name__)
 
-STAGES = ("encoder", "thinker", "talker", "code2wav", "tick")
+STAGES = ("encoder", "vision", "thinker", "talker", "code2wav", "tick")
 LATENCY_HISTORY = 4096
 
 

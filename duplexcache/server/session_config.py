@@ -83,6 +83,7 @@ class SessionSettings:
     input_rate: int | None = None        # None: the connection's default (see module docstring)
     output_kind: str = "pcm16"           # pcm16 (24 kHz), pcmu or pcma (G.711 at 8 kHz)
     turn: TurnDetection = field(default_factory=TurnDetection)
+    video: bool = False                  # the session may send camera frames / images (server/frames.py)
 
     def input_format(self, openai_defaults: bool) -> InputFormat:
         rate = self.input_rate or (OPENAI_RATE if openai_defaults else ENGINE_RATE)
@@ -97,6 +98,8 @@ class SessionSettings:
             out["initial_user_text"] = self.initial_user_text
         if self.window is not None:
             out["window"] = dict(self.window)
+        if self.video:
+            out["video"] = True
         return out
 
 

@@ -83,6 +83,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from duplexcache.bench import video
 from duplexcache.bench import workload as wl
 from duplexcache.bench.common import alias_main, hardware_line, sync, usage_error, write_results
 from duplexcache.bench.engine_ticks_config import (  # noqa: F401  (add_arguments: the CLI's options)
@@ -166,6 +167,7 @@ class RunResult:
     memory_allocated_after: int | None = None   # after the engine was freed: should be the weights
     seconds: float = 0.0
     profile: dict[str, Any] | None = None   # --profile-ticks: bench/tick_profile.summarize_profile
+    video: dict[str, Any] | None = None     # --video-share: video sessions and bytes per session (bench/video.py)
 
     @property
     def all_under_1s(self) -> bool | None:
@@ -187,7 +189,7 @@ class RunResult:
                 "warmup_graphs": self.warmup_graphs, "tick_graph_captures": self.tick_graph_captures,
                 "max_memory_allocated": self.max_memory_allocated,
                 "memory_allocated_after": self.memory_allocated_after, "seconds": round(self.seconds, 3),
-                "profile": self.profile}
+                "profile": self.profile, "video": self.video}
 
 
 class _Deadline:
@@ -211,9 +213,12 @@ def session_voices(cfg: TickBenchConfig, n: int, available: list[str]) -> list[s
 def _open_all(eng: DuplexEngine, n: int, res: RunResult, cfg: TickBenchConfig) -> list[str]:
     """Open ``n`` sessions; on the first refusal record it and return what was admitted."""
     sids: list[str] = []
-    for voice in session_voices(cfg, n, eng.voices.names()):
+    for i, voice in enumerate(session_voices(cfg, n, eng.voices.names())):
+        session = {"voice": voice, "instructions": INSTRUCTIONS}
+        if video.is_video(i, cfg.video_share):
+            session["video"] = True
         try:
-            sids.append(eng.open_session({"voice": voice, "instructions": INSTRUCTIONS}))
+            sids.append(eng.open_session(session))
         except AdmissionError as exc:
             res.status, res.note = "refused", f"admitted {len(sids)} of {n}: {exc.reason}"
             logger.info("n=%d: admission refused after %d sessions: %s", n, len(sids), exc.reason)
@@ -250,6 +255,8 @@ class _Feed:
         for i, sid in enumerate(self.sids):
             if sid not in live:
                 continue   # the engine ended it; counted as a session error already
+            if video.is_video(i, self.cfg.video_share):   # its second's frame first: it rides with this unit
+                eng.push_frame(sid, video.frame_jpeg(i, self.unit))
             eng.push_audio(sid, self._audio(i, self.unit))
             if self.scripts[i].speaks[self.unit]:
                 speakers.add(sid)
@@ -305,6 +312,9 @@ def _drive(eng: DuplexEngine, n: int, cfg: TickBenchConfig, res: RunResult, dead
     """Open (into ``sids``), feed, warm up and record; the caller closes the sessions."""
     res.planned_sessions = eng.plan.planned_sessions
     sids += _open_all(eng, n, res, cfg)
+    if cfg.video_share > 0:
+        res.video = {"sessions": sum(video.is_video(i, cfg.video_share) for i in range(len(sids))),
+                     "bytes_per_session": video.video_bytes(eng)}
     if res.status == "refused":
         return
     units = cfg.warmup_ticks + cfg.ticks + (1 if cfg.steady_window else 0) + profiled_units(cfg.profile_ticks, eng.models.device)
@@ -498,7 +508,7 @@ def _results(cfg: TickBenchConfig, deploy: DeployConfig, models: ModelBundle, ro
                    "kv_cache_dtype": deploy.precision.kv_cache_dtype,
                    "encoder_cache_dtype": deploy.precision.encoder_cache_dtype,
                    "talker_turn_tokens": deploy.engine.talker_turn_tokens,
-                   "profile_ticks": cfg.profile_ticks},
+                   "profile_ticks": cfg.profile_ticks, "video_share": cfg.video_share},
         "model_build_s": round(build_s, 3),
         "weight_bytes": models.weight_bytes(),
         "memory_allocated_after_build": weights_alloc,

@@ -260,3 +260,27 @@ def test_bad_frames_are_refused_by_name_and_the_session_goes_on(tmp_path):
     assert not out[video]["errors"] and not out[plain]["errors"]
     assert eng.vision_stage.frames_encoded == 2 and len(eng.table.get_live(video).frames) == 8
     eng.shutdown()
+
+
+@pytest.mark.parametrize("point", ["precheck", "batched"])
+def test_a_failing_frame_ends_its_session_only(tmp_path, point):
+    """runtime/isolation.py for the vision call: a session whose frame fails (its check, or the
+    batched call with it in) ends alone; the other video session keeps its frame, the audio one its unit."""
+    from duplexcache.runtime.isolation import FaultInjector
+
+    eng = engine(tmp_path, f"iso{point}", VISION, vision_models())
+    bad, good, plain = _open(eng, {"video": True}, {"video": True}, {})
+    faults = FaultInjector()
+    faults.arm("vision", bad, point)
+    eng.install_faults(faults)
+    for sid in (bad, good):
+        eng.push_frame(sid, jpeg(7))
+    for sid in (bad, good, plain):
+        eng.push_audio(sid, audio(3, 1))
+    out = collect(eng.tick())
+    (err,) = out[bad]["errors"]
+    assert err.fatal and err.code == "injected_fault"
+    assert bad not in eng.session_ids() and {good, plain} <= set(eng.session_ids())
+    assert eng.session_info(good).units == eng.session_info(plain).units == 1
+    assert eng.vision_stage.frames_encoded == 1
+    eng.shutdown()

@@ -188,7 +188,7 @@ class PromptBank:
     def _free_offset(self, n: int) -> int | None:
         """First gap of n frames between slots (left by `remove`), or None."""
         pos = 1
-        for off, m in sorted(self._slots.values()):
+        for off, m in sorted(set(self._slots.values())):   # an alias shares its target's slot
             if off - pos >= n:
                 return pos
             pos = off + m
@@ -211,6 +211,13 @@ class PromptBank:
         dst.copy_(att)
         return dst
 
+    def alias(self, name: str, target: str) -> None:
+        """``name`` reads ``target``'s frames (an equal prompt state); the frames stay taken while
+        either name holds them."""
+        if name in self._slots:
+            raise ValueError(f"voice {name!r} already in the prompt bank")
+        self._slots[name] = self._slots[target]
+
     def remove(self, name: str) -> None:
         """Forget a voice; its frames become a gap the next `add` may reuse (no reallocation, so
         no graph is invalidated)."""
@@ -222,7 +229,7 @@ class PromptBank:
     def voice_nbytes(self) -> int:
         """Bytes of the frames that registered voices own (their prompt states' estimator part)."""
         per_frame = self.nbytes() // self.num_frames
-        return per_frame * sum(n for _, n in self._slots.values())
+        return per_frame * sum(n for _, n in set(self._slots.values()))   # an alias's frames once
 
 
 def _qkv(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -317,7 +324,7 @@ class EulerArena:
                  n_timesteps: int, cfg_rate: float, key_bucket: int = 64, max_setup_query: int = 0,
                  use_cuda_graphs: bool = True, graph_backend: GraphBackend | None = None,
                  max_private: int | None = None, prompt_in_place: bool = True,
-                 prompt_bank_frames: int = 1) -> None:
+                 prompt_bank_frames: int = 1, fixed_key_length: bool = False) -> None:
         if rows < 1 or max_query < 1 or max_cache < 0 or key_bucket < 1:
             raise ValueError(f"bad arena shape: rows={rows} max_query={max_query} max_cache={max_cache} "
                              f"key_bucket={key_bucket}")
@@ -327,6 +334,7 @@ class EulerArena:
         self.rows, self.max_cache = rows, max_cache
         self.max_query = max(max_query, max_setup_query)
         self.n_timesteps, self.cfg_rate, self.key_bucket = n_timesteps, cfg_rate, key_bucket
+        self.fixed_key_length = fixed_key_length   # Code2WavConfig.fixed_key_length
         depth = len(estimator.blocks)
         attn = estimator.blocks[0].attn
         hidden = estimator.in_proj.out_features
@@ -478,7 +486,10 @@ class EulerArena:
 
     # ---- running -----------------------------------------------------------------------
     def bucket(self, width: int, cache_len: int) -> int:
-        """Smallest cache-length bucket >= cache_len: a multiple of key_bucket, capped to capacity."""
+        """Smallest cache-length bucket >= cache_len: a multiple of key_bucket, capped to capacity
+        (with ``fixed_key_length``: the capacity, whatever the cache length)."""
+        if self.fixed_key_length:
+            return self.key_capacity - width
         return min(self.key_bucket * math.ceil(cache_len / self.key_bucket), self.key_capacity - width)
 
     def run(self, tier: int, width: int, max_cache_len: int) -> None:

@@ -84,3 +84,9 @@ def test_an_image_to_a_server_without_vision_is_refused_by_feature():
         err = asyncio.run(main(srv))
     assert err["type"] == "error" and err["error"]["code"] == "vision_unavailable", err
     assert err["error"]["param"] == "item.content[0]" and "model.vision is false" in err["error"]["message"]
+
+
+def test_usage_counts_vision_tokens_in_the_input():
+    usage = mp.Usage(10, 25, context_tokens=7, input_audio_seconds=2.0, vision_tokens=128).to_wire()
+    assert usage["input_tokens_details"]["vision_tokens"] == 128
+    assert usage["input_tokens"] == 7 + 20 + 128

@@ -6,7 +6,7 @@
 # ticks, ticks_continuous, ticks_steady, ticks_ragged, ticks_eager, ticks_conversation, serve_conversation, serve_sweep, serve_align, serve_ptt, serve_threads, serve_switch,
 # serve_catch_up, serve_vocoder, ticks_vocoder, vocoder_exact, serve_lookahead, serve_phases, serve_precision, serve_prefill_between, serve_long_context, serve_profile, warm_start,
 # serve_ready, stage0, precision, kv_precision, ticks_conversation_bf16, ticks_conversation_fp8, ticks_capacity, ticks_profile_small,
-# ticks_ragged_graphs, serve_ragged_graphs, card_tests, card_waterfall, card_before, card_capacity, card_bench,
+# ticks_ragged_graphs, serve_ragged_graphs, card_tests, card_waterfall, card_before, card_capacity, card_bench, slope,
 # stage2, video: the minicpmo45 figures (random weights), each a few minutes on an H200 (each fits one 10-minute call).
 # Every step is a `duplexcache bench BENCHMARK` command (run as `python3 -m duplexcache.cli`, so no install is needed).
 # Needs torch with CUDA, triton, numpy, pyyaml, safetensors, pydantic, tqdm, matplotlib; the serve modes also
@@ -365,8 +365,22 @@ d = DeployConfig.from_packaged_yaml("minicpmo45"); d.code2wav.vocoder_cuda_graph
     step engine_ticks_video_half 300 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 8,16,32 --ticks 4 --max-seconds 240 --memory-budget 100GiB --video-share 0.5 --out "$out/engine_ticks_video_half" ;;
   stage0)
     step gpu_stage0 120 python3 -m duplexcache.cli bench kernels --out "$out/gpu_stage0" ;;
+  slope)  # issue 49: per-stage ms per extra session (the slope of p50 over the counts) beside the floor, --steady-window,
+    # conversation workload. exact: the shared config's formats (examples/minicpmo45-shared.yaml: Code2Wav float32, KV
+    # bf16); capacity: examples/minicpmo45-capacity.yaml's (Code2Wav bf16, KV fp8, 1024-token Talker turns). Each arm
+    # fits one 10-minute call (SLOPE_ARMS="exact" or "capacity" runs one); counts past admission are recorded refused
+    for arm in ${SLOPE_ARMS:-exact capacity}; do
+      case "$arm" in
+        exact) counts=${SLOPE_EXACT_SESSIONS:-8,16,24,32}; formats="" ;;
+        capacity) counts=${SLOPE_CAPACITY_SESSIONS:-16,32,48,58}
+          formats="--code2wav-dtype bfloat16 --kv-cache-dtype fp8_e4m3 --talker-turn-tokens 1024" ;;
+        *) echo "slope: unknown arm $arm (exact, capacity)"; continue ;;
+      esac
+      step "engine_ticks_slope_$arm" 580 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions "$counts" --workload conversation --steady-window --all-switches on --ticks 8 --warmup-ticks 8 --max-seconds 540 --memory-budget auto --graph-grid 1,4,8,16 $formats --out "$out/engine_ticks_slope_$arm"
+      sed -n '/## Per-stage cost per extra session/,$p' "$out/engine_ticks_slope_$arm/results.md"
+    done ;;
   stage2)
     step gpu_stage2 300 python3 -m duplexcache.cli bench stage2 --out "$out/gpu_stage2" --batches 1,8,32 ;;
-  *) echo "unknown mode $mode (card_tests|card_waterfall|card_before|card_capacity|card_bench|smoke|bench|bench_turn|bench_capacity|setup|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|ticks_conversation|ticks_conversation_large|serve_conversation|serve_switch|serve_catch_up|serve_precision|serve_prefill_between|serve_long_context|serve_profile|prefill|prefill_between|prefill_512|warm_start|serve_ready|stage0|stage2|video|precision|kv_precision|ticks_conversation_bf16|ticks_conversation_fp8|ticks_capacity)"; exit 2 ;;
+  *) echo "unknown mode $mode (card_tests|card_waterfall|card_before|card_capacity|card_bench|smoke|bench|bench_turn|bench_capacity|setup|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|ticks_conversation|ticks_conversation_large|serve_conversation|serve_switch|serve_catch_up|serve_precision|serve_prefill_between|serve_long_context|serve_profile|prefill|prefill_between|prefill_512|warm_start|serve_ready|stage0|stage2|video|precision|kv_precision|ticks_conversation_bf16|ticks_conversation_fp8|ticks_capacity|slope)"; exit 2 ;;
 esac
 done

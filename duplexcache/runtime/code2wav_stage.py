@@ -232,5 +232,6 @@ class Code2WavStage:
         done = list(out.items())
         for (csid, pcm), pcm16 in zip(done, pcm16_batch([pcm for _, pcm in done])):
             events.append(AudioDelta(owner[csid].sid, pcm16))
+            owner[csid].code2wav_chunks += 1
             turns.note_audio(owner[csid].turn, int(pcm.numel()), final=last)
         return events

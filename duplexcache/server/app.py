@@ -54,6 +54,7 @@ from duplexcache.server.auth import Refusal, bearer_ok, check_handshake, client_
 from duplexcache.server.connection import Connection, TransportScope, transport_of
 from duplexcache.server.metrics import ServerMetrics
 from duplexcache.server.minicpmo_session import session_for
+from duplexcache.server.queue_wait import QueueWaitEstimate
 from duplexcache.server.realtime_session import RealtimeSession
 from duplexcache.server.session_config import RefusalMemory
 
@@ -131,6 +132,7 @@ class RealtimeServer:
         self._pending_clients: dict[str, int] = {}  # handshakes in progress per address
         self._ending: set[asyncio.Task[None]] = set()  # end_session of dropped clients, in flight
         self.refusals = RefusalMemory()        # settings-decided refusals, for every connection
+        self.queue_wait = QueueWaitEstimate()  # session lengths: the queue's estimated_wait_s
         self.warm_state = "warming"            # -> "ready" | "warmup_failed"
         self.warmup_error: str | None = None
         self._saved_switch_interval: float | None = None  # Python's, while ours is set
@@ -592,6 +594,8 @@ class RealtimeServer:
         if sid is None:
             return
         self._by_sid.pop(sid, None)
+        if session.live_since is not None and not session.queued:
+            self.queue_wait.session_ended(time.monotonic() - session.live_since)
         try:
             # shielded: a cancelled connection task must still free the session's memory
             await asyncio.shield(asyncio.to_thread(self.engine.close_session, sid))

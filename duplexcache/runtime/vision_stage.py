@@ -83,10 +83,6 @@ class Frame:
     pixels: torch.Tensor
     grid: tuple[int, int]
 
-    @property
-    def nbytes(self) -> int:
-        return self.pixels.numel()
-
 
 def frame_tokens(cfg: VisionConfig) -> int:
     """Thinker rows a frame adds to its unit (66 for MiniCPM-o 4.5)."""
@@ -105,7 +101,7 @@ def max_frame_patches(cfg: VisionConfig) -> int:
 def frame_activation_bytes(cfg: VisionConfig, dtype: torch.dtype) -> int:
     """What one frame adds to the tick's batched vision call, at the largest frame allowed: one
     encoder layer's activations (``VisionConfig.activation_bytes``, eager attention scores
-    included: an upper bound for SDPA) plus its patches and its 64 output rows."""
+    included: an upper bound for SDPA) plus its patches and its 66 output rows."""
     patches = max_frame_patches(cfg)
     item = torch.empty((), dtype=dtype).element_size()
     inputs = patches * cfg.num_channels * cfg.patch_size**2 * item

@@ -483,7 +483,8 @@ async def run_step(n: int, args: argparse.Namespace, client: Any, base: str, bar
     units = max(1, int(args.duration))
     callers = [Caller(i, voices[i], args.workload, units, args.seed, shape, INSTRUCTIONS,
                       start_delay_s=args.ramp * i / max(1, n - 1) if n > 1 else 0.0, drain_s=args.drain,
-                      dialect="minicpmo-video" if is_video(i, args.video_share) else caller_dialect(i, args.minicpmo_share))
+                      dialect="minicpmo-video" if is_video(i, args.video_share)
+                      else caller_dialect(i, args.minicpmo_share))
                for i in range(n)]
     # Long-context callers join later (0.5 s apart) and stop with the others: they open while
     # the regular callers are live, which is the case issue 11 is about.

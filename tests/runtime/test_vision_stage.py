@@ -182,7 +182,8 @@ def test_model_vision_reaches_the_engine_from_yaml(tmp_path):
     assert plain.vision_stage is None
     # audio-only sessions and the memory plan are the same with the switch on
     assert plain.plan == eng.plan
-    assert plain.sizing.footprint(*plain.sizing.check_session({})) == eng.sizing.footprint(*eng.sizing.check_session({}))
+    audio_alone = plain.sizing.footprint(*plain.sizing.check_session({}))
+    assert audio_alone == eng.sizing.footprint(*eng.sizing.check_session({}))
     eng.shutdown()
     sid = _open(plain, {})[0]
     with pytest.raises(VisionUnavailable, match="model.vision is false"):

@@ -22,8 +22,8 @@ JPEG_B64 = base64.b64encode(b"\xff\xd8\xff\xe0 not really a jpeg").decode()
 
 
 def _append(frames_value) -> mp.InputAppend:
-    return mp.parse_input_append(mp.ClientEvent("input.append", {"type": "input.append",
-                                                                  "input": {"audio": "", "video_frames": frames_value}}))
+    body = {"type": "input.append", "input": {"audio": "", "video_frames": frames_value}}
+    return mp.parse_input_append(mp.ClientEvent("input.append", body))
 
 
 def test_video_frames_parse_to_bytes_and_bad_ones_are_named():

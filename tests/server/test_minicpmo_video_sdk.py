@@ -108,7 +108,8 @@ def test_openai_image_input_rides_with_the_next_unit_and_bad_images_are_named():
             added = await item(ws, [{"type": "input_text", "text": "what is this?"},
                                     {"type": "input_image", "image_url": good, "detail": "low"}])
             cut = "data:image/jpeg;base64," + base64.b64encode(_jpeg(1)[:300]).decode()   # truncated JPEG
-            bad = await item(ws, [{"type": "input_text", "text": "and this?"}, {"type": "input_image", "image_url": cut}])
+            bad = await item(ws, [{"type": "input_text", "text": "and this?"},
+                                  {"type": "input_image", "image_url": cut}])
             remote = await item(ws, [{"type": "input_image", "image_url": "https://example.com/a.jpg"}])
             pending = engine.table.get_live(engine.session_ids()[0]).frames
             frames_held = len(pending)

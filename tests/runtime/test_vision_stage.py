@@ -208,7 +208,11 @@ def test_a_video_session_reserves_more_and_needs_a_window_for_a_video_unit(tmp_p
     with pytest.raises(AdmissionError, match="video unit") as err:
         eng.open_session({"video": True, "window": {"high_tokens": 100, "low_tokens": 50}})
     assert err.value.code == "context_length_exceeded"
-    eng.open_session({"video": True, "window": {"high_tokens": 128, "low_tokens": 64}})
+    video = eng.open_session({"video": True, "window": {"high_tokens": 128, "low_tokens": 64}})
+    audio_sid = eng.open_session({"window": {"high_tokens": 128, "low_tokens": 64}})
+    room = eng.thinker_stage.user_text_room
+    # a video unit leaves its user text 66 tokens less room (turns.text_room)
+    assert room(eng.table.get_live(audio_sid)) - room(eng.table.get_live(video)) == 66
     eng.shutdown()
 
 

@@ -7,7 +7,7 @@
 # serve_catch_up, serve_vocoder, ticks_vocoder, vocoder_exact, serve_lookahead, serve_phases, serve_precision, serve_prefill_between, serve_long_context, serve_profile, warm_start,
 # serve_ready, stage0, precision, kv_precision, ticks_conversation_bf16, ticks_conversation_fp8, ticks_capacity, ticks_profile_small,
 # ticks_ragged_graphs, serve_ragged_graphs, card_tests, card_waterfall, card_before, card_capacity, card_bench, slope, soak,
-# stage2: the minicpmo45 figures (random weights), each a few minutes on an H200 (each fits one 10-minute call).
+# stage2, video: the minicpmo45 figures (random weights), each a few minutes on an H200 (each fits one 10-minute call).
 # Every step is a `duplexcache bench BENCHMARK` command (run as `python3 -m duplexcache.cli`, so no install is needed).
 # Needs torch with CUDA, triton, numpy, pyyaml, safetensors, pydantic, tqdm, matplotlib; the serve modes also
 # fastapi, uvicorn, websockets, prometheus-client, httpx.
@@ -116,6 +116,8 @@ case "$mode" in
     step smoke_ticks_fp8 120 python3 -m duplexcache.cli bench ticks --preset tiny --device cuda --sessions 1,2 --ticks 2 --kv-cache-dtype fp8_e4m3 $small --out "$out/smoke_ticks_fp8"
     # the A/B reference of the graph switches that are on by default (eager ragged steps and encoder)
     step smoke_ticks_eager 120 python3 -m duplexcache.cli bench ticks --preset tiny --device cuda --sessions 1,2 --ticks 2 --ragged-step-graphs off --encoder-cuda-graphs off $small --out "$out/smoke_ticks_eager"
+    # camera frames (issue 47): every session a video session, the vision stage on the device
+    step smoke_ticks_video 120 python3 -m duplexcache.cli bench ticks --preset tiny --device cuda --sessions 1,2 --ticks 2 --video-share 1 $small --out "$out/smoke_ticks_video"
     step smoke_setup 120 python3 -m duplexcache.cli bench setup --preset tiny --device cuda --sessions 3 --repeats 1 --out "$out/smoke_setup"
     serve_conversation smoke_serve duplexcache/configs/tiny.yaml 2 16 "engine.memory_budget=512MiB"   # 16 s: every caller reaches its first reply
     step gpu_tests 240 python3 -m pytest -q -x tests/cfm/test_graphs.py tests/kv/test_paged_attention.py tests/kv/test_decode_graphs.py tests/models/test_audio_encoder_graphs.py tests/runtime/test_warmup.py -p no:cacheprovider ;;
@@ -365,6 +367,13 @@ d = DeployConfig.from_packaged_yaml("minicpmo45"); d.code2wav.vocoder_cuda_graph
     step cold_start 420 python3 -m duplexcache.cli bench warm-start --config examples/minicpmo45-shared.yaml --sessions 24 --ticks 4 --no-warmup --out "$out/cold_start" ;;
   serve_ready)  # issue 10: `duplexcache serve` from launch to /health 200, then the graph-capture counters on /metrics
     step serve_ready 480 python3 scripts/serve_ready.py --config examples/minicpmo45-shared.yaml --port 8765 ;;
+  video)  # issue 47: `verify vision` at the real shapes (~2 GB of random float32 weights, ours + transformers' Idefics2
+    # on the GPU, TF32 off), then `bench ticks` with every session a video session (a 640x480 JPEG per unit, 1 fps) at
+    # the `ticks` mode's counts and budget (its audio-only rows are the baseline: run `ticks` in the same session), and
+    # half video, half audio. results.md: the vision stage's ms per tick and the bytes per video session
+    step verify_vision 300 python3 -m duplexcache.cli verify vision --preset minicpmo45 --random-weights --device cuda
+    step engine_ticks_video 300 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 1,8,16,32 --ticks 4 --max-seconds 240 --memory-budget 100GiB --video-share 1 --out "$out/engine_ticks_video"
+    step engine_ticks_video_half 300 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 8,16,32 --ticks 4 --max-seconds 240 --memory-budget 100GiB --video-share 0.5 --out "$out/engine_ticks_video_half" ;;
   stage0)
     step gpu_stage0 120 python3 -m duplexcache.cli bench kernels --out "$out/gpu_stage0" ;;
   slope)  # issue 49: per-stage ms per extra session (the slope of p50 over the counts) beside the floor, --steady-window,
@@ -383,6 +392,6 @@ d = DeployConfig.from_packaged_yaml("minicpmo45"); d.code2wav.vocoder_cuda_graph
     done ;;
   stage2)
     step gpu_stage2 300 python3 -m duplexcache.cli bench stage2 --out "$out/gpu_stage2" --batches 1,8,32 ;;
-  *) echo "unknown mode $mode (soak|card_tests|card_waterfall|card_before|card_capacity|card_bench|smoke|bench|bench_turn|bench_capacity|setup|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|ticks_conversation|ticks_conversation_large|serve_conversation|serve_switch|serve_catch_up|serve_precision|serve_prefill_between|serve_long_context|serve_profile|prefill|prefill_between|prefill_512|warm_start|serve_ready|stage0|stage2|precision|kv_precision|ticks_conversation_bf16|ticks_conversation_fp8|ticks_capacity|slope)"; exit 2 ;;
+  *) echo "unknown mode $mode (soak|card_tests|card_waterfall|card_before|card_capacity|card_bench|smoke|bench|bench_turn|bench_capacity|setup|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|ticks_conversation|ticks_conversation_large|serve_conversation|serve_switch|serve_catch_up|serve_precision|serve_prefill_between|serve_long_context|serve_profile|prefill|prefill_between|prefill_512|warm_start|serve_ready|stage0|stage2|video|precision|kv_precision|ticks_conversation_bf16|ticks_conversation_fp8|ticks_capacity|slope)"; exit 2 ;;
 esac
 done

@@ -67,6 +67,8 @@ from duplexcache.runtime.voices import Voice
 from duplexcache.runtime.session_sizing import CLIENT_REFUSALS, RefusalLog, SessionSizing, refusal
 from duplexcache.runtime.talker_stage import TalkerStage
 from duplexcache.runtime.thinker_stage import ThinkerStage
+from duplexcache.runtime.vision_stage import (MAX_PENDING_FRAMES, VisionStage, VisionUnavailable, decode_frame,
+                                              engine_vision)
 from duplexcache.runtime.warmup import WarmupReport, cached_bytes, replan_after_warmup, warm_up
 
 # Names other modules import from here (their home is where the work moved).
@@ -180,6 +182,11 @@ class DuplexEngine:
         self.thinker_stage = ThinkerStage(self.stage0, models.audio_encoder, self.builder, models.tokenizer,
                                           self.control, policy, self._embed_tokens, self.table, self._end,
                                           kv_storage_dtype(deploy.precision.encoder_cache_dtype), self.encoder_graphs)
+        # model.vision: camera frames of video sessions, one batched call per tick (vision_stage.py)
+        vision = engine_vision(deploy, models)
+        self.vision_stage = None if vision is None else VisionStage(vision, self._embed_tokens, models.tokenizer,
+                                                                    self._end)
+        self.thinker_stage.frame_tokens = self.sizing.frame_tokens
         if faults is not None:
             self.install_faults(faults)
 
@@ -371,11 +378,22 @@ class DuplexEngine:
     def install_faults(self, faults: FaultInjector | None) -> None:
         """Test hook: make chosen stages raise for chosen sessions (runtime/isolation.py)."""
         self.faults = faults
-        for part in (self.stage0, self.thinker_stage, self.talker_stage, self.code2wav_stage):
-            part.faults = faults
+        for part in (self.stage0, self.thinker_stage, self.talker_stage, self.code2wav_stage, self.vision_stage):
+            if part is not None:
+                part.faults = faults
 
     def push_audio(self, sid: str, pcm: np.ndarray) -> None:
         self.table.push_audio(sid, pcm)
+
+    def push_frame(self, sid: str, image: bytes) -> None:
+        """A camera frame (JPEG or PNG bytes) for video session ``sid``'s next unit without one
+        (runtime/vision_stage.py). Decoded here, on the caller's thread. Optional EngineAPI
+        member; ``VisionUnavailable`` without ``model.vision`` or for a session not opened with
+        ``video``, ``InvalidImageError`` for a bad image, ``TooManyFrames`` past 10 pending."""
+        if self.vision_stage is None:
+            raise VisionUnavailable("camera frames need a server with a vision model (model.vision is false)")
+        self.table.get_live(sid)   # an unknown session is told so before its image is decoded
+        self.table.push_frame(sid, decode_frame(image, self.vision_stage.cfg), MAX_PENDING_FRAMES)
 
     def close_session(self, sid: str) -> None:
         self.table.close(sid)
@@ -567,6 +585,11 @@ class DuplexEngine:
         with record_function(STAGE_RANGE + "encoder"):
             units, embeds = self.thinker_stage.encode(units, events)
         lat["encoder"] = time.perf_counter() - t
+        if self.vision_stage is not None and any(u.frame is not None for u in units):
+            t = time.perf_counter()
+            with record_function(STAGE_RANGE + "vision"):
+                units = self.vision_stage.run(units, events)
+            lat["vision"] = time.perf_counter() - t
         t = time.perf_counter()
         with record_function(STAGE_RANGE + "thinker"):
             units = self.thinker_stage.run(units, embeds, events) if units else []

@@ -21,7 +21,7 @@ import itertools
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,6 +100,9 @@ class EngineSession:
     # audio does not depend on the server's random wire ids.
     seed_name: str = ""
     prefill_tick: int | None = None   # the tick that queued its context prefill
+    # Camera frames not taken by a unit yet, oldest first (runtime/vision_stage.py; lock-guarded
+    # like ``audio``): each unit takes one.
+    frames: deque = field(default_factory=deque)
 
 
 @dataclass(frozen=True)
@@ -274,6 +277,8 @@ class Unit:
     codes: torch.Tensor | None = None
     turn: UnitTurn = NO_REQUESTS     # turn requests this unit applies
     rows: torch.Tensor | None = None  # what the unit appended before its decision
+    frame: Any = None                 # the camera frame this unit carries (vision_stage.Frame)
+    frame_rows: torch.Tensor | None = None   # its <image> v1..v64 </image> rows (vision_stage)
 
 
 @dataclass
@@ -514,7 +519,25 @@ class SessionTable:
                 audio = np.concatenate(sess.audio)[drop:]
                 sess.audio = [audio] if audio.size else []
                 sess.buffered = int(audio.size)
+                while len(sess.frames) > 1:   # the frames of the dropped seconds go too: the newest stays
+                    sess.frames.popleft()
         return drop
+
+    def push_frame(self, sid: str, frame: Any, max_pending: int) -> None:
+        """Queue a decoded camera frame for ``sid``'s next unit without one (vision_stage.py)."""
+        from duplexcache.runtime.vision_stage import TooManyFrames, VisionUnavailable
+
+        with self.lock:
+            sess = self.live.get(sid)
+            if sess is None:
+                what = "queued" if sid in self.queue else "unknown"
+                raise ValueError(f"cannot push a frame to {what} session {sid!r}")
+            if not sess.config.video:
+                raise VisionUnavailable(f"session {sid!r} was not opened for video (session key 'video')")
+            if len(sess.frames) >= max_pending:
+                raise TooManyFrames(f"session {sid!r} already holds {len(sess.frames)} frames its audio has not "
+                                    f"reached; send at most one frame per second of audio")
+            sess.frames.append(frame)
 
     def count_behind(self, unit_samples: int, samples_needed: Callable[[EngineSession], int]) -> int:
         """Opened sessions a whole unit behind: one still held ``unit_samples`` right after its
@@ -577,7 +600,8 @@ class SessionTable:
                 sess.audio = [rest] if rest.size else []
                 sess.buffered = sess.left_after_take = rest.size
                 sess.audio_started = True
-                units.append(Unit(sess, audio[:need], ahead=rest, turn=turns.take_unit_requests(sess.turn)))
+                units.append(Unit(sess, audio[:need], ahead=rest, turn=turns.take_unit_requests(sess.turn),
+                                  frame=sess.frames.popleft() if sess.frames else None))
             # after the whole units: an early close joins this tick only while the tick has room
             for sess, need in short:
                 if self.early_close.room(len(units)):
@@ -606,7 +630,8 @@ class SessionTable:
             sess.realign = True
         self.early_closes += 1
         pcm = np.concatenate([heard, np.zeros(silence, np.float32)])
-        return Unit(sess, pcm, ahead=rest, turn=turns.take_unit_requests(sess.turn))
+        return Unit(sess, pcm, ahead=rest, turn=turns.take_unit_requests(sess.turn),
+                    frame=sess.frames.popleft() if sess.frames else None)
 
     # ------------------------------------------------------------------ turn control (runtime/turns.py)
 

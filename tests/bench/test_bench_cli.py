@@ -188,8 +188,8 @@ def test_gpu_bench_script_commands_parse():
 
     script = (Path(__file__).parents[2] / "scripts" / "gpu_bench.sh").read_text().replace("\\\n", " ")
     shell_vars = {"out": "/tmp/out", "port": "8000", "sessions": "4", "duration": "10", "REPLY_LATENCY_S": "3.5",
-                  "name": "step", "kv": "auto", "arm": "on", "counts": "8,16",
-                  "small": "--memory-budget 512MiB"}
+                  "name": "step", "kv": "auto", "arm": "on",
+                  "small": "--memory-budget 512MiB", "counts": "8,16", "formats": ""}
 
     def expand(text: str) -> str:   # $VAR, ${VAR} and ${VAR:-default}
         return re.sub(r"\$\{(\w+)(?::-([^}]*))?\}|\$(\w+)",

@@ -140,7 +140,8 @@ class Code2WavConfig(_Strict):
     # Graph tiers (batch sizes captured as graphs). Overridden by DUPLEXCACHE_CFM_GRAPH_GRID.
     graph_grid: tuple[int, ...] | None = None
     # CUDA: the vocoder (HiFT) replays CUDA graphs of the engine's chunk shapes, like the
-    # estimator's solves: ~100 ms shorter ticks at 32-40 sessions (docs/benchmarks.md). Two captures
+    # estimator's solves: ~100 ms shorter ticks at 32-40 sessions (docs/results/HISTORY.md,
+    # "The vocoder as CUDA graphs"). Two captures
     # give the same PCM once cuDNN is limited to deterministic algorithms without TF32 (as the engine
     # pins it); False is the eager A/B reference.
     vocoder_cuda_graphs: bool = True
@@ -263,13 +264,15 @@ class EngineConfig(_Strict):
     # tokens fit a batch bucket (kv/decode_graphs.py run_ragged), instead of ~900 eager
     # launches each. Off: those steps launch eagerly (A/B reference). Measured (H200): the Thinker
     # stage 111.5 -> 43.9 ms at one session; over the wire (H100, 19 callers) 0 late ticks
-    # instead of 32 together with encoder_cuda_graphs (docs/benchmarks.md). CUDA only.
+    # instead of 32 together with encoder_cuda_graphs (docs/results/HISTORY.md, "The graph switches on
+    # the H200"). CUDA only.
     ragged_step_graphs: bool = True
     # CUDA devices: the streaming audio encoder's layers replay as piecewise CUDA graphs, with
     # each layer's cache store and gather as the eager piece between them (models/
     # audio_encoder_graphs.py): 25 replays and 48 multi-tensor copies per tick at minicpmo45
     # shapes instead of ~650 launches. Off: the eager layers (A/B reference). Measured (H200): the
-    # encoder stage 50.7 -> 4.5 ms at one session (docs/benchmarks.md). CUDA only.
+    # encoder stage 50.7 -> 4.5 ms at one session (docs/results/HISTORY.md, "The graph switches on the
+    # H200"). CUDA only.
     encoder_cuda_graphs: bool = True
     # A session's text and audio bits do not depend on which other sessions share its ticks:
     # every GEMM and conv runs in fixed-shape row tiles and the paged decode kernel splits a
@@ -402,7 +405,7 @@ class ServerConfig(_Strict):
     # leaves time before the next unit tick; a session closed early is aligned to the unit tick
     # again with silence (one unit of it per early close; docs/engine.md, "Units on the unit tick").
     # "home" needs align_units_to_ticks. Home is the default: on the CPU it answered sooner, with
-    # more early closes and fewer late ticks, than spread (docs/benchmarks.md, "Units on the unit tick").
+    # more early closes and fewer late ticks, than spread (docs/results/HISTORY.md, "Units on the unit tick").
     phase_units: Literal["spread", "home"] = "home"
     # A session whose client sends nothing (push-to-talk between turns; a manual-turn client that
     # commits, asks for a reply and waits) would get no more units, so no reply. Once it has sent

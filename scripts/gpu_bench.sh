@@ -31,7 +31,7 @@ step() {  # step NAME SECONDS CMD...
 # unit, taken `lead` (~150 ms) after it arrived; its audio leaves when that tick ends (< 1 s on a server
 # that keeps pace): under 1 + 0.2 + 0.15 + 1 s. Without alignment: a whole quiet unit, up to one period
 # of phase, and the tick: under 3 s. So a server that keeps pace answers within 3 s either way; later
-# replies mean it fell behind. Issue 10's 1.5 s p99 needs ticks under ~0.15 s (docs/benchmarks.md,
+# replies mean it fell behind. Issue 10's 1.5 s p99 needs ticks under ~0.15 s (docs/results/HISTORY.md,
 # "Units on the grid").
 REPLY_LATENCY_S=${REPLY_LATENCY_S:-3.0}
 
@@ -277,7 +277,7 @@ d = DeployConfig.from_packaged_yaml("minicpmo45"); d.code2wav.vocoder_cuda_graph
     # torch.profiler (host and device ms, syncs and launches per stage and Code2Wav part; the lines that synchronise)
     step engine_ticks_profile_exact 200 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 40 --workload conversation --steady-window --all-switches on --ticks 6 --warmup-ticks 8 --profile-ticks 2 --max-seconds 190 --memory-budget auto --graph-grid 1,4,8,16 --out "$out/engine_ticks_profile_exact" ;;
   ticks_profile_small)  # issue 10: what the fixed part of a tick is made of. A tick between unit ticks of 1-2 reply
-    # starts took 0.25-0.5 s on the H200 at 32 callers (docs/benchmarks.md, "Units on the unit tick"). Profiles ticks
+    # starts took 0.25-0.5 s on the H200 at 32 callers (docs/results/HISTORY.md, "Units on the unit tick"). Profiles ticks
     # of 1, 2 and 4 sessions in exact mode (host and device ms, launches, syncs per stage): first every session
     # speaking every tick (continuous: every profiled tick speaks), then one-unit replies every other tick (turns
     # k=2: a reply start every second tick); ~4 min

@@ -5,7 +5,7 @@
 
 (``duplexcache bench`` with these options and no benchmark name runs it too: bench/cli.py.)
 
-Writes DIR/report.json (schema: docs/benchmarks.md), DIR/memory.png and prints a table.
+Writes DIR/report.json (schema: docs/results/README.md), DIR/memory.png and prints a table.
 The measured target is the serving engine (``--target engine``, default) or the stages wired
 directly (``--target components``).
 Needs torch, numpy, pydantic, pyyaml, tqdm and matplotlib; no web library.

@@ -22,7 +22,7 @@ So a tick launches L + 1 replays and 2L multi-tensor copies instead of ~25 kerne
 The pieces exchange nothing through the graphs' memory pool: each reads and writes static
 buffers (per ``n``: X, Q, K, V of ``max_batch`` rows; shared: the gather buffer of
 ``max_cache_frames`` keys and the mask), so any capture order is safe. The pieces run without
-autograd (the memory that once outlived the engine was their autograd history, docs/benchmarks.md).
+autograd (the memory that once outlived the engine was their autograd history, docs/results/HISTORY.md).
 The gather buffer is the eager tick's gather buffer at its largest, held for good: at minicpmo45
 shapes 2 x 1500 frames x 1024 values per row, 6 MiB per row in bf16.
 

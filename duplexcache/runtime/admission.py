@@ -234,7 +234,7 @@ class TickCostModel:
     replays, the Code2Wav solve of a tier): at minicpmo45 shapes 32 sessions tick in ~700 ms and
     each further one adds ~20 ms, so a line through the origin (tick / units) read from the first
     ticks of a few sessions predicts ~70 ms per session and refuses the eleventh caller of a card
-    that runs 32 in real time (seen twice on an H200, docs/benchmarks.md). A slope is therefore
+    that runs 32 in real time (seen twice on an H200, docs/results/HISTORY.md). A slope is therefore
     trusted only when the ticks seen span at least ``MIN_SPAN_UNITS`` unit counts (a slope read
     from neighbouring counts is mostly noise times a long lever) and it is positive. Until then,
     and when the fitted slope is <= 0, the prediction is flat: the mean tick at the largest unit

@@ -344,7 +344,7 @@ def reserve_dynamic_region(engine: DuplexEngine) -> int:
     if n < engine.plan.dynamic_bytes:
         # The plan sized the pools before the warm-up's graphs took their memory; a region that
         # no longer fits means the sessions' growing caches may not either (seen on the H200 when
-        # the encoder pieces' captures kept their activations, fixed since: docs/benchmarks.md).
+        # the encoder pieces' captures kept their activations, fixed since: docs/results/HISTORY.md).
         logger.warning("warm-up: the device has %.1f GiB free for the plan's %.1f GiB dynamic region (the "
                        "sessions' encoder and Code2Wav caches); the graphs captured since the plan took the rest, "
                        "so the planned sessions may run out of device memory", n / 2**30,
@@ -409,7 +409,7 @@ def replan_after_warmup(engine: DuplexEngine, report: WarmupReport) -> None:
 
 def _log_device_memory(engine: DuplexEngine) -> None:
     """Where the device memory stands after the warm-up: what the graphs' pools took is the part
-    the memory plan does not count (docs/benchmarks.md, "The graph switches: the retained memory
+    the memory plan does not count (docs/results/HISTORY.md, "The graph switches: the retained memory
     explained")."""
     device = engine.models.device
     if device.type != "cuda":

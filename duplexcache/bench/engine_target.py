@@ -23,15 +23,11 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from duplexcache.bench.components import (
-    FRAMES_PER_UNIT,
-    SessionOutput,
-    check_code2wav_steady,
-)
 from duplexcache.bench.memory import Tier
 from duplexcache.config import DeployConfig
 from duplexcache.runtime.engine import DuplexEngine
@@ -41,6 +37,29 @@ logger = logging.getLogger(__name__)
 
 INSTRUCTIONS = "You are a helpful voice assistant. Answer briefly."
 ALWAYS_SPEAK_K = 1_000_000   # one turn for the whole run: every unit speaks
+FRAMES_PER_UNIT = 50         # 25 speech tokens, x2 upsampling
+
+
+@dataclass
+class SessionOutput:
+    """What one session produced: its text and its pcm16 audio, per unit (the equality check's input)."""
+
+    text: list[int] = field(default_factory=list)
+    audio: list[torch.Tensor] = field(default_factory=list)
+
+    def audio_tensor(self) -> torch.Tensor:
+        return torch.cat(self.audio) if self.audio else torch.zeros(0)
+
+
+def check_code2wav_steady(code2wav) -> None:
+    """Raise if any Code2Wav session's estimator cache is not at its steady length P + tail
+    (the bench must not call a state "steady" that is not)."""
+    tail = code2wav.config.cache_tail_frames
+    for sid, sess in code2wav.sessions.items():
+        want = sess.prompt_frames + tail
+        if len(sess.att) != want:
+            raise RuntimeError(f"bench: Code2Wav session {sid} holds {len(sess.att)} cache frames, not the "
+                               f"steady {want} (P + tail); run more units (--units)")
 
 
 def always_speak(deploy: DeployConfig) -> DeployConfig:

@@ -6,8 +6,7 @@
 (``duplexcache bench`` with these options and no benchmark name runs it too: bench/cli.py.)
 
 Writes DIR/report.json (schema: docs/results/README.md), DIR/memory.png and prints a table.
-The measured target is the serving engine (``--target engine``, default) or the stages wired
-directly (``--target components``).
+The measured target is the serving engine (``engine_target.py``).
 Needs torch, numpy, pydantic, pyyaml, tqdm and matplotlib; no web library.
 """
 
@@ -23,7 +22,6 @@ from pathlib import Path
 import torch
 
 from duplexcache.bench.common import usage_error
-from duplexcache.bench.components import BenchModels, ComponentTarget
 from duplexcache.bench.floor import SessionFloor, session_floor
 from duplexcache.bench.matrix import config_matrix
 from duplexcache.bench.report import RunMeta, build_report, format_table, write_report
@@ -77,8 +75,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="engine.talker_turn_tokens: the most Talker KV tokens one audio turn holds, "
                              "what admission reserves and the fast-forward holds per session (default: the "
                              "deploy config's, else the Talker's max_position_embeddings)")
-    parser.add_argument("--target", choices=("engine", "components"), default="engine",
-                        help="engine: the serving engine (default); components: the stages wired directly")
     parser.add_argument("--no-waterfall", dest="waterfall", action="store_false",
                         help="skip the card waterfall (engine target: one engine of the deploy config as given, "
                              "warmed up as serve does, every device byte by part; report.json 'waterfall' and "
@@ -112,7 +108,7 @@ def load_deploy(args: argparse.Namespace) -> DeployConfig:
 
 @dataclass
 class _Setup:
-    """What the chosen target contributes to the run: how to build it and what it measures."""
+    """What the engine target contributes to the run: how to build it and what it measures."""
 
     configs: list
     target: str
@@ -172,22 +168,6 @@ def _engine_setup(deploy: DeployConfig, configs, args) -> _Setup:
                   args.units or EngineTarget.units_to_steady(p), p, notes, models)
 
 
-def _components_setup(deploy: DeployConfig, configs, args) -> _Setup:
-    models = BenchModels.build(args.preset, deploy.model.device, getattr(torch, deploy.model.dtype), seed=args.seed)
-    floor = session_floor(models.thinker.config, deploy.stage0.window.high_tokens,
-                          Code2WavShape.from_flow(models.flow), models.prompt_frames, models.encoder.cfg,
-                          deploy.model.dtype, kv_storage_dtype=kv_storage_dtype(deploy.precision.kv_cache_dtype))
-    notes = {
-        "fast_forward": "Thinker window filled to prefix + high_tokens by appending real token embeddings of "
-                        "seeded random ids in batched chunks (no decode); Code2Wav reaches P private frames "
-                        "by real units; the encoder cache is grown to max_cache_frames (held, not computed)",
-        "talker": "not in the component target: speech tokens are the top-28 Thinker logits mod 6561",
-        "text_tokens_per_unit": 2,
-    }
-    return _Setup(configs, "components", lambda cfg, n: ComponentTarget(models, cfg.deploy, n), models.weight_bytes(),
-                  floor, args.units or models.units_to_steady(), models.prompt_frames, notes)
-
-
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -202,18 +182,8 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(deploy.model.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("duplexcache bench memory: --device cuda but torch sees no CUDA device")
-    if args.target == "components" and deploy.precision.code2wav_dtype != "float32":
-        # the component target builds its own float32 flow: the switch would not reach it
-        return usage_error("memory", f"--target components runs Code2Wav in float32 only; "
-                                     f"precision.code2wav_dtype {deploy.precision.code2wav_dtype} needs --target engine")
-    if args.target == "components" and deploy.precision.encoder_cache_dtype != "auto":
-        # the component target opens encoder states itself, in the weights' dtype
-        return usage_error("memory", "--target components keeps the encoder cache in the model dtype; "
-                                     "precision.encoder_cache_dtype needs --target engine")
-    if args.target == "components" and deploy.engine.talker_turn_tokens is not None:
-        return usage_error("memory", "--target components has no Talker; engine.talker_turn_tokens needs --target engine")
     configs = config_matrix(deploy)
-    setup = (_engine_setup if args.target == "engine" else _components_setup)(deploy, configs, args)
+    setup = _engine_setup(deploy, configs, args)
     configs = setup.configs
     with tqdm(total=len(configs) * len(sessions), desc="bench", file=sys.stderr, unit="run") as bar:
         results = run_sweep(configs, sessions, setup.make_target, setup.units, device,
@@ -222,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     wf = None
-    if args.waterfall and setup.models is not None:
+    if args.waterfall:
         from duplexcache.runtime.waterfall import plot_waterfall
 
         wf = card_waterfall(setup.models, deploy)

@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 
 class BenchTarget(Protocol):
-    """What the runner drives; ``components.ComponentTarget`` implements it."""
+    """What the runner drives; ``engine_target.EngineTarget`` implements it."""
 
     name: str
     outputs: dict

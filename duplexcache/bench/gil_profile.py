@@ -7,7 +7,7 @@ a worker thread (``asyncio.to_thread(engine.tick)``) and everything else on the 
 own work stretch the tick?" becomes "what share of the GIL samples does the event loop hold
 while ticks run, and on what?" (docs/results/HISTORY.md, "Where the server's time goes").
 
-Only parsing and counting live here (tested on CPU); ``scripts/serve_profile.py`` runs the
+Only parsing and counting live here (tested on CPU); ``scripts/probes/serve_profile.py`` runs the
 server under py-spy with the load generator.
 """
 

@@ -205,7 +205,7 @@ class EncoderGraphs:
         # Autograd off inside the piece, whoever calls it (a capture, the warm-up, a tick): with it
         # on, the copies into the static buffers would chain every piece's activations into the
         # buffers' grad_fn, a C++ reference cycle that outlives the engine (H100, 2026-12-06: 7 GiB
-        # still allocated after the engine was freed; scripts/graph_leak_probe.py).
+        # still allocated after the engine was freed; scripts/probes/graph_leak_probe.py).
         @torch.no_grad()
         def piece() -> None:
             if index == 0:

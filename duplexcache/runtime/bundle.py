@@ -81,7 +81,7 @@ def build_models(deploy: DeployConfig, seed: int = 0) -> ModelBundle:
 
 def meta_model_bundle(preset: str, dtype: torch.dtype = torch.bfloat16) -> ModelBundle:
     """The preset's models on the ``meta`` device: shapes and bytes, no weights, nothing computed.
-    For planning a card from shapes alone (scripts/card_capacity.py, the memory-plan tests); never
+    For planning a card from shapes alone (scripts/probes/card_capacity.py, the memory-plan tests); never
     a bundle to serve with (``build_models`` refuses ``meta``)."""
     tk, tl, enc, flow_cfg, voc = preset_configs(preset)
     meta = torch.device("meta")

@@ -31,7 +31,7 @@ the first seconds saw first audio after 13-16 s, and 11 of them none within 16 s
 * the audio encoder (its conv front eager in every tick, its layers too without graphs), over a first unit and a second unit of the planned
   session count on throwaway states (``run_encoder_once``): its first batch otherwise paid its
   library initialisation (cuDNN) and the device allocations of the batch inside a tick (H200,
-  32 sessions: a 2.1 s first unit; ``scripts/encoder_growth_probe.py``).
+  32 sessions: a 2.1 s first unit; ``scripts/probes/encoder_growth_probe.py``).
 * the CUDA caching allocator holds the plan's dynamic region once (``reserve_dynamic_region``):
   the sessions' encoder caches and Code2Wav stream caches are allocated as sessions open and
   grow, and each new size used to be a device allocation (cudaMalloc, which waits for the

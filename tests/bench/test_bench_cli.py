@@ -179,13 +179,20 @@ def test_kernels_says_it_needs_cuda(tmp_path, capsys):
 
 
 def test_gpu_bench_script_commands_parse():
-    """Every `duplexcache bench` step of scripts/gpu_bench.sh names a benchmark and options it has
-    (the script runs on a GPU machine only, where a typo would cost a run)."""
+    """Every `duplexcache bench` step of scripts/gpu_bench.sh and scripts/probes/gpu_probes.sh names
+    a benchmark and options it has (the scripts run on a GPU machine only, where a typo would cost a run)."""
     import re
     import shlex
     from pathlib import Path
 
-    script = (Path(__file__).parents[2] / "scripts" / "gpu_bench.sh").read_text().replace("\\\n", " ")
+    scripts = Path(__file__).parents[2] / "scripts"
+    script = "\n".join((scripts / name).read_text() for name in ("gpu_bench.sh", "probes/gpu_probes.sh"))
+    script = script.replace("\\\n", " ")
+    # every script a step runs is where the step says (run from the repository root)
+    paths = re.findall(r"python3 (scripts/\S+\.py)", script)
+    assert paths
+    for path in paths:
+        assert (scripts.parent / path).is_file(), path
     shell_vars = {"out": "/tmp/out", "port": "8000", "sessions": "4", "duration": "10", "REPLY_LATENCY_S": "3.5",
                   "name": "step", "kv": "auto", "arm": "on",
                   "small": "--memory-budget 512MiB"}

@@ -1,6 +1,6 @@
 """Expected sessions admitted on a card for a minicpmo45 deploy config, from shapes only.
 
-    python scripts/card_capacity.py [--config examples/minicpmo45-shared.yaml] [--policy reply]
+    python scripts/probes/card_capacity.py [--config examples/minicpmo45-shared.yaml] [--policy reply]
                                     [--total-gib 79.6] [--outside-gib 2.31] [--activation-gib 3.0]
 
 The engine itself plans on the ``meta`` device (the models' shapes, no weights, nothing

@@ -1,6 +1,6 @@
 """Profile a freshly started `duplexcache serve` under the conversation load: who holds the GIL.
 
-    python scripts/serve_profile.py --config duplexcache/configs/tiny.yaml --sessions 16 \
+    python scripts/probes/serve_profile.py --config duplexcache/configs/tiny.yaml --sessions 16 \
         --duration 60 --out DIR [--rate 50]
 
 Starts the server under ``py-spy record --gil --threads --nonblocking --format raw`` (pip install

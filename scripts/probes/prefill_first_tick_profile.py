@@ -1,7 +1,7 @@
 """Where the first tick of a long context's prefill goes (issue 11): the prefill bench with the
 context build, the Stage 0 chunk and the rest of the tick timed separately (synchronised).
 
-    python scripts/prefill_first_tick_profile.py [--sessions 32] [--out DIR]
+    python scripts/probes/prefill_first_tick_profile.py [--sessions 32] [--out DIR]
 """
 
 from __future__ import annotations

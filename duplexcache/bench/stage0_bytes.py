@@ -46,13 +46,12 @@ def _measured(config: ThinkerConfig, context: int, window: int, share: bool, dty
 
 def table_rows(config: ThinkerConfig, contexts: list[int], high: int, dtype: torch.dtype,
                block_size: int = 16, storage_dtype: torch.dtype | None = None) -> list[dict]:
-    dtype_bytes = torch.empty((), dtype=dtype, device="meta").element_size()
     rows = []
     for context in contexts:
         for point, window in (("start", 0), (f"full window (+{high})", high)):
             row = {"context": context, "point": point}
             for share in (True, False):
-                formula = stage0_session_bytes(config, context, window, share, dtype_bytes, block_size,
+                formula = stage0_session_bytes(config, context, window, share, dtype, block_size,
                                                storage_dtype)
                 measured = _measured(config, context, window, share, dtype, block_size, storage_dtype)
                 if formula != measured:

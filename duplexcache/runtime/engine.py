@@ -45,7 +45,6 @@ from duplexcache.context import EmbeddingResult, EncoderPath, SessionContextBuil
 from duplexcache.context.tokenizer import MemoTokenizer
 from duplexcache.kv.decode_graphs import PagedDecodeGraphs
 from duplexcache.kv.kv_quant import kv_storage_dtype
-from duplexcache.kv.window import WindowConfig
 from duplexcache.models.batch_invariant import BatchInvariantMode, tile_rows_for
 from duplexcache.models.audio_encoder_graphs import EncoderGraphs
 from duplexcache.runtime import device_setup, turns
@@ -99,8 +98,7 @@ class DuplexEngine:
         self.batch_invariant = (BatchInvariantMode(tile_rows_for(models.device))
                                 if deploy.engine.batch_invariant else None)
         self.block_size = deploy.stage0.block_size
-        w = deploy.stage0.window
-        self.window = WindowConfig(mode=w.mode, high_tokens=w.high_tokens, low_tokens=w.low_tokens)
+        self.window = device_setup.window_config(deploy.stage0)
         self.reference_encodes = 0
         # One memo for the context's two tokenizations: open_session's sizing (a worker thread)
         # fills it, the tick's context build reads it (context/tokenizer.py MemoTokenizer).

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import engine, tiny_models
@@ -32,7 +33,7 @@ def _independent_session_bytes(eng, share: bool) -> tuple[int, int]:
     builder = SessionContextBuilder(m.tokenizer, eng._embed_tokens, eng._encode_reference_audio, model_revision="x")
     ctx = builder.build("", voice.ref_audio)
     high = eng.deploy.stage0.window.high_tokens
-    kv = stage0_session_bytes(m.thinker.config, ctx.total, high, share, dtype_bytes=4, block_size=16)
+    kv = stage0_session_bytes(m.thinker.config, ctx.total, high, share, dtype=torch.float32, block_size=16)
     tc = m.talker.config
     talker = -(-tc.max_position_embeddings // 16) * 2 * tc.num_hidden_layers * 16 * tc.num_key_value_heads * tc.head_dim * 4
     cfm = eng.code2wav.config

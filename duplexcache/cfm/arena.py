@@ -188,7 +188,7 @@ class PromptBank:
     def _free_offset(self, n: int) -> int | None:
         """First gap of n frames between slots (left by `remove`), or None."""
         pos = 1
-        for off, m in sorted(self._slots.values()):
+        for off, m in sorted(set(self._slots.values())):   # an alias shares its target's slot
             if off - pos >= n:
                 return pos
             pos = off + m
@@ -211,6 +211,13 @@ class PromptBank:
         dst.copy_(att)
         return dst
 
+    def alias(self, name: str, target: str) -> None:
+        """``name`` reads ``target``'s frames (an equal prompt state); the frames stay taken while
+        either name holds them."""
+        if name in self._slots:
+            raise ValueError(f"voice {name!r} already in the prompt bank")
+        self._slots[name] = self._slots[target]
+
     def remove(self, name: str) -> None:
         """Forget a voice; its frames become a gap the next `add` may reuse (no reallocation, so
         no graph is invalidated)."""
@@ -222,7 +229,7 @@ class PromptBank:
     def voice_nbytes(self) -> int:
         """Bytes of the frames that registered voices own (their prompt states' estimator part)."""
         per_frame = self.nbytes() // self.num_frames
-        return per_frame * sum(n for _, n in self._slots.values())
+        return per_frame * sum(n for _, n in set(self._slots.values()))   # an alias's frames once
 
 
 def _qkv(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -186,9 +186,13 @@ class BatchedCode2Wav:
 
     # ---- voices and sessions -----------------------------------------------------------
     @torch.inference_mode()
-    def register_voice(self, name: str, tokens: torch.Tensor, mel: torch.Tensor, spk: torch.Tensor) -> None:
+    def register_voice(self, name: str, tokens: torch.Tensor, mel: torch.Tensor, spk: torch.Tensor,
+                       share_equal: bool = True) -> None:
         """tokens (T,) prompt speech tokens; mel (T * up_rate, 80); spk (192,). Runs the voice's
-        prompt pass now (the only one for this voice); its state lives until `unregister_voice`."""
+        prompt pass now (the only one for this voice); its state lives until `unregister_voice`.
+        A voice whose inputs equal a registered voice's takes that
+        voice's state instead (`PromptRegistry.register_alias`); ``share_equal=False`` runs a
+        pass of its own (the per-voice reference the tests compare against)."""
         if self.registry.has_voice(name):
             raise ValueError(f"voice {name!r} is already registered")
         cfg = self.config
@@ -200,6 +204,16 @@ class BatchedCode2Wav:
                              f"[{cfg.cache_tail_frames}, {cfg.max_prompt_frames}]")
         self._check_tokens(tokens, f"voice {name!r}")
         prompt = VoicePrompt(tokens.to(self.device), mel.to(self.device), spk.reshape(-1).to(self.device))
+        same = self.registry.same_prompt(prompt) if share_equal else None
+        if same is not None:
+            # A voice with another's prompt inputs (a client's reference recording, whose Code2Wav
+            # prompt is the base voice's) shares that voice's state and bank slot: no setup pass,
+            # no bytes, and no growth of the bank, which would drop the graphs captured over it.
+            self.registry.register_alias(name, same)
+            self.arena.bank.alias(name, same)
+            self._batch_stats.prompt_passes_per_voice.setdefault(name, 0)   # listed, with no pass
+            logger.info("voice %r: same Code2Wav prompt as %r, sharing its prompt state", name, same)
+            return
         version = self.arena.bank.version
         self.registry.register_voice(name, prompt, self._prompt_pass(name, prompt))
         if self.arena.bank.version != version:

@@ -60,6 +60,7 @@ class _Voice:
     prompt: VoicePrompt
     state: PromptState
     streams: int = 0   # live streams of this voice; only the registry changes it
+    alias_of: str | None = None   # the voice whose state this one shares (same prompt inputs)
 
 
 class PromptRegistry:
@@ -75,12 +76,39 @@ class PromptRegistry:
             raise ValueError(f"voice {name!r} is already registered")
         self._voices[name] = _Voice(prompt, state)
 
+    def same_prompt(self, prompt: VoicePrompt) -> str | None:
+        """A registered voice (not itself an alias) whose prompt inputs equal ``prompt``'s, bit
+        for bit: its setup pass gave the state ``prompt`` would get (the pass runs alone, batch
+        1, so its bits depend on the inputs only)."""
+        for name, entry in self._voices.items():
+            p = entry.prompt
+            if entry.alias_of is None and p.tokens.shape == prompt.tokens.shape and p.mel.shape == prompt.mel.shape \
+                    and torch.equal(p.tokens, prompt.tokens) and torch.equal(p.mel, prompt.mel) \
+                    and torch.equal(p.spk, prompt.spk):
+                return name
+        return None
+
+    def register_alias(self, name: str, target: str) -> None:
+        """Register ``name`` as sharing ``target``'s prompt inputs and state (no setup pass, no
+        bytes). Its streams are counted under its own name."""
+        if name in self._voices:
+            raise ValueError(f"voice {name!r} is already registered")
+        entry = self._entry(target)
+        self._voices[name] = _Voice(entry.prompt, entry.state, alias_of=target)
+
+    def alias_of(self, name: str) -> str | None:
+        return self._entry(name).alias_of
+
     def unregister_voice(self, name: str) -> None:
         """Forget the voice and free its prompt state; refused while a stream uses it."""
         entry = self._entry(name)
         if entry.streams:
             raise ValueError(f"voice {name!r} still has {entry.streams} streams")
         del self._voices[name]
+        # The state outlives its first owner while an alias holds it: the oldest alias owns it now.
+        heirs = [n for n, e in self._voices.items() if e.alias_of == name]
+        for n in heirs:
+            self._voices[n].alias_of = heirs[0] if n != heirs[0] else None
         logger.debug("unregistered voice %r (%d prompt-state bytes freed)", name, entry.state.nbytes())
 
     def _entry(self, name: str) -> _Voice:
@@ -121,6 +149,7 @@ class PromptRegistry:
         return 0 if entry is None else entry.streams
 
     def state_bytes(self, name: str) -> int:
-        """Bytes of the voice's prompt state (0 for an unknown voice)."""
+        """Bytes of the voice's prompt state (0 for an unknown voice, and for an alias: the bytes
+        are its target's, counted once there)."""
         entry = self._voices.get(name)
-        return 0 if entry is None else entry.state.nbytes()
+        return 0 if entry is None or entry.alias_of is not None else entry.state.nbytes()

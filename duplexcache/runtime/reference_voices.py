@@ -8,8 +8,11 @@ the server's voices. :meth:`ReferenceVoices.add` turns it into an ordinary named
   ``<|audio_start|>`` and ``<|audio_end|>`` (the reference-audio path of context/builder.py); the
   context cache and the shared anchor blocks key it by the recording's sha256, so sessions that
   send the same recording share one context;
-* Code2Wav registers the voice once: its prompt pass runs here, once per recording, and its
-  prompt state is shared by every stream of the voice (``cfm_prompt_att_sharing``).
+* Code2Wav registers the voice under its name; since its prompt inputs are the base voice's
+  (below), ``BatchedCode2Wav.register_voice`` finds them equal and shares the base voice's prompt
+  state and prompt-bank frames: no setup pass, no bytes, and no growth of the bank, which would
+  drop every Code2Wav graph captured at warm-up (measured on an H100, 2026-12-07: each re-capture
+  took 1-1.5 s inside a tick, 22 late ticks).
 
 The Code2Wav prompt itself (speech tokens, prompt mel, speaker embedding) is the base voice's:
 turning a recording into a speech prompt needs a speech tokenizer and a speaker encoder, which

@@ -82,7 +82,7 @@ def test_audio_equals_a_per_stream_pass_reference(sharing):
     got = drive(stage, SCHEDULE)
     ref_stage = new_stage(flow, hift, prompt_att_sharing=sharing)
     for stream, (voice, _, _) in SCHEDULE.items():
-        ref_stage.register_voice(f"{voice}@{stream}", *VOICES[voice])
+        ref_stage.register_voice(f"{voice}@{stream}", *VOICES[voice], share_equal=False)
     ref = drive(ref_stage, SCHEDULE, voice_of=lambda stream, voice: f"{voice}@{stream}")
     assert ref_stage.batch_stats.prompt_passes == len(SCHEDULE) and stage.batch_stats.prompt_passes == 2
     for stream in SCHEDULE:
@@ -205,8 +205,37 @@ def test_cuda_graphs_one_pass_per_voice_and_per_stream_bits(monkeypatch):
         assert stage.batch_stats.prompt_passes == 2 and stage.graph_stats.eager_runs == 0
         ref_stage = new_stage(flow, hift, prompt_att_sharing=sharing, use_cuda_graphs=True)
         for stream, (voice, _, _) in SCHEDULE.items():
-            ref_stage.register_voice(f"{voice}@{stream}", *VOICES[voice])
+            ref_stage.register_voice(f"{voice}@{stream}", *VOICES[voice], share_equal=False)
         ref = drive(ref_stage, SCHEDULE, voice_of=lambda stream, voice: f"{voice}@{stream}")
         for stream in SCHEDULE:
             for (mel, pcm), (ref_mel, ref_pcm) in zip(got[stream], ref[stream]):
                 assert torch.equal(mel, ref_mel) and torch.equal(pcm, ref_pcm)
+
+
+def test_a_voice_with_another_voices_prompt_shares_its_state_and_bank_slot():
+    """A reference-recording voice's Code2Wav prompt is its base voice's: registering it takes
+    the base's state and bank frames (no pass, no bytes, no bank growth, so no captured graph is
+    dropped), its streams give the base voice's bits, and either name can go first."""
+    flow, hift = tiny_models()
+    stage = new_stage(flow, hift, prompt_att_sharing=True)
+    _register(stage)
+    bank_before, version = stage.arena.bank.nbytes(), stage.arena.bank.version
+    stage.register_voice("ref-a", *VOICES["a"])
+    assert stage.batch_stats.prompt_passes == 2 and stage.batch_stats.prompt_passes_per_voice["ref-a"] == 0
+    assert stage.arena.bank.version == version and stage.arena.bank.nbytes() == bank_before
+    assert stage.voice_bytes("ref-a") == 0 and stage.registry.state("ref-a") is stage.registry.state("a")
+    assert stage.arena.bank.offset("ref-a") == stage.arena.bank.offset("a")
+    # "s1" and "1s": drive() seeds a stream's vocoder noise by its name's byte sum, equal here
+    schedule = {"s1": ("a", 0, token_stream(7, CHUNKS)), "1s": ("ref-a", 0, token_stream(7, CHUNKS))}
+    got = drive(stage, schedule)
+    for (mel, pcm), (ref_mel, ref_pcm) in zip(got["s1"], got["1s"]):
+        assert torch.equal(mel, ref_mel) and torch.equal(pcm, ref_pcm)
+    # the base goes first: the alias now owns the state (its bytes are counted), its frames stay taken
+    a_bytes = stage.voice_bytes("a")
+    stage.unregister_voice("a")
+    assert stage.voice_bytes("ref-a") == a_bytes and stage.registry.alias_of("ref-a") is None
+    stage.register_voice("c", *voice_inputs(13, 10))     # same P as "a": must not reuse a's frames
+    assert stage.arena.bank.offset("c") != stage.arena.bank.offset("ref-a")
+    # a voice with its own inputs, or share_equal=False, still runs its own pass
+    stage.register_voice("a-own", *VOICES["a"], share_equal=False)
+    assert stage.batch_stats.prompt_passes_per_voice["a-own"] == 1

@@ -24,7 +24,7 @@ def _per_stream_pass(eng) -> None:
 
     def add_with_pass(sid: str, voice: str, seed: int = 0) -> None:
         v = eng.voices.get(voice)
-        c2w.register_voice(f"{voice}@{sid}", v.prompt_tokens, v.prompt_mel, v.spk)
+        c2w.register_voice(f"{voice}@{sid}", v.prompt_tokens, v.prompt_mel, v.spk, share_equal=False)
         add(sid, f"{voice}@{sid}", seed)
 
     def remove_and_forget(sid: str) -> None:

@@ -178,9 +178,10 @@ def test_sdk_streams_hears_interrupts_reads_usage_and_shares_a_reference_voice(w
     assert isinstance(all_events[-1], SessionClosed) and all_events[-1].reason == "user_stop"
     assert [f["reason"] for f in wire if f["type"] == "session.closed"] == ["user_stop", "user_stop"]
     assert [f for f in wire if f["type"] == "error"] == [named]   # the OpenAI client's, below; none of the SDK's
-    # one voice made from the recording, reused once, one Code2Wav prompt pass for it
+    # one voice made from the recording, reused once; its Code2Wav prompt is the default voice's,
+    # so it shares that voice's prompt state: no prompt pass of its own (and no bank growth)
     ref = [v for v in stats.cfm_prompt_passes if v.startswith("ref-")]
-    assert len(ref) == 1 and stats.cfm_prompt_passes[ref[0]] == 1
+    assert len(ref) == 1 and stats.cfm_prompt_passes[ref[0]] == 0 and stats.cfm_prompt_passes["default"] == 1
     assert (stats.reference_voices, stats.reference_voices_added, stats.reference_voice_reuses) == (1, 1, 1)
     assert "duplexcache_reference_voice_reuses_total 1.0" in metrics
     assert "duplexcache_reference_voices_added_total 1.0" in metrics

@@ -1,15 +1,11 @@
-"""Deploy configuration (one YAML file) and the per-session runtime config derived from it.
+"""Deploy configuration (one YAML file), one pydantic model per section.
 
 Flow: ``configs/<preset>.yaml`` -> :class:`DeployConfig` (validated, unknown keys are errors)
--> :func:`build_runtime_config` (the server-side plugin) merges what a client may set in
-``session.update`` with the server-owned switches -> :class:`SessionRuntimeConfig`.
+-> ``runtime_config.build_runtime_config`` (the server-side plugin) merges what a client may set
+in ``session.update`` with the server-owned switches -> ``SessionRuntimeConfig``.
 
-Server-owned keys (:data:`PRIVATE_RUNTIME_CONFIG_KEYS`) are never taken from a client: a client
-dict that names one raises :class:`PrivateConfigKeyError`, which the server turns into an
-``error`` event.
-
-Environment overrides are applied in exactly one place (:func:`apply_env_overrides`), before
-validation, so validators see the final values: ``DUPLEXCACHE_CFM_GRAPH_GRID`` (the spec's) and
+Environment overrides are applied in exactly one place (``config_loading.apply_env_overrides``),
+before validation, so validators see the final values: ``DUPLEXCACHE_CFM_GRAPH_GRID`` (the spec's) and
 ``DUPLEXCACHE_API_KEY`` (``server.api_key``, so the key need not be written into a file).
 
 This module needs only pydantic, pyyaml and the standard library.
@@ -18,11 +14,9 @@ This module needs only pydantic, pyyaml and the standard library.
 from __future__ import annotations
 
 import copy
-import difflib
 import ipaddress
 import logging
 import os
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping
@@ -30,40 +24,23 @@ from typing import Annotated, Any, Literal, Mapping
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
-# Re-exported: the value parsers are part of this module's public surface.
+# Re-exported: the value parsers and the loading helpers are part of this module's public surface.
+from duplexcache.config_loading import (  # noqa: F401
+    API_KEY_ENV, RETIRED_KEYS, ConfigError, apply_env_overrides, describe_validation_error, drop_retired_keys, move_keys,
+)
 from duplexcache.config_values import (  # noqa: F401
     AUTO, GRAPH_GRID_ENV, format_bytes, parse_budget, parse_bytes, parse_graph_grid,
 )
 
 logger = logging.getLogger(__name__)
 
-API_KEY_ENV = "DUPLEXCACHE_API_KEY"
 PRESETS = ("tiny", "minicpmo45")
-
-
-class ConfigError(ValueError):
-    """A deploy config that cannot be used; the message names every offending key by path."""
 
 
 class BudgetError(ValueError):
     """``engine.memory_budget`` that cannot work on this machine, found when the engine starts: too
     small for one session, more than the device has free, or ``auto`` finding too little free. The
     CLI reports it in one line (exit 2), as it does a ConfigError."""
-
-
-class PrivateConfigKeyError(ValueError):
-    """A client tried to set a server-owned runtime key (see PRIVATE_RUNTIME_CONFIG_KEYS)."""
-
-    def __init__(self, key: str):
-        self.key = key
-        super().__init__(
-            f"session key {key!r} is server-owned and cannot be set by a client "
-            "(it is configured in the deploy YAML)"
-        )
-
-
-class SessionConfigError(ValueError):
-    """A client session dict with an unknown key or a bad value (not a private key)."""
 
 
 ByteSize = Annotated[int, BeforeValidator(parse_bytes)]
@@ -213,8 +190,8 @@ class SpeakPolicy(_Strict):
     ``ReplyPolicy``): a 10 ms frame whose RMS exceeds ``speech_rms`` is user speech; the first
     unit in which ``end_quiet_ms`` of quiet has followed the user's last speech starts a reply of
     ``reply_min_units``..``reply_max_units`` units (a deterministic function of session id and
-    turn index, ``policy.reply_units``); with ``end_quiet_lookahead`` that quiet may go on into
-    the audio the server already holds after the unit."""
+    turn index, ``policy.reply_units``); that quiet may go on into the audio the server already
+    holds after the unit."""
 
     mode: Literal["model", "every_k_units", "reply"] = "every_k_units"
     k: int = Field(2, gt=0)
@@ -223,8 +200,6 @@ class SpeakPolicy(_Strict):
     reply_min_units: int = Field(2, gt=0)
     reply_max_units: int = Field(8, gt=0)
     end_quiet_ms: int = Field(200, ge=10, le=10_000)
-    # reply: the quiet also counts into the audio already received after the unit (see ReplyPolicy)
-    end_quiet_lookahead: bool = True
 
     @model_validator(mode="after")
     def _reply_range(self) -> "SpeakPolicy":
@@ -369,11 +344,37 @@ class ServerConfig(_Strict):
     # Longest session context (instructions + reference audio + initial text, in tokens) that
     # open_session accepts; longer ones are refused with context_length_exceeded.
     max_context_tokens: int = Field(8192, gt=0)
-    # Python's thread switch interval while the server runs (sys.setswitchinterval), in ms. The
-    # tick thread drops the GIL at every device sync; the event loop (WebSocket frames, audio
-    # decoding) then holds it for up to one interval before the tick thread may go on, so a busy
-    # server stretches every tick by (syncs per tick) x (interval). None = Python's default, 5 ms.
-    switch_interval_ms: float | None = Field(None, gt=0, le=100)
+    # torch's CPU threads while the server runs. "auto": with the model on the CPU, one fewer than
+    # the CPUs this process may use (at least 1), so the event loop keeps a core (on 2 cores, two
+    # compute threads and the event loop oversubscribe them, and every parallel region waits for a
+    # preempted thread); on CUDA, or with OMP_NUM_THREADS set (Ray sets it per replica), torch's
+    # own count. An int sets it.
+    compute_threads: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
+    # Voice names clients may ask for, mapped to this server's voices. Stock Realtime clients ask
+    # for OpenAI's voices (LiveKit's default is "marin"), and a name the server does not have is
+    # refused at session.update (GET /v1/voices lists the server's own), so by default OpenAI's
+    # names map to "default", which every engine has. Checked against the engine's voices when
+    # the server starts; {} refuses them.
+    voice_aliases: dict[str, str] = Field(default_factory=lambda: {name: "default" for name in OPENAI_VOICES})
+
+    @model_validator(mode="after")
+    def _trusted_proxies_are_addresses(self) -> "ServerConfig":
+        for entry in self.trusted_proxies:
+            if entry != "*":
+                try:
+                    ipaddress.ip_network(entry, strict=False)
+                except ValueError:
+                    raise ValueError(f"server.trusted_proxies: {entry!r} is not an IP address or CIDR network "
+                                     "('*' trusts every peer)") from None
+        return self
+
+
+class SchedulerConfig(_Strict):
+    """Pacing: which sessions run in which tick, and when (runtime/scheduler.py, docs/engine.md
+    "Pacing"). The server keeps the clock with these; the engine's scheduler is set from them.
+    Until 2026-12-07 these keys lived under ``server``; that spelling is still read, with a
+    deprecation warning (``DeployConfig._moved_scheduler_keys``)."""
+
     # Each tick takes one unit per session, so a tick that runs over its period leaves every
     # session that much further behind, for good: the next on-time ticks take one unit per
     # second again. With catch-up, a session holding a whole unit more than the next tick
@@ -412,38 +413,17 @@ class ServerConfig(_Strict):
     # nothing for this long beyond its largest chunk, its units are completed with silence until it
     # sends again (runtime/engine_session.py SilenceFill). None: wait for the client's audio.
     fill_silence_after_ms: float | None = Field(500.0, ge=0, le=60_000)
-    # torch's CPU threads while the server runs. "auto": with the model on the CPU, one fewer than
-    # the CPUs this process may use (at least 1), so the event loop keeps a core (on 2 cores, two
-    # compute threads and the event loop oversubscribe them, and every parallel region waits for a
-    # preempted thread); on CUDA, or with OMP_NUM_THREADS set (Ray sets it per replica), torch's
-    # own count. An int sets it.
-    compute_threads: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
-    # Voice names clients may ask for, mapped to this server's voices. Stock Realtime clients ask
-    # for OpenAI's voices (LiveKit's default is "marin"), and a name the server does not have is
-    # refused at session.update (GET /v1/voices lists the server's own), so by default OpenAI's
-    # names map to "default", which every engine has. Checked against the engine's voices when
-    # the server starts; {} refuses them.
-    voice_aliases: dict[str, str] = Field(default_factory=lambda: {name: "default" for name in OPENAI_VOICES})
 
     @model_validator(mode="after")
-    def _trusted_proxies_are_addresses(self) -> "ServerConfig":
-        for entry in self.trusted_proxies:
-            if entry != "*":
-                try:
-                    ipaddress.ip_network(entry, strict=False)
-                except ValueError:
-                    raise ValueError(f"server.trusted_proxies: {entry!r} is not an IP address or CIDR network "
-                                     "('*' trusts every peer)") from None
-        return self
-
-    @model_validator(mode="after")
-    def _home_phase_needs_alignment(self) -> "ServerConfig":
+    def _home_phase_needs_alignment(self) -> "SchedulerConfig":
         if self.tick_phases > 1 and self.phase_units == "home" and not self.align_units_to_ticks:
-            raise ValueError("server.phase_units 'home' keeps units on the unit tick by aligning them: it needs "
-                             "server.align_units_to_ticks (or phase_units 'spread', or tick_phases 1)")
+            raise ValueError("scheduler.phase_units 'home' keeps units on the unit tick by aligning them: it needs "
+                             "scheduler.align_units_to_ticks (or phase_units 'spread', or tick_phases 1)")
         return self
 
 
+# The scheduler's keys, read from ``server`` too until the release after 2026-12-07.
+SCHEDULER_KEYS = tuple(SchedulerConfig.model_fields)
 class ClusterConfig(_Strict):
     """Replicas on Ray Serve (``duplexcache serve --replicas N``, cluster/); ignored by one-engine serve."""
 
@@ -479,7 +459,17 @@ class DeployConfig(_Strict):
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_spellings(cls, data: Any) -> Any:
+        """Retired keys dropped and ``server.<key>`` of a scheduler key read as ``scheduler.<key>``
+        (moved 2026-12-07), each with a deprecation warning (config_loading.py)."""
+        if not isinstance(data, Mapping):
+            return data
+        return move_keys(drop_retired_keys(data), "server", "scheduler", SCHEDULER_KEYS)
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> "DeployConfig":
@@ -490,7 +480,7 @@ class DeployConfig(_Strict):
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
-            raise ConfigError(_describe_validation_error(exc, cls)) from None
+            raise ConfigError(describe_validation_error(exc, cls)) from None
         except ValueError as exc:  # e.g. a bad graph grid parsed in a "before" validator
             raise ConfigError(str(exc)) from None
 
@@ -546,194 +536,17 @@ def packaged_config_path(preset: str) -> Path:
     return Path(str(resources.files("duplexcache") / "configs" / f"{preset}.yaml"))
 
 
-def apply_env_overrides(raw: Mapping[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
-    """The one place environment variables change the deploy config (returns a new dict)."""
-    data = copy.deepcopy(dict(raw))
-    grid = environ.get(GRAPH_GRID_ENV)
-    if grid is not None and grid.strip():
-        section = data.get("code2wav")
-        if section is None:
-            section = data["code2wav"] = {}
-        if not isinstance(section, dict):
-            raise ConfigError(f"code2wav: expected a mapping, got {section!r}")
-        try:
-            section["graph_grid"] = parse_graph_grid(grid, GRAPH_GRID_ENV)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        logger.info("%s=%s overrides code2wav.graph_grid", GRAPH_GRID_ENV, grid)
-    api_key = environ.get(API_KEY_ENV)
-    if api_key:
-        section = data.get("server")
-        if section is None:
-            section = data["server"] = {}
-        if not isinstance(section, dict):
-            raise ConfigError(f"server: expected a mapping, got {section!r}")
-        section["api_key"] = api_key
-        logger.info("%s overrides server.api_key", API_KEY_ENV)
-    return data
-
-
-def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
-    """Field names of the model that sits at ``loc`` (for 'did you mean' hints)."""
-    current: Any = model
-    for part in loc:
-        field = getattr(current, "model_fields", {}).get(part)
-        if field is None:
-            return []
-        current = field.annotation
-    return list(getattr(current, "model_fields", {}))
-
-
-def _describe_validation_error(exc: ValidationError, model: type[BaseModel]) -> str:
-    lines = []
-    for err in exc.errors():
-        loc = tuple(p for p in err["loc"] if isinstance(p, str))
-        path = ".".join(str(p) for p in err["loc"]) or "<top>"
-        if err["type"] == "extra_forbidden":
-            allowed = _allowed_keys(model, loc[:-1])
-            hint = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
-            msg = f"unknown key {path!r}"
-            if hint:
-                msg += f" (did you mean {hint[0]!r}?)"
-            elif allowed:
-                msg += f" (allowed: {', '.join(allowed)})"
-        else:
-            # Strip pydantic's "Value error, " prefix from our own messages.
-            msg = f"{path}: {err['msg'].removeprefix('Value error, ')}"
-        lines.append(msg)
-    return "invalid deploy config: " + "; ".join(lines)
-
-
-# --------------------------------------------------------------------------------------------
-# Per-session runtime config (the server-side plugin)
-# --------------------------------------------------------------------------------------------
-
-# Keys a client must never set: they change memory use or sharing for every session.
-PRIVATE_RUNTIME_CONFIG_KEYS: frozenset[str] = frozenset({
-    "duplex_context_caching", "context_cache_capacity", "capacity",
-    "cfm_prompt_att_sharing", "cfm_arena_rows_from_graph_grid", "max_num_seqs", "graph_grid",
-    "shared_anchor_blocks", "block_size", "window_mode", "mode", "client_window_override",
-    "memory_budget", "memory_fraction", "activation_reserve", "activation_from_warmup", "activation_margin",
-    "memory_headroom", "cuda_expandable_segments", "talker_turn_from_policy", "tick_seconds", "speak_policy", "tick_headroom",
-    "prefill_chunk_tokens", "max_context_tokens", "switch_interval_ms",
-    "preset", "checkpoint_dir", "revision", "model_revision", "dtype", "device",
-    "max_frame_bytes", "code2wav_dtype", "kv_cache_dtype", "encoder_cache_dtype",
+# The per-session half moved to duplexcache/runtime_config.py (2026-12-07); these names are still
+# found here, loaded on first use (runtime_config imports this module).
+_MOVED_TO_RUNTIME_CONFIG = frozenset({
+    "PrivateConfigKeyError", "SessionConfigError", "PRIVATE_RUNTIME_CONFIG_KEYS", "CLIENT_SESSION_KEYS",
+    "CLIENT_WINDOW_KEYS", "INPUT_AUDIO_FORMATS", "SessionRuntimeConfig", "find_private_key", "build_runtime_config",
 })
 
-# What a client may put in session.update's session object.
-CLIENT_SESSION_KEYS: frozenset[str] = frozenset({
-    "instructions", "voice", "initial_user_text", "input_audio_format", "window",
-})
-CLIENT_WINDOW_KEYS: frozenset[str] = frozenset({"high_tokens", "low_tokens"})
-INPUT_AUDIO_FORMATS = ("pcm16", "f32")
 
+def __getattr__(name: str) -> Any:
+    if name in _MOVED_TO_RUNTIME_CONFIG:
+        from duplexcache import runtime_config
 
-@dataclass(frozen=True)
-class SessionRuntimeConfig:
-    """Everything one session runs with: client-chosen fields plus server-owned switches."""
-
-    # client-settable
-    instructions: str
-    voice: str
-    initial_user_text: str | None
-    input_audio_format: str
-    window_high_tokens: int
-    window_low_tokens: int
-    # server-owned
-    window_mode: str
-    block_size: int
-    shared_anchor_blocks: bool
-    duplex_context_caching: bool
-    context_cache_capacity: int
-    cfm_prompt_att_sharing: bool
-    cfm_arena_rows_from_graph_grid: bool
-    model_revision: str
-
-
-def find_private_key(obj: Any, prefix: str = "") -> str | None:
-    """The dotted path of the first server-owned key anywhere in ``obj`` (nested dicts too).
-    Iterative: a client's session object may nest deeper than Python's recursion limit."""
-    stack: list[tuple[Any, str]] = [(obj, prefix)]
-    while stack:
-        node, path = stack.pop()
-        if not isinstance(node, Mapping):
-            continue
-        nested = []
-        for key, value in node.items():
-            if key in PRIVATE_RUNTIME_CONFIG_KEYS:
-                return f"{path}{key}"
-            nested.append((value, f"{path}{key}."))
-        stack.extend(reversed(nested))   # a level's own keys first, then its values in key order
-    return None
-
-
-def _check_str(session: Mapping[str, Any], key: str, default: str | None) -> str | None:
-    value = session.get(key, default)
-    if value is not None and not isinstance(value, str):
-        raise SessionConfigError(f"session key {key!r} must be a string, got {type(value).__name__}")
-    return value
-
-
-def _client_window(deploy: DeployConfig, window: Any) -> tuple[int, int]:
-    server = deploy.stage0.window
-    if window is None:
-        return server.high_tokens, server.low_tokens
-    if not isinstance(window, Mapping):
-        raise SessionConfigError(f"session key 'window' must be an object, got {window!r}")
-    unknown = sorted(set(window) - CLIENT_WINDOW_KEYS)
-    if unknown:
-        raise SessionConfigError(f"unknown session key 'window.{unknown[0]}' "
-                                 f"(allowed: {', '.join(sorted(CLIENT_WINDOW_KEYS))})")
-    if window and not deploy.stage0.client_window_override:
-        raise SessionConfigError("this server does not let clients change window settings")
-    high = window.get("high_tokens", server.high_tokens)
-    low = window.get("low_tokens", server.low_tokens)
-    for name, value in (("high_tokens", high), ("low_tokens", low)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise SessionConfigError(f"window.{name} must be a positive int, got {value!r}")
-    # Admission reserves memory for the server's high mark; a client may only shrink it.
-    if high > server.high_tokens:
-        raise SessionConfigError(
-            f"window.high_tokens {high} exceeds the server limit {server.high_tokens}")
-    if low >= high:
-        raise SessionConfigError(f"window.low_tokens ({low}) must be below high_tokens ({high})")
-    return high, low
-
-
-def build_runtime_config(deploy: DeployConfig, client_session: Mapping[str, Any] | None) -> SessionRuntimeConfig:
-    """Merge a client's session.update fields with the server-owned deploy switches.
-
-    Raises PrivateConfigKeyError when the client names a server-owned key (anywhere, nested
-    too), SessionConfigError for unknown keys or bad values.
-    """
-    session = {} if client_session is None else client_session
-    if not isinstance(session, Mapping):
-        raise SessionConfigError(f"session must be an object, got {type(session).__name__}")
-    private = find_private_key(session)
-    if private is not None:
-        raise PrivateConfigKeyError(private)
-    unknown = sorted(set(session) - CLIENT_SESSION_KEYS)
-    if unknown:
-        raise SessionConfigError(
-            f"unknown session key {unknown[0]!r} (allowed: {', '.join(sorted(CLIENT_SESSION_KEYS))})")
-    audio_format = _check_str(session, "input_audio_format", "pcm16")
-    if audio_format not in INPUT_AUDIO_FORMATS:
-        raise SessionConfigError(
-            f"input_audio_format must be one of {INPUT_AUDIO_FORMATS}, got {audio_format!r}")
-    high, low = _client_window(deploy, session.get("window"))
-    return SessionRuntimeConfig(
-        instructions=_check_str(session, "instructions", "") or "",
-        voice=_check_str(session, "voice", "default") or "default",
-        initial_user_text=_check_str(session, "initial_user_text", None),
-        input_audio_format=audio_format,
-        window_high_tokens=high,
-        window_low_tokens=low,
-        window_mode=deploy.stage0.window.mode,
-        block_size=deploy.stage0.block_size,
-        shared_anchor_blocks=deploy.stage0.shared_anchor_blocks,
-        duplex_context_caching=deploy.context_cache.duplex_context_caching,
-        context_cache_capacity=deploy.context_cache.capacity,
-        cfm_prompt_att_sharing=deploy.code2wav.cfm_prompt_att_sharing,
-        cfm_arena_rows_from_graph_grid=deploy.code2wav.cfm_arena_rows_from_graph_grid,
-        model_revision=deploy.model.revision,
-    )
+        return getattr(runtime_config, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -26,7 +26,7 @@ REPLY_LATENCY_S=${REPLY_LATENCY_S:-3.0}
 
 serve_conversation() {  # NAME BASE_YAML SESSIONS DURATION [OVERRIDES]: start `duplexcache serve` with the reply policy,
   # wait for /health 200, run `bench serve --workload conversation`, stop the server. OVERRIDES: space-separated
-  # SECTION.KEY=VALUE (a YAML value), e.g. "server.switch_interval_ms=0.5 server.catch_up_ticks=false";
+  # SECTION.KEY=VALUE (a YAML value), e.g. "scheduler.tick_phases=1 scheduler.catch_up_ticks=false";
   # SERVE_OVERRIDES adds more to every arm
   local name=$1 base=$2 sessions=$3 duration=$4 overrides="${5:-} ${SERVE_OVERRIDES:-}" port=${SERVE_PORT:-8000}
   local cfg="$out/$name.yaml"

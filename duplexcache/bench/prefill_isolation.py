@@ -24,7 +24,7 @@ baseline ticks' own spread, ~60-90 ms on the H200, as added time; it is kept as
 time is switched off for the bench (``tick_headroom`` 1e9), so the live sessions are admitted
 whatever their measured cost. Results go to ``DIR/results.json``.
 
-``--between-ticks`` emulates the server with ``server.prefill_between_ticks``: after each timed
+``--between-ticks`` emulates the server with ``scheduler.prefill_between_ticks``: after each timed
 tick, prefill chunks run while their measured time fits what is left of the period
 (runtime/pacing.py), so the ticks of the live sessions carry no chunk while the slack has room;
 reported besides: each period's chunk times and ``periods_overrun`` (tick + chunks > period: the
@@ -96,7 +96,7 @@ def measure(deploy: DeployConfig, sessions: int, warmup: int, baseline_ticks: in
     models = build_models(deploy, seed=seed)
     eng = DuplexEngine(deploy, models)
     eng.warmup()   # as `duplexcache serve` does: no graph capture inside the timed ticks
-    eng.set_prefill_between_ticks(between)   # as the server does with server.prefill_between_ticks
+    eng.set_prefill_between_ticks(between)   # as the server does with scheduler.prefill_between_ticks
     enc = models.audio_encoder.cfg
     total_units = warmup + baseline_ticks + 200
     sids = [eng.open_session({"voice": ("default", "alt")[i % 2]}) for i in range(sessions)]
@@ -165,7 +165,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the period whose slack --between-ticks uses (default: engine.tick_seconds, 1 s)")
     p.add_argument("--between-ticks", action="store_true",
                    help="run prefill chunks in each period's slack as the server does with "
-                        "server.prefill_between_ticks (default: inside the ticks, the engine alone)")
+                        "scheduler.prefill_between_ticks (default: inside the ticks, the engine alone)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("out/prefill_isolation"))
 

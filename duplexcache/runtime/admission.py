@@ -245,7 +245,7 @@ class TickCostModel:
     (every live session may run a unit in one tick). Before the first tick with units there is
     no measurement and admission is by memory only.
 
-    A server that ticks ``phases`` times per unit (``server.tick_phases``) runs each session's
+    A server that ticks ``phases`` times per unit (``scheduler.tick_phases``) runs each session's
     unit in one of those ticks, and all of them in one unit's time: the sessions share the ticks
     (``(live + 1) / phases`` units each, as the grid spreads them) and each tick has a period of
     ``tick_seconds / phases``, so the test is ``predicted((live + 1) / phases) <= limit / phases``,
@@ -296,7 +296,7 @@ class TickCostModel:
         self.per_unit_s, self.fixed_s = 0.0, sum(at_top) / len(at_top)
 
     def set_phases(self, phases: int) -> None:
-        """Ticks per unit of the server that paces this engine (``server.tick_phases``)."""
+        """Ticks per unit of the server that paces this engine (``scheduler.tick_phases``)."""
         if phases < 1:
             raise ValueError(f"phases must be >= 1, got {phases}")
         self.phases = phases

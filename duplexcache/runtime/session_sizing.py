@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from duplexcache.cfm.code2wav import BatchedCode2Wav, code2wav_session_bytes
-from duplexcache.config import (ConfigError, DeployConfig, SessionConfigError, SessionRuntimeConfig, SpeakPolicy,
-                                build_runtime_config, format_bytes)
+from duplexcache.config import ConfigError, DeployConfig, SpeakPolicy, format_bytes
+from duplexcache.runtime_config import SessionConfigError, SessionRuntimeConfig, build_runtime_config
 from duplexcache.context import EmbeddingResult, EncoderPath, SessionContext, build_session_context
 from duplexcache.context.tokenizer import Tokenizer
 from duplexcache.kv.kv_quant import kv_storage_dtype
@@ -37,12 +37,6 @@ from duplexcache.runtime.voices import Voice
 
 logger = logging.getLogger(__name__)
 
-# What a refused client reads (AdmissionError.reason): no pool sizes; the numbers go to the log.
-CLIENT_REFUSALS = {
-    "capacity_memory": "capacity_memory: the server has no memory for another session now; try again later",
-    "capacity_compute": "capacity_compute: one more session would make the server miss its real-time "
-                        "deadline; try again later",
-}
 
 
 def refusal(ledger: AdmissionLedger, tick_cost: TickCostModel, fp: Footprint,

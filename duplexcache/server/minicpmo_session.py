@@ -28,10 +28,10 @@ import asyncio
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from duplexcache.context.builder import ReferenceAudioError
-from duplexcache.runtime.engine_api import REFERENCE_VOICE_METHOD, ResponseUsage
+from duplexcache.runtime.engine_api import ResponseUsage
 from duplexcache.server import minicpmo_protocol as mp
 from duplexcache.server import protocol as proto
 from duplexcache.server.audio_io import OUTPUT_RATE
@@ -39,9 +39,7 @@ from duplexcache.server.auth import Handshake
 from duplexcache.server.connection import Connection
 from duplexcache.server.realtime_session import RealtimeSession
 from duplexcache.server.session_config import SessionSettings
-
-if TYPE_CHECKING:
-    from duplexcache.server.app import RealtimeServer
+from duplexcache.server.session_host import SessionHost
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +83,7 @@ class MiniCPMoSession(RealtimeSession):
     # app.RealtimeServer parses each text frame with its session's parser.
     parse_event = staticmethod(mp.parse_client_event)
 
-    def __init__(self, server: "RealtimeServer", conn: Connection, handshake: Handshake, client: str,
+    def __init__(self, server: SessionHost, conn: Connection, handshake: Handshake, client: str,
                  model: str | None, mode: str | None = None):
         super().__init__(server, conn, handshake, client, model)
         self.mode = mode
@@ -144,12 +142,11 @@ class MiniCPMoSession(RealtimeSession):
         if not opened:
             self.initialized = False
             return
-        context = getattr(self.engine, "context_tokens", None)
-        if context is not None:
-            try:
-                self.usage.context_tokens = int(await asyncio.to_thread(context, self.settings.engine_session()))
-            except Exception:  # noqa: BLE001 - usage is best effort; the session is open
-                logger.exception("session %s: counting its context tokens failed", self.log_name)
+        try:
+            self.usage.context_tokens = int(await asyncio.to_thread(self.engine.context_tokens,
+                                                                    self.settings.engine_session()))
+        except Exception:  # noqa: BLE001 - usage is best effort; the session is open
+            logger.exception("session %s: counting its context tokens failed", self.log_name)
         if not self.queued:
             self._created()
 
@@ -169,12 +166,8 @@ class MiniCPMoSession(RealtimeSession):
 
     async def _reference_voice(self, ref_audio: Any) -> str:
         param = "payload.voice.ref_audio_base64"
-        add = getattr(self.engine, REFERENCE_VOICE_METHOD, None)
-        if add is None:
-            raise proto.ProtocolError("unsupported_parameter", f"{param}: this engine takes no reference voices",
-                                      param=param)
         try:
-            return await asyncio.to_thread(add, ref_audio)
+            return await asyncio.to_thread(self.engine.add_reference_voice, ref_audio)
         except ReferenceAudioError as exc:
             raise proto.ProtocolError(getattr(exc, "code", "invalid_reference_audio"), f"{param}: {exc}",
                                       param=param) from None
@@ -214,7 +207,7 @@ class MiniCPMoSession(RealtimeSession):
         # The SDK cannot send audio until session.created: waiting in the queue is not idleness
         # (server.idle_timeout_s would otherwise end every queue wait longer than it).
         self.last_input_at = now
-        queued = sum(1 for s in self.server._sessions if s.queued)   # noqa: SLF001 - this server's queue
+        queued = self.server.queued_sessions()
         self.send(mp.event(kind, position=position, queue_length=max(queued, position or 0)))
 
     async def on_admitted(self) -> None:
@@ -268,7 +261,7 @@ class MiniCPMoSession(RealtimeSession):
                            usage=self._usage_wire()))
 
 
-def session_for(server: "RealtimeServer", conn: Connection, handshake: Handshake, client: str,
+def session_for(server: SessionHost, conn: Connection, handshake: Handshake, client: str,
                 query: Any) -> RealtimeSession:
     """The session object for a new connection: this dialect's when the handshake chose it."""
     if handshake.dialect == "minicpmo":

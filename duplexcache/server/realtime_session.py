@@ -20,33 +20,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 
-from duplexcache.config import PrivateConfigKeyError, SessionConfigError, build_runtime_config
+from duplexcache.runtime_config import PrivateConfigKeyError, SessionConfigError, build_runtime_config
 from duplexcache.context.builder import ReferenceAudioError
-from duplexcache.runtime.engine_api import (AdmissionError, ResponseUsage, ServerBehindError, UserTextTooLong,
-                                            engine_voice_names)
+from duplexcache.runtime.engine_api import (ADMISSION_MESSAGES, AdmissionError, ResponseUsage, ServerBehindError,
+                                            UserTextTooLong)
 from duplexcache.server import protocol as proto
 from duplexcache.server.audio_io import AudioError, InputAudio, OutputAudio
 from duplexcache.server.auth import Handshake
 from duplexcache.server.connection import Connection
 from duplexcache.server.session_config import ECHOED_TEXTS, SessionSettings, apply_update, to_wire
+from duplexcache.server.session_host import SessionHost
 from duplexcache.server.turns import Outgoing, ResponseTracker, wire_name
-
-if TYPE_CHECKING:
-    from duplexcache.server.app import RealtimeServer
 
 logger = logging.getLogger(__name__)
 
-# What a client is told for each admission code; the engine's own reason (which may name pool
-# sizes) goes to the log only.
-_ADMISSION_MESSAGES = {
-    "capacity_memory": "The server has no memory for another session right now; try again later.",
-    "capacity_compute": "The server cannot run another session in real time right now; try again later.",
-    "admission_refused": "The server cannot admit another session right now; try again later.",
-}
 # Admission codes that the session's settings alone decide (remembered until they change); any
 # other code is asked again on the next append, as capacity is.
 _SETTINGS_REFUSALS = frozenset({"context_length_exceeded"})
@@ -64,7 +55,7 @@ def _vad_factory(threshold: float, silence_duration_ms: int, prefix_padding_ms: 
 
 
 class RealtimeSession:
-    def __init__(self, server: "RealtimeServer", conn: Connection, handshake: Handshake, client: str,
+    def __init__(self, server: SessionHost, conn: Connection, handshake: Handshake, client: str,
                  model: str | None):
         self.server = server
         self.engine = server.engine
@@ -157,10 +148,6 @@ class RealtimeSession:
                                          audio_started=self.sid is not None,
                                          voice_aliases=self.server.config.server.voice_aliases,
                                          max_text_chars=self.server.config.server.max_session_text_chars)
-        if settings.turn.type != "duplex" and not self.server.turn_control:
-            raise proto.ProtocolError("unsupported_turn_detection", "this engine supports turn_detection "
-                                      "'duplex' only (it has no turn control)", ev.event_id,
-                                      param="session.turn_detection")
         self._check_engine_settings(settings, ev.event_id)
         if settings != self.settings or queue_if_full != self.queue_if_full:
             self.refusal_notice = None  # a changed request hears its own answer, whatever it is
@@ -180,7 +167,7 @@ class RealtimeSession:
         # An unknown voice would only fail when the session opens, after session.updated had
         # confirmed it, so the update is refused instead (OpenAI's names arrive here mapped by
         # server.voice_aliases, unless a deployment removed them).
-        known = engine_voice_names(self.engine) if settings.voice is not None else None
+        known = self.engine.voice_names() if settings.voice is not None else None
         if known is not None and settings.voice not in known:
             raise proto.ProtocolError("invalid_value", f"unknown voice {proto.clip(settings.voice, 64)!r} (this "
                                       f"server has: {', '.join(known)}; GET /v1/voices lists them)",
@@ -273,7 +260,6 @@ class RealtimeSession:
         await asyncio.to_thread(self.engine.request_response, self.sid)
 
     async def _response_create(self, ev: proto.ClientEvent) -> None:
-        self._need_turn_control(ev)
         if self.tracker.current is not None or self.response_requested:
             raise proto.ProtocolError("conversation_already_has_active_response",
                                       "a response is already in progress; cancel it first", ev.event_id)
@@ -283,14 +269,13 @@ class RealtimeSession:
             await self._request_response()
 
     async def _response_cancel(self, ev: proto.ClientEvent) -> None:
-        self._need_turn_control(ev)
         if not await self._cancel(None):
             raise proto.ProtocolError("response_cancel_not_active", "there is no response in progress to cancel",
                                       ev.event_id)
 
     async def _cancel(self, played_ms: int | None, *, quiet: bool = False) -> bool:
         """Barge-in / response.cancel: stop the reply, drop its unsent audio. False if none runs."""
-        if self.sid is None or self.queued or not self.server.turn_control:
+        if self.sid is None or self.queued:
             return False
         if self.pending_response:
             self.pending_response = False
@@ -323,7 +308,6 @@ class RealtimeSession:
         return True
 
     async def _item_create(self, ev: proto.ClientEvent) -> None:
-        self._need_turn_control(ev)
         item = proto.field(ev, "item", dict)
         text = _user_text(item, ev.event_id)
         if not await self._ensure_session(ev.event_id):
@@ -349,7 +333,6 @@ class RealtimeSession:
         self.tracker.last_item_id = wire_item["id"]
 
     async def _item_truncate(self, ev: proto.ClientEvent) -> None:
-        self._need_turn_control(ev)
         item_id = proto.field(ev, "item_id", str)
         audio_end_ms = proto.field(ev, "audio_end_ms", int)
         content_index = proto.field(ev, "content_index", int, required=False, default=0)
@@ -372,10 +355,6 @@ class RealtimeSession:
         self.send(proto.event("response.done", response={"status": "completed",
                                                          "status_details": {"reason": "session_closed"}}))
         self.conn.close(proto.CLOSE_NORMAL, "session closed")
-
-    def _need_turn_control(self, ev: proto.ClientEvent) -> None:
-        if not self.server.turn_control:
-            raise proto.ProtocolError("not_supported", f"{ev.type} needs an engine with turn control", ev.event_id)
 
     # ---------------------------------------------------------------- the engine session
     async def _ensure_session(self, eid: str | None, *, streaming: bool = False) -> bool:
@@ -425,9 +404,9 @@ class RealtimeSession:
             if self._told_recently(code, streaming):
                 return False
             server.metrics.protocol_errors.labels(code=code).inc()
-            message = _ADMISSION_MESSAGES.get(code, proto.clip(exc.reason, 300))
+            message = ADMISSION_MESSAGES.get(code, proto.clip(exc.reason, 300))
             self.send(proto.error_event(code, message, event_id=eid, error_type=(
-                proto.SERVER_ERROR if code in _ADMISSION_MESSAGES else proto.INVALID_REQUEST)))
+                proto.SERVER_ERROR if code in ADMISSION_MESSAGES else proto.INVALID_REQUEST)))
             return False
         except ReferenceAudioError as exc:
             raise self._refuse_settings(proto.ProtocolError("invalid_reference_audio", str(exc), eid,
@@ -475,9 +454,8 @@ class RealtimeSession:
         return False
 
     async def _apply_turn_mode(self) -> None:
-        if self.server.turn_control:
-            mode = "duplex" if self.settings.turn.type == "duplex" else "manual"
-            await asyncio.to_thread(self.engine.set_turn_mode, self.sid, mode)
+        mode = "duplex" if self.settings.turn.type == "duplex" else "manual"
+        await asyncio.to_thread(self.engine.set_turn_mode, self.sid, mode)
 
     async def _add_user_text(self, text: str, eid: str | None) -> None:
         try:
@@ -500,12 +478,9 @@ class RealtimeSession:
             await self._request_response()
 
     def queue_position(self) -> int | None:
-        """This session's place in the engine's queue (None when the engine does not say)."""
-        queue_position = getattr(self.engine, "queue_position", None)
-        if queue_position is None:
-            return None
+        """This session's place in the engine's queue (None when it is not queued)."""
         try:
-            return queue_position(self.sid)
+            return self.engine.queue_position(self.sid)
         except Exception:  # noqa: BLE001 - a notice is best effort
             logger.exception("engine.queue_position failed")
             return None

@@ -39,7 +39,7 @@ case "$mode" in
     SERVE_STEP_LIMIT=400 serve_conversation serve_sweep "${SERVE_BASE:-examples/minicpmo45-shared.yaml}" \
       "${SERVE_SESSIONS:-1,32,40}" "${SERVE_DURATION:-45}" ;;
   serve_align)  # issue 10, A/B with a fresh server per arm: units cut from each stream's first sample
-    # (server.align_units_to_ticks off: arm "off"), aligned to the tick grid with the policy's old whole-unit quiet
+    # (scheduler.align_units_to_ticks off: arm "off"), aligned to the tick grid with the policy's old whole-unit quiet
     # (engine.speak_policy.end_quiet_ms=1000: arm "on_quiet1000"), aligned with the default 200 ms (arm "on").
     # SERVE_ALIGN_ARMS picks arms (default "off on": ~5 min on an H200 at 32 callers; all three on a CPU:
     # SERVE_ALIGN_ARMS="off on_quiet1000 on" SERVE_BASE=duplexcache/configs/tiny.yaml SERVE_SESSIONS=1,8).
@@ -47,16 +47,16 @@ case "$mode" in
     # override is validated as it is set
     for tag in ${SERVE_ALIGN_ARMS:-off on}; do
       case $tag in
-        off) override="server.tick_phases=1 server.align_units_to_ticks=false" ;;
-        on_quiet1000) override="server.tick_phases=1 engine.speak_policy.end_quiet_ms=1000" ;;
-        on) override=server.tick_phases=1 ;;
+        off) override="scheduler.tick_phases=1 scheduler.align_units_to_ticks=false" ;;
+        on_quiet1000) override="scheduler.tick_phases=1 engine.speak_policy.end_quiet_ms=1000" ;;
+        on) override=scheduler.tick_phases=1 ;;
         *) echo "serve_align: unknown arm $tag (off, on_quiet1000, on)"; continue ;;
       esac
       SERVE_STEP_LIMIT=${SERVE_STEP_LIMIT:-400} serve_conversation "serve_align_$tag" \
         "${SERVE_BASE:-examples/minicpmo45-shared.yaml}" "${SERVE_SESSIONS:-32}" "${SERVE_DURATION:-45}" "$override"
     done ;;
   serve_ptt)  # callers that keep the microphone open (workload conversation) vs push-to-talk callers that send only their
-    # own turns (push_to_talk: the server hears silence once they are quiet, server.fill_silence_after_ms), a fresh
+    # own turns (push_to_talk: the server hears silence once they are quiet, scheduler.fill_silence_after_ms), a fresh
     # server per arm. For a CPU host: SERVE_BASE=duplexcache/configs/tiny.yaml SERVE_SESSIONS=8
     for workload in conversation push_to_talk; do
       SERVE_WORKLOAD=$workload serve_conversation "serve_ptt_$workload" "${SERVE_BASE:-examples/minicpmo45-shared.yaml}" \
@@ -71,14 +71,11 @@ case "$mode" in
       serve_conversation "serve_threads_${i}_$arm" "${SERVE_BASE:-examples/minicpmo45-shared.yaml}" "${SERVE_SESSIONS:-20}" \
         "${SERVE_DURATION:-60}" "server.compute_threads=$arm"
     done ;;
-  serve_switch)  # A/B of server.switch_interval_ms: serve_conversation with Python's 5 ms, then with 0.5 ms
-    serve_conversation serve_switch_5ms examples/minicpmo45-shared.yaml 32 "${SERVE_DURATION:-60}" server.switch_interval_ms=null
-    serve_conversation serve_switch_0.5ms examples/minicpmo45-shared.yaml 32 "${SERVE_DURATION:-60}" server.switch_interval_ms=0.5 ;;
-  serve_catch_up)  # A/B of server.catch_up_ticks, a fresh server per arm (off first). SERVE_BASE / SERVE_SESSIONS pick the
+  serve_catch_up)  # A/B of scheduler.catch_up_ticks, a fresh server per arm (off first). SERVE_BASE / SERVE_SESSIONS pick the
     # config and callers (default: the minicpmo45 example, 32); e.g. SERVE_BASE=duplexcache/configs/tiny.yaml on a CPU
     for arm in false true; do
       serve_conversation "serve_catch_up_$arm" "${SERVE_BASE:-examples/minicpmo45-shared.yaml}" "${SERVE_SESSIONS:-32}" \
-        "${SERVE_DURATION:-60}" "server.catch_up_ticks=$arm"
+        "${SERVE_DURATION:-60}" "scheduler.catch_up_ticks=$arm"
     done ;;
   ticks_vocoder)  # A/B of code2wav.vocoder_cuda_graphs (issue 15): ticks_profile's exact-mode 40 sessions with the
     # vocoder eager, then as graphs, each with 2 profiled ticks (launches and span of the vocoder), plus the vocoder's
@@ -99,13 +96,7 @@ d = DeployConfig.from_packaged_yaml("minicpmo45"); d.code2wav.vocoder_cuda_graph
       serve_conversation "serve_vocoder_$arm" "${SERVE_BASE:-examples/minicpmo45-shared.yaml}" "${SERVE_SESSIONS:-32}" \
         "${SERVE_DURATION:-45}" "code2wav.vocoder_cuda_graphs=$arm"
     done ;;
-  serve_lookahead)  # A/B of engine.speak_policy.end_quiet_lookahead (issue 10): serve_conversation, a fresh server per
-    # arm (off first); SERVE_BASE / SERVE_SESSIONS / SERVE_DURATION as for serve_catch_up
-    for arm in false true; do
-      serve_conversation "serve_lookahead_$arm" "${SERVE_BASE:-examples/minicpmo45-shared.yaml}" "${SERVE_SESSIONS:-32}" \
-        "${SERVE_DURATION:-45}" "engine.speak_policy.end_quiet_lookahead=$arm"
-    done ;;
-  serve_phases)  # A/B of server.tick_phases (issue 10): serve_conversation with one tick per unit, then two (a
+  serve_phases)  # A/B of scheduler.tick_phases (issue 10): serve_conversation with one tick per unit, then two (a
     # turn's unit closed with silence at the next half-unit tick), a fresh server per arm; SERVE_BASE /
     # SERVE_SESSIONS / SERVE_DURATION as for serve_catch_up, SERVE_PHASE_ARMS the arms (default "1 2"; an arm
     # N is tick_phases N with phase_units spread, Nhome the same with phase_units home)
@@ -113,7 +104,7 @@ d = DeployConfig.from_packaged_yaml("minicpmo45"); d.code2wav.vocoder_cuda_graph
       units=spread
       [[ $arm == *home ]] && units=home
       serve_conversation "serve_phases_$arm" "${SERVE_BASE:-examples/minicpmo45-shared.yaml}" "${SERVE_SESSIONS:-32}" \
-        "${SERVE_DURATION:-45}" "server.tick_phases=${arm%home} server.phase_units=$units"
+        "${SERVE_DURATION:-45}" "scheduler.tick_phases=${arm%home} scheduler.phase_units=$units"
     done ;;
   ticks_conversation_large)  # ticks_conversation at 40 and 48 sessions only, with the shared graph grid warm
     step engine_ticks_conversation_large 560 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 40,48 --workload conversation --steady-window --all-switches on --ticks 8 --warmup-ticks 8 --max-seconds 420 --memory-budget auto --graph-grid 1,4,8,16 --out "$out/engine_ticks_conversation_large" ;;
@@ -174,18 +165,18 @@ d = DeployConfig.from_packaged_yaml("minicpmo45"); d.code2wav.vocoder_cuda_graph
       serve_conversation "serve_precision_$arm" "${SERVE_BASE:-examples/minicpmo45-shared.yaml}" \
         "${SERVE_SESSIONS:-32}" "${SERVE_DURATION:-60}" "precision.code2wav_dtype=$arm"
     done ;;
-  serve_prefill_between)  # A/B of server.prefill_between_ticks over the wire, a fresh server per arm (off first);
+  serve_prefill_between)  # A/B of scheduler.prefill_between_ticks over the wire, a fresh server per arm (off first);
     # SERVE_BASE / SERVE_SESSIONS / SERVE_DURATION as for serve_catch_up
     for arm in false true; do
       serve_conversation "serve_prefill_between_$arm" "${SERVE_BASE:-examples/minicpmo45-shared.yaml}" \
-        "${SERVE_SESSIONS:-32}" "${SERVE_DURATION:-60}" "server.prefill_between_ticks=$arm"
+        "${SERVE_SESSIONS:-32}" "${SERVE_DURATION:-60}" "scheduler.prefill_between_ticks=$arm"
     done ;;
   serve_long_context)  # issue 11 over the wire: 32 callers, then one caller with a ~15000-token context joins 10 s in;
-    # A/B of server.prefill_between_ticks, a fresh server per arm (off first). SERVE_BASE / SERVE_SESSIONS as above
+    # A/B of scheduler.prefill_between_ticks, a fresh server per arm (off first). SERVE_BASE / SERVE_SESSIONS as above
     for arm in false true; do
       SERVE_EXTRA="--long-context-callers 1 --long-context-chars ${LONG_CONTEXT_CHARS:-15000} --long-context-at 10" \
         serve_conversation "serve_long_context_$arm" "${SERVE_BASE:-examples/minicpmo45-shared.yaml}" \
-        "${SERVE_SESSIONS:-32}" "${SERVE_DURATION:-60}" "server.prefill_between_ticks=$arm"
+        "${SERVE_SESSIONS:-32}" "${SERVE_DURATION:-60}" "scheduler.prefill_between_ticks=$arm"
     done ;;
   serve_profile)  # issue 10: who holds the GIL in a fresh server under 32 callers (needs py-spy on PATH: carry its
     # wheel; installed with --target DIR it is DIR/bin/py-spy). SERVE_BASE / SERVE_SESSIONS as for serve_catch_up
@@ -194,7 +185,7 @@ d = DeployConfig.from_packaged_yaml("minicpmo45"); d.code2wav.vocoder_cuda_graph
   prefill)  # issue 11: the longest allowed context (16384 tokens) opening beside 32 live sessions, plus the attention A/B
     step prefill_attention 120 python3 scripts/probes/prefill_attention_ab.py --out "$out/prefill_attention"
     step prefill_isolation 400 python3 -m duplexcache.cli bench prefill --preset minicpmo45 --device cuda --sessions 32 --memory-budget 100GiB --out "$out/prefill_isolation" ;;
-  prefill_between)  # issue 11: the same with server.prefill_between_ticks emulated (chunks in each period's slack)
+  prefill_between)  # issue 11: the same with scheduler.prefill_between_ticks emulated (chunks in each period's slack)
     step prefill_isolation_between 400 python3 -m duplexcache.cli bench prefill --preset minicpmo45 --device cuda --sessions 32 --memory-budget 100GiB --between-ticks --out "$out/prefill_isolation_between" ;;
   prefill_512)  # prefill with engine.prefill_chunk_tokens 512 (the 16384-token context opens in 32 ticks)
     step prefill_isolation_512 400 python3 -m duplexcache.cli bench prefill --preset minicpmo45 --device cuda --sessions 32 --memory-budget 100GiB --prefill-chunk-tokens 512 --out "$out/prefill_isolation_512" ;;
@@ -203,6 +194,6 @@ d = DeployConfig.from_packaged_yaml("minicpmo45"); d.code2wav.vocoder_cuda_graph
     step cold_start 420 python3 -m duplexcache.cli bench warm-start --config examples/minicpmo45-shared.yaml --sessions 24 --ticks 4 --no-warmup --out "$out/cold_start" ;;
   serve_ready)  # issue 10: `duplexcache serve` from launch to /health 200, then the graph-capture counters on /metrics
     step serve_ready 480 python3 scripts/probes/serve_ready.py --config examples/minicpmo45-shared.yaml --port 8765 ;;
-  *) echo "unknown mode $mode (bench_turn|bench_capacity|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|ticks_conversation|serve_conversation|serve_sweep|serve_align|serve_ptt|serve_threads|serve_switch|serve_catch_up|ticks_vocoder|vocoder_exact|serve_vocoder|serve_lookahead|serve_phases|ticks_conversation_large|ticks_conversation_bf16|kv_precision|ticks_conversation_fp8|ticks_capacity|ticks_profile|ticks_profile_small|ticks_ragged_graphs|ticks_capacity_mid|ticks_wire_gap|ticks_exact48|ticks_recheck|ticks_recheck_exact|ticks_recheck_capacity|precision|serve_precision|serve_prefill_between|serve_long_context|serve_profile|prefill|prefill_between|prefill_512|warm_start|serve_ready)"; exit 2 ;;
+  *) echo "unknown mode $mode (bench_turn|bench_capacity|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|ticks_conversation|serve_conversation|serve_sweep|serve_align|serve_ptt|serve_threads|serve_catch_up|ticks_vocoder|vocoder_exact|serve_vocoder|serve_phases|ticks_conversation_large|ticks_conversation_bf16|kv_precision|ticks_conversation_fp8|ticks_capacity|ticks_profile|ticks_profile_small|ticks_ragged_graphs|ticks_capacity_mid|ticks_wire_gap|ticks_exact48|ticks_recheck|ticks_recheck_exact|ticks_recheck_capacity|precision|serve_precision|serve_prefill_between|serve_long_context|serve_profile|prefill|prefill_between|prefill_512|warm_start|serve_ready)"; exit 2 ;;
 esac
 done

@@ -194,7 +194,7 @@ def test_a_context_of_the_maximum_length_prefills_in_bounded_chunks_without_a_de
     assert ticks == math.ceil(limit / chunk)
     assert eng.session_info(long_sid).thinker_anchor_tokens == limit
     # The audio that arrived while it prefilled was trimmed to one unit: it starts in real time.
-    assert eng._sessions[long_sid].buffered <= FIRST
+    assert eng.table.live[long_sid].buffered <= FIRST
     events = eng.tick()
     assert not [e for e in events if isinstance(e, SessionError)]
     assert eng.session_info(long_sid).units == 1
@@ -224,7 +224,7 @@ def test_admission_by_time_refuses_with_capacity_compute_once_measured(tmp_path)
     second = eng.open_session({"voice": "default"})           # no measurement yet: admitted
     eng.push_audio(first, audio(0, 1))
     eng.tick()
-    assert eng.tick_cost.predicted_s(2) is not None and eng.tick_cost.predicted_s(2) > 0
+    assert eng.scheduler.tick_cost.predicted_s(2) is not None and eng.scheduler.tick_cost.predicted_s(2) > 0
     with pytest.raises(AdmissionError) as info:
         eng.open_session({"voice": "default"})
     assert info.value.code == "capacity_compute" and "blocks" not in info.value.reason
@@ -241,11 +241,11 @@ def test_admission_by_time_refuses_with_capacity_compute_once_measured(tmp_path)
 
 def test_tick_headroom_reaches_admission(tmp_path):
     eng = engine(tmp_path, "headroom", {"engine": {"tick_seconds": 1e-6, "tick_headroom": 1e9}})
-    assert eng.tick_cost.limit_s == pytest.approx(1e3)
+    assert eng.scheduler.tick_cost.limit_s == pytest.approx(1e3)
     sid = eng.open_session({"voice": "default"})
     eng.push_audio(sid, audio(0, 1))
     eng.tick()
-    assert eng.tick_cost.per_unit_s is not None
+    assert eng.scheduler.tick_cost.per_unit_s is not None
     eng.open_session({"voice": "default"})       # 1000 s of headroom: admitted
 
 
@@ -315,7 +315,7 @@ def test_tick_cost_model_admits_a_gpu_ramp_that_the_origin_line_refused():
 
 
 def test_tick_cost_model_with_phased_ticks_shares_the_sessions_and_the_period():
-    """server.tick_phases 2: each tick runs about half the sessions' units in half the period,
+    """scheduler.tick_phases 2: each tick runs about half the sessions' units in half the period,
     so the fixed part counts twice per unit: one more session fits while
     fixed + per_unit * (live + 1) / 2 <= limit / 2."""
     from duplexcache.runtime.admission import TickCostModel, headroom

@@ -44,7 +44,7 @@ PRIVATE_RUNTIME_CONFIG_KEYS: frozenset[str] = frozenset({
 
 # What a client may put in session.update's session object.
 CLIENT_SESSION_KEYS: frozenset[str] = frozenset({
-    "instructions", "voice", "initial_user_text", "input_audio_format", "window",
+    "instructions", "voice", "initial_user_text", "input_audio_format", "window", "audio_output",
 })
 CLIENT_WINDOW_KEYS: frozenset[str] = frozenset({"high_tokens", "low_tokens"})
 INPUT_AUDIO_FORMATS = ("pcm16", "f32")
@@ -61,6 +61,9 @@ class SessionRuntimeConfig:
     input_audio_format: str
     window_high_tokens: int
     window_low_tokens: int
+    # False: text-only replies; the session's units never enter the Talker or Code2Wav, and its
+    # footprint reserves neither (OpenAI's modalities ["text"], MiniCPM-o's tts_enabled false)
+    audio_output: bool
     # server-owned
     window_mode: str
     block_size: int
@@ -143,6 +146,9 @@ def build_runtime_config(deploy: DeployConfig, client_session: Mapping[str, Any]
         raise SessionConfigError(
             f"input_audio_format must be one of {INPUT_AUDIO_FORMATS}, got {audio_format!r}")
     high, low = _client_window(deploy, session.get("window"))
+    audio_output = session.get("audio_output", True)
+    if not isinstance(audio_output, bool):
+        raise SessionConfigError(f"session key 'audio_output' must be true or false, got {audio_output!r}")
     return SessionRuntimeConfig(
         instructions=_check_str(session, "instructions", "") or "",
         voice=_check_str(session, "voice", "default") or "default",
@@ -150,6 +156,7 @@ def build_runtime_config(deploy: DeployConfig, client_session: Mapping[str, Any]
         input_audio_format=audio_format,
         window_high_tokens=high,
         window_low_tokens=low,
+        audio_output=audio_output,
         window_mode=deploy.stage0.window.mode,
         block_size=deploy.stage0.block_size,
         shared_anchor_blocks=deploy.stage0.shared_anchor_blocks,

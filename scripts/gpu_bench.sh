@@ -4,7 +4,7 @@
 #   OUT=/path/to/results bash scripts/gpu_bench.sh MODE [MODE ...]
 # smoke: every benchmark on the tiny preset (catches device bugs in seconds); suite: the whole pytest suite;
 # bench, batch_invariance, card_tests, card_waterfall, card_before, card_capacity, card_bench, serve_ragged_graphs,
-# setup, stage0, stage2: the minicpmo45 figures (random weights), each fits one 10-minute device call.
+# setup, stage0, stage2, slope: the minicpmo45 figures (random weights), each fits one 10-minute device call.
 # The A/Bs and probes of earlier rounds (docs/results/HISTORY.md) are modes of scripts/probes/gpu_probes.sh.
 # Every step is a `duplexcache bench BENCHMARK` command (run as `python3 -m duplexcache.cli`, so no install is needed).
 # Needs torch with CUDA, triton, numpy, pyyaml, safetensors, pydantic, tqdm, matplotlib; the serve modes also
@@ -70,6 +70,20 @@ case "$mode" in
     done ;;
   stage0)
     step gpu_stage0 120 python3 -m duplexcache.cli bench kernels --out "$out/gpu_stage0" ;;
+  slope)  # issue 49: per-stage ms per extra session (the slope of p50 over the counts) beside the floor, --steady-window,
+    # conversation workload. exact: the shared config's formats (examples/minicpmo45-shared.yaml: Code2Wav float32, KV
+    # bf16); capacity: examples/minicpmo45-capacity.yaml's (Code2Wav bf16, KV fp8, 1024-token Talker turns). Each arm
+    # fits one 10-minute call (SLOPE_ARMS="exact" or "capacity" runs one); counts past admission are recorded refused
+    for arm in ${SLOPE_ARMS:-exact capacity}; do
+      case "$arm" in
+        exact) counts=${SLOPE_EXACT_SESSIONS:-8,16,24,32}; formats="" ;;
+        capacity) counts=${SLOPE_CAPACITY_SESSIONS:-16,32,48,58}
+          formats="--code2wav-dtype bfloat16 --kv-cache-dtype fp8_e4m3 --talker-turn-tokens 1024" ;;
+        *) echo "slope: unknown arm $arm (exact, capacity)"; continue ;;
+      esac
+      step "engine_ticks_slope_$arm" 580 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions "$counts" --workload conversation --steady-window --all-switches on --ticks 8 --warmup-ticks 8 --max-seconds 540 --memory-budget auto --graph-grid 1,4,8,16 $formats --out "$out/engine_ticks_slope_$arm"
+      sed -n '/## Per-stage cost per extra session/,$p' "$out/engine_ticks_slope_$arm/results.md"
+    done ;;
   stage2)
     step gpu_stage2 300 python3 -m duplexcache.cli bench stage2 --out "$out/gpu_stage2" --batches 1,8,32 ;;
   batch_invariance)  # the current "Batch invariance on the GPU" table: engine.batch_invariant off vs on, beside 1, 7, 31

@@ -6,7 +6,7 @@
         [--ragged-step-graphs on|off] [--encoder-cuda-graphs on|off]
         [--workload turns|continuous|conversation] [--speak-k 2] [--turn-units 2]
         [--warm-up on|off] [--graph-grid 1,4,8,16] [--profile-ticks 0] [--max-seconds 420]
-        [--out DIR]
+        [--floor-device auto|none|h100-sxm|h100-pcie|h100-nvl|h200] [--out DIR]
 
 The models are built once (random weights; minicpmo45 on CUDA in bf16). For each session count
 ``n`` a fresh :class:`DuplexEngine` is built over the same :class:`ModelBundle`, ``n`` sessions are
@@ -62,6 +62,19 @@ the error recorded. ``--max-seconds`` bounds the whole run's wall clock (model b
 no new ``n`` starts after it, and an ``n`` still running stops between ticks (marked ``stopped``).
 results.json and results.md are rewritten after every ``n``, so a killed run leaves its rows.
 
+Per-stage cost per extra session (``per_session`` in results.json, its own table in results.md):
+over the session counts that ran ``ok`` (two or more), each stage's p50 tick ms is fitted by
+least squares against the session count: the slope is the ms one more session adds to a tick,
+the intercept the fixed per-tick cost, with the slope's standard error (three or more counts).
+Beside it, the floor for the same shapes (bench/floor.py ``tick_floor``): one extra session's own
+HBM bytes and matmul FLOPs per tick at the device's peak bandwidth and dense FLOP/s, from the
+shapes the recorded ticks ran (before each recorded tick: every session's Thinker window and
+encoder cache, the speakers' Talker turn length, the share of sessions speaking), the model's
+dtype, ``precision.code2wav_dtype`` (the vocoder stays float32) and ``precision.kv_cache_dtype``.
+``distance to floor`` = slope / floor. ``--floor-device``: the peak table's entry (``auto``: by
+``torch.cuda.get_device_name``; on CPU or an unknown GPU the floor's bytes and FLOPs are still
+reported, its time is not).
+
 The deploy config is the preset's defaults plus these flags; environment overrides
 (``DUPLEXCACHE_*``) are ignored so that a run is reproducible from its command line.
 Imports only torch, numpy and the package (pydantic/pyyaml through the config).
@@ -83,17 +96,15 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from duplexcache.bench import floor as fl
 from duplexcache.bench import workload as wl
 from duplexcache.bench.common import alias_main, hardware_line, sync, usage_error, write_results
-from duplexcache.bench.engine_ticks_config import (  # noqa: F401  (add_arguments: the CLI's options)
-    TickBenchConfig,
-    add_arguments,
-    config_from_args,
-    make_deploy,
-)
+from duplexcache.bench.engine_ticks_config import TickBenchConfig, config_from_args, make_deploy
+from duplexcache.bench.engine_ticks_config import add_arguments as add_config_arguments
 from duplexcache.bench.engine_ticks_report import STAGES, markdown
 from duplexcache.bench.tick_profile import profile_ticks, profiled_units
 from duplexcache.config import DeployConfig, format_bytes
+from duplexcache.kv.kv_quant import kv_storage_dtype
 from duplexcache.runtime.bundle import ModelBundle, build_models
 from duplexcache.runtime.engine import DuplexEngine
 from duplexcache.runtime.engine_api import (
@@ -112,6 +123,12 @@ VOICES = ("default", "alt")
 INSTRUCTIONS = "You are a friendly voice assistant. Keep every answer short."
 
 EngineFactory = Callable[[DeployConfig, ModelBundle], DuplexEngine]
+# Per recorded tick, over the live sessions: how many, their Thinker window tokens (after the
+# anchor), encoder cache frames and voice prompt frames; over the scheduled speakers: how many
+# and the Talker KV tokens their steps attend over (mean over the unit's steps).
+SHAPE_SUMS = ("sessions", "thinker_window_tokens", "encoder_cache_frames", "prompt_frames", "speakers",
+              "talker_kv_tokens")
+PER_SESSION_STAGES = (*STAGES, "wall")
 
 
 # --------------------------------------------------------------------------------------------
@@ -166,6 +183,8 @@ class RunResult:
     memory_allocated_after: int | None = None   # after the engine was freed: should be the weights
     seconds: float = 0.0
     profile: dict[str, Any] | None = None   # --profile-ticks: bench/tick_profile.summarize_profile
+    # The shapes the recorded ticks ran, summed over sessions before each tick (the floor's TickShape)
+    shape_sums: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k in SHAPE_SUMS})
 
     @property
     def all_under_1s(self) -> bool | None:
@@ -187,7 +206,7 @@ class RunResult:
                 "warmup_graphs": self.warmup_graphs, "tick_graph_captures": self.tick_graph_captures,
                 "max_memory_allocated": self.max_memory_allocated,
                 "memory_allocated_after": self.memory_allocated_after, "seconds": round(self.seconds, 3),
-                "profile": self.profile}
+                "profile": self.profile, "shape_sums_per_tick": self.shape_sums}
 
 
 class _Deadline:
@@ -273,8 +292,34 @@ def _run_tick(eng: DuplexEngine, feed: _Feed, res: RunResult, device: torch.devi
     return events, wall, scheduled
 
 
+def _sample_shape(eng: DuplexEngine, feed: _Feed, res: RunResult) -> None:
+    """What each live session's coming tick attends over (read before the tick), summed into
+    ``res.shape_sums``: the time floor is computed for these shapes."""
+    models = eng.models
+    unit_tokens = fl.talker_unit_tokens(models.talker.config)
+    turn = eng.sizing.talker_turn_tokens
+    live = set(eng.session_ids())
+    sums = dict.fromkeys(SHAPE_SUMS, 0.0)
+    for i, sid in enumerate(feed.sids):
+        if sid not in live:
+            continue
+        info = eng.session_info(sid)
+        sums["sessions"] += 1
+        sums["thinker_window_tokens"] += info.thinker_tokens - info.thinker_anchor_tokens
+        sums["encoder_cache_frames"] += fl.encoder_cache_frames_at(info.units, models.audio_encoder.cfg)
+        sums["prompt_frames"] += models.voices.get(info.voice).prompt_frames
+        if feed.scripts[i].speaks[feed.unit]:
+            # a unit that would pass the turn's limit starts a new audio turn (runtime/talker_stage.py)
+            have = info.talker_tokens if info.talker_tokens + unit_tokens <= turn else 0
+            sums["speakers"] += 1
+            sums["talker_kv_tokens"] += have + unit_tokens / 2
+    for key, value in sums.items():
+        res.shape_sums[key].append(value)
+
+
 def _record_tick(eng: DuplexEngine, feed: _Feed, res: RunResult, device: torch.device) -> None:
     before = eng.stats().ticks
+    _sample_shape(eng, feed, res)
     events, wall, scheduled = _run_tick(eng, feed, res, device)
     st = eng.stats()
     assert st.ticks == before + 1, f"engine tick counter went {before} -> {st.ticks}"
@@ -422,11 +467,14 @@ def _skip_reason(rows: list[RunResult], deadline: _Deadline, cfg: TickBenchConfi
 
 
 def run_benchmark(cfg: TickBenchConfig, out: Path | None = None, models: ModelBundle | None = None,
-                  engine_factory: EngineFactory = DuplexEngine) -> dict[str, Any]:
+                  engine_factory: EngineFactory = DuplexEngine, floor_device: str = "auto") -> dict[str, Any]:
     """Build the models once (unless given), run every session count, write the report after
-    each one when ``out`` is set. Returns the JSON-able results."""
+    each one when ``out`` is set. Returns the JSON-able results. ``floor_device``: whose peaks
+    the time floor uses (``--floor-device``, bench/floor.py ``resolve_floor_device``)."""
     deadline = _Deadline(time.perf_counter(), cfg.max_seconds)
     deploy = make_deploy(cfg)
+    if floor_device not in fl.FLOOR_DEVICES:
+        raise ValueError(f"floor_device must be one of {', '.join(fl.FLOOR_DEVICES)}, got {floor_device!r}")
     if models is None:
         logger.info("building %s models on %s (%s)", cfg.preset, cfg.device, deploy.model.dtype)
         models = build_models(deploy, seed=cfg.seed)
@@ -455,12 +503,12 @@ def run_benchmark(cfg: TickBenchConfig, out: Path | None = None, models: ModelBu
         wall = summarize(res.per_tick["wall"])
         logger.info("n=%d %s in %.1f s: wall p50 %s s, max %s s, all < 1 s: %s %s", n, res.status, res.seconds,
                     _fmt(wall["p50"]), _fmt(wall["max"]), res.all_under_1s, res.note)
-        results = _results(cfg, deploy, models, rows, build_s, weights_alloc, deadline)
+        results = _results(cfg, deploy, models, rows, build_s, weights_alloc, deadline, floor_device)
         if out is not None:
-            write_results(out, results, markdown(results))
-    results = _results(cfg, deploy, models, rows, build_s, weights_alloc, deadline)
+            write_results(out, results, report_markdown(results))
+    results = _results(cfg, deploy, models, rows, build_s, weights_alloc, deadline, floor_device)
     if out is not None:
-        write_results(out, results, markdown(results))
+        write_results(out, results, report_markdown(results))
     return results
 
 
@@ -479,7 +527,8 @@ def _fmt(x: float | None, scale: float = 1.0, digits: int = 3) -> str:
 
 
 def _results(cfg: TickBenchConfig, deploy: DeployConfig, models: ModelBundle, rows: list[RunResult],
-             build_s: float, weights_alloc: int | None, deadline: _Deadline) -> dict[str, Any]:
+             build_s: float, weights_alloc: int | None, deadline: _Deadline,
+             floor_device: str = "auto") -> dict[str, Any]:
     skipped = [r.sessions for r in rows if r.status == "skipped"]
     return {
         "hardware": hardware_line(models.device),
@@ -498,7 +547,7 @@ def _results(cfg: TickBenchConfig, deploy: DeployConfig, models: ModelBundle, ro
                    "kv_cache_dtype": deploy.precision.kv_cache_dtype,
                    "encoder_cache_dtype": deploy.precision.encoder_cache_dtype,
                    "talker_turn_tokens": deploy.engine.talker_turn_tokens,
-                   "profile_ticks": cfg.profile_ticks},
+                   "profile_ticks": cfg.profile_ticks, "floor_device": floor_device},
         "model_build_s": round(build_s, 3),
         "weight_bytes": models.weight_bytes(),
         "memory_allocated_after_build": weights_alloc,
@@ -506,20 +555,145 @@ def _results(cfg: TickBenchConfig, deploy: DeployConfig, models: ModelBundle, ro
         "skipped_sessions": skipped,
         "elapsed_s": round(deadline.elapsed(), 3),
         "runs": [r.to_dict() for r in rows],
+        "per_session": per_session_costs(rows, _floor(deploy, models, rows, floor_device)),
     }
+
+
+# --------------------------------------------------------------------------------------------
+# Per-stage cost per extra session: the slope over the session counts, beside the floor
+# --------------------------------------------------------------------------------------------
+
+def fit_line(xs: list[float], ys: list[float]) -> dict[str, float | int | None]:
+    """Least-squares line ``y = intercept + slope * x``: slope, intercept and the slope's
+    standard error (None with fewer than 3 points, where the residuals have no freedom left).
+    Needs two or more distinct x."""
+    if len(xs) != len(ys) or len(set(xs)) < 2:
+        raise ValueError(f"a line needs two or more distinct x, got {xs!r}")
+    x, y = np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64)
+    xm = x.mean()
+    sxx = float(((x - xm) ** 2).sum())
+    slope = float(((x - xm) * (y - y.mean())).sum()) / sxx
+    intercept = float(y.mean() - slope * xm)
+    stderr = None
+    if x.size > 2:
+        residual = y - (intercept + slope * x)
+        stderr = math.sqrt(float((residual ** 2).sum()) / (x.size - 2) / sxx)
+    return {"slope": slope, "intercept": intercept, "slope_stderr": stderr, "points": int(x.size)}
+
+
+def _ok_rows(rows: list[RunResult]) -> list[RunResult]:
+    return [r for r in rows if r.status == "ok" and r.per_tick["wall"]]
+
+
+def tick_shape(rows: list[RunResult], models: ModelBundle) -> fl.TickShape | None:
+    """The mean shapes of the recorded ticks of every ``ok`` run (session-weighted); None when none ran."""
+    ok = _ok_rows(rows)
+    total = {k: sum(sum(r.shape_sums[k]) for r in ok) for k in SHAPE_SUMS}
+    if total["sessions"] == 0:
+        return None
+    n = total["sessions"]
+    unit_tokens = fl.talker_unit_tokens(models.talker.config)
+    talker = total["talker_kv_tokens"] / total["speakers"] if total["speakers"] else unit_tokens / 2
+    return fl.TickShape(speaking_fraction=total["speakers"] / n,
+                        thinker_window_tokens=total["thinker_window_tokens"] / n,
+                        talker_turn_tokens=talker, prompt_frames=max(1, round(total["prompt_frames"] / n)),
+                        encoder_cache_frames=total["encoder_cache_frames"] / n)
+
+
+def _floor(deploy: DeployConfig, models: ModelBundle, rows: list[RunResult], floor_device: str) -> fl.TickFloor | None:
+    """The time floor of one extra session for the shapes the recorded ticks ran (None before any ran)."""
+    shape = tick_shape(rows, models)
+    if shape is None:
+        return None
+    p = deploy.precision
+    return fl.tick_floor(models.thinker.config, models.talker.config, models.audio_encoder.cfg, models.flow.cfg,
+                         models.hift.cfg, shape, deploy.model.dtype,
+                         code2wav_dtype=p.code2wav_dtype, kv_storage_dtype=kv_storage_dtype(p.kv_cache_dtype),
+                         encoder_storage_dtype=kv_storage_dtype(p.encoder_cache_dtype),
+                         peak=fl.resolve_floor_device(floor_device, models.device))
+
+
+def per_session_costs(rows: list[RunResult], floor: fl.TickFloor | None) -> dict[str, Any]:
+    """Per stage (and ``wall``): the least-squares slope of p50 tick ms over the session counts
+    that ran ``ok`` (ms per extra session per tick), its intercept (fixed ms per tick) and
+    standard error, beside the floor (``tick`` and ``wall``: the four stages' sum) and
+    ``distance_to_floor`` = slope / floor."""
+    ok = _ok_rows(rows)
+    stages: dict[str, Any] = {}
+    for stage in PER_SESSION_STAGES:
+        points = [(r.sessions, summarize(r.per_tick[stage])["p50"]) for r in ok]
+        points = [(n, 1e3 * p50) for n, p50 in points if p50 is not None]
+        fit: dict[str, Any] = {"slope": None, "intercept": None, "slope_stderr": None, "points": len(points)}
+        if len({n for n, _ in points}) >= 2:
+            fit = fit_line([n for n, _ in points], [ms for _, ms in points])
+        floor_ms = None if floor is None else floor.ms("tick" if stage in ("tick", "wall") else stage)
+        distance = None if fit["slope"] is None or not floor_ms else fit["slope"] / floor_ms
+        stages[stage] = {"slope_ms": fit["slope"], "intercept_ms": fit["intercept"],
+                         "slope_stderr_ms": fit["slope_stderr"], "points": fit["points"],
+                         "sessions": [n for n, _ in points], "p50_ms": [ms for _, ms in points],
+                         "floor_ms": floor_ms, "distance_to_floor": distance}
+    return {"stages": stages, "floor": None if floor is None else floor.to_json()}
+
+
+def per_session_markdown(results: dict[str, Any]) -> str:
+    """The per-stage cost per extra session table (appended to results.md)."""
+    per = results.get("per_session") or {}
+    floor = per.get("floor")
+    lines = ["## Per-stage cost per extra session", "",
+             "Slope of each stage's p50 tick ms over the session counts that ran ok (least squares; ± its "
+             "standard error), the fixed per-tick cost (intercept), and the floor: one extra session's own HBM "
+             "bytes and matmul FLOPs per tick at the device's peaks (bench/floor.py). `tick` and `wall` are "
+             "compared with the four stages' floors summed.", ""]
+    if floor is not None:
+        dev = floor["device"]
+        shape = floor["shape"]
+        peak = "no device peaks (the floor's time is not claimed here)" if dev is None else \
+            f"{dev['name']}: {dev['hbm_gb_s']:.0f} GB/s, " \
+            + ", ".join(f"{d} {t:.1f} TFLOP/s" for d, t in dev["tflops"].items())
+        lines += [f"Floor device: {peak}. Shapes of the recorded ticks: {shape['speaking_fraction']:.2f} of sessions "
+                  f"speaking, Thinker window {shape['thinker_window_tokens']:.0f} tokens, Talker turn "
+                  f"{shape['talker_turn_tokens']:.0f} tokens, P {shape['prompt_frames']} frames, encoder cache "
+                  f"{shape['encoder_cache_frames']:.0f} frames.", ""]
+    lines += ["| stage | ms per extra session (± SE) | fixed ms per tick | sessions fitted | floor ms per session "
+              "| distance to floor |", "|---|---|---|---|---|---|"]
+
+    def cell(x: float | None, digits: int = 2) -> str:
+        return "-" if x is None else f"{x:.{digits}f}"
+
+    for stage, s in (per.get("stages") or {}).items():
+        slope = cell(s["slope_ms"]) + ("" if s["slope_stderr_ms"] is None else f" ± {s['slope_stderr_ms']:.2f}")
+        fitted = ",".join(str(n) for n in s["sessions"]) or "-"
+        distance = "-" if s["distance_to_floor"] is None else f"{s['distance_to_floor']:.1f}x"
+        lines.append(f"| {stage} | {slope} | {cell(s['intercept_ms'], 1)} | {fitted} | {cell(s['floor_ms'], 3)} "
+                     f"| {distance} |")
+    return "\n".join(lines)
+
+
+def report_markdown(results: dict[str, Any]) -> str:
+    """results.md: the tick table (engine_ticks_report.markdown), then the per-session table."""
+    return markdown(results) + "\n\n" + per_session_markdown(results) + "\n"
 
 
 # --------------------------------------------------------------------------------------------
 # Command line: duplexcache bench ticks (options: engine_ticks_config.add_arguments)
 # --------------------------------------------------------------------------------------------
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of engine_ticks_config, and the floor's device."""
+    add_config_arguments(p)
+    p.add_argument("--floor-device", choices=fl.FLOOR_DEVICES, default="auto",
+                   help="peak HBM bandwidth and dense FLOP/s for the per-session floor (bench/floor.py): auto "
+                        "(by torch.cuda.get_device_name; none on CPU or an unknown GPU), none, or a table entry")
+
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args)
     except ValueError as exc:
         return usage_error("ticks", exc)
-    results = run_benchmark(cfg, args.out)
-    print(markdown(results), flush=True)
+    results = run_benchmark(cfg, args.out, floor_device=args.floor_device)
+    print(report_markdown(results), flush=True)
     logger.info("wrote %s and %s", args.out / "results.json", args.out / "results.md")
     return 0
 

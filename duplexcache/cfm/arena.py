@@ -324,7 +324,7 @@ class EulerArena:
                  n_timesteps: int, cfg_rate: float, key_bucket: int = 64, max_setup_query: int = 0,
                  use_cuda_graphs: bool = True, graph_backend: GraphBackend | None = None,
                  max_private: int | None = None, prompt_in_place: bool = True,
-                 prompt_bank_frames: int = 1) -> None:
+                 prompt_bank_frames: int = 1, fixed_key_length: bool = False) -> None:
         if rows < 1 or max_query < 1 or max_cache < 0 or key_bucket < 1:
             raise ValueError(f"bad arena shape: rows={rows} max_query={max_query} max_cache={max_cache} "
                              f"key_bucket={key_bucket}")
@@ -334,6 +334,7 @@ class EulerArena:
         self.rows, self.max_cache = rows, max_cache
         self.max_query = max(max_query, max_setup_query)
         self.n_timesteps, self.cfg_rate, self.key_bucket = n_timesteps, cfg_rate, key_bucket
+        self.fixed_key_length = fixed_key_length   # Code2WavConfig.fixed_key_length
         depth = len(estimator.blocks)
         attn = estimator.blocks[0].attn
         hidden = estimator.in_proj.out_features
@@ -485,7 +486,10 @@ class EulerArena:
 
     # ---- running -----------------------------------------------------------------------
     def bucket(self, width: int, cache_len: int) -> int:
-        """Smallest cache-length bucket >= cache_len: a multiple of key_bucket, capped to capacity."""
+        """Smallest cache-length bucket >= cache_len: a multiple of key_bucket, capped to capacity
+        (with ``fixed_key_length``: the capacity, whatever the cache length)."""
+        if self.fixed_key_length:
+            return self.key_capacity - width
         return min(self.key_bucket * math.ceil(cache_len / self.key_bucket), self.key_capacity - width)
 
     def run(self, tier: int, width: int, max_cache_len: int) -> None:

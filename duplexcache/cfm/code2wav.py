@@ -138,7 +138,8 @@ class BatchedCode2Wav:
             n_timesteps=config.shape.n_timesteps, cfg_rate=config.cfg_rate, key_bucket=config.key_bucket,
             max_setup_query=config.max_prompt_frames, use_cuda_graphs=config.use_cuda_graphs,
             graph_backend=graph_backend, max_private=config.max_prompt_frames,
-            prompt_in_place=prompt_in_place, prompt_bank_frames=config.prompt_bank_frames)
+            prompt_in_place=prompt_in_place, prompt_bank_frames=config.prompt_bank_frames,
+            fixed_key_length=config.fixed_key_length)
         self.registry = PromptRegistry(config.prompt_att_sharing)
         self.sessions: dict[str, _Session] = {}
         self._pending: dict[str, _Pending] = {}

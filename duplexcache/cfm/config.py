@@ -83,6 +83,11 @@ class Code2WavConfig:
     # MiniCPM-o's duplex driver seeds each turn's chunk buffer with 3 (runtime/code2wav_stage.py).
     prompt_pad_token: int = 4218
     key_bucket: int = 64             # cache-length bucket granularity of captured graphs
+    # engine.batch_invariant: every solve attends over the arena's whole key capacity instead of
+    # the group's largest cache bucket, so a row's reduction over keys has one length whatever
+    # the cache lengths of the rows beside it (the masked keys add exact zeros, but a longer
+    # reduction is blocked differently: the last bits moved, issue 42).
+    fixed_key_length: bool = False
     # Frames of the arena's prompt bank allocated up front (every voice's P + 1 zero frame): a
     # voice that does not fit reallocates the bank and drops the graphs that read it.
     prompt_bank_frames: int = 1

@@ -68,26 +68,94 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return out.reshape(*lead, out.shape[-1])
 
 
-class BatchInvariantMode(TorchFunctionMode):
-    """Within this mode ``F.linear``, ``F.conv1d`` and ``F.conv_transpose1d`` run in fixed-shape
-    tiles (module docstring). Thread-local, like every torch function mode: enter it on the thread
-    that runs the models."""
+def invariant_matmul(a: torch.Tensor, b: torch.Tensor, tile: int) -> torch.Tensor | None:
+    """``a @ b`` in fixed-shape tiles, or None for a product this does not cover.
 
-    def __init__(self, tile_rows: int) -> None:
+    (..., M, K) @ (K, N) is a ``linear`` over the flattened rows; (..., M, K) @ (..., K, N) with
+    equal leading dims is a batched GEMM over the flattened batch: cuBLAS may pick its algorithm
+    by the batch count (the conformer's attention runs one per segment of streams), so the batch
+    goes in tiles of exactly ``tile`` matrices."""
+    if a.dim() >= 2 and b.dim() == 2:
+        rows = a.reshape(-1, a.shape[-1])
+        return _tiled(lambda t: t @ b, rows, tile).reshape(*a.shape[:-1], b.shape[-1])
+    if a.dim() >= 3 and b.dim() >= 3 and a.shape[:-2] == b.shape[:-2]:
+        lead = a.shape[:-2]
+        pairs = torch.cat([a.reshape(-1, *a.shape[-2:]).flatten(1), b.reshape(-1, *b.shape[-2:]).flatten(1)], 1)
+        split = a.shape[-2] * a.shape[-1]
+
+        def bmm(t: torch.Tensor) -> torch.Tensor:
+            return torch.bmm(t[:, :split].view(-1, *a.shape[-2:]), t[:, split:].view(-1, *b.shape[-2:]))
+        return _tiled(bmm, pairs, tile).reshape(*lead, a.shape[-2], b.shape[-1])
+    return None
+
+
+_MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm)
+_FFTS = (torch.fft.rfft, torch.fft.irfft, torch.stft)
+
+
+class BatchInvariantMode(TorchFunctionMode):
+    """Within this mode ``F.linear``, ``F.conv1d`` / ``F.conv_transpose1d``, batched matmuls,
+    ``F.scaled_dot_product_attention`` and the FFTs (``rfft``, ``irfft``, ``stft``) run in
+    fixed-shape tiles over their batch axis (module docstring). Thread-local, like every torch
+    function mode: enter it on the thread that runs the models. ``ops`` picks the families (all
+    by default; the probes A/B them)."""
+
+    FAMILIES = frozenset({"linear", "conv", "matmul", "sdpa", "fft"})
+
+    def __init__(self, tile_rows: int, ops: frozenset[str] | None = None) -> None:
         super().__init__()
         if tile_rows < 1:
             raise ValueError(f"tile_rows must be >= 1, got {tile_rows}")
         self.tile_rows = tile_rows
+        self.ops = self.FAMILIES if ops is None else frozenset(ops)
+        if not self.ops <= self.FAMILIES:
+            raise ValueError(f"unknown op families {sorted(self.ops - self.FAMILIES)}")
         self.calls = 0   # tiled calls made (tests check that the mode was in force)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.linear:
+        ops, tile = self.ops, self.tile_rows
+        if func is F.linear and "linear" in ops:
             self.calls += 1
-            return invariant_linear(*args, **kwargs, tile=self.tile_rows)
-        if func is F.conv1d or func is F.conv_transpose1d:
+            return invariant_linear(*args, **kwargs, tile=tile)
+        if (func is F.conv1d or func is F.conv_transpose1d) and "conv" in ops:
             x, rest = args[0], args[1:]
             if x.dim() == 3:   # (B, C, L); an unbatched (C, L) input has nothing to vary with
                 self.calls += 1
-                return _tiled(lambda t: func(t, *rest, **kwargs), x, self.tile_rows)
+                return _tiled(lambda t: func(t, *rest, **kwargs), x, tile)
+        if func in _MATMULS and "matmul" in ops and not kwargs and len(args) == 2:
+            out = invariant_matmul(args[0], args[1], tile)
+            if out is not None:
+                self.calls += 1
+                return out
+        if func is F.scaled_dot_product_attention and "sdpa" in ops:
+            q, k, v = args[:3]
+            mask = kwargs.pop("attn_mask", args[3] if len(args) > 3 else None)
+            if q.dim() == 4 and k.shape[0] == q.shape[0] and v.shape[0] == q.shape[0] and \
+                    (mask is None or (mask.dim() == 4 and mask.shape[0] in (1, q.shape[0]))):
+                self.calls += 1
+                return self._sdpa(q, k, v, mask, kwargs)
+            if mask is not None:
+                kwargs["attn_mask"] = mask
+            return func(q, k, v, *args[4:], **kwargs)
+        if func in _FFTS and "fft" in ops and args and args[0].dim() >= 2:
+            x, rest = args[0], args[1:]
+            self.calls += 1
+            return _tiled(lambda t: func(t, *rest, **kwargs), x, tile)
         return func(*args, **kwargs)
+
+    def _sdpa(self, q, k, v, mask, kwargs) -> torch.Tensor:
+        """SDPA per tile of ``tile_rows`` batch elements (q, k, v and a per-element mask cut
+        alike; a broadcast mask of batch 1 is passed whole)."""
+        b = q.shape[0]
+        per_row_mask = mask is not None and mask.shape[0] == b and b > 1
+        outs = []
+        for start in range(0, b, self.tile_rows):
+            stop = min(b, start + self.tile_rows)
+            parts = [t[start:stop] for t in (q, k, v)] + ([mask[start:stop]] if per_row_mask else [])
+            rows = stop - start
+            if rows < self.tile_rows:
+                parts = [torch.cat([p, p[-1:].expand(self.tile_rows - rows, *p.shape[1:])]) for p in parts]
+            m = parts[3] if per_row_mask else mask
+            outs.append(F.scaled_dot_product_attention(*parts[:3], attn_mask=m, **kwargs)[:rows])
+        return outs[0] if len(outs) == 1 else torch.cat(outs)

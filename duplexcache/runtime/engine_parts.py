@@ -148,16 +148,21 @@ def run_units(engine: DuplexEngine, units: list[Unit], lat: dict[str, float]) ->
     lat["thinker"] = time.perf_counter() - t
     engine.table.note_reply_units(units, engine.control)
     events += engine.thinker_stage.text_events(units)
+    # Text-only sessions (audio_output off) stop here: their replies are their text, and
+    # their units never enter the Talker or Code2Wav.
+    events += engine.thinker_stage.end_text_replies([u for u in units if not u.session.config.audio_output])
+    voiced = [u for u in units if u.session.config.audio_output]
     # A stage that had nothing to do this tick records 0 (not a sample).
     t = time.perf_counter()
     with record_function(STAGE_RANGE + "talker"):
-        finals = engine.talker_stage.run(units, events)
+        finals = engine.talker_stage.run(voiced, events)
     units = [u for u in units if u.session.sid not in ended(events)]
-    if any(u.codes is not None for u in units):
+    voiced = [u for u in voiced if u.session.sid not in ended(events)]
+    if any(u.codes is not None for u in voiced):
         lat["talker"] = time.perf_counter() - t
     t = time.perf_counter()
     with record_function(STAGE_RANGE + "code2wav"):
-        audio = engine.code2wav_stage.run(units, finals)
+        audio = engine.code2wav_stage.run(voiced, finals)
     if any(isinstance(e, AudioDelta) for e in audio):
         lat["code2wav"] = time.perf_counter() - t
     events += audio

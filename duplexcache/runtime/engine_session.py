@@ -90,6 +90,8 @@ class EngineSession:
     unit_index: int = 0
     turn_index: int = 0
     c2w_sid: str | None = None    # Code2Wav stream of the current turn
+    talker_units: int = 0         # its units the Talker ran (0 for a text-only session)
+    code2wav_chunks: int = 0      # Code2Wav chunks made for it, final ones included
     held: torch.Tensor | None = None  # the 3 codes the turn's next chunk starts with (code2wav_stage)
     turn: TurnState = field(default_factory=TurnState)   # turn control (runtime/turns.py)
     policy_state: Any = None      # the speak policy's per-session state (policy.new_session)
@@ -119,6 +121,8 @@ class SessionInfo:
     thinker_tokens: int            # anchor + window tokens now in the Thinker KV
     talker_tokens: int             # Talker KV tokens computed in the current turn
     talker_blocks: int             # Talker blocks held (a fast-forward may hold more than computed)
+    talker_units: int = 0          # its units the Talker ran (cumulative; 0 when audio_output is off)
+    code2wav_chunks: int = 0       # Code2Wav chunks made for it (cumulative)
 
 
 @dataclass
@@ -153,7 +157,8 @@ def session_info(s: EngineSession, stage0: Stage0Runner, talker_kv: TalkerBlocks
         code2wav_stream=s.c2w_sid, window=session_window(s.config),
         thinker_anchor_tokens=stage0.sessions[s.sid].prefix_len if opened else 0,
         thinker_tokens=stage0.num_tokens(s.sid) if opened else 0,
-        talker_tokens=talker_kv.num_tokens(s.sid), talker_blocks=talker_kv.num_blocks(s.sid))
+        talker_tokens=talker_kv.num_tokens(s.sid), talker_blocks=talker_kv.num_blocks(s.sid),
+        talker_units=s.talker_units, code2wav_chunks=s.code2wav_chunks)
 
 
 # Ends a session the engine cannot continue; returns the event that tells its client.

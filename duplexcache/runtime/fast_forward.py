@@ -115,7 +115,8 @@ def fast_forward(sess: EngineSession, req: FastForwardRequest, stage0: Stage0Run
         raise ValueError(f"session {sid!r} is not open in Stage 0 yet: run a tick after open_session")
     todo = thinker_fill_count(stage0, sid, req.thinker_tokens) if req.thinker_tokens is not None else 0
     appended = fill_thinker(stage0, sess, todo, text_ids, embed, req, end)
-    added = talker_kv.grow(sid, talker_turn_tokens) if req.talker_full_turn else 0
+    # A text-only session (audio_output off) reserved no Talker turn: it holds none
+    added = talker_kv.grow(sid, talker_turn_tokens) if req.talker_full_turn and sess.config.audio_output else 0
     enc = sess.encoder_state
     if req.encoder_full_cache and enc is not None:
         enc.reserve(enc.max_frames)

@@ -213,6 +213,10 @@ class SessionSizing:
         encoder = self.models.audio_encoder.cfg.kv_bytes_per_session(
             self.models.dtype, kv_storage_dtype(self.deploy.precision.encoder_cache_dtype))
         dynamic = max(setup.private, steady.private) + encoder
+        if not cfg.audio_output:
+            # Text-only replies: its units never reach the Talker or Code2Wav (engine._run_units),
+            # so it reserves no Talker turn and no Code2Wav stream caches, only its encoder cache.
+            talker_blocks, dynamic = 0, encoder
         # What a stream shares (setup.shared / steady.shared) is the voice's prompt state, which
         # plan() already counts as fixed: a session reserves nothing for it.
         return Footprint(wc.private_blocks, wc.shared_blocks, ctx.extra_key if share else None, talker_blocks,

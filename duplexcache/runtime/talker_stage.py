@@ -87,5 +87,6 @@ class TalkerStage:
         end_all(speakers, iso.errors, events, self.end)
         for u, res in zip(iso.kept, iso.result or []):
             self.kv.set_num_computed(u.session.sid, res.num_computed)
+            u.session.talker_units += 1
             u.codes = res.codes[: cfg.tokens_per_unit]
         return self.audio.drop_ended_finals(finals, ended(events))

@@ -191,6 +191,23 @@ class ThinkerStage:
                 events.append(TextDelta(u.session.sid, self._detokenize(text)))
         return events
 
+    def end_text_replies(self, units: list[Unit]) -> list[EngineEvent]:
+        """The reply ends of text-only sessions (``audio_output`` off), whose units skip the
+        Talker and Code2Wav: a speaking unit's text is all it sends (recorded as sent, 0 audio
+        samples, so a cancel keeps it), and its reply ends where a voiced reply's audio turn
+        would: at ``<|turn_eos|>``, or at a listen after speaking."""
+        events: list[EngineEvent] = []
+        c = self.control
+        for u in units:
+            s = u.session
+            if u.decision == c.speak:
+                turns.note_audio(s.turn, 0)
+                if u.tokens and u.tokens[-1] == c.turn_eos:
+                    events.append(ResponseDone(s.sid, "completed", self.table.finish_reply(s)))
+            elif s.turn.reply is not None:
+                events.append(ResponseDone(s.sid, "completed", self.table.finish_reply(s)))
+        return events
+
     def _detokenize(self, ids: list[int]) -> str:
         inner = getattr(self.tokenizer, "_tok", None)
         if inner is not None:
@@ -227,6 +244,8 @@ class ThinkerStage:
         reply = sess.turn.reply
         if reply is None or not sess.opened:
             return []
+        if not sess.config.audio_output:
+            played_ms = None   # a text-only reply played nothing: all of its text was sent
         rewind = turns.plan_rewind(reply, played_ms, self.stage0.droppable_tail(sess.sid), self.control)
         drop_turn(sess)
         close, listen = self.embed(torch.tensor([rewind.close_token, self.control.listen]))

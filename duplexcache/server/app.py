@@ -51,6 +51,7 @@ from duplexcache.server.auth import Refusal, bearer_ok, check_handshake, client_
 from duplexcache.server.connection import Connection, TransportScope, transport_of
 from duplexcache.server.metrics import ServerMetrics
 from duplexcache.server.minicpmo_session import session_for
+from duplexcache.server.queue_wait import QueueWaitEstimate
 from duplexcache.server.realtime_session import RealtimeSession
 from duplexcache.server.session_config import RefusalMemory
 from duplexcache.server.tick_loop import TickLoop
@@ -114,6 +115,7 @@ class RealtimeServer(TickLoop):
         self._pending_clients: dict[str, int] = {}  # handshakes in progress per address
         self._ending: set[asyncio.Task[None]] = set()  # end_session of dropped clients, in flight
         self.refusals = RefusalMemory()        # settings-decided refusals, for every connection
+        self.queue_wait = QueueWaitEstimate()  # session lengths: the queue's estimated_wait_s
         self.warm_state = "warming"            # -> "ready" | "warmup_failed"
         self.warmup_error: str | None = None
         self._saved_compute_threads: int | None = None    # torch's, while ours is set
@@ -152,6 +154,13 @@ class RealtimeServer(TickLoop):
 
     def queued_sessions(self) -> int:
         return sum(1 for s in self._sessions if s.queued)
+
+    def estimated_wait_s(self, position: int, now: float) -> float:
+        """Seconds until the queued session at ``position`` is admitted (server/queue_wait.py),
+        from the ages of the live sessions at ``now`` (time.monotonic)."""
+        live_ages = [now - s.live_since for s in self._sessions
+                     if s.live_since is not None and s.sid is not None and not s.queued]
+        return self.queue_wait.estimate(position, live_ages)
 
     def connections_of(self, client: str) -> int:
         return sum(s.client == client for s in self._sessions) + self._pending_clients.get(client, 0)
@@ -424,6 +433,8 @@ class RealtimeServer(TickLoop):
         if sid is None:
             return
         self._by_sid.pop(sid, None)
+        if session.live_since is not None and not session.queued:
+            self.queue_wait.session_ended(time.monotonic() - session.live_since)
         try:
             # shielded: a cancelled connection task must still free the session's memory
             await asyncio.shield(asyncio.to_thread(self.engine.close_session, sid))

@@ -11,14 +11,18 @@ Life cycle on the wire:
 
 * on connect: ``session.queue_done`` (the SDK sends ``session.init`` only after it). Admission
   is decided at ``session.init``, because the session's size depends on it (system prompt,
-  reference voice, window): a session that does not fit is queued (``session.queued``, then
-  ``session.queue_update`` every ``server.queue_notice_s``) and gets ``session.queue_done`` again
-  when admitted;
+  reference voice, window, ``tts_enabled``): a session that does not fit is queued
+  (``session.queued``, then ``session.queue_update`` every ``server.queue_notice_s``, with
+  ``position``, ``queue_length`` and ``estimated_wait_s`` from server/queue_wait.py) and gets
+  ``session.queue_done`` again when admitted;
 * ``session.created`` {session_id} once the engine session is live;
 * ``input.append``: float32 16 kHz audio; ``force_listen`` cuts the reply in progress;
-* replies: ``response.output_text.delta`` / ``response.output_audio.delta`` (float32 24 kHz),
-  then an empty ``response.output_text.delta`` with ``end_of_turn`` and ``response.done`` with
-  the reply's usage and the session's cumulative ``usage``;
+* replies: ``response.output_text.delta`` / ``response.output_audio.delta`` (float32 24 kHz;
+  none with ``tts_enabled: false``, which is the engine's ``audio_output`` off: no Talker or
+  Code2Wav work for the session), then an empty ``response.output_text.delta`` with
+  ``end_of_turn``, ``response.output_text.done`` (the whole text as ``output_text``),
+  ``response.done`` with the reply's usage and the session's cumulative ``usage``, and
+  ``response.listen``: the model listens again;
 * ``session.close`` -> ``session.closed`` {reason, usage}, then the socket closes (1000).
 """
 
@@ -92,7 +96,6 @@ class MiniCPMoSession(RealtimeSession):
         self.queue_if_full = True        # the SDK waits in the queue; it never retries a refusal
         self.tracker = _Replies()        # type: ignore[assignment]  # what _cancel reads
         self.initialized = False
-        self.tts_enabled = True
         self.usage = mp.Usage(AUDIO_TOKENS_PER_SECOND, SPEECH_TOKENS_PER_SECOND)
 
     # ---------------------------------------------------------------- sending
@@ -124,13 +127,13 @@ class MiniCPMoSession(RealtimeSession):
             raise proto.ProtocolError("session_already_initialized", "session.init was already sent on this "
                                       "connection", param="type")
         init = mp.parse_session_init(ev)
-        settings = dataclasses.replace(self.settings, instructions=init.system_prompt)
+        # tts_enabled false: the engine's text-only switch (no Talker/Code2Wav work, nor reservation)
+        settings = dataclasses.replace(self.settings, instructions=init.system_prompt, audio_output=init.tts_enabled)
         if init.max_kv_tokens is not None:
             settings = dataclasses.replace(settings, window=self._window(init.max_kv_tokens))
         if init.ref_audio is not None:
             settings = dataclasses.replace(settings, voice=await self._reference_voice(init.ref_audio))
         self.settings = settings
-        self.tts_enabled = init.tts_enabled
         self.initialized = True
         try:
             opened = await self._ensure_session(None)
@@ -208,7 +211,8 @@ class MiniCPMoSession(RealtimeSession):
         # (server.idle_timeout_s would otherwise end every queue wait longer than it).
         self.last_input_at = now
         queued = self.server.queued_sessions()
-        self.send(mp.event(kind, position=position, queue_length=max(queued, position or 0)))
+        wait = self.server.estimated_wait_s(position or queued, now)
+        self.send(mp.event(kind, position=position, queue_length=max(queued, position or 0), estimated_wait_s=wait))
 
     async def on_admitted(self) -> None:
         if not self.queued:
@@ -221,8 +225,8 @@ class MiniCPMoSession(RealtimeSession):
     # ---------------------------------------------------------------- engine output
     def on_audio(self, pcm16: bytes) -> None:
         self.response_requested = False
-        if not self.tts_enabled or not pcm16:
-            return   # text-only replies (tts_enabled false): the speech is not sent
+        if not pcm16:
+            return
         reply = self.tracker.start()
         if reply.cancelling:
             return
@@ -249,16 +253,22 @@ class MiniCPMoSession(RealtimeSession):
             self.conn.drop_pending(reply.id)   # the engine's own barge-in: drop what is not sent yet
         self.server.metrics.responses.labels(status=status).inc()
         text_tokens = usage.text_tokens if usage is not None else 0
-        audio_s = (usage.audio_seconds if usage is not None else reply.audio_bytes / 2 / OUTPUT_RATE) \
-            if self.tts_enabled else 0.0
+        audio_s = usage.audio_seconds if usage is not None else reply.audio_bytes / 2 / OUTPUT_RATE
         self.usage.output_text_tokens += text_tokens
         self.usage.output_audio_seconds += audio_s
+        text = "".join(reply.text)
         self.send(mp.event("response.output_text.delta", response_id=reply.id, text="", end_of_turn=True))
+        # The whole text as output_text, not text: the SDK reads a done event's text as one more
+        # TextDelta, which would repeat the reply's deltas to it.
+        self.send(mp.event("response.output_text.done", response_id=reply.id, output_text=text))
         reply_usage = mp.Usage(AUDIO_TOKENS_PER_SECOND, SPEECH_TOKENS_PER_SECOND, output_text_tokens=text_tokens,
                                output_audio_seconds=audio_s).to_wire()
         self.send(mp.event("response.done", response={"id": reply.id, "status": status,
-                                                      "output_text": "".join(reply.text), "usage": reply_usage},
+                                                      "output_text": text, "usage": reply_usage},
                            usage=self._usage_wire()))
+        # The reply is over (completed or cut): the model listens again. The SDK moves to its
+        # LISTENING state on it (it also counts it as a TurnCompleted, as it does response.done).
+        self.send(mp.event("response.listen", response_id=reply.id))
 
 
 def session_for(server: SessionHost, conn: Connection, handshake: Handshake, client: str,

@@ -79,6 +79,7 @@ class RealtimeSession:
         # it again only after server.queue_notice_s (capacity is still asked at every append)
         self.refusal_notice: tuple[str, float] | None = None
         self.queued = False
+        self.live_since: float | None = None   # when the engine admitted it (queue_wait's session lengths)
         self.audio: InputAudio | None = None
         self.output: OutputAudio | None = None    # the replies in the client's format (set at open)
         self.vad: Any = None
@@ -423,6 +424,7 @@ class RealtimeSession:
         self.output = OutputAudio(self.settings.output_kind)
         self.conn.output_bytes_per_ms = self.output.bytes_per_second // 1000
         self.tracker.audio_bytes_per_second = self.output.bytes_per_second
+        self.tracker.text_only = not self.settings.audio_output
         server.register(self, sid)
         self.queued = await asyncio.to_thread(self.engine.is_queued, sid)
         if self.queued:
@@ -466,6 +468,7 @@ class RealtimeSession:
             raise proto.ProtocolError("invalid_value", str(exc), eid, param="item.content") from None
 
     async def _on_live(self) -> None:
+        self.live_since = time.monotonic()
         await self._apply_turn_mode()
         texts, self.pending_texts = self.pending_texts, []
         for text in texts:

@@ -43,7 +43,8 @@ _FORMAT_NAMES: dict[str, tuple[str, int | None]] = {
 _BETA_FORMAT_NAMES = {"pcm16": "pcm16", "pcmu": "g711_ulaw", "pcma": "g711_alaw", "f32": "f32"}
 # Settings the engine session is opened with: fixed once the session's audio has started.
 FIXED_ONCE_STARTED = ("instructions", "voice", "initial_user_text", "window", "input_audio_format",
-                      "output_audio_format")
+                      "output_audio_format", "output_modalities")
+MODALITIES = ("audio", "text")
 
 # Standard fields accepted and ignored (no effect on what the client gets back that matters).
 _IGNORED = frozenset({"type", "model", "id", "object", "expires_at", "include", "prompt", "tracing", "truncation",
@@ -83,6 +84,7 @@ class SessionSettings:
     input_rate: int | None = None        # None: the connection's default (see module docstring)
     output_kind: str = "pcm16"           # pcm16 (24 kHz), pcmu or pcma (G.711 at 8 kHz)
     turn: TurnDetection = field(default_factory=TurnDetection)
+    audio_output: bool = True            # False: text-only replies (modalities ["text"], tts_enabled false)
 
     def input_format(self, openai_defaults: bool) -> InputFormat:
         rate = self.input_rate or (OPENAI_RATE if openai_defaults else ENGINE_RATE)
@@ -97,6 +99,8 @@ class SessionSettings:
             out["initial_user_text"] = self.initial_user_text
         if self.window is not None:
             out["window"] = dict(self.window)
+        if not self.audio_output:
+            out["audio_output"] = False   # the engine skips the Talker and Code2Wav for it
         return out
 
 
@@ -175,9 +179,15 @@ def _output_kind(value: Any, path: str, eid: str | None) -> str:
     return kind
 
 
-def _check_modalities(value: Any, path: str, eid: str | None) -> None:
-    if not isinstance(value, list) or "audio" not in value:
-        raise _bad(path, "this server always answers with audio (and its transcript); include \"audio\"", eid)
+def _audio_output(value: Any, path: str, eid: str | None) -> bool:
+    """``modalities`` (beta: ["audio", "text"] or ["text"]) / ``output_modalities`` (GA: ["audio"]
+    or ["text"]): whether replies are spoken. Text only turns the engine's ``audio_output`` off."""
+    if not isinstance(value, list) or not value or not all(isinstance(m, str) for m in value):
+        raise _bad(path, f"must be a non-empty list of {' / '.join(MODALITIES)}, got {clip(repr(value))}", eid)
+    unknown = [m for m in value if m not in MODALITIES]
+    if unknown:
+        raise _bad(path, f"unknown modality {clip(unknown[0])!r} (this server has: {', '.join(MODALITIES)})", eid)
+    return "audio" in value
 
 
 def apply_update(settings: SessionSettings, session: Any, eid: str | None, *, audio_started: bool,
@@ -222,7 +232,7 @@ def apply_update(settings: SessionSettings, session: Any, eid: str | None, *, au
         new["output_kind"] = _output_kind(session["output_audio_format"], "output_audio_format", eid)
     for key in ("modalities", "output_modalities"):
         if key in session:
-            _check_modalities(session[key], key, eid)
+            new["audio_output"] = _audio_output(session[key], key, eid)
     if session.get("tools"):
         raise _bad("tools", "tools (function calling) are not supported by this server", eid)
     turn = settings.turn
@@ -253,6 +263,8 @@ def apply_update(settings: SessionSettings, session: Any, eid: str | None, *, au
 def _public_name(name: str) -> str:
     if name == "output_kind":
         return "output_audio_format"
+    if name == "audio_output":
+        return "output_modalities"
     return "input_audio_format" if name in ("input_kind", "input_rate") else name
 
 
@@ -295,13 +307,14 @@ def to_wire(sid: str, settings: SessionSettings, fmt: InputFormat, engine_voice:
     voice = settings.voice or engine_voice
     wire = {
         "type": "realtime", "object": "realtime.session", "id": sid, "model": model,
-        "output_modalities": ["audio"], "instructions": settings.instructions,
+        "output_modalities": ["audio"] if settings.audio_output else ["text"], "instructions": settings.instructions,
         "audio": {"input": {"format": input_format, "turn_detection": turn},
                   "output": {"format": output_format, "voice": voice}},
         # beta (flat) view of the same settings
         "voice": voice, "turn_detection": turn,
         "input_audio_format": _BETA_FORMAT_NAMES[fmt.kind],
-        "output_audio_format": _BETA_FORMAT_NAMES[settings.output_kind], "modalities": ["audio", "text"],
+        "output_audio_format": _BETA_FORMAT_NAMES[settings.output_kind],
+        "modalities": ["audio", "text"] if settings.audio_output else ["text"],
         # duplexcache extras
         "initial_user_text": settings.initial_user_text, "window": dict(settings.window or {}),
         "input_sample_rate": fmt.rate,

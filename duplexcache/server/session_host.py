@@ -29,3 +29,7 @@ class SessionHost(Protocol):
     def queued_sessions(self) -> int:
         """Connections whose engine session waits in the admission queue."""
         ...
+
+    def estimated_wait_s(self, position: int, now: float) -> float:
+        """Seconds until the queued session at ``position`` (1 = next) is admitted."""
+        ...

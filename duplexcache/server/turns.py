@@ -10,6 +10,10 @@ response and item ids and emits, in OpenAI's order::
     response.output_item.done, response.done {status, usage}
 
 Beta connections get the beta names of the renamed events (``response.audio.delta``, ...).
+
+A text-only session (``modalities: ["text"]``, the engine's ``audio_output`` off) gets OpenAI's
+text events instead: ``response.output_text.delta`` / ``response.output_text.done`` and
+``output_text`` content, no audio events.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ _BETA_NAMES = {
     "response.output_audio_transcript.delta": "response.audio_transcript.delta",
     "response.output_audio_transcript.done": "response.audio_transcript.done",
     "response.output_text.delta": "response.text.delta",
+    "response.output_text.done": "response.text.done",
     "conversation.item.added": "conversation.item.created",
 }
 
@@ -64,12 +69,18 @@ class ResponseTracker:
         # response.create's metadata for the next response: clients (LiveKit's generate_reply)
         # match response.created to their request by it, as OpenAI echoes it.
         self.next_metadata: dict[str, str] | None = None
+        self.text_only = False   # set at open: the session's replies are text (no audio events)
 
     def _ev(self, kind: str, **fields: Any) -> dict[str, Any]:
         return event(wire_name(kind, self.beta), **fields)
 
+    def _part(self, text: str) -> dict[str, Any]:
+        if self.text_only:
+            return {"type": "output_text", "text": text}
+        return {"type": "output_audio", "transcript": text}
+
     def _item(self, r: Response, status: str) -> dict[str, Any]:
-        content = [] if status == "in_progress" else [{"type": "output_audio", "transcript": "".join(r.text)}]
+        content = [] if status == "in_progress" else [self._part("".join(r.text))]
         return {"id": r.item_id, "object": "realtime.item", "type": "message", "role": "assistant",
                 "status": status, "content": content}
 
@@ -89,8 +100,7 @@ class ResponseTracker:
                               item=self._item(r, "in_progress"))),
             Outgoing(self._ev("conversation.item.added", previous_item_id=self.last_item_id,
                               item=self._item(r, "in_progress"))),
-            Outgoing(self._ev("response.content_part.added", **self._ids(r),
-                              part={"type": "output_audio", "transcript": ""})),
+            Outgoing(self._ev("response.content_part.added", **self._ids(r), part=self._part(""))),
         ]
         self.last_item_id = r.item_id
         return r, out
@@ -109,7 +119,8 @@ class ResponseTracker:
             return []
         r, out = self._start()
         r.text.append(text)
-        out.append(Outgoing(self._ev("response.output_audio_transcript.delta", **self._ids(r), delta=text), r.id))
+        kind = "response.output_text.delta" if self.text_only else "response.output_audio_transcript.delta"
+        out.append(Outgoing(self._ev(kind, **self._ids(r), delta=text), r.id))
         return out
 
     def mark_cancelling(self) -> Response | None:
@@ -127,11 +138,13 @@ class ResponseTracker:
         if usage is None:
             usage = ResponseUsage(text_tokens=0, audio_seconds=audio_seconds)
         item_status = "completed" if status == "completed" else "incomplete"
+        if self.text_only:
+            out.append(Outgoing(self._ev("response.output_text.done", **ids, text=transcript)))
+        else:
+            out += [Outgoing(self._ev("response.output_audio.done", **ids)),
+                    Outgoing(self._ev("response.output_audio_transcript.done", **ids, transcript=transcript))]
         out += [
-            Outgoing(self._ev("response.output_audio.done", **ids)),
-            Outgoing(self._ev("response.output_audio_transcript.done", **ids, transcript=transcript)),
-            Outgoing(self._ev("response.content_part.done", **ids,
-                              part={"type": "output_audio", "transcript": transcript})),
+            Outgoing(self._ev("response.content_part.done", **ids, part=self._part(transcript))),
             Outgoing(self._ev("response.output_item.done", response_id=r.id, output_index=0,
                               item=self._item(r, item_status))),
             Outgoing(self._ev("response.done", response={

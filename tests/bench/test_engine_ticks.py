@@ -351,3 +351,38 @@ def test_warm_up_and_graph_grid_reach_the_engine(models):
                               engine_factory=Counting)
         assert calls == ([0] if flag == "on" else []) and run.status == "ok"
         assert (run.warmup_s is not None) == (flag == "on") and run.tick_graph_captures == 0
+
+
+def test_per_session_slope_and_floor_come_from_the_run(reduced):
+    results, out, _ = reduced
+    per, runs = results["per_session"], results["runs"]
+    (n1, n2) = [r["sessions"] for r in runs]
+    for stage in (*et.STAGES, "wall"):
+        p1, p2 = (1e3 * r["stages_s"][stage]["p50"] for r in runs)
+        s = per["stages"][stage]
+        assert s["slope_ms"] == pytest.approx((p2 - p1) / (n2 - n1))   # two counts: the line through them
+        assert s["intercept_ms"] == pytest.approx(p1 - s["slope_ms"] * n1)
+        assert s["slope_stderr_ms"] is None and s["floor_ms"] is None   # CPU: no device peaks
+    # the floor's shapes are the recorded ticks': every session counted, the scheduled speakers
+    for r in runs:
+        sums = r["shape_sums_per_tick"]
+        assert sums["sessions"] == [r["sessions"]] * TICKS
+        assert sums["speakers"] == r["scheduled_speakers_per_tick"]
+    shape = per["floor"]["shape"]
+    speakers = sum(sum(r["scheduled_speakers_per_tick"]) for r in runs)
+    assert shape["speaking_fraction"] == pytest.approx(speakers / (TICKS * (n1 + n2)))
+    assert per["floor"]["device"] is None and per["floor"]["stages"]["thinker"]["own_bytes"] > 0
+    md = (out / "results.md").read_text()
+    assert "## Per-stage cost per extra session" in md and "| distance to floor |" in md
+
+
+def test_floor_device_flag_reaches_the_floor(tmp_path, restore_logging):
+    assert cli_main(["bench", "ticks", "--sessions", "1", "--ticks", "1", "--warmup-ticks", "1",
+                     "--floor-device", "h200", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["config"]["floor_device"] == "h200"
+    floor = results["per_session"]["floor"]
+    assert floor["device"]["name"] == "H200" and floor["tick_ms"] > 0
+    assert results["per_session"]["stages"]["tick"]["floor_ms"] == pytest.approx(floor["tick_ms"])
+    with pytest.raises(SystemExit):
+        parse_args(["--floor-device", "b200"])

@@ -65,3 +65,43 @@ def test_conv1d_in_the_mode_gives_a_batch_of_one_the_batched_bits():
 def test_tile_rows_must_be_positive():
     with pytest.raises(ValueError, match="tile_rows"):
         BatchInvariantMode(0)
+
+
+def test_batched_matmul_sdpa_and_ffts_are_tiled_correct_and_batch_invariant():
+    """The families beyond linear/conv (the conformer's attention matmuls, the Code2Wav DiT's
+    SDPA, the vocoder's FFTs): each routed through the mode (calls counted), equal to the plain
+    op within float32 rounding, and element 0's bits the same in a batch of 1 and of 9."""
+    g = torch.Generator().manual_seed(11)
+    a, b = torch.randn(9, 4, 12, 16, generator=g), torch.randn(9, 4, 16, 20, generator=g)
+    w = torch.randn(16, 24, generator=g)
+    q, k, v = (torch.randn(9, 4, 10, 16, generator=g) for _ in range(3))
+    mask = torch.rand(9, 1, 1, 10, generator=g) > 0.3
+    mask[..., 0] = True
+    sig = torch.randn(9, 400, generator=g)
+    spec = torch.randn(9, 30, 9, dtype=torch.complex64, generator=g)
+    ops = {
+        "matmul": lambda n: torch.matmul(a[:n], b[:n]),
+        "matmul_operator": lambda n: a[:n] @ b[:n],
+        "bmm": lambda n: torch.bmm(a[:n].flatten(0, 1), b[:n].flatten(0, 1)),
+        "matmul_2d": lambda n: a[:n] @ w,
+        "sdpa": lambda n: F.scaled_dot_product_attention(q[:n], k[:n], v[:n], attn_mask=mask[:n]),
+        "irfft": lambda n: torch.fft.irfft(spec[:n], n=16, dim=-1),
+        "rfft": lambda n: torch.fft.rfft(sig[:n], dim=-1),
+        "stft": lambda n: torch.stft(sig[:n], 16, 4, window=torch.hann_window(16), return_complex=True),
+    }
+    for name, op in ops.items():
+        mode = BatchInvariantMode(tile_rows=4)
+        with mode:
+            one, nine = op(1), op(9)
+        assert mode.calls == 2, name
+        torch.testing.assert_close(nine, op(9), msg=name)
+        assert torch.equal(one[0], nine[0]), name
+
+
+def test_op_families_can_be_chosen_and_unknown_ones_are_refused():
+    mode = BatchInvariantMode(tile_rows=4, ops=frozenset({"linear"}))
+    with mode:
+        torch.matmul(torch.randn(2, 3, 4), torch.randn(2, 4, 5))
+    assert mode.calls == 0
+    with pytest.raises(ValueError, match="unknown op families"):
+        BatchInvariantMode(4, ops=frozenset({"gemm"}))

@@ -10,7 +10,8 @@ Turn control (engine_api's pinned turn API): in turn mode "duplex" every unit sp
 "manual" a unit speaks only inside a reply that ``request_response`` started (a reply is
 ``done_after_units`` units). ``cancel_response`` ends the reply at the next tick with
 ResponseDone(status="cancelled") and records ``(sid, played_ms)`` in ``cancels``;
-``add_user_text`` records into ``user_texts``. ``queue_position`` is 1-based.
+``add_user_text`` records into ``user_texts``. ``queue_position`` is 1-based. A session opened
+with ``audio_output: false`` gets no AudioDelta (text only), as the engine's.
 """
 
 from __future__ import annotations
@@ -319,7 +320,7 @@ class FakeEngine:
     def _run_unit(self, sid: str, session: _FakeSession) -> list[EngineEvent]:
         out: list[EngineEvent] = []
         if session.cancel_pending:
-            out.append(ResponseDone(sid, status="cancelled", usage=self._usage(session.reply_units)))
+            out.append(ResponseDone(sid, status="cancelled", usage=self._usage(session)))
             session.cancel_pending = session.requested = False
             session.reply_units = 0
         if session.buffered < UNIT_IN:
@@ -332,19 +333,23 @@ class FakeEngine:
         session.requested = False
         session.reply_units += 1
         pcm = np.full(UNIT_OUT, session.units, dtype="<i2").tobytes()
-        out += [AudioDelta(sid, pcm), TextDelta(sid, f"unit {session.units}")]
+        if session.config.get("audio_output", True):   # as the engine: a text-only session gets no audio
+            out.append(AudioDelta(sid, pcm))
+        out.append(TextDelta(sid, f"unit {session.units}"))
         if session.config.get("instructions") == "overflow":
             del self.live[sid]
             self.closed.append(sid)
             return out + [SessionError(sid, "context_length_exceeded", "window cannot fit", fatal=True)]
         if session.reply_units == self.done_after_units:
-            out.append(ResponseDone(sid, usage=self._usage(session.reply_units)))
+            out.append(ResponseDone(sid, usage=self._usage(session)))
             session.reply_units = 0
         return out
 
     @staticmethod
-    def _usage(units: int) -> ResponseUsage:
-        return ResponseUsage(text_tokens=2 * units, audio_seconds=float(units))
+    def _usage(session: _FakeSession) -> ResponseUsage:
+        spoken = session.config.get("audio_output", True)
+        return ResponseUsage(text_tokens=2 * session.reply_units,
+                             audio_seconds=float(session.reply_units) if spoken else 0.0)
 
 
 # ---------------------------------------------------------------------- client helpers

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import socket
@@ -25,7 +26,7 @@ import pytest
 import torch
 from server_fakes import pcm16_b64, recv, send
 from websockets.asyncio.client import connect
-from websockets.exceptions import InvalidStatus
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from duplexcache.config import DeployConfig
 from duplexcache.runtime.bundle import ModelBundle, build_models
@@ -505,3 +506,96 @@ def test_half_sent_requests_are_dropped_after_the_header_timeout(models, tmp_pat
             for sock in sockets:
                 sock.close()
         assert health(srv)["status"] == "ok"
+
+
+# ------------------------------------------------------------ 7. the MiniCPM-o dialect
+
+def _minicpmo(srv: LoopbackServer):
+    return connect(srv.ws_url(REALTIME_PATH) + "?mode=audio&model=m", subprotocols=["map.realtime"], max_size=None,
+                   open_timeout=20)
+
+
+def _f32_b64(seconds: float) -> str:
+    return base64.b64encode(np.zeros(int(seconds * IN_RATE), "<f4").tobytes()).decode()
+
+
+# (frame, error code, error.param), each sent after a good session.init (text only: tts_enabled false)
+MINICPMO_BAD = [
+    ({"type": "input.append", "input": {"audio": _f32_b64(12.0)}}, "invalid_audio", "input.audio"),   # oversized
+    ({"type": "input.append", "input": {"audio": "%%%not base64"}}, "invalid_audio", "input.audio"),
+    ({"type": "input.append", "input": {"audio": base64.b64encode(b"abcdef").decode()}}, "invalid_audio",
+     "input.audio"),
+    ({"type": "input.append", "input": {"audio": 7}}, "invalid_value", "input.audio"),
+    ({"type": "input.append", "input": "audio"}, "invalid_value", "input"),
+    ({"type": "input.append", "input": {"audio": _f32_b64(0.1), "force_listen": 1}}, "invalid_value",
+     "input.force_listen"),
+    ({"type": "session.init", "payload": {"config": {"tts_enabled": "no"}}}, "session_already_initialized", "type"),
+    ({"type": "input_audio_buffer.append", "audio": _f32_b64(0.1)}, "unknown_event_type", "type"),
+]
+
+
+def _reserved(engine: DuplexEngine) -> tuple[int, ...]:
+    """What the engine holds for sessions: ledger reservations, Talker blocks, Code2Wav streams,
+    Thinker sessions."""
+    ledger = engine.ledger
+    return (len(ledger), ledger.thinker_reserved, ledger.talker_reserved, ledger.dynamic_reserved,
+            engine.talker_kv.num_used, len(engine.code2wav.sessions), len(engine.stage0.sessions))
+
+
+async def _minicpmo_attacker(srv: LoopbackServer) -> list[dict[str, Any]]:
+    """Bad frames through the MiniCPM-o dialect: each answered by an error; then a frame over
+    server.max_frame_bytes (its socket closes, 1009) and a connection dropped without a close."""
+    errors = []
+    async with _minicpmo(srv) as ws:
+        assert (await recv(ws, WAIT_S))["type"] == "session.queue_done"
+        await send(ws, {"type": "session.init", "payload": {"config": {"tts_enabled": False}}})
+        assert (await recv(ws, WAIT_S))["type"] == "session.created"
+        for frame, _, _ in MINICPMO_BAD:
+            await send(ws, frame)
+            while (event := await recv(ws, WAIT_S))["type"] != "error":
+                pass
+            errors.append(event["error"])
+    async with _minicpmo(srv) as ws:     # dropped mid-stream, no session.close
+        await recv(ws, WAIT_S)
+        await send(ws, {"type": "session.init", "payload": {}})
+        assert (await recv(ws, WAIT_S))["type"] == "session.created"
+        await send(ws, {"type": "input.append", "input": {"audio": _f32_b64(0.5)}})
+    with contextlib.suppress(ConnectionClosed):   # the server closes it: the exit raises
+        async with _minicpmo(srv) as ws:     # one frame over server.max_frame_bytes (4 MiB)
+            await recv(ws, WAIT_S)
+            await send(ws, {"type": "session.init", "payload": {}})
+            assert (await recv(ws, WAIT_S))["type"] == "session.created"
+            await ws.send(json.dumps({"type": "input.append", "input": {"audio": "A" * (5 << 20)}}))
+            await asyncio.wait_for(ws.wait_closed(), WAIT_S)
+    errors.append({"close_code": ws.close_code})
+    return errors
+
+
+def test_minicpmo_bad_frames_are_named_nothing_leaks_and_a_bystander_is_unaffected(shared):
+    """Issue 45: bad input through the MiniCPM-o dialect gets the OpenAI dialect's guarantees
+    (the real tiny engine): an error naming the field for each bad frame, its socket closed for
+    one over the frame limit, every engine reservation given back once they are gone, and an
+    OpenAI-dialect caller streaming meanwhile hears its replies as when alone."""
+    engine = shared.app.state.server.engine
+    baseline = _reserved(engine)
+    alone, alone_errors = asyncio.run(_bystander(shared))
+    assert alone > 0 and not alone_errors, alone_errors
+
+    async def attacked():
+        attack = asyncio.create_task(_minicpmo_attacker(shared))
+        heard, errors = await _bystander(shared)
+        return heard, errors, await attack
+
+    heard, errors, answers = asyncio.run(attacked())
+    assert not errors, errors
+    assert heard >= 0.9 * alone, (heard, alone)
+    for (frame, code, param), error in zip(MINICPMO_BAD, answers):
+        assert (error.get("code"), error.get("param")) == (code, param), (str(frame)[:80], error)
+        assert len(error.get("message", "")) < 400   # nothing large echoed back
+    assert "at most 10 s per append" in answers[0]["message"]
+    assert answers[-1] == {"close_code": 1009}
+    wait_health(shared, lambda h: h["connections"] == 0 and h["live_sessions"] == 0, "every session to end")
+    deadline = time.monotonic() + WAIT_S
+    while _reserved(engine) != baseline and time.monotonic() < deadline:   # freed at the next tick
+        time.sleep(0.05)
+    assert _reserved(engine) == baseline

@@ -162,7 +162,7 @@ def test_sdk_streams_hears_interrupts_reads_usage_and_shares_a_reference_voice(w
     # the interrupt cut the reply: cancelled, and nothing of it after its response.done
     done_at = next(i for i, f in enumerate(wire) if f["type"] == "response.done" and f["response"]["id"] == cut)
     assert wire[done_at]["response"]["status"] == "cancelled"
-    assert not [f for f in wire[done_at + 1:] if f.get("response_id") == cut]
+    assert [f["type"] for f in wire[done_at + 1:] if f.get("response_id") == cut] == ["response.listen"]
     kinds = [type(e).__name__ for e in events]
     assert "Interrupted" in kinds and "TurnCompleted" in kinds[kinds.index("Interrupted"):]
     # usage the SDK read, the final snapshot (session.closed's): input audio at 10 tokens a second
@@ -178,6 +178,22 @@ def test_sdk_streams_hears_interrupts_reads_usage_and_shares_a_reference_voice(w
     assert isinstance(all_events[-1], SessionClosed) and all_events[-1].reason == "user_stop"
     assert [f["reason"] for f in wire if f["type"] == "session.closed"] == ["user_stop", "user_stop"]
     assert [f for f in wire if f["type"] == "error"] == [named]   # the OpenAI client's, below; none of the SDK's
+    # every reply ends: end_of_turn delta, output_text.done (its whole text), response.done, then
+    # response.listen (the model listens again); the SDK's text is the deltas', not repeated
+    types = [f["type"] for f in wire]
+    for i, f in enumerate(wire):
+        if f["type"] == "response.done":
+            rid = f["response"]["id"]
+            assert types[i - 2:i + 2] == ["response.output_text.delta", "response.output_text.done",
+                                          "response.done", "response.listen"], types[i - 2:i + 2]
+            assert wire[i - 2]["end_of_turn"] and wire[i - 2]["response_id"] == rid
+            assert wire[i - 1]["output_text"] == f["response"]["output_text"] == "".join(
+                d["text"] for d in wire if d["type"] == "response.output_text.delta" and d["response_id"] == rid)
+            assert wire[i + 1]["response_id"] == rid
+    sdk_text = "".join(e.text for e in all_events if isinstance(e, TextDelta))
+    first_session_replies = {f["response_id"] for f in wire[:done_at + 1] if f["type"] == "response.output_text.delta"}
+    assert sdk_text.startswith("".join(d["text"] for d in wire if d["type"] == "response.output_text.delta"
+                                       and d["response_id"] in first_session_replies))
     # one voice made from the recording, reused once; its Code2Wav prompt is the default voice's,
     # so it shares that voice's prompt state: no prompt pass of its own (and no bank growth)
     ref = [v for v in stats.cfm_prompt_passes if v.startswith("ref-")]
@@ -247,11 +263,19 @@ def test_sdk_waits_in_the_queue_and_is_admitted_when_room_frees(wire):
         await second.close()
         return second, events
 
-    with LoopbackServer(create_app(engine, deploy)) as srv:
+    app = create_app(engine, deploy)
+    with LoopbackServer(app) as srv:
         second, events = asyncio.run(main(srv))
+    # both sessions' lengths, admission to close, are what later estimates average
+    lived = list(app.state.server.queue_wait._lived)   # noqa: SLF001
+    assert len(lived) == 2 and lived[0] > 1.0
 
     queued = [e for e in events if isinstance(e, SessionQueued)]
     assert len(queued) >= 6 and queued[0].position == 1 and queued[0].queue_length == 1
+    # estimated_wait_s (server/queue_wait.py): no session has ended yet, so the first caller's age
+    # (it is the one live session) is the estimate for position 1; it grows as that caller lives on
+    waits = [e.estimated_wait_seconds for e in queued]
+    assert all(isinstance(w, float) and w >= 0 for w in waits) and waits[-1] > waits[0]
     kinds = [type(e) for e in events]
     assert kinds.index(SessionQueued) < len(kinds) - 1 - kinds[::-1].index(WorkerAssigned) < kinds.index(SessionReady)
     assert second.state is SessionState.CLOSED
@@ -259,7 +283,7 @@ def test_sdk_waits_in_the_queue_and_is_admitted_when_room_frees(wire):
     assert types.count("session.queued") == 1 and "session.queue_update" in types
 
 
-def test_sdk_fields_are_honoured_or_refused_by_name():
+def test_sdk_fields_are_honoured_or_refused_by_name(wire):
     """A field the engine cannot honour fails connect() with the code and the field's name; the
     others do what they say: system_prompt, max_kv_tokens (the window), tts_enabled false (text
     replies, no audio)."""
@@ -276,7 +300,8 @@ def test_sdk_fields_are_honoured_or_refused_by_name():
                                                config=RealtimeConfig(tts_enabled=False, max_kv_tokens=4000))
         heard = Listener(text_only)
         await _stream(text_only, 2.1)
-        await heard.until(lambda ev: _count(TurnCompleted)(ev) >= 2, "two replies")
+        await heard.until(lambda ev: sum(f["type"] == "response.done" for f in wire) >= 2, "two replies")
+        await heard.until(lambda ev: text_only.state is SessionState.LISTENING, "response.listen")
         await text_only.close()
         await asyncio.wait_for(heard.task, TIMEOUT)
         return temperature.value, video.value, heard.events, text_only.usage
@@ -290,6 +315,7 @@ def test_sdk_fields_are_honoured_or_refused_by_name():
     (config,) = engine.configs.values()
     assert config["instructions"] == "Answer in text."
     assert config["window"] == {"high_tokens": 4000, "low_tokens": 3000}
+    assert config["audio_output"] is False   # tts_enabled false is the engine's text-only switch
     assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "unit 1unit 2"
     assert not [e for e in events if isinstance(e, AudioDelta)]
     assert usage.audio_output_tokens == 0 and usage.completion_tokens == 4   # the fake's 2 text tokens a unit

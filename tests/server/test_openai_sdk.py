@@ -140,6 +140,35 @@ def test_sdk_streams_24k_audio_and_hears_audio_and_transcript():
     assert sid in engine.closed
 
 
+def test_sdk_text_modality_gets_text_events_and_no_audio():
+    """GA ``output_modalities: ["text"]`` is the engine's text-only switch (``audio_output`` off,
+    the one MiniCPM-o's ``tts_enabled: false`` uses): OpenAI's text events, no audio events."""
+    deploy = _deploy()
+    engine = FakeEngine(deploy, done_after_units=2)
+
+    async def main(srv: LoopbackServer) -> list:
+        seen: list = []
+        async with _client(srv).realtime.connect(model="duplexcache-tiny") as conn:
+            await _until(conn, "session.created", seen)
+            await conn.session.update(session={**GA_UPDATE, "output_modalities": ["text"]})
+            updated = await _until(conn, "session.updated", seen)
+            assert updated.session.output_modalities == ["text"]
+            await _stream(conn, _tone_24k(2.1))
+            done = await _until(conn, "response.done", seen)
+            assert done.response.output[0].content[0].type == "output_text"
+        return seen
+
+    with LoopbackServer(create_app(engine, deploy)) as srv:
+        seen = asyncio.run(main(srv))
+    (config,) = engine.configs.values()
+    assert config["audio_output"] is False
+    kinds = {e.type for e in seen}
+    assert not {k for k in kinds if "audio" in k}, kinds
+    text = "".join(e.delta for e in seen if e.type == "response.output_text.delta")
+    assert text == "unit 1unit 2"
+    assert [e.text for e in seen if e.type == "response.output_text.done"] == [text]
+
+
 def test_sdk_response_cancel_cuts_a_reply():
     deploy = _deploy()
     engine = FakeEngine(deploy, done_after_units=50)

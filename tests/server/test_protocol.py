@@ -268,7 +268,9 @@ def test_output_formats_telephony_included(session, kind, wire):
     ({"turn_detection": {"type": "push_to_talk"}}, "invalid_value", "session.turn_detection.type"),
     ({"turn_detection": {"type": "server_vad", "threshold": 2}}, "invalid_value", "session.turn_detection.threshold"),
     ({"tools": [{"type": "function", "name": "f"}]}, "invalid_value", "session.tools"),
-    ({"output_modalities": ["text"]}, "invalid_value", "session.output_modalities"),
+    ({"output_modalities": ["video"]}, "invalid_value", "session.output_modalities"),
+    ({"modalities": []}, "invalid_value", "session.modalities"),
+    ({"modalities": "text"}, "invalid_value", "session.modalities"),
     ({"voice": 3}, "invalid_value", "session.voice"),
     # a lone surrogate (JSON's "\\ud800") that no tokenizer encodes: refused here, not at the open
     ({"instructions": "hi \ud800"}, "invalid_value", "session.instructions"),
@@ -283,12 +285,24 @@ def test_bad_session_fields_are_named(session, code, param):
     assert (info.value.code, info.value.param, info.value.event_id) == (code, param, "ev")
 
 
+def test_text_modality_turns_the_engine_audio_output_off():
+    """OpenAI's text-only modality (GA output_modalities, beta modalities) is the engine's
+    ``audio_output: false``; audio (with or without text) leaves the engine's default."""
+    for session in ({"output_modalities": ["text"]}, {"modalities": ["text"]}):
+        settings, changed = apply_update(SessionSettings(), session, None, audio_started=False)
+        assert changed == ["audio_output"] and settings.engine_session()["audio_output"] is False
+    for session in ({"output_modalities": ["audio"]}, {"modalities": ["audio", "text"]}):
+        settings, _ = apply_update(SessionSettings(), session, None, audio_started=False)
+        assert "audio_output" not in settings.engine_session()
+
+
 def test_fixed_fields_refused_once_audio_started_turn_detection_not():
     settings, _ = apply_update(SessionSettings(), {"voice": "alt", "instructions": "x"}, None, audio_started=False)
     for session, name in (({"voice": "default"}, "voice"), ({"instructions": "y"}, "instructions"),
                           ({"audio": {"output": {"voice": "v2"}}}, "voice"),
                           ({"input_audio_format": "g711_alaw"}, "input_audio_format"),
-                          ({"initial_user_text": "hello"}, "initial_user_text")):
+                          ({"initial_user_text": "hello"}, "initial_user_text"),
+                          ({"modalities": ["text"]}, "output_modalities")):
         with pytest.raises(proto.ProtocolError) as info:
             apply_update(settings, session, None, audio_started=True)
         assert info.value.code == "session_field_fixed" and info.value.param == f"session.{name}"

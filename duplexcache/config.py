@@ -213,7 +213,7 @@ class EngineConfig(_Strict):
     """Admission and ticking."""
 
     # "auto": memory_fraction of the device memory still free after the weights and the fixed
-    # allocations (runtime/memory_budget.py; on CPU a fixed 512 MiB, capped by available RAM), or a
+    # allocations (runtime/memory/memory_budget.py; on CPU a fixed 512 MiB, capped by available RAM), or a
     # byte size, refused at start-up when it exceeds what is free.
     memory_budget: BudgetSize = AUTO
     # Share of the free device memory an "auto" budget takes; the rest stays for the CUDA
@@ -225,7 +225,7 @@ class EngineConfig(_Strict):
     activation_reserve: ByteSize = parse_bytes("64MiB")
     tick_seconds: float = Field(1.0, gt=0)
     # Admission by time: admit while the measured per-session cost predicts a tick under
-    # tick_seconds x tick_headroom (runtime/admission.py TickCostModel).
+    # tick_seconds x tick_headroom (runtime/memory/admission.py TickCostModel).
     tick_headroom: float = Field(0.8, gt=0)
     # Context prefill runs in chunks of at most this many tokens per tick (all opening
     # sessions together), so a long context never stalls the other sessions' tick.
@@ -263,7 +263,7 @@ class EngineConfig(_Strict):
     # live session (as a count: blocks are taken as tokens arrive), so it bounds the pool. A
     # unit that would pass it closes the audio turn and starts a new one with an empty Talker KV
     # while the Thinker's turn goes on (the path taken at the model's limit), so replies shorter
-    # than the cap are bit-identical; at least one unit's worst case (runtime/talker_stage.py).
+    # than the cap are bit-identical; at least one unit's worst case (runtime/stages/talker_stage.py).
     talker_turn_tokens: int | None = Field(None, gt=0)
     # Voices made from clients' reference recordings (runtime/reference_voices.py) held at once:
     # each costs a Code2Wav prompt state and a prompt pass when first seen; sessions sending the
@@ -273,7 +273,7 @@ class EngineConfig(_Strict):
     # the policy bounds it (every_k_units with turn_units < k: turn_units units; reply:
     # reply_max_units units; model: no bound, the whole talker_turn_tokens). The Talker stage caps
     # the turn at the same number, so a turn can never outgrow its reservation
-    # (runtime/session_sizing.py reserved_turn_tokens, docs/engine.md "Talker turns").
+    # (runtime/memory/session_sizing.py reserved_turn_tokens, docs/engine.md "Talker turns").
     talker_turn_from_policy: bool = True
     # Size the activation reserve from the device memory the warm-up measured (its peak above the
     # pools, graph pools included) plus activation_margin, and an auto budget from what is free
@@ -370,7 +370,7 @@ class ServerConfig(_Strict):
 
 
 class SchedulerConfig(_Strict):
-    """Pacing: which sessions run in which tick, and when (runtime/scheduler.py, docs/engine.md
+    """Pacing: which sessions run in which tick, and when (runtime/scheduler/core.py, docs/engine.md
     "Pacing"). The server keeps the clock with these; the engine's scheduler is set from them.
     Until 2026-12-07 these keys lived under ``server``; that spelling is still read, with a
     deprecation warning (``DeployConfig._moved_scheduler_keys``)."""
@@ -381,7 +381,7 @@ class SchedulerConfig(_Strict):
     # takes gets one extra tick before the next deadline (at most one per period).
     catch_up_ticks: bool = True
     # Prefill chunks of opening sessions run in the time left before the next tick, when their
-    # measured time fits (runtime/pacing.py), instead of inside the tick of every live session;
+    # measured time fits (runtime/scheduler/pacing.py), instead of inside the tick of every live session;
     # a tick with no chunk run before it still runs one itself.
     prefill_between_ticks: bool = True
     # Cut each session's units so that they end a fixed lead (its largest audio chunk plus

@@ -140,7 +140,7 @@ def _fit_engine_budget(deploy: DeployConfig, configs, device: torch.device):
 def _engine_setup(deploy: DeployConfig, configs, args) -> _Setup:
     from duplexcache.bench.engine_target import ALWAYS_SPEAK_K, EngineTarget
     from duplexcache.runtime.bundle import build_models
-    from duplexcache.runtime.session_sizing import resolve_turn_tokens
+    from duplexcache.runtime.memory.session_sizing import resolve_turn_tokens
 
     models = build_models(configs[0].deploy, seed=args.seed)
     if models.device.type == "cuda":
@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     wf = None
     if args.waterfall:
-        from duplexcache.runtime.waterfall import plot_waterfall
+        from duplexcache.runtime.memory.waterfall import plot_waterfall
 
         wf = card_waterfall(setup.models, deploy)
         report["waterfall"] = wf.to_json()
@@ -212,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def card_waterfall(models, deploy: DeployConfig):
-    """The card waterfall of ``deploy`` as given (runtime/waterfall.py): one engine on the bench's
+    """The card waterfall of ``deploy`` as given (runtime/memory/waterfall.py): one engine on the bench's
     weights, warmed up as ``duplexcache serve`` warms up (a measured re-plan included), after
     the sweep's engines are gone, then shut down."""
     import gc
@@ -259,7 +259,7 @@ def _run_meta(args, deploy: DeployConfig, configs, device: torch.device, session
     else:
         budget, includes_weights = configs[0].deploy.engine.memory_budget, False
         if budget == "auto":   # a host device: what the engine resolves auto to
-            from duplexcache.runtime.memory_budget import resolve_memory_budget
+            from duplexcache.runtime.memory.memory_budget import resolve_memory_budget
             budget = resolve_memory_budget(configs[0].deploy.engine, 0, None)
     return RunMeta(preset=args.preset, device=str(device), target=setup.target, memory_source=source,
                    memory_budget=budget, activation_reserve=deploy.engine.activation_reserve,

@@ -26,7 +26,7 @@ whatever their measured cost. Results go to ``DIR/results.json``.
 
 ``--between-ticks`` emulates the server with ``scheduler.prefill_between_ticks``: after each timed
 tick, prefill chunks run while their measured time fits what is left of the period
-(runtime/pacing.py), so the ticks of the live sessions carry no chunk while the slack has room;
+(runtime/scheduler/pacing.py), so the ticks of the live sessions carry no chunk while the slack has room;
 reported besides: each period's chunk times and ``periods_overrun`` (tick + chunks > period: the
 next tick would have started late).
 """
@@ -47,7 +47,7 @@ from duplexcache.bench.engine_ticks_config import TickBenchConfig, make_deploy
 from duplexcache.config import DeployConfig
 from duplexcache.runtime.bundle import build_models
 from duplexcache.runtime.engine import DuplexEngine
-from duplexcache.runtime.pacing import prefill_fits
+from duplexcache.runtime.scheduler.pacing import prefill_fits
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def _instructions(eng: DuplexEngine, voice: str, tokens: int) -> str:
 
 
 def _between_ticks(eng: DuplexEngine, slack_s: float, period_s: float) -> list[float]:
-    """The server's rule (server/app.py, runtime/pacing.py) in the emulated slack: chunks while
+    """The server's rule (server/app.py, runtime/scheduler/pacing.py) in the emulated slack: chunks while
     their predicted time fits what is left of the period; returns each chunk's wall time."""
     walls = []
     while eng.prefill_pending() and prefill_fits(slack_s - sum(walls), eng.predicted_prefill_s(), period_s):

@@ -55,8 +55,8 @@ from duplexcache.context.tokenizer import ByteTokenizer
 from duplexcache.models.audio_encoder import AudioEncoder
 from duplexcache.models.presets import build_random_models
 from duplexcache.models.thinker import Thinker
-from duplexcache.runtime.device_setup import stage0_runner, window_config
-from duplexcache.runtime.stage0 import SessionContextInput, Stage0Runner
+from duplexcache.runtime.memory.device_setup import stage0_runner, window_config
+from duplexcache.runtime.stage0.runner import SessionContextInput, Stage0Runner
 
 logger = logging.getLogger(__name__)
 

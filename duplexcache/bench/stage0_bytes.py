@@ -23,7 +23,7 @@ from duplexcache.kv.kv_cache_manager import KVCacheManager, SessionBytes
 from duplexcache.kv.kv_quant import KV_CACHE_DTYPES, kv_storage_dtype
 from duplexcache.kv.paged_attention import bytes_per_block
 from duplexcache.models.thinker import ThinkerConfig
-from duplexcache.runtime.stage0_window import stage0_session_bytes
+from duplexcache.runtime.stage0.window import stage0_session_bytes
 
 logger = logging.getLogger(__name__)
 MIB = 1024 * 1024

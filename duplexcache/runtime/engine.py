@@ -31,10 +31,11 @@ from duplexcache.config import DeployConfig
 from duplexcache.context import EmbeddingResult, EncoderPath, SessionContextBuilder
 from duplexcache.context.tokenizer import MemoTokenizer
 from duplexcache.models.batch_invariant import BatchInvariantMode, tile_rows_for
-from duplexcache.runtime import device_setup, engine_parts, turns
-from duplexcache.runtime.admission import Footprint, Headroom, headroom
+from duplexcache.runtime import engine_parts, turns
+from duplexcache.runtime.memory import device_setup
+from duplexcache.runtime.memory.admission import Footprint, Headroom, headroom
 from duplexcache.runtime.bundle import ModelBundle, build_models
-from duplexcache.runtime.code2wav_stage import LOOKAHEAD, build_code2wav, pcm16_bytes
+from duplexcache.runtime.stages.code2wav_stage import LOOKAHEAD, build_code2wav, pcm16_bytes
 from duplexcache.runtime.engine_api import (ADMISSION_MESSAGES, AdmissionError, EngineEvent, EngineStats,
                                             SessionError, TierBytes)
 from duplexcache.runtime.engine_session import (MAX_BUFFERED_SAMPLES, MAX_BUFFERED_SECONDS, EngineSession,
@@ -44,9 +45,9 @@ from duplexcache.runtime.fast_forward import FastForwardRequest, FastForwardResu
 from duplexcache.runtime.isolation import FaultInjector
 from duplexcache.runtime.policy import ControlTokens, make_policy, text_token_ids
 from duplexcache.runtime.reference_voices import ReferenceVoices
-from duplexcache.runtime.scheduler import Scheduler
+from duplexcache.runtime.scheduler.core import Scheduler
 from duplexcache.runtime.voices import Voice
-from duplexcache.runtime.session_sizing import RefusalLog, SessionSizing, refusal
+from duplexcache.runtime.memory.session_sizing import RefusalLog, SessionSizing, refusal
 from duplexcache.runtime.warmup import WarmupReport, cached_bytes, run_warmup
 
 # Names other modules import from here (their home is where the work moved).
@@ -105,7 +106,7 @@ class DuplexEngine:
         self.table: SessionTable | None = None
         engine_parts.build_session_side(self, self.sizing.plan(), policy)
         self._closed = False
-        # Which sessions run in which tick, and when (runtime/scheduler.py); a server sets its pacing.
+        # Which sessions run in which tick, and when (runtime/scheduler/core.py); a server sets its pacing.
         enc = models.audio_encoder
         self.scheduler = Scheduler(self.table, deploy.engine.tick_seconds, deploy.engine.tick_headroom, models.device,
                                    enc.cfg.chunk_samples, lambda s: enc.expected_chunk_samples(s.encoder_state),
@@ -135,8 +136,8 @@ class DuplexEngine:
         return run_warmup(self, should_stop)
 
     def waterfall(self) -> Any:
-        """The card waterfall now (runtime/waterfall.py): every byte of the device by part."""
-        from duplexcache.runtime.waterfall import engine_waterfall
+        """The card waterfall now (runtime/memory/waterfall.py): every byte of the device by part."""
+        from duplexcache.runtime.memory.waterfall import engine_waterfall
 
         return engine_waterfall(self)
 
@@ -315,7 +316,7 @@ class DuplexEngine:
         return bool(self.table.pending())
 
     def prefill_step(self) -> list[EngineEvent]:
-        """One prefill chunk between ticks (runtime/pacing.py: the server runs it when
+        """One prefill chunk between ticks (runtime/scheduler/pacing.py: the server runs it when
         ``predicted_prefill_s()`` fits before the next tick); the next tick then runs none."""
         with self._tick_lock:
             if self._closed:
@@ -328,7 +329,7 @@ class DuplexEngine:
     def predicted_prefill_s(self) -> float | None:
         return self.scheduler.prefill_times.predicted_s()
 
-    # Pacing (EngineAPI): the scheduler's (runtime/scheduler.py), set by a server before its first tick.
+    # Pacing (EngineAPI): the scheduler's (runtime/scheduler/core.py), set by a server before its first tick.
     def set_prefill_between_ticks(self, enabled: bool) -> None:
         self.scheduler.set_prefill_between_ticks(enabled)
 

@@ -19,15 +19,15 @@ from torch.profiler import record_function
 from duplexcache.kv.decode_graphs import PagedDecodeGraphs
 from duplexcache.kv.kv_quant import kv_storage_dtype
 from duplexcache.models.audio_encoder_graphs import EncoderGraphs
-from duplexcache.runtime import device_setup
-from duplexcache.runtime.admission import AdmissionLedger, MemoryPlan
-from duplexcache.runtime.code2wav_stage import Code2WavStage
+from duplexcache.runtime.memory import device_setup
+from duplexcache.runtime.memory.admission import AdmissionLedger, MemoryPlan
+from duplexcache.runtime.stages.code2wav_stage import Code2WavStage
 from duplexcache.runtime.engine_api import AudioDelta, EngineEvent, SessionError
 from duplexcache.runtime.engine_session import EngineSession, SessionTable, Unit, ended
 from duplexcache.runtime.engine_stats import EngineStatsRecorder
 from duplexcache.runtime.isolation import FaultInjector
-from duplexcache.runtime.talker_stage import TalkerStage
-from duplexcache.runtime.thinker_stage import ThinkerStage
+from duplexcache.runtime.stages.talker_stage import TalkerStage
+from duplexcache.runtime.stages.thinker_stage import ThinkerStage
 from duplexcache.runtime.voices import Voice
 
 if TYPE_CHECKING:

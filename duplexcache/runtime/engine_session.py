@@ -34,7 +34,7 @@ from duplexcache.kv.talker_blocks import TalkerBlocks
 from duplexcache.kv.window import WindowConfig
 from duplexcache.models.audio_encoder import StreamingAudioEncoderState
 from duplexcache.runtime import turns
-from duplexcache.runtime.admission import AdmissionLedger, Footprint
+from duplexcache.runtime.memory.admission import AdmissionLedger, Footprint
 from duplexcache.runtime.engine_api import (
     INPUT_SAMPLE_RATE,
     EngineEvent,
@@ -46,8 +46,8 @@ from duplexcache.runtime.engine_api import (
     UserTextTooLong,
 )
 from duplexcache.runtime.policy import ControlTokens
-from duplexcache.runtime.session_sizing import session_window
-from duplexcache.runtime.stage0 import Stage0Runner
+from duplexcache.runtime.memory.session_sizing import session_window
+from duplexcache.runtime.stage0.runner import Stage0Runner
 from duplexcache.runtime.turns import NO_REQUESTS, TurnState, UnitTurn
 from duplexcache.runtime.voices import Voice
 

@@ -18,7 +18,7 @@ from duplexcache.kv.decode_graphs import PagedDecodeGraphs
 from duplexcache.kv.talker_blocks import TalkerBlocks
 from duplexcache.runtime.engine_api import EngineStats, TierBytes
 from duplexcache.runtime.engine_session import SessionTable
-from duplexcache.runtime.stage0 import Stage0Runner
+from duplexcache.runtime.stage0.runner import Stage0Runner
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ import torch
 
 from duplexcache.kv.talker_blocks import TalkerBlocks
 from duplexcache.runtime.engine_session import EndSession, EngineSession
-from duplexcache.runtime.stage0 import Stage0Runner
+from duplexcache.runtime.stage0.runner import Stage0Runner
 
 if TYPE_CHECKING:
     from duplexcache.runtime.engine import DuplexEngine

@@ -59,8 +59,8 @@ from duplexcache.cfm.graph_grid import replay_tiers
 from duplexcache.kv.decode_graphs import width_classes
 from duplexcache.kv.paged_attention import NULL_BLOCK_ID, PagedBatch, PagedKVCache
 from duplexcache.runtime import engine_parts
-from duplexcache.runtime.code2wav_stage import chunk_widths
-from duplexcache.runtime.stage0_types import SessionContextInput
+from duplexcache.runtime.stages.code2wav_stage import chunk_widths
+from duplexcache.runtime.stage0.types import SessionContextInput
 
 if TYPE_CHECKING:
     from duplexcache.runtime.engine import DuplexEngine

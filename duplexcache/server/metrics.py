@@ -86,7 +86,7 @@ class ServerMetrics:
                                          "voice; a growing count means turn starts pay the pass again)",
                                          ["voice"], registry=r)
         self.device_bytes = Gauge(PREFIX + "device_bytes", "The card waterfall after the warm-up: device bytes "
-                                  "by part, adding up to the device total (runtime/waterfall.py)", ["part"], registry=r)
+                                  "by part, adding up to the device total (runtime/memory/waterfall.py)", ["part"], registry=r)
         self.device_total_bytes = Gauge(PREFIX + "device_total_bytes", "The device total the waterfall's parts add "
                                         "up to (CUDA: mem_get_info's total; CPU: weights + the memory budget)",
                                         registry=r)
@@ -140,7 +140,7 @@ class ServerMetrics:
             self._last_tick = stats.ticks
 
     def set_waterfall(self, wf: Any) -> None:
-        """Export a card waterfall (runtime/waterfall.py ``Waterfall``): one gauge child per part."""
+        """Export a card waterfall (runtime/memory/waterfall.py ``Waterfall``): one gauge child per part."""
         for part in wf.parts:
             self.device_bytes.labels(part=part.name).set(part.bytes)
         self.device_total_bytes.set(wf.total_bytes)

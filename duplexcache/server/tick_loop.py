@@ -7,7 +7,7 @@ one starts at once, due at the grid's next point (no catch-up burst). Sessions a
 whole unit behind get one extra tick per period (``scheduler.catch_up_ticks``), and prefill chunks
 of opening sessions run in the time left before the next tick when they fit
 (``scheduler.prefill_between_ticks``). Which sessions a tick runs is the engine's scheduler's
-(runtime/scheduler.py); this keeps time and hands every tick's events to ``_route``.
+(runtime/scheduler/core.py); this keeps time and hands every tick's events to ``_route``.
 
 The host class provides ``engine``, ``config``, ``metrics``, ``_stopping`` (an asyncio.Event),
 ``_route(events)`` and the ``failed_ticks_in_a_row`` / ``last_tick_error`` counters.
@@ -20,7 +20,7 @@ import contextlib
 import functools
 import logging
 
-from duplexcache.runtime.pacing import UnitGrid, deadline_after_late, prefill_fits
+from duplexcache.runtime.scheduler.pacing import UnitGrid, deadline_after_late, prefill_fits
 
 logger = logging.getLogger("duplexcache.server.app")   # one logger name for the server's lines
 
@@ -75,7 +75,7 @@ class TickLoop:
                     "%s ran late: ended %.3f s past its deadline (period %.3f s); the next tick starts now",
                     "tick" if not home else "unit tick" if unit_tick else "tick between unit ticks",
                     now - deadline, period)
-                # the next tick starts now and is due at the grid's next point (runtime/pacing.py)
+                # the next tick starts now and is due at the grid's next point (runtime/scheduler/pacing.py)
                 deadline = deadline_after_late(deadline, now, period)
                 continue
             if caught_up_at != deadline and self._sessions_behind() > 0:
@@ -90,7 +90,7 @@ class TickLoop:
 
     async def _wait_for(self, deadline: float, period: float, pacing: bool) -> None:
         """Until ``deadline`` (or shutdown). With ``scheduler.prefill_between_ticks``, prefill chunks
-        of opening sessions run meanwhile while their measured time fits (runtime/pacing.py), and
+        of opening sessions run meanwhile while their measured time fits (runtime/scheduler/pacing.py), and
         the wait wakes every ``PREFILL_POLL_S`` to see whether a session started opening."""
         loop = asyncio.get_running_loop()
         while not self._stopping.is_set():

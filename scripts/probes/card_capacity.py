@@ -43,7 +43,7 @@ def plan_on_card(models, config: Path, policy: str | None, after: bool, free_aft
                  activation: int):
     """The engine's plan on ``meta`` with ``free_after_weights`` bytes free on the device."""
     from duplexcache.config import DeployConfig
-    from duplexcache.runtime import memory_budget as MB
+    from duplexcache.runtime.memory import memory_budget as MB
     from duplexcache.runtime.engine import DuplexEngine
 
     raw = DeployConfig.from_yaml(config, environ={}).to_dict()

@@ -18,8 +18,8 @@ from duplexcache.bench.engine_ticks_config import TickBenchConfig, make_deploy
 from duplexcache.bench.prefill_isolation import CONTINUOUS
 from duplexcache.bench import prefill_isolation
 from duplexcache.config import DeployConfig
-from duplexcache.runtime import stage0 as stage0_module
-from duplexcache.runtime import thinker_stage
+from duplexcache.runtime.stage0 import runner as stage0_module
+from duplexcache.runtime.stages import thinker_stage
 
 logger = logging.getLogger("prefill_first_tick_profile")
 TIMINGS: list[tuple[str, float]] = []

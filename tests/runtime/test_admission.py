@@ -13,14 +13,14 @@ from engine_helpers import engine, tiny_models
 
 from duplexcache.cfm.code2wav import code2wav_session_bytes
 from duplexcache.context import SessionContextBuilder
-from duplexcache.runtime.admission import (
+from duplexcache.runtime.memory.admission import (
     AdmissionLedger,
     BudgetTooSmall,
     Footprint,
     MemoryPlan,
 )
 from duplexcache.runtime.engine_api import AdmissionError, SessionAdmitted
-from duplexcache.runtime.stage0 import stage0_session_bytes
+from duplexcache.runtime.stage0.runner import stage0_session_bytes
 
 RESERVE = 1 << 20
 
@@ -83,7 +83,7 @@ def test_budget_for_exactly_k_sessions_refuses_the_next_and_admits_after_close(t
 
 
 def test_a_cause_of_refusal_is_logged_once_per_interval_with_the_refusals_it_stands_for(caplog):
-    from duplexcache.runtime.session_sizing import RefusalLog
+    from duplexcache.runtime.memory.session_sizing import RefusalLog
 
     now = [0.0]
     log = RefusalLog(logging.getLogger("test.refusals"), interval_s=10.0, clock=lambda: now[0])

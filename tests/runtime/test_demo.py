@@ -13,7 +13,7 @@ import wave
 import pytest
 import torch
 
-from duplexcache.runtime import demo
+from duplexcache import demo
 from duplexcache.runtime.engine_api import ResponseDone
 
 torch.set_num_threads(1)

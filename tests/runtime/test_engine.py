@@ -151,7 +151,7 @@ def test_talker_is_conditioned_on_the_rows_lm_head_consumed(tmp_path, monkeypatc
     """The Talker's condition rows are the Thinker hidden states that produced each text/end
     token: row j equals (torch.equal) the lm_head input of the session in decode call j,
     captured here independently with a pre-hook (the engine itself reads StepResult.hidden)."""
-    import duplexcache.runtime.talker_stage as talker_mod
+    import duplexcache.runtime.stages.talker_stage as talker_mod
 
     eng = engine(tmp_path, "cond")
     reqs = []

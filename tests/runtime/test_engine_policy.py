@@ -159,7 +159,7 @@ def test_talker_turn_tokens_caps_the_turn_on_the_model_limit_path(tmp_path):
     import dataclasses
 
     from duplexcache.models.talker import Talker
-    from duplexcache.runtime import device_setup
+    from duplexcache.runtime.memory import device_setup
 
     base = tiny_models()
     speak = {"speak_policy": {"k": 100, "turn_units": 100}}

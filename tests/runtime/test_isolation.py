@@ -260,7 +260,7 @@ def test_prefill_chunk_tokens_reaches_stage0(tmp_path, monkeypatch):
 
 
 def test_tick_cost_model_formula():
-    from duplexcache.runtime.admission import TickCostModel
+    from duplexcache.runtime.memory.admission import TickCostModel
 
     m = TickCostModel(tick_seconds=1.0, headroom=0.8, window=4)
     assert m.refusal(100) is None                  # no measurement: memory decides
@@ -299,7 +299,7 @@ def test_tick_cost_model_admits_a_gpu_ramp_that_the_origin_line_refused():
     # H200, `bench serve` with 32 callers (2026-12-04): idle ticks while the server waited, then a
     # first tick of one session at 73 ms. The line through the origin predicted 804 ms at 11
     # sessions and refused callers of a card that ticks 32 in ~700 ms.
-    from duplexcache.runtime.admission import TickCostModel
+    from duplexcache.runtime.memory.admission import TickCostModel
 
     m = TickCostModel(tick_seconds=1.0, headroom=0.8)
     for _ in range(7):
@@ -318,7 +318,7 @@ def test_tick_cost_model_with_phased_ticks_shares_the_sessions_and_the_period():
     """scheduler.tick_phases 2: each tick runs about half the sessions' units in half the period,
     so the fixed part counts twice per unit: one more session fits while
     fixed + per_unit * (live + 1) / 2 <= limit / 2."""
-    from duplexcache.runtime.admission import TickCostModel, headroom
+    from duplexcache.runtime.memory.admission import TickCostModel, headroom
 
     one, two = TickCostModel(1.0, 0.8), TickCostModel(1.0, 0.8)
     two.set_phases(2)

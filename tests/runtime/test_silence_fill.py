@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import FIRST, UNIT, audio, engine, record_taken
 
-from duplexcache.runtime.scheduler import SilenceFill
+from duplexcache.runtime.scheduler.core import SilenceFill
 
 CHUNK = 1_600                 # 100 ms chunks
 AFTER_MS = 500.0              # the default scheduler.fill_silence_after_ms

@@ -14,9 +14,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import FIRST, UNIT, collect, engine
 
-import duplexcache.runtime.scheduler as scheduler_module
+import duplexcache.runtime.scheduler.core as scheduler_module
 from duplexcache.context.tokenizer import ByteTokenizer
-from duplexcache.runtime.scheduler import EarlyClose, EngineSession
+from duplexcache.runtime.scheduler.core import EarlyClose, EngineSession
 from duplexcache.runtime.policy import ControlTokens, ReplyPolicy, ReplyState, text_token_ids
 
 CONTROL = ControlTokens.from_tokenizer(ByteTokenizer())

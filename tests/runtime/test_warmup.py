@@ -14,7 +14,7 @@ import torch
 from engine_helpers import audio, collect, engine, tiny_models
 
 from duplexcache.cfm.graph_grid import replay_tiers
-from duplexcache.runtime import device_setup
+from duplexcache.runtime.memory import device_setup
 from duplexcache.runtime import warmup as W
 from duplexcache.runtime.engine import DuplexEngine
 

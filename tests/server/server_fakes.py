@@ -29,7 +29,7 @@ import numpy as np
 
 from duplexcache.config import DeployConfig
 from duplexcache.runtime_config import build_runtime_config
-from duplexcache.runtime.admission import Headroom
+from duplexcache.runtime.memory.admission import Headroom
 from duplexcache.runtime.engine_api import (
     TURN_MODES, AdmissionError, AudioDelta, EngineEvent, EngineStats, ResponseDone, ResponseUsage, SessionAdmitted,
     SessionError, TextDelta, TierBytes, UserTextTooLong,

@@ -30,8 +30,8 @@ from duplexcache.runtime.engine_api import (INPUT_SAMPLE_RATE, EngineEvent, Inva
 from duplexcache.runtime.engine_session import EndSession, EngineSession, SessionTable, Unit, end_all
 from duplexcache.runtime.isolation import FaultInjector, Isolated, check_faults, precheck, run_isolated
 from duplexcache.runtime.policy import MAX_UNIT_TOKENS, ControlTokens, StepLogits
-from duplexcache.runtime.session_sizing import session_window
-from duplexcache.runtime.stage0 import SessionContextInput, Stage0Runner
+from duplexcache.runtime.memory.session_sizing import session_window
+from duplexcache.runtime.stage0.runner import SessionContextInput, Stage0Runner
 
 logger = logging.getLogger(__name__)
 

@@ -25,9 +25,9 @@ from duplexcache.kv.kv_cache_manager import KVCacheManager
 from duplexcache.kv.paged_attention import PagedKVCache
 from duplexcache.kv.talker_blocks import TalkerBlocks
 from duplexcache.kv.window import WindowConfig
-from duplexcache.runtime.admission import MemoryPlan
+from duplexcache.runtime.memory.admission import MemoryPlan
 from duplexcache.runtime.bundle import ModelBundle
-from duplexcache.runtime.stage0 import Stage0Runner
+from duplexcache.runtime.stage0.runner import Stage0Runner
 
 logger = logging.getLogger(__name__)
 

@@ -25,14 +25,14 @@ from duplexcache.context.tokenizer import Tokenizer
 from duplexcache.kv.kv_quant import kv_storage_dtype
 from duplexcache.kv.paged_attention import bytes_per_block
 from duplexcache.kv.window import WindowConfig
-from duplexcache.runtime import memory_budget
-from duplexcache.runtime.admission import (AdmissionLedger, BudgetTooSmall, Footprint, MemoryPlan, TickCostModel,
+from duplexcache.runtime.memory import memory_budget
+from duplexcache.runtime.memory.admission import (AdmissionLedger, BudgetTooSmall, Footprint, MemoryPlan, TickCostModel,
                                            plan_memory)
 from duplexcache.runtime.bundle import ModelBundle
 from duplexcache.models.talker import TalkerConfig
 from duplexcache.runtime.engine_api import AdmissionError
 from duplexcache.runtime.policy import MAX_UNIT_TOKENS
-from duplexcache.runtime.stage0 import session_worst_case
+from duplexcache.runtime.stage0.runner import session_worst_case
 from duplexcache.runtime.voices import Voice
 
 logger = logging.getLogger(__name__)
@@ -234,7 +234,7 @@ class SessionSizing:
         return kv_storage_dtype(self.deploy.precision.kv_cache_dtype)   # precision.kv_cache_dtype
 
     def fixed_bytes(self) -> int:
-        """The engine's fixed buffers (runtime/waterfall.py lists them one by one)."""
+        """The engine's fixed buffers (runtime/memory/waterfall.py lists them one by one)."""
         names = self.voices.names()
         # The voices' Code2Wav prompt states were computed by register_voice and live as long as
         # the engine: fixed, once per voice (sharing on or off), never per session.

@@ -29,10 +29,10 @@ import numpy as np
 import torch
 
 from duplexcache.runtime import turns
-from duplexcache.runtime.admission import TickCostModel
+from duplexcache.runtime.memory.admission import TickCostModel
 from duplexcache.runtime.engine_api import INPUT_SAMPLE_RATE
 from duplexcache.runtime.engine_session import EngineSession, SessionTable, Unit
-from duplexcache.runtime.pacing import PrefillTimes
+from duplexcache.runtime.scheduler.pacing import PrefillTimes
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ class Scheduler:
         self.unit_samples = unit_samples            # samples of every unit after the first
         self.samples_needed = samples_needed        # samples a session's next unit takes
         self.would_answer = would_answer            # the speak policy's would_answer, on a closed unit
-        # Admission by time: the measured per-session tick cost (runtime/admission.py).
+        # Admission by time: the measured per-session tick cost (runtime/memory/admission.py).
         self.tick_cost = TickCostModel(tick_seconds, tick_headroom)
         self.prefill_times = PrefillTimes(device)   # prefill chunk times, for a server's pacing
         self.alignment: UnitAlignment | None = None   # set_unit_alignment
@@ -203,7 +203,7 @@ class Scheduler:
     # ---------------------------------------------------------------- set by a server, once
     def set_prefill_between_ticks(self, enabled: bool) -> None:
         """A server that runs ``prefill_step`` in its slack: a tick then leaves a session that
-        became pending since the last tick to that slack (runtime/pacing.py)."""
+        became pending since the last tick to that slack (runtime/scheduler/pacing.py)."""
         self.prefill_times.between_ticks = enabled
 
     def set_unit_alignment(self, margin_ms: float | None) -> None:

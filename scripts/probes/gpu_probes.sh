@@ -115,7 +115,7 @@ d = DeployConfig.from_packaged_yaml("minicpmo45"); d.code2wav.vocoder_cuda_graph
   kv_precision)  # issue 15 capacity mode: Thinker K/V fp8_e4m3 vs bf16 on the same weights and tokens: top-1 agreement
     # and KL of next-token distributions at windows 1000/4000/8000 (4 sessions x 32 decode steps each), bytes per token;
     # then the audio encoder's cache in fp8 vs bf16 over 60 s (embeddings' relative error, bytes)
-    step kv_precision 300 python3 -m duplexcache.cli bench kv-precision --preset minicpmo45 --device cuda --sessions 4 --windows 1000,4000,8000 --decode 32 --out "$out/kv_precision" ;;
+    step kv_precision 300 python3 scripts/probes/kv_precision.py --preset minicpmo45 --device cuda --sessions 4 --windows 1000,4000,8000 --decode 32 --out "$out/kv_precision" ;;
   ticks_conversation_fp8)  # issue 15 capacity mode, A/B in one run: bf16 Code2Wav with precision.kv_cache_dtype auto, then
     # fp8_e4m3 (Thinker and Talker KV at 0.52x bf16's bytes per token), 56 sessions each (~3 min per arm)
     for kv in auto fp8_e4m3; do
@@ -184,11 +184,11 @@ d = DeployConfig.from_packaged_yaml("minicpmo45"); d.code2wav.vocoder_cuda_graph
       --sessions "${SERVE_SESSIONS:-32}" --duration "${SERVE_DURATION:-60}" --out "$out/serve_profile" ;;
   prefill)  # issue 11: the longest allowed context (16384 tokens) opening beside 32 live sessions, plus the attention A/B
     step prefill_attention 120 python3 scripts/probes/prefill_attention_ab.py --out "$out/prefill_attention"
-    step prefill_isolation 400 python3 -m duplexcache.cli bench prefill --preset minicpmo45 --device cuda --sessions 32 --memory-budget 100GiB --out "$out/prefill_isolation" ;;
+    step prefill_isolation 400 python3 scripts/probes/prefill_isolation.py --preset minicpmo45 --device cuda --sessions 32 --memory-budget 100GiB --out "$out/prefill_isolation" ;;
   prefill_between)  # issue 11: the same with scheduler.prefill_between_ticks emulated (chunks in each period's slack)
-    step prefill_isolation_between 400 python3 -m duplexcache.cli bench prefill --preset minicpmo45 --device cuda --sessions 32 --memory-budget 100GiB --between-ticks --out "$out/prefill_isolation_between" ;;
+    step prefill_isolation_between 400 python3 scripts/probes/prefill_isolation.py --preset minicpmo45 --device cuda --sessions 32 --memory-budget 100GiB --between-ticks --out "$out/prefill_isolation_between" ;;
   prefill_512)  # prefill with engine.prefill_chunk_tokens 512 (the 16384-token context opens in 32 ticks)
-    step prefill_isolation_512 400 python3 -m duplexcache.cli bench prefill --preset minicpmo45 --device cuda --sessions 32 --memory-budget 100GiB --prefill-chunk-tokens 512 --out "$out/prefill_isolation_512" ;;
+    step prefill_isolation_512 400 python3 scripts/probes/prefill_isolation.py --preset minicpmo45 --device cuda --sessions 32 --memory-budget 100GiB --prefill-chunk-tokens 512 --out "$out/prefill_isolation_512" ;;
   warm_start)  # issue 10: warm-up time and graphs, then 24 sessions at once: captures per tick (0) and first audio; --no-warmup is the cold A/B
     step warm_start 420 python3 -m duplexcache.cli bench warm-start --config examples/minicpmo45-shared.yaml --sessions 24 --ticks 4 --out "$out/warm_start"
     step cold_start 420 python3 -m duplexcache.cli bench warm-start --config examples/minicpmo45-shared.yaml --sessions 24 --ticks 4 --no-warmup --out "$out/cold_start" ;;

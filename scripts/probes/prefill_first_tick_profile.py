@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from duplexcache.bench.engine_ticks_config import TickBenchConfig, make_deploy
-from duplexcache.bench.prefill_isolation import CONTINUOUS
-from duplexcache.bench import prefill_isolation
+from prefill_isolation import CONTINUOUS   # its sibling probe (scripts/probes/)
+import prefill_isolation
 from duplexcache.config import DeployConfig
 from duplexcache.runtime.stage0 import runner as stage0_module
 from duplexcache.runtime.stages import thinker_stage

@@ -1,7 +1,7 @@
 """Prefill isolation bench: what opening a session with the longest allowed context adds to the
 tick of the sessions already live.
 
-    duplexcache bench prefill [--preset tiny|minicpmo45] [--device cpu|cuda]
+    python scripts/probes/prefill_isolation.py [--preset tiny|minicpmo45] [--device cpu|cuda]
         [--sessions 32] [--warmup-ticks 8] [--baseline-ticks 16] [--prefill-chunk-tokens N]
         [--max-context-tokens N] [--memory-budget 80GiB] [--threshold-ms 100]
         [--between-ticks] [--tick-seconds S] [--out DIR]
@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from duplexcache.bench.common import alias_main, default_device, sync, usage_error, write_results
+from duplexcache.bench.common import default_device, sync, usage_error, write_results
 from duplexcache.bench.engine_ticks import session_audio
 from duplexcache.bench.engine_ticks_config import TickBenchConfig, make_deploy
 from duplexcache.config import DeployConfig
@@ -205,5 +205,7 @@ def run(a: argparse.Namespace) -> int:
     return 0 if result["ok"] else 1
 
 
-if __name__ == "__main__":
-    sys.exit(alias_main("prefill"))
+if __name__ == "__main__":   # a probe script: python scripts/probes/prefill_isolation.py ARGS (duplexcache importable)
+    _parser = argparse.ArgumentParser(prog="scripts/probes/prefill_isolation.py", description=__doc__.split("\n\n")[0])
+    add_arguments(_parser)
+    sys.exit(run(_parser.parse_args()))

@@ -1,9 +1,14 @@
-"""The GIL-profile summary (bench/gil_profile.py) over hand-written py-spy raw lines."""
+"""The GIL-profile summary (scripts/probes/gil_profile.py, the serve_profile probe's parser) over
+hand-written py-spy raw lines."""
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import pytest
 
-from duplexcache.bench.gil_profile import format_profile, parse_frame, summarize
+sys.path.insert(0, str(Path(__file__).parents[2] / "scripts" / "probes"))   # a probe, not a package module
+from gil_profile import format_profile, parse_frame, summarize  # noqa: E402
 
 LOOP = ('thread (7): MainThread;<module> (duplexcache/cli.py:79);run (duplexcache/server/cli.py:118);'
         'Runner.run (asyncio/runners.py:118)')

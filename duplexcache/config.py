@@ -66,6 +66,9 @@ class ModelConfig(_Strict):
     revision: str = "random-init"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = Field("cpu", pattern=r"^(cpu|meta|mps|cuda(:[0-9]+)?)$")
+    # Camera frames (docs/vision.md): build the vision encoder + resampler and take frames from
+    # video sessions. Off: no vision weights, the audio-only memory plan, frames refused by name.
+    vision: bool = False
 
 
 class WindowSettings(_Strict):

@@ -39,12 +39,12 @@ PRIVATE_RUNTIME_CONFIG_KEYS: frozenset[str] = frozenset({
     "memory_headroom", "cuda_expandable_segments", "talker_turn_from_policy", "tick_seconds", "speak_policy", "tick_headroom",
     "prefill_chunk_tokens", "max_context_tokens",
     "preset", "checkpoint_dir", "revision", "model_revision", "dtype", "device",
-    "max_frame_bytes", "code2wav_dtype", "kv_cache_dtype", "encoder_cache_dtype",
+    "max_frame_bytes", "code2wav_dtype", "kv_cache_dtype", "encoder_cache_dtype", "vision",
 })
 
 # What a client may put in session.update's session object.
 CLIENT_SESSION_KEYS: frozenset[str] = frozenset({
-    "instructions", "voice", "initial_user_text", "input_audio_format", "window", "audio_output",
+    "instructions", "voice", "initial_user_text", "input_audio_format", "window", "audio_output", "video",
 })
 CLIENT_WINDOW_KEYS: frozenset[str] = frozenset({"high_tokens", "low_tokens"})
 INPUT_AUDIO_FORMATS = ("pcm16", "f32")
@@ -73,6 +73,9 @@ class SessionRuntimeConfig:
     cfm_prompt_att_sharing: bool
     cfm_arena_rows_from_graph_grid: bool
     model_revision: str
+    # client-settable, last for its default: the session sends camera frames (model.vision), so
+    # its units may carry a frame's tokens and admission sizes it for that (docs/vision.md)
+    video: bool = False
 
 
 def find_private_key(obj: Any, prefix: str = "") -> str | None:
@@ -149,6 +152,12 @@ def build_runtime_config(deploy: DeployConfig, client_session: Mapping[str, Any]
     audio_output = session.get("audio_output", True)
     if not isinstance(audio_output, bool):
         raise SessionConfigError(f"session key 'audio_output' must be true or false, got {audio_output!r}")
+    video = session.get("video", False)
+    if not isinstance(video, bool):
+        raise SessionConfigError(f"session key 'video' must be true or false, got {type(video).__name__}")
+    if video and not deploy.model.vision:
+        raise SessionConfigError("session key 'video': this server has no vision model (model.vision is false); "
+                                 "open an audio-only session")
     return SessionRuntimeConfig(
         instructions=_check_str(session, "instructions", "") or "",
         voice=_check_str(session, "voice", "default") or "default",
@@ -165,4 +174,5 @@ def build_runtime_config(deploy: DeployConfig, client_session: Mapping[str, Any]
         cfm_prompt_att_sharing=deploy.code2wav.cfm_prompt_att_sharing,
         cfm_arena_rows_from_graph_grid=deploy.code2wav.cfm_arena_rows_from_graph_grid,
         model_revision=deploy.model.revision,
+        video=video,
     )

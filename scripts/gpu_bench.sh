@@ -4,7 +4,7 @@
 #   OUT=/path/to/results bash scripts/gpu_bench.sh MODE [MODE ...]
 # smoke: every benchmark on the tiny preset (catches device bugs in seconds); suite: the whole pytest suite;
 # bench, batch_invariance, card_tests, card_waterfall, card_before, card_capacity, card_bench, serve_ragged_graphs,
-# setup, stage0, stage2, slope: the minicpmo45 figures (random weights), each fits one 10-minute device call.
+# setup, stage0, stage2, slope, video: the minicpmo45 figures (random weights), each fits one 10-minute device call.
 # The A/Bs and probes of earlier rounds (docs/results/HISTORY.md) are modes of scripts/probes/gpu_probes.sh.
 # Every step is a `duplexcache bench BENCHMARK` command (run as `python3 -m duplexcache.cli`, so no install is needed).
 # Needs torch with CUDA, triton, numpy, pyyaml, safetensors, pydantic, tqdm, matplotlib; the serve modes also
@@ -25,6 +25,8 @@ case "$mode" in
     step smoke_ticks_fp8 120 python3 -m duplexcache.cli bench ticks --preset tiny --device cuda --sessions 1,2 --ticks 2 --kv-cache-dtype fp8_e4m3 $small --out "$out/smoke_ticks_fp8"
     # the A/B reference of the graph switches that are on by default (eager ragged steps and encoder)
     step smoke_ticks_eager 120 python3 -m duplexcache.cli bench ticks --preset tiny --device cuda --sessions 1,2 --ticks 2 --ragged-step-graphs off --encoder-cuda-graphs off $small --out "$out/smoke_ticks_eager"
+    # camera frames (issue 47): every session a video session, the vision stage on the device
+    step smoke_ticks_video 120 python3 -m duplexcache.cli bench ticks --preset tiny --device cuda --sessions 1,2 --ticks 2 --video-share 1 $small --out "$out/smoke_ticks_video"
     step smoke_setup 120 python3 -m duplexcache.cli bench setup --preset tiny --device cuda --sessions 3 --repeats 1 --out "$out/smoke_setup"
     serve_conversation smoke_serve duplexcache/configs/tiny.yaml 2 16 "engine.memory_budget=512MiB"   # 16 s: every caller reaches its first reply
     step gpu_tests 240 python3 -m pytest -q -x tests/cfm/test_graphs.py tests/kv/test_paged_attention.py tests/kv/test_decode_graphs.py tests/models/test_audio_encoder_graphs.py tests/runtime/test_warmup.py -p no:cacheprovider ;;
@@ -84,6 +86,13 @@ case "$mode" in
       step "engine_ticks_slope_$arm" 580 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions "$counts" --workload conversation --steady-window --all-switches on --ticks 8 --warmup-ticks 8 --max-seconds 540 --memory-budget auto --graph-grid 1,4,8,16 $formats --out "$out/engine_ticks_slope_$arm"
       sed -n '/## Per-stage cost per extra session/,$p' "$out/engine_ticks_slope_$arm/results.md"
     done ;;
+  video)  # issue 47: `verify vision` at the real shapes (~2 GB of random float32 weights, ours + transformers' Idefics2
+    # on the GPU, TF32 off), then `bench ticks` with every session a video session (a 640x480 JPEG per unit, 1 fps) at
+    # the `ticks` mode's counts and budget (its audio-only rows are the baseline: run `ticks` in the same session), and
+    # half video, half audio. results.md: the vision stage's ms per tick and the bytes per video session
+    step verify_vision 300 python3 -m duplexcache.cli verify vision --preset minicpmo45 --random-weights --device cuda
+    step engine_ticks_video 300 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 1,8,16,32 --ticks 4 --max-seconds 240 --memory-budget 100GiB --video-share 1 --out "$out/engine_ticks_video"
+    step engine_ticks_video_half 300 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 8,16,32 --ticks 4 --max-seconds 240 --memory-budget 100GiB --video-share 0.5 --out "$out/engine_ticks_video_half" ;;
   stage2)
     step gpu_stage2 300 python3 -m duplexcache.cli bench stage2 --out "$out/gpu_stage2" --batches 1,8,32 ;;
   batch_invariance)  # the current "Batch invariance on the GPU" table: engine.batch_invariant off vs on, beside 1, 7, 31

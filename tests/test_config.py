@@ -28,7 +28,7 @@ NO_ENV: dict[str, str] = {}
 # Every switch set to a value different from its default.
 NON_DEFAULT = {
     "model": {"preset": "minicpmo45", "checkpoint_dir": "/ckpt", "revision": "abc123",
-              "dtype": "bfloat16", "device": "cuda:1"},
+              "dtype": "bfloat16", "device": "cuda:1", "vision": True},
     "stage0": {"block_size": 32, "window": {"mode": "rebuild", "high_tokens": 4000, "low_tokens": 3000},
                "shared_anchor_blocks": True, "client_window_override": False, "ragged_kernel": False},
     "context_cache": {"duplex_context_caching": True, "capacity": 7},

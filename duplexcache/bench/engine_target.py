@@ -14,8 +14,8 @@ report.json under ``workload``); it uses only the engine's public API:
 * Fast-forward to steady state: ``DuplexEngine.fast_forward`` fills each session's Thinker
   window to its high mark through the serving append path (embeddings of seeded random text
   ids) and holds Talker blocks for a full turn (``engine.talker_turn_tokens``, by default the
-  Talker's ``max_position_embeddings`` tokens; held, not computed) and the audio encoder's cache at its full ``max_cache_frames`` (it grows by blocks as
-  audio arrives; held, not computed). Code2Wav reaches P private frames by real units.
+  Talker's ``max_position_embeddings`` tokens) and the audio encoder's cache at its full
+  ``max_cache_frames`` (held, not computed). Code2Wav reaches P private frames by real units.
 * Memory: ``engine.stats().pools``, which lists the Euler arena and the context cache too.
 """
 
@@ -46,9 +46,6 @@ class SessionOutput:
 
     text: list[int] = field(default_factory=list)
     audio: list[torch.Tensor] = field(default_factory=list)
-
-    def audio_tensor(self) -> torch.Tensor:
-        return torch.cat(self.audio) if self.audio else torch.zeros(0)
 
 
 def check_code2wav_steady(code2wav) -> None:

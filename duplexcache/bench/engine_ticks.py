@@ -97,6 +97,7 @@ import numpy as np
 import torch
 
 from duplexcache.bench import floor as fl
+from duplexcache.bench import video
 from duplexcache.bench import workload as wl
 from duplexcache.bench.common import alias_main, hardware_line, sync, usage_error, write_results
 from duplexcache.bench.engine_ticks_config import TickBenchConfig, config_from_args, make_deploy
@@ -183,6 +184,7 @@ class RunResult:
     memory_allocated_after: int | None = None   # after the engine was freed: should be the weights
     seconds: float = 0.0
     profile: dict[str, Any] | None = None   # --profile-ticks: bench/tick_profile.summarize_profile
+    video: dict[str, Any] | None = None     # --video-share: video sessions and bytes per session (bench/video.py)
     # The shapes the recorded ticks ran, summed over sessions before each tick (the floor's TickShape)
     shape_sums: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k in SHAPE_SUMS})
 
@@ -206,7 +208,7 @@ class RunResult:
                 "warmup_graphs": self.warmup_graphs, "tick_graph_captures": self.tick_graph_captures,
                 "max_memory_allocated": self.max_memory_allocated,
                 "memory_allocated_after": self.memory_allocated_after, "seconds": round(self.seconds, 3),
-                "profile": self.profile, "shape_sums_per_tick": self.shape_sums}
+                "profile": self.profile, "shape_sums_per_tick": self.shape_sums, "video": self.video}
 
 
 class _Deadline:
@@ -230,9 +232,12 @@ def session_voices(cfg: TickBenchConfig, n: int, available: list[str]) -> list[s
 def _open_all(eng: DuplexEngine, n: int, res: RunResult, cfg: TickBenchConfig) -> list[str]:
     """Open ``n`` sessions; on the first refusal record it and return what was admitted."""
     sids: list[str] = []
-    for voice in session_voices(cfg, n, eng.voices.names()):
+    for i, voice in enumerate(session_voices(cfg, n, eng.voices.names())):
+        session = {"voice": voice, "instructions": INSTRUCTIONS}
+        if video.is_video(i, cfg.video_share):
+            session["video"] = True
         try:
-            sids.append(eng.open_session({"voice": voice, "instructions": INSTRUCTIONS}))
+            sids.append(eng.open_session(session))
         except AdmissionError as exc:
             res.status, res.note = "refused", f"admitted {len(sids)} of {n}: {exc.reason}"
             logger.info("n=%d: admission refused after %d sessions: %s", n, len(sids), exc.reason)
@@ -269,6 +274,8 @@ class _Feed:
         for i, sid in enumerate(self.sids):
             if sid not in live:
                 continue   # the engine ended it; counted as a session error already
+            if video.is_video(i, self.cfg.video_share):   # its second's frame first: it rides with this unit
+                eng.push_frame(sid, video.frame_jpeg(i, self.unit))
             eng.push_audio(sid, self._audio(i, self.unit))
             if self.scripts[i].speaks[self.unit]:
                 speakers.add(sid)
@@ -350,6 +357,9 @@ def _drive(eng: DuplexEngine, n: int, cfg: TickBenchConfig, res: RunResult, dead
     """Open (into ``sids``), feed, warm up and record; the caller closes the sessions."""
     res.planned_sessions = eng.plan.planned_sessions
     sids += _open_all(eng, n, res, cfg)
+    if cfg.video_share > 0:
+        res.video = {"sessions": sum(video.is_video(i, cfg.video_share) for i in range(len(sids))),
+                     "bytes_per_session": video.video_bytes(eng)}
     if res.status == "refused":
         return
     units = cfg.warmup_ticks + cfg.ticks + (1 if cfg.steady_window else 0) + profiled_units(cfg.profile_ticks, eng.models.device)
@@ -547,7 +557,8 @@ def _results(cfg: TickBenchConfig, deploy: DeployConfig, models: ModelBundle, ro
                    "kv_cache_dtype": deploy.precision.kv_cache_dtype,
                    "encoder_cache_dtype": deploy.precision.encoder_cache_dtype,
                    "talker_turn_tokens": deploy.engine.talker_turn_tokens,
-                   "profile_ticks": cfg.profile_ticks, "floor_device": floor_device},
+                   "profile_ticks": cfg.profile_ticks, "floor_device": floor_device,
+                   "video_share": cfg.video_share},
         "model_build_s": round(build_s, 3),
         "weight_bytes": models.weight_bytes(),
         "memory_allocated_after_build": weights_alloc,
@@ -626,7 +637,9 @@ def per_session_costs(rows: list[RunResult], floor: fl.TickFloor | None) -> dict
         fit: dict[str, Any] = {"slope": None, "intercept": None, "slope_stderr": None, "points": len(points)}
         if len({n for n, _ in points}) >= 2:
             fit = fit_line([n for n, _ in points], [ms for _, ms in points])
-        floor_ms = None if floor is None else floor.ms("tick" if stage in ("tick", "wall") else stage)
+        # the vision stage has no floor model (bench/floor.py): its slope stands alone
+        modelled = floor is not None and (stage in ("tick", "wall") or stage in floor.work)
+        floor_ms = floor.ms("tick" if stage in ("tick", "wall") else stage) if modelled else None
         distance = None if fit["slope"] is None or not floor_ms else fit["slope"] / floor_ms
         stages[stage] = {"slope_ms": fit["slope"], "intercept_ms": fit["intercept"],
                          "slope_stderr_ms": fit["slope_stderr"], "points": fit["points"],

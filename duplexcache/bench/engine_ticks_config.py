@@ -57,6 +57,7 @@ class TickBenchConfig:
     vocoder_cuda_graphs: bool = True   # code2wav.vocoder_cuda_graphs (CUDA only; on is the default)
     ragged_step_graphs: bool | None = None   # engine.ragged_step_graphs (CUDA only); None: the preset's default
     encoder_cuda_graphs: bool | None = None  # engine.encoder_cuda_graphs (CUDA only); None: the preset's default
+    video_share: float = 0.0   # share of video sessions, a frame each unit (bench/video.py; model.vision on when > 0)
 
     def __post_init__(self) -> None:
         if self.workload not in wl.WORKLOADS:
@@ -76,6 +77,8 @@ class TickBenchConfig:
         if not self.sessions or any(not isinstance(n, int) or n < 1 for n in self.sessions):
             raise ValueError(f"sessions must be positive ints, got {self.sessions!r}")
         self.sessions = tuple(sorted(set(self.sessions)))
+        if not 0.0 <= self.video_share <= 1.0:
+            raise ValueError(f"video_share must be in [0, 1], got {self.video_share}")
         if self.profile_ticks < 0:
             raise ValueError(f"profile_ticks must be >= 0, got {self.profile_ticks}")
         if self.ticks < 1 or self.warmup_ticks < 0:
@@ -151,6 +154,7 @@ def make_deploy(cfg: TickBenchConfig) -> DeployConfig:
     raw["precision"]["kv_cache_dtype"] = cfg.kv_cache_dtype
     raw["precision"]["encoder_cache_dtype"] = cfg.encoder_cache_dtype
     raw["engine"]["talker_turn_tokens"] = cfg.talker_turn_tokens
+    raw["model"]["vision"] = cfg.video_share > 0
     if cfg.graph_grid is not None:
         raw["code2wav"]["graph_grid"] = list(cfg.graph_grid)
         raw["code2wav"]["cfm_arena_rows_from_graph_grid"] = True
@@ -189,6 +193,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--encoder-cuda-graphs", choices=("on", "off"), default=None,
                    help="engine.encoder_cuda_graphs: the audio encoder's layers as piecewise CUDA graphs "
                         "(default: the preset's)")
+    p.add_argument("--video-share", type=float, default=0.0,
+                   help="share of the sessions that are video sessions, spread evenly: a 640x480 JPEG frame with "
+                        "each unit (1 fps, bench/video.py); builds the vision model (model.vision) when above 0")
     p.add_argument("--warm-up", choices=("on", "off"), default="on",
                    help="CUDA: DuplexEngine.warmup() before the first tick (as `duplexcache serve`); off: graphs "
                         "are captured inside ticks (the cold A/B)")
@@ -219,4 +226,5 @@ def config_from_args(a: argparse.Namespace) -> TickBenchConfig:
                            a.encoder_cache_dtype, a.talker_turn_tokens, a.profile_ticks,
                            a.vocoder_cuda_graphs == "on",
                            None if a.ragged_step_graphs is None else a.ragged_step_graphs == "on",
-                           None if a.encoder_cuda_graphs is None else a.encoder_cuda_graphs == "on")
+                           None if a.encoder_cuda_graphs is None else a.encoder_cuda_graphs == "on",
+                           a.video_share)

@@ -10,7 +10,7 @@ from typing import Any
 
 from duplexcache.bench.tick_profile import profile_markdown
 
-STAGES = ("encoder", "thinker", "talker", "code2wav", "tick")   # the engine's stages, in tick order
+STAGES = ("encoder", "vision", "thinker", "talker", "code2wav", "tick")   # the engine's stages, in tick order
 
 
 def _stage_cell(s: dict) -> str:
@@ -63,6 +63,7 @@ def markdown(results: dict[str, Any]) -> str:
         warm = "-" if r.get("warmup_s") is None else f"{r['warmup_s']:.1f} ({r['warmup_graphs']})"
         lines.append(f"| {r['sessions']} | {r['status']} | " + " | ".join(cells)
                      + f" | {under} | {text} | {graphed} | {warm} | {r.get('tick_graph_captures', '-')} | {mem} | {left} |")
+    lines += _video_lines(results)
     best = results["largest_sessions_all_ticks_under_1s"]
     lines += ["", f"**Largest session count tried with every tick < 1 s: {best if best is not None else 'none'}**"]
     notes = [f"- n={r['sessions']}: {r['status']}: {r['note']}" for r in results["runs"] if r["note"]]
@@ -70,3 +71,20 @@ def markdown(results: dict[str, Any]) -> str:
         lines += ["", "Notes:", *notes]
     lines += ["", *(profile_markdown(r["sessions"], r["profile"]) for r in results["runs"] if r.get("profile"))]
     return "\n".join(lines)
+
+
+def _video_lines(results: dict[str, Any]) -> list[str]:
+    """``--video-share``: video sessions per run and the memory plan's bytes per session."""
+    rows = [r for r in results["runs"] if r.get("video")]
+    if not rows:
+        return []
+    lines = ["", f"Video (--video-share {results['config'].get('video_share')}): a 640x480 JPEG with each unit of a "
+             "video session; `vision ms` is the batched encoder + resampler call per tick. Bytes per session from the "
+             "memory plan (window full, a full Talker turn, the dynamic reservation):"]
+    for r in rows:
+        b = r["video"]["bytes_per_session"] or {}
+        lines.append(f"- n={r['sessions']}: {r['video']['sessions']} video sessions; audio "
+                     f"{b.get('audio', 0) / 2**20:.1f} MiB, video {b.get('video', 0) / 2**20:.1f} MiB "
+                     f"(+{b.get('frame_activation', 0) / 2**20:.1f} MiB: a frame's activations), "
+                     f"{b.get('thinker_tokens_per_frame', 0)} Thinker tokens per frame")
+    return lines

@@ -111,7 +111,6 @@ class _Setup:
     """What the engine target contributes to the run: how to build it and what it measures."""
 
     configs: list
-    target: str
     make_target: object
     weight_bytes: int
     floor: SessionFloor
@@ -164,7 +163,7 @@ def _engine_setup(deploy: DeployConfig, configs, args) -> _Setup:
                         "lags text by one unit); every context is prefilled between ticks before the first "
                         "unit, so each session's units fall on the same ticks in every configuration",
     }
-    return _Setup(configs, "engine", lambda cfg, n: EngineTarget(models, cfg.deploy, n), models.weight_bytes(), floor,
+    return _Setup(configs, lambda cfg, n: EngineTarget(models, cfg.deploy, n), models.weight_bytes(), floor,
                   args.units or EngineTarget.units_to_steady(p), p, notes, models)
 
 
@@ -261,7 +260,7 @@ def _run_meta(args, deploy: DeployConfig, configs, device: torch.device, session
         if budget == "auto":   # a host device: what the engine resolves auto to
             from duplexcache.runtime.memory.memory_budget import resolve_memory_budget
             budget = resolve_memory_budget(configs[0].deploy.engine, 0, None)
-    return RunMeta(preset=args.preset, device=str(device), target=setup.target, memory_source=source,
+    return RunMeta(preset=args.preset, device=str(device), target="engine", memory_source=source,
                    memory_budget=budget, activation_reserve=deploy.engine.activation_reserve,
                    weight_bytes=setup.weight_bytes, floor=setup.floor, workload=workload,
                    realtime=args.realtime, budget_includes_weights=includes_weights)

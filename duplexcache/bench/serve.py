@@ -58,6 +58,7 @@ from duplexcache.bench.serve_client import GAP_S, TURN_WORKLOADS, Caller, Sessio
 from duplexcache.bench.serve_metrics import (  # noqa: F401 - counters, stage_totals: read through this module too
     COUNTERS, between_tick_ms_mean, counters, delta, scrape, stage_ms_mean, stage_totals,
 )
+from duplexcache.bench.video import is_video
 from duplexcache.config import API_KEY_ENV
 
 logger = logging.getLogger(__name__)
@@ -141,6 +142,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--minicpmo-share", type=_bounded("--minicpmo-share", 0, 1), default=0.0,
                         help="share of the callers that speak the MiniCPM-o Realtime dialect (map.realtime, a "
                         "reference recording per voice) instead of OpenAI's, spread evenly; 0.5 = every other one")
+    parser.add_argument("--video-share", type=_bounded("--video-share", 0, 1), default=0.0,
+                        help="share of the callers that are video callers (MiniCPM-o dialect, mode=video, a 640x480 "
+                        "JPEG with each second of audio; the server needs model.vision: true), spread evenly")
     parser.add_argument("--ready-timeout", type=_bounded("--ready-timeout", 0, MAX_DURATION_S), default=600.0,
                         help="seconds to wait for a server whose /health says it is still warming up before the "
                              "first step (a server that nothing answers for fails at once)")
@@ -363,7 +367,8 @@ async def run_step(n: int, args: argparse.Namespace, client: Any, base: str, bar
     units = max(1, int(args.duration))
     callers = [Caller(i, voices[i], args.workload, units, args.seed, shape, INSTRUCTIONS,
                       start_delay_s=args.ramp * i / max(1, n - 1) if n > 1 else 0.0, drain_s=args.drain,
-                      dialect=caller_dialect(i, args.minicpmo_share))
+                      dialect="minicpmo-video" if is_video(i, args.video_share)
+                      else caller_dialect(i, args.minicpmo_share))
                for i in range(n)]
     # Long-context callers join later (0.5 s apart) and stop with the others: they open while
     # the regular callers are live, which is the case issue 11 is about.
@@ -426,7 +431,7 @@ def _results(args: argparse.Namespace, argv: list[str], steps: list[dict[str, An
         "config": {"sessions": list(args.sessions), "workload": args.workload, "duration_s": args.duration,
                    "ramp_s": args.ramp, "seed": args.seed, "voices": _voice_names(args),
                    "user_units": list(args.user_units), "max_lead_units": args.max_lead_units,
-                   "turn_ends": args.turn_ends, "minicpmo_share": args.minicpmo_share,
+                   "turn_ends": args.turn_ends, "minicpmo_share": args.minicpmo_share, "video_share": args.video_share,
                    "reply_units": [args.reply_min_units, args.reply_max_units], "drain_s": args.drain,
                    "gap_threshold_s": GAP_S, "input": "16 kHz pcm16 in 0.1 s chunks at real-time pace",
                    "api_key": bool(auth_headers())},   # whether a key was sent, never the key

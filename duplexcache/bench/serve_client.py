@@ -31,6 +31,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import numpy as np
 
 from duplexcache.bench import workload as wl
+from duplexcache.bench.video import frame_jpeg
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +154,24 @@ def reference_recording(voice: str, seconds: float = 1.0) -> str:
     return base64.b64encode(samples.tobytes()).decode("ascii")
 
 
-WIRES: dict[str, Any] = {"openai": Wire, "minicpmo": MiniCPMoWire}
+class MiniCPMoVideoWire(MiniCPMoWire):
+    """The MiniCPM-o dialect in ``mode=video``: each unit's first chunk carries that second's
+    camera frame (``input.video_frames``), as the SDK's ``send_audio_video`` (bench/video.py)."""
+
+    VIDEO = True
+
+    @staticmethod
+    def url(url: str) -> str:
+        return MiniCPMoWire.url(url).replace("mode=audio", "mode=video")
+
+    @staticmethod
+    def append_with_frame(pcm: np.ndarray, jpeg: bytes) -> str:
+        event = json.loads(MiniCPMoWire.append(pcm))
+        event["input"]["video_frames"] = [base64.b64encode(jpeg).decode("ascii")]
+        return json.dumps(event)
+
+
+WIRES: dict[str, Any] = {"openai": Wire, "minicpmo": MiniCPMoWire, "minicpmo-video": MiniCPMoVideoWire}
 
 
 @dataclass
@@ -281,7 +299,9 @@ class Caller:
             last = turn_end_chunk(trace.script, self.index, u, self.seed) if u in ends else None
             for c, chunk in enumerate(_unit_chunks(wl.unit_audio(trace.script, self.index, u, self.seed))):
                 await asyncio.sleep(max(0.0, start + sent / Wire.INPUT_RATE - loop.time()))
-                if not silent:
+                if not silent and c == 0 and getattr(self.wire, "VIDEO", False):   # 1 fps: a frame per unit
+                    await ws.send(self.wire.append_with_frame(chunk, frame_jpeg(self.index, u)))
+                elif not silent:
                     await ws.send(self.wire.append(chunk))
                 sent += chunk.size
                 if c == last:

@@ -80,6 +80,8 @@ class PromptRegistry:
         """A registered voice (not itself an alias) whose prompt inputs equal ``prompt``'s, bit
         for bit: its setup pass gave the state ``prompt`` would get (the pass runs alone, batch
         1, so its bits depend on the inputs only)."""
+        if prompt.tokens.is_meta:   # shapes-only engines (memory plans) have no values to compare
+            return None
         for name, entry in self._voices.items():
             p = entry.prompt
             if entry.alias_of is None and p.tokens.shape == prompt.tokens.shape and p.mel.shape == prompt.mel.shape \

@@ -11,10 +11,16 @@ other tokens. The fix is a fixed reduction order per row, whatever the batch:
   (the last one padded with zeros) and each tile is its own GEMM of one fixed shape. Within one
   shape a row's output depends only on that row (checked over positions and neighbours in
   tests/models/test_batch_invariant.py); the padding rows are dropped.
-* ``conv1d`` / ``conv_transpose1d``: the same over the batch axis (tiles of ``tile_rows`` samples).
+* ``conv1d`` / ``conv_transpose1d``: the same over the batch axis (tiles of ``batch_tile``
+  samples); so are SDPA (cuDNN/CUTLASS may pick kernels by batch) and the FFTs (cuFFT plans are
+  made per batch count), and a batched ``matmul`` goes in tiles of ``tile_rows`` matrices
+  (cuBLAS picks batched-GEMM algorithms by the batch count).
+* Code2Wav's attention reduces over the arena's whole key capacity in this mode
+  (``Code2WavConfig.fixed_key_length``): the key length otherwise followed the longest cache of
+  the rows solved together.
 * The rest of the tick is already row-wise on every backend this project runs: per-sequence
-  attention (``paged_attention``'s reference path, SDPA per batch element), norms, softmax and
-  elementwise ops (measured on CPU: equal at every batch size). On CUDA the paged decode kernel's
+  attention (``paged_attention``'s reference path), norms, softmax and elementwise ops (measured
+  on CPU: equal at every batch size). On CUDA the paged decode kernel's
   split count is fixed per pool instead of chosen by the batch (``kv/triton_kernels.py``).
 
 This is the published recipe for batch-invariant inference (fixed tiling and reduction order in
@@ -35,6 +41,10 @@ from torch.overrides import TorchFunctionMode
 # sessions wastes at most one tile of padding.
 CPU_TILE_ROWS = 16
 CUDA_TILE_ROWS = 64
+# Batch elements per tile of the per-sample ops (conv, SDPA, FFT): their batch is a tick's streams
+# or rows (1-32), not tokens, so a tile of 64 would compute up to 64x the work for one stream.
+# Any fixed tile is invariant; 4 keeps the padding of a lone stream at 3 copies.
+BATCH_TILE = 4
 
 
 def tile_rows_for(device: torch.device) -> int:
@@ -102,11 +112,12 @@ class BatchInvariantMode(TorchFunctionMode):
 
     FAMILIES = frozenset({"linear", "conv", "matmul", "sdpa", "fft"})
 
-    def __init__(self, tile_rows: int, ops: frozenset[str] | None = None) -> None:
+    def __init__(self, tile_rows: int, ops: frozenset[str] | None = None, batch_tile: int = BATCH_TILE) -> None:
         super().__init__()
-        if tile_rows < 1:
-            raise ValueError(f"tile_rows must be >= 1, got {tile_rows}")
-        self.tile_rows = tile_rows
+        if tile_rows < 1 or batch_tile < 1:
+            raise ValueError(f"tile_rows and batch_tile must be >= 1, got {tile_rows}, {batch_tile}")
+        self.tile_rows = tile_rows     # rows (tokens) per GEMM tile: linear, matmul
+        self.batch_tile = batch_tile   # batch elements per tile: conv, SDPA, FFT
         self.ops = self.FAMILIES if ops is None else frozenset(ops)
         if not self.ops <= self.FAMILIES:
             raise ValueError(f"unknown op families {sorted(self.ops - self.FAMILIES)}")
@@ -122,7 +133,7 @@ class BatchInvariantMode(TorchFunctionMode):
             x, rest = args[0], args[1:]
             if x.dim() == 3:   # (B, C, L); an unbatched (C, L) input has nothing to vary with
                 self.calls += 1
-                return _tiled(lambda t: func(t, *rest, **kwargs), x, tile)
+                return _tiled(lambda t: func(t, *rest, **kwargs), x, self.batch_tile)
         if func in _MATMULS and "matmul" in ops and not kwargs and len(args) == 2:
             out = invariant_matmul(args[0], args[1], tile)
             if out is not None:
@@ -141,21 +152,22 @@ class BatchInvariantMode(TorchFunctionMode):
         if func in _FFTS and "fft" in ops and args and args[0].dim() >= 2:
             x, rest = args[0], args[1:]
             self.calls += 1
-            return _tiled(lambda t: func(t, *rest, **kwargs), x, tile)
+            return _tiled(lambda t: func(t, *rest, **kwargs), x, self.batch_tile)
         return func(*args, **kwargs)
 
     def _sdpa(self, q, k, v, mask, kwargs) -> torch.Tensor:
-        """SDPA per tile of ``tile_rows`` batch elements (q, k, v and a per-element mask cut
+        """SDPA per tile of ``batch_tile`` batch elements (q, k, v and a per-element mask cut
         alike; a broadcast mask of batch 1 is passed whole)."""
         b = q.shape[0]
         per_row_mask = mask is not None and mask.shape[0] == b and b > 1
         outs = []
-        for start in range(0, b, self.tile_rows):
-            stop = min(b, start + self.tile_rows)
+        tile = self.batch_tile
+        for start in range(0, b, tile):
+            stop = min(b, start + tile)
             parts = [t[start:stop] for t in (q, k, v)] + ([mask[start:stop]] if per_row_mask else [])
             rows = stop - start
-            if rows < self.tile_rows:
-                parts = [torch.cat([p, p[-1:].expand(self.tile_rows - rows, *p.shape[1:])]) for p in parts]
+            if rows < tile:
+                parts = [torch.cat([p, p[-1:].expand(tile - rows, *p.shape[1:])]) for p in parts]
             m = parts[3] if per_row_mask else mask
             outs.append(F.scaled_dot_product_attention(*parts[:3], attn_mask=m, **kwargs)[:rows])
         return outs[0] if len(outs) == 1 else torch.cat(outs)

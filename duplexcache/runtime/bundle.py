@@ -56,10 +56,11 @@ class ModelBundle:
     voices: VoiceRegistry
     dtype: torch.dtype
     device: torch.device
+    vision: nn.Module | None = None   # model.vision: the vision encoder + resampler (runtime/stages/vision_stage.py)
 
     def weight_bytes(self) -> int:
-        mods = (self.thinker, self.talker, self.audio_encoder, self.flow, self.hift)
-        return sum(p.numel() * p.element_size() for m in mods for p in m.parameters())
+        mods = (self.thinker, self.talker, self.audio_encoder, self.flow, self.hift, self.vision)
+        return sum(p.numel() * p.element_size() for m in mods if m is not None for p in m.parameters())
 
 
 def build_models(deploy: DeployConfig, seed: int = 0) -> ModelBundle:
@@ -70,16 +71,24 @@ def build_models(deploy: DeployConfig, seed: int = 0) -> ModelBundle:
         raise ValueError("model.device 'meta' builds shapes only; the engine needs real weights")
     if m.checkpoint_dir is not None:
         _, _, _, flow_cfg, voc_cfg = preset_configs(m.preset)
-        return _load_models(deploy, dtype, device, flow_cfg, voc_cfg)
-    r = build_random_models(m.preset, device, dtype, seed)
-    ref_s, prompt_s = VOICE_SECONDS[m.preset]
-    voices = VoiceRegistry([synthetic_voice(n, ref_s, prompt_s, r.flow_config.vocab_size) for n in DEFAULT_VOICES])
-    logger.info("built %s models with random weights on %s (%s)", m.preset, device, m.dtype)
-    return ModelBundle(r.thinker, r.talker, r.audio_encoder, code2wav_flow(deploy, r.flow), r.hift,
-                       load_tokenizer(None), voices, dtype, device)
+        models = _load_models(deploy, dtype, device, flow_cfg, voc_cfg)
+    else:
+        r = build_random_models(m.preset, device, dtype, seed)
+        ref_s, prompt_s = VOICE_SECONDS[m.preset]
+        voices = VoiceRegistry([synthetic_voice(n, ref_s, prompt_s, r.flow_config.vocab_size)
+                                for n in DEFAULT_VOICES])
+        logger.info("built %s models with random weights on %s (%s)", m.preset, device, m.dtype)
+        models = ModelBundle(r.thinker, r.talker, r.audio_encoder, code2wav_flow(deploy, r.flow), r.hift,
+                             load_tokenizer(None), voices, dtype, device)
+    if m.vision:   # only then: audio-only deployments hold no vision weights
+        from duplexcache.runtime.stages.vision_stage import build_vision_model
+
+        models.vision = build_vision_model(m.preset, models.thinker.config.hidden_size, dtype, device,
+                                           m.checkpoint_dir, seed)
+    return models
 
 
-def meta_model_bundle(preset: str, dtype: torch.dtype = torch.bfloat16) -> ModelBundle:
+def meta_model_bundle(preset: str, dtype: torch.dtype = torch.bfloat16, vision: bool = False) -> ModelBundle:
     """The preset's models on the ``meta`` device: shapes and bytes, no weights, nothing computed.
     For planning a card from shapes alone (scripts/probes/card_capacity.py, the memory-plan tests); never
     a bundle to serve with (``build_models`` refuses ``meta``)."""
@@ -89,8 +98,15 @@ def meta_model_bundle(preset: str, dtype: torch.dtype = torch.bfloat16) -> Model
         thinker, talker, encoder = Thinker(tk).to(dtype), Talker(tl).to(dtype), AudioEncoder(enc).to(dtype)
     ref_s, prompt_s = VOICE_SECONDS[preset]
     voices = VoiceRegistry([synthetic_voice(n, ref_s, prompt_s, flow_cfg.vocab_size) for n in DEFAULT_VOICES])
-    return ModelBundle(thinker, talker, encoder, build_flow(flow_cfg, device="meta"), build_vocoder(voc, device="meta"),
-                       load_tokenizer(None), voices, dtype, meta)
+    bundle = ModelBundle(thinker, talker, encoder, build_flow(flow_cfg, device="meta"),
+                         build_vocoder(voc, device="meta"), load_tokenizer(None), voices, dtype, meta)
+    if vision:
+        from duplexcache.models.vision import VisionModel
+        from duplexcache.runtime.stages.vision_stage import vision_config
+
+        with meta:
+            bundle.vision = VisionModel(vision_config(preset, tk.hidden_size)).to(dtype)
+    return bundle
 
 
 def code2wav_flow(deploy: DeployConfig, flow: nn.Module) -> nn.Module:

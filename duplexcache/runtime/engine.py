@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from duplexcache.config import DeployConfig
-from duplexcache.context import EmbeddingResult, EncoderPath, SessionContextBuilder
+from duplexcache.context import EmbeddingResult, SessionContextBuilder
 from duplexcache.context.tokenizer import MemoTokenizer
 from duplexcache.models.batch_invariant import BatchInvariantMode, tile_rows_for
 from duplexcache.runtime import engine_parts, turns
@@ -46,6 +46,7 @@ from duplexcache.runtime.isolation import FaultInjector
 from duplexcache.runtime.policy import ControlTokens, make_policy, text_token_ids
 from duplexcache.runtime.reference_voices import ReferenceVoices
 from duplexcache.runtime.scheduler.core import Scheduler
+from duplexcache.runtime.stages.vision_stage import MAX_PENDING_FRAMES, VisionUnavailable, decode_frame
 from duplexcache.runtime.voices import Voice
 from duplexcache.runtime.memory.session_sizing import RefusalLog, SessionSizing, refusal
 from duplexcache.runtime.warmup import WarmupReport, cached_bytes, run_warmup
@@ -145,10 +146,7 @@ class DuplexEngine:
         return self.plan.describe()
 
     def _graph_captures_total(self) -> int:
-        """Decode-graph keys first used (captures on CUDA) + Code2Wav graphs captured."""
-        decode = sum(g.stats.first_uses for g in (self.thinker_graphs, self.talker_graphs, self.encoder_graphs)
-                     if g is not None)
-        return decode + self.code2wav.graph_stats.captures + self.code2wav.vocoder_graph_stats.captures
+        return engine_parts.graph_captures_total(self)
 
     # ------------------------------------------------------------------ model adapters
 
@@ -157,11 +155,7 @@ class DuplexEngine:
             return self.models.thinker.embed(ids)  # checked on the host, then moved
 
     def _encode_reference_audio(self, audio: torch.Tensor, state: Any) -> EmbeddingResult:
-        """Whole-clip encode (touches no per-session streaming state); counted for metrics/tests."""
-        self.reference_encodes += 1
-        with torch.no_grad():
-            emb = self.models.audio_encoder.embed_audio(audio)
-        return EmbeddingResult(emb.to(self.models.dtype), EncoderPath.WHOLE_CLIP)
+        return engine_parts.encode_reference_audio(self, audio)   # whole clip, counted
 
     # ------------------------------------------------------------------ sessions
 
@@ -216,12 +210,17 @@ class DuplexEngine:
 
     def install_faults(self, faults: FaultInjector | None) -> None:
         """Test hook: make chosen stages raise for chosen sessions (runtime/isolation.py)."""
-        self.faults = faults
-        for part in (self.stage0, self.thinker_stage, self.talker_stage, self.code2wav_stage):
-            part.faults = faults
+        engine_parts.install_faults(self, faults)
 
     def push_audio(self, sid: str, pcm: np.ndarray) -> None:
         self.table.push_audio(sid, pcm)
+
+    def push_frame(self, sid: str, image: bytes) -> None:
+        """See engine_api; decoded here, on the caller's thread (runtime/stages/vision_stage.py)."""
+        if self.vision_stage is None:
+            raise VisionUnavailable("camera frames need a server with a vision model (model.vision is false)")
+        self.table.get_live(sid)   # an unknown session is told so before its image is decoded
+        self.table.push_frame(sid, decode_frame(image, self.vision_stage.cfg), MAX_PENDING_FRAMES)
 
     def close_session(self, sid: str) -> None:
         self.table.close(sid)

@@ -378,6 +378,12 @@ class EngineAPI(Protocol):
         """The voices a session may name, sorted; None: the engine does not check names."""
         ...
 
+    def push_frame(self, sid: str, image: bytes) -> None:
+        """A camera frame (JPEG or PNG bytes) for video session ``sid``'s next unit without one.
+        A ValueError with ``code`` ``vision_unavailable`` without ``model.vision`` or for a session
+        not opened with ``video``, ``invalid_image`` for a bad image, ``too_many_frames`` past 10."""
+        ...
+
     def add_reference_voice(self, ref_audio: Any) -> str:
         """A voice name made from a client's reference recording (16 kHz float32 mono), the same
         name for the same recording; ReferenceAudioError (``duplexcache.context``) when unusable."""

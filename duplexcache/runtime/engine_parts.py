@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.profiler import record_function
 
+from duplexcache.context import EmbeddingResult, EncoderPath
 from duplexcache.kv.decode_graphs import PagedDecodeGraphs
 from duplexcache.kv.kv_quant import kv_storage_dtype
 from duplexcache.models.audio_encoder_graphs import EncoderGraphs
@@ -28,6 +29,7 @@ from duplexcache.runtime.engine_stats import EngineStatsRecorder
 from duplexcache.runtime.isolation import FaultInjector
 from duplexcache.runtime.stages.talker_stage import TalkerStage
 from duplexcache.runtime.stages.thinker_stage import ThinkerStage
+from duplexcache.runtime.stages.vision_stage import VisionStage, engine_vision
 from duplexcache.runtime.voices import Voice
 
 if TYPE_CHECKING:
@@ -38,7 +40,8 @@ logger = logging.getLogger("duplexcache.runtime.engine")   # the engine's lines:
 STAGE_RANGE = "duplexcache.stage."   # profiler range prefix of each tick stage (bench/tick_profile.py)
 
 
-def build_session_side(engine: DuplexEngine, plan: MemoryPlan, policy: Any, faults: FaultInjector | None = None) -> None:
+def build_session_side(engine: DuplexEngine, plan: MemoryPlan, policy: Any,
+                       faults: FaultInjector | None = None) -> None:
     """The plan's ledger, pools, graphs and the stages over them: everything sized by the
     plan, built at start and again by a re-plan after a measured warm-up (``warmup``). The
     session table (and what a server set on it) is kept; a re-plan runs with no session."""
@@ -58,19 +61,26 @@ def build_session_side(engine: DuplexEngine, plan: MemoryPlan, policy: Any, faul
         assert not engine.table.live and not engine.table.queue, "re-plan with sessions open"
         engine.table.ledger = engine.ledger
     models, deploy = engine.models, engine.deploy
-    engine.recorder = EngineStatsRecorder(engine.table, engine.stage0, engine.talker_kv, engine.talker_cache.bytes_per_block,
-                                        engine.code2wav, engine.voices.names(), engine.builder, plan.dynamic_bytes)
+    engine.recorder = EngineStatsRecorder(engine.table, engine.stage0, engine.talker_kv,
+                                          engine.talker_cache.bytes_per_block, engine.code2wav, engine.voices.names(),
+                                          engine.builder, plan.dynamic_bytes)
     engine.latency_history = engine.recorder.latency_history   # per stage, the last LATENCY_HISTORY ticks
     engine.code2wav_stage = Code2WavStage(engine.code2wav, engine.talker_kv, engine.control, engine.table, engine._end,
-                                        engine.recorder.note_code2wav_peak)
+                                          engine.recorder.note_code2wav_peak)
     engine.talker_stage = TalkerStage(models.talker, engine.talker_cache, engine.talker_kv, engine.talker_graphs,
-                                    engine.control, engine.code2wav_stage, engine._end, engine.sizing.talker_turn_tokens,
-                                    ragged_graphs=deploy.engine.ragged_step_graphs)
+                                      engine.control, engine.code2wav_stage, engine._end,
+                                      engine.sizing.talker_turn_tokens, ragged_graphs=deploy.engine.ragged_step_graphs)
     engine.thinker_stage = ThinkerStage(engine.stage0, models.audio_encoder, engine.builder, models.tokenizer,
-                                      engine.control, policy, engine._embed_tokens, engine.table, engine._end,
-                                      kv_storage_dtype(deploy.precision.encoder_cache_dtype), engine.encoder_graphs)
+                                        engine.control, policy, engine._embed_tokens, engine.table, engine._end,
+                                        kv_storage_dtype(deploy.precision.encoder_cache_dtype), engine.encoder_graphs)
+    # model.vision: camera frames of video sessions, one batched call per tick (stages/vision_stage.py)
+    vision = engine_vision(deploy, models)
+    engine.vision_stage = None if vision is None else VisionStage(vision, engine._embed_tokens, models.tokenizer,
+                                                                  engine._end)
+    engine.thinker_stage.frame_tokens = engine.sizing.frame_tokens
     if faults is not None:
         engine.install_faults(faults)
+
 
 def release_session_side(engine: DuplexEngine) -> None:
     """Drop the pools and the graphs over them (a re-plan), so their memory can be freed."""
@@ -117,7 +127,8 @@ def build_pools(engine: DuplexEngine) -> None:
     # The graph switches are CUDA-only and on by default: off CUDA that is expected (info), on
     # CUDA a switch that cannot act is a misconfiguration (warning).
     cannot_act = logger.warning if engine.models.device.type == "cuda" else logger.info
-    if engine.deploy.engine.ragged_step_graphs and (engine.thinker_graphs is None or not engine.deploy.stage0.ragged_kernel):
+    if engine.deploy.engine.ragged_step_graphs and (engine.thinker_graphs is None
+                                                    or not engine.deploy.stage0.ragged_kernel):
         cannot_act("engine.ragged_step_graphs needs decode graphs (engine.decode_cuda_graphs on a CUDA "
                    "device) and stage0.ragged_kernel; short ragged steps run eagerly")
     engine.encoder_graphs: EncoderGraphs | None = None
@@ -142,6 +153,11 @@ def run_units(engine: DuplexEngine, units: list[Unit], lat: dict[str, float]) ->
     with record_function(STAGE_RANGE + "encoder"):
         units, embeds = engine.thinker_stage.encode(units, events)
     lat["encoder"] = time.perf_counter() - t
+    if engine.vision_stage is not None and any(u.frame is not None for u in units):
+        t = time.perf_counter()
+        with record_function(STAGE_RANGE + "vision"):
+            units = engine.vision_stage.run(units, events)
+        lat["vision"] = time.perf_counter() - t
     t = time.perf_counter()
     with record_function(STAGE_RANGE + "thinker"):
         units = engine.thinker_stage.run(units, embeds, events) if units else []
@@ -169,6 +185,29 @@ def run_units(engine: DuplexEngine, units: list[Unit], lat: dict[str, float]) ->
     for u in units:
         u.session.unit_index += 1
     return events
+
+
+def graph_captures_total(engine: DuplexEngine) -> int:
+    """Decode-graph keys first used (captures on CUDA) + Code2Wav graphs captured."""
+    decode = sum(g.stats.first_uses for g in (engine.thinker_graphs, engine.talker_graphs, engine.encoder_graphs)
+                 if g is not None)
+    return decode + engine.code2wav.graph_stats.captures + engine.code2wav.vocoder_graph_stats.captures
+
+
+def encode_reference_audio(engine: DuplexEngine, audio: torch.Tensor) -> EmbeddingResult:
+    """Whole-clip encode (touches no per-session streaming state); counted for metrics/tests."""
+    engine.reference_encodes += 1
+    with torch.no_grad():
+        emb = engine.models.audio_encoder.embed_audio(audio)
+    return EmbeddingResult(emb.to(engine.models.dtype), EncoderPath.WHOLE_CLIP)
+
+
+def install_faults(engine: DuplexEngine, faults: FaultInjector | None) -> None:
+    """Make chosen stages raise for chosen sessions (a test hook, runtime/isolation.py)."""
+    engine.faults = faults
+    for part in (engine.stage0, engine.thinker_stage, engine.talker_stage, engine.code2wav_stage, engine.vision_stage):
+        if part is not None:
+            part.faults = faults
 
 
 def apply_cancels(engine: DuplexEngine) -> list[EngineEvent]:

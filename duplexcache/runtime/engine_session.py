@@ -21,7 +21,7 @@ import itertools
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,6 +100,9 @@ class EngineSession:
     # audio does not depend on the server's random wire ids.
     seed_name: str = ""
     prefill_tick: int | None = None   # the tick that queued its context prefill
+    # Camera frames not taken by a unit yet, oldest first (runtime/stages/vision_stage.py;
+    # lock-guarded like ``audio``): each unit takes one.
+    frames: deque = field(default_factory=deque)
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,8 @@ class Unit:
     codes: torch.Tensor | None = None
     turn: UnitTurn = NO_REQUESTS     # turn requests this unit applies
     rows: torch.Tensor | None = None  # what the unit appended before its decision
+    frame: Any = None                 # the camera frame this unit carries (vision_stage.Frame)
+    frame_rows: torch.Tensor | None = None   # its <image> v1..v64 </image> rows (vision_stage)
 
 
 @dataclass
@@ -377,7 +382,25 @@ class SessionTable:
                 audio = np.concatenate(sess.audio)[drop:]
                 sess.audio = [audio] if audio.size else []
                 sess.buffered = int(audio.size)
+                while len(sess.frames) > 1:   # the frames of the dropped seconds go too: the newest stays
+                    sess.frames.popleft()
         return drop
+
+    def push_frame(self, sid: str, frame: Any, max_pending: int) -> None:
+        """Queue a decoded camera frame for ``sid``'s next unit without one (stages/vision_stage.py)."""
+        from duplexcache.runtime.stages.vision_stage import TooManyFrames, VisionUnavailable
+
+        with self.lock:
+            sess = self.live.get(sid)
+            if sess is None:
+                what = "queued" if sid in self.queue else "unknown"
+                raise ValueError(f"cannot push a frame to {what} session {sid!r}")
+            if not sess.config.video:
+                raise VisionUnavailable(f"session {sid!r} was not opened for video (session key 'video')")
+            if len(sess.frames) >= max_pending:
+                raise TooManyFrames(f"session {sid!r} already holds {len(sess.frames)} frames its audio has not "
+                                    f"reached; send at most one frame per second of audio")
+            sess.frames.append(frame)
 
     # ------------------------------------------------------------------ turn control (runtime/turns.py)
 

@@ -22,7 +22,7 @@ from duplexcache.runtime.stage0.runner import Stage0Runner
 
 logger = logging.getLogger(__name__)
 
-STAGES = ("encoder", "thinker", "talker", "code2wav", "tick")
+STAGES = ("encoder", "vision", "thinker", "talker", "code2wav", "tick")
 LATENCY_HISTORY = 4096
 
 
@@ -55,7 +55,8 @@ class EngineStatsRecorder:
             self.latency_history[stage].append(value)
         if lat["tick"] > period:
             self.late_ticks += 1
-            parts = {s: lat.get(s, 0.0) for s in STAGES if s != "tick"}
+            # (the vision stage only where it ran: audio-only deployments log as before)
+            parts = {s: lat.get(s, 0.0) for s in STAGES if s != "tick" and (s != "vision" or lat.get(s))}
             # "other": what the tick did outside the four stages (opening sessions in Stage 0,
             # cancels, prefill chunks run inside the tick, the stats themselves)
             breakdown = ", ".join(f"{s} {v * 1e3:.0f}" for s, v in parts.items())

@@ -33,7 +33,7 @@ from typing import Generic, TypeVar
 logger = logging.getLogger(__name__)
 
 # Stages a fault can be injected into (the engine's names; "open" is the context build + prefill).
-FAULT_STAGES = ("open", "encoder", "thinker", "talker", "code2wav")
+FAULT_STAGES = ("open", "encoder", "vision", "thinker", "talker", "code2wav")
 # Where in a stage: before the batch (a per-session check) or inside the batched call.
 FAULT_POINTS = ("precheck", "batched")
 

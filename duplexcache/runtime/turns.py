@@ -168,15 +168,17 @@ def user_text_ids(tokenizer: Tokenizer, text: str) -> list[int]:
             + tokenizer.encode("\n") + [start] + tokenizer.encode("assistant\n"))
 
 
-def text_room(window_high: int | None, num_tokens: int, max_positions: int, block_size: int) -> int:
+def text_room(window_high: int | None, num_tokens: int, max_positions: int, block_size: int,
+              unit_bound: int = UNIT_TOKENS_BOUND) -> int:
     """Most user-text tokens the session's next unit can take without ending the session.
 
     Window on: compaction keeps the anchor's last partial block and the session's partial last
     block (< 2 blocks) and must fit the incoming rows plus the unit's decoded tokens under the
-    high mark. Window off (``window_high`` None): the model's positions, from ``num_tokens``."""
+    high mark. Window off (``window_high`` None): the model's positions, from ``num_tokens``.
+    ``unit_bound``: the unit's tokens besides text (a video session's adds its frame's)."""
     if window_high is not None:
-        return window_high - UNIT_TOKENS_BOUND - 2 * (block_size - 1)
-    return max_positions - num_tokens - UNIT_TOKENS_BOUND
+        return window_high - unit_bound - 2 * (block_size - 1)
+    return max_positions - num_tokens - unit_bound
 
 
 def note_unit(state: TurnState, rows: torch.Tensor, decision: int, tokens: list[int],

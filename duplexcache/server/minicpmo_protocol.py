@@ -10,7 +10,8 @@ Client events (JSON text frames):
   max_kv_tokens, tts_enabled, vision_hd}, voice: {ref_audio_base64, tts_ref_audio_base64},
   max_slice_nums}}``, sent once, after the server's ``session.queue_done``;
 * ``input.append`` ``{input: {audio, force_listen, video_frames}}``: ``audio`` is 16 kHz mono
-  little-endian float32, base64;
+  little-endian float32, base64; ``video_frames`` (``mode=video`` only) a list of base64 JPEG
+  frames, the SDK's ``send_audio_video(pcm, jpeg)`` one per second of audio;
 * ``session.close`` ``{reason}``.
 
 This module parses and checks those frames (no sockets, no engine) and builds the server events;
@@ -77,10 +78,15 @@ class SessionInit:
     max_kv_tokens: int | None = None
 
 
+# Frames one input.append may carry (the SDK sends one with each second of audio).
+MAX_FRAMES_PER_APPEND = 4
+
+
 @dataclass(frozen=True)
 class InputAppend:
     audio: str                # base64 float32 16 kHz (decoded by the session's InputAudio)
     force_listen: bool = False
+    video_frames: tuple[bytes, ...] = ()   # image bytes, decoded by the engine (push_frame)
 
 
 def _bad(param: str, message: str, code: str = "invalid_value") -> ProtocolError:
@@ -159,17 +165,18 @@ def parse_session_init(ev: ClientEvent) -> SessionInit:
     problem = unicode_problem(system_prompt)
     if problem is not None:
         raise _bad("payload.system_prompt", problem)
-    if payload.get("max_slice_nums") is not None:
-        raise _bad("payload.max_slice_nums", "image slicing is for video sessions, which this server does not serve "
-                   "yet", code="unsupported_parameter")
+    slices = payload.get("max_slice_nums")
+    if slices is not None and slices != 1:
+        raise _bad("payload.max_slice_nums", f"camera frames are never sliced here (1, the duplex setting), got "
+                   f"{clip(repr(slices))}", code="unsupported_parameter")
     config = _object(payload.get("config") or {}, "payload.config")
     _unknown(config, _CONFIG_KEYS, "payload.config.")
     for name, why in _ENGINE_WIDE.items():
         if config.get(name) is not None:
             raise _bad(f"payload.config.{name}", f"not supported per session: {why}", code="unsupported_parameter")
-    if config.get("vision_hd") is not None:
-        raise _bad("payload.config.vision_hd", "vision settings are for video sessions, which this server does not "
-                   "serve yet", code="unsupported_parameter")
+    if config.get("vision_hd") is not None and _bool(config["vision_hd"], "payload.config.vision_hd"):
+        raise _bad("payload.config.vision_hd", "high-definition (sliced) frames are not served: each frame is one "
+                   "~448x448 image of 64 tokens", code="unsupported_parameter")
     tts_enabled = True if config.get("tts_enabled") is None else _bool(config["tts_enabled"],
                                                                         "payload.config.tts_enabled")
     max_kv = config.get("max_kv_tokens")
@@ -195,14 +202,33 @@ def parse_input_append(ev: ClientEvent) -> InputAppend:
     if body is None:
         raise _bad("input", "input.append needs 'input' ({audio, force_listen})", code="missing_required_parameter")
     _unknown(body, _INPUT_KEYS, "input.")
-    if body.get("video_frames"):
-        raise _bad("input.video_frames", "video input is not served yet (mode=audio only)",
-                   code="unsupported_parameter")
     audio = body.get("audio", "")
     if not isinstance(audio, str):
         raise _bad("input.audio", f"must be a base64 string, got {type(audio).__name__}")
     force = body.get("force_listen", False)
-    return InputAppend(audio, False if force is None else _bool(force, "input.force_listen"))
+    frames = _video_frames(body.get("video_frames"))
+    return InputAppend(audio, False if force is None else _bool(force, "input.force_listen"), frames)
+
+
+def _video_frames(value: Any) -> tuple[bytes, ...]:
+    """``input.video_frames``: base64 strings -> bytes (the images are checked by the engine)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise _bad("input.video_frames", f"must be a list of base64 JPEG strings, got {type(value).__name__}")
+    if len(value) > MAX_FRAMES_PER_APPEND:
+        raise _bad("input.video_frames", f"at most {MAX_FRAMES_PER_APPEND} frames per input.append (one per second "
+                   f"of audio), got {len(value)}")
+    frames = []
+    for i, item in enumerate(value):
+        param = f"input.video_frames[{i}]"
+        if not isinstance(item, str) or not item:
+            raise _bad(param, f"must be a non-empty base64 JPEG string, got {clip(repr(type(item).__name__))}")
+        try:
+            frames.append(base64.b64decode(item, validate=True))
+        except (binascii.Error, ValueError):
+            raise _bad(param, "is not valid base64") from None
+    return tuple(frames)
 
 
 def close_reason(ev: ClientEvent) -> str:
@@ -231,6 +257,7 @@ class Usage:
     audio_tokens_per_second: int
     speech_tokens_per_second: int
     context_tokens: int = 0
+    vision_tokens: int = 0        # 64 per camera frame taken
     input_audio_seconds: float = 0.0
     output_text_tokens: int = 0
     output_audio_seconds: float = 0.0
@@ -238,11 +265,11 @@ class Usage:
     def to_wire(self) -> dict[str, Any]:
         audio_in = int(self.input_audio_seconds * self.audio_tokens_per_second)
         audio_out = int(round(self.output_audio_seconds * self.speech_tokens_per_second))
-        inp = self.context_tokens + audio_in
+        inp = self.context_tokens + audio_in + self.vision_tokens
         out = self.output_text_tokens + audio_out
         return {"input_tokens": inp, "output_tokens": out, "total_tokens": inp + out,
                 "input_tokens_details": {"text_tokens": self.context_tokens, "audio_tokens": audio_in,
-                                         "vision_tokens": 0},
+                                         "vision_tokens": self.vision_tokens},
                 "output_tokens_details": {"text_tokens": self.output_text_tokens, "audio_tokens": audio_out}}
 
 

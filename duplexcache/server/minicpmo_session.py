@@ -17,6 +17,9 @@ Life cycle on the wire:
   ``session.queue_done`` again when admitted;
 * ``session.created`` {session_id} once the engine session is live;
 * ``input.append``: float32 16 kHz audio; ``force_listen`` cuts the reply in progress;
+  ``video_frames`` (``mode=video``, a server with ``model.vision``): JPEG frames, each riding
+  with the session's next unit (server/frames.py; a bad frame is an ``error`` naming
+  ``input.video_frames[i]``, and the append's audio is still taken);
 * replies: ``response.output_text.delta`` / ``response.output_audio.delta`` (float32 24 kHz;
   none with ``tts_enabled: false``, which is the engine's ``audio_output`` off: no Talker or
   Code2Wav work for the session), then an empty ``response.output_text.delta`` with
@@ -36,6 +39,7 @@ from typing import Any
 
 from duplexcache.context.builder import ReferenceAudioError
 from duplexcache.runtime.engine_api import ResponseUsage
+from duplexcache.server import frames
 from duplexcache.server import minicpmo_protocol as mp
 from duplexcache.server import protocol as proto
 from duplexcache.server.audio_io import OUTPUT_RATE
@@ -51,6 +55,8 @@ logger = logging.getLogger(__name__)
 # tokens per second of output: what usage counts audio in.
 AUDIO_TOKENS_PER_SECOND = 10
 SPEECH_TOKENS_PER_SECOND = 25
+# The resampler's queries: the Thinker tokens of one camera frame (models/vision.py query_num).
+VISION_TOKENS_PER_FRAME = 64
 
 
 @dataclass
@@ -92,7 +98,7 @@ class MiniCPMoSession(RealtimeSession):
         super().__init__(server, conn, handshake, client, model)
         self.mode = mode
         # the dialect's input: float32 mono at 16 kHz, the engine's own rate
-        self.settings = SessionSettings(input_kind="f32", input_rate=16_000)
+        self.settings = SessionSettings(input_kind="f32", input_rate=16_000, video=mode == "video")
         self.queue_if_full = True        # the SDK waits in the queue; it never retries a refusal
         self.tracker = _Replies()        # type: ignore[assignment]  # what _cancel reads
         self.initialized = False
@@ -100,10 +106,15 @@ class MiniCPMoSession(RealtimeSession):
 
     # ---------------------------------------------------------------- sending
     def announce(self) -> None:
-        if self.mode not in (None, "audio"):
+        refusal = None
+        if self.mode not in (None, *mp.MODES):
+            refusal = f"mode={proto.clip(str(self.mode))!r} is not served (modes: {', '.join(mp.MODES)})"
+        elif self.mode == "video" and not frames.vision_served(self.server.config):
+            refusal = ("mode='video' needs a server with a vision model (model.vision is false); connect with "
+                       "mode=audio")
+        if refusal is not None:
             # after the accept, so the SDK's connect() raises with this code and message
-            self.error("unsupported_mode", f"mode={proto.clip(str(self.mode))!r} is not served: this server has no "
-                       "vision path yet; connect with mode=audio", param="mode")
+            self.error("unsupported_mode", refusal, param="mode")
             self.conn.close(proto.CLOSE_POLICY, "unsupported mode")
             return
         self.send(mp.event("session.queue_done"))
@@ -183,14 +194,35 @@ class MiniCPMoSession(RealtimeSession):
         if append.force_listen:
             # barge-in: the reply in progress stops at the next unit and its unsent audio is dropped
             await self._cancel(None, quiet=True)
-        if not append.audio:
-            return
-        try:
-            await self._append(proto.ClientEvent("input_audio_buffer.append", None, {"audio": append.audio}))
-        except proto.ProtocolError as exc:
-            if exc.code == "invalid_audio":
-                exc.param = "input.audio"
-            raise
+        # Frames first, so that each rides with the unit its audio completes; a refused frame is
+        # reported after the append's audio is taken (the call goes on without a gap in its audio).
+        refused = await self._frames(append.video_frames)
+        if append.audio:
+            try:
+                await self._append(proto.ClientEvent("input_audio_buffer.append", None, {"audio": append.audio}))
+            except proto.ProtocolError as exc:
+                if exc.code == "invalid_audio":
+                    exc.param = "input.audio"
+                raise
+        if refused is not None:
+            raise refused
+
+    async def _frames(self, images: tuple[bytes, ...]) -> proto.ProtocolError | None:
+        """Hand ``input.video_frames`` to the engine; the first refusal, to raise after the audio."""
+        if not images:
+            return None
+        if self.mode != "video":
+            return proto.ProtocolError("unsupported_parameter", "input.video_frames: this session is mode=audio; "
+                                       "connect with mode=video to send frames", param="input.video_frames")
+        if self.queued:
+            return None   # discarded while waiting for admission, as the audio is
+        for i, image in enumerate(images):
+            try:
+                await frames.push_frame(self.engine, self.sid, image, f"input.video_frames[{i}]")
+            except proto.ProtocolError as exc:
+                return exc
+            self.usage.vision_tokens += VISION_TOKENS_PER_FRAME
+        return None
 
     async def _close(self, ev: mp.ClientEvent) -> None:
         reason = mp.close_reason(ev)

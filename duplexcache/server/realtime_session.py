@@ -28,6 +28,7 @@ from duplexcache.runtime_config import PrivateConfigKeyError, SessionConfigError
 from duplexcache.context.builder import ReferenceAudioError
 from duplexcache.runtime.engine_api import (ADMISSION_MESSAGES, AdmissionError, ResponseUsage, ServerBehindError,
                                             UserTextTooLong)
+from duplexcache.server import frames
 from duplexcache.server import protocol as proto
 from duplexcache.server.audio_io import AudioError, InputAudio, OutputAudio
 from duplexcache.server.auth import Handshake
@@ -66,7 +67,9 @@ class RealtimeSession:
         self.id = proto.new_id("sess")    # the wire id; the engine's id is self.sid
         self.placement_key = ""           # the context key a cluster router placed it by
         conn.label = self.id
-        self.settings = SessionSettings()
+        # On a server with a vision model every session may send images (conversation.item.create
+        # input_image), so each opens as a video session: admission sizes it for a frame per unit.
+        self.settings = SessionSettings(video=frames.vision_served(server.config))
         self.openai_client = handshake.openai_client
         self.queue_if_full = False
         self.sid: str | None = None       # engine session (set by RealtimeServer.register only)
@@ -310,10 +313,19 @@ class RealtimeSession:
 
     async def _item_create(self, ev: proto.ClientEvent) -> None:
         item = proto.field(ev, "item", dict)
-        text = _user_text(item, ev.event_id)
+        text, images = _user_content(item, ev.event_id)
+        if images and not self.settings.video:
+            param = f"item.content[{images[0][0]}]"
+            raise proto.ProtocolError("vision_unavailable", f"{param}: image input needs a server with a vision model "
+                                      "(model.vision is false)", ev.event_id, param=param)
         if not await self._ensure_session(ev.event_id):
             return
-        if self.queued:
+        if images and self.queued:
+            raise proto.ProtocolError("session_queued", "item.content: images are taken once the session is admitted "
+                                      "(session.admitted)", ev.event_id, param="item.content")
+        for index, image in images:   # each rides with the session's next unit without a frame
+            await frames.push_frame(self.engine, self.sid, image, f"item.content[{index}]", ev.event_id)
+        if text and self.queued:
             # Held here until admission, so bounded here: what the engine takes in one message.
             pending = sum(len(t) for t in self.pending_texts)
             if pending + len(text) > MAX_USER_TEXT_CHARS:
@@ -321,11 +333,17 @@ class RealtimeSession:
                     "user_text_too_long", f"{len(text)} characters of user text with {pending} already waiting "
                     f"for admission: at most {MAX_USER_TEXT_CHARS} wait", ev.event_id, param="item.content")
             self.pending_texts.append(text)
-        else:
+        elif text:
             await self._add_user_text(text, ev.event_id)
+        self._item_added(item, text, len(images))
+
+    def _item_added(self, item: dict[str, Any], text: str, images: int) -> None:
+        """``conversation.item.added`` (+ ``.done``) for a user message; its images are echoed
+        without their bytes (``{type: input_image}``)."""
         item_id = item.get("id") if isinstance(item.get("id"), str) else proto.new_id("item")
+        content = [{"type": "input_image"}] * images + ([{"type": "input_text", "text": text}] if text else [])
         wire_item = {"id": proto.clip(item_id), "object": "realtime.item", "type": "message", "role": "user",
-                     "status": "completed", "content": [{"type": "input_text", "text": text}]}
+                     "status": "completed", "content": content}
         self.send(proto.event(wire_name("conversation.item.added", self.handshake.beta),
                               previous_item_id=self.tracker.last_item_id, item=wire_item))
         if not self.handshake.beta:
@@ -532,8 +550,9 @@ class RealtimeSession:
         self.emit(self.tracker.on_done(status, usage))
 
 
-def _user_text(item: dict[str, Any], eid: str | None) -> str:
-    """The text of a user message item (the only kind this server takes)."""
+def _user_content(item: dict[str, Any], eid: str | None) -> tuple[str, list[tuple[int, bytes]]]:
+    """The text and the images (content index, bytes) of a user message item (the only kind this
+    server takes); a message of images only has no text."""
     if item.get("type", "message") != "message" or item.get("role") != "user":
         raise proto.ProtocolError("unsupported_item", "conversation.item.create takes user messages only "
                                   "({type: message, role: user, content: [{type: input_text, text}]})", eid,
@@ -541,14 +560,22 @@ def _user_text(item: dict[str, Any], eid: str | None) -> str:
     content = item.get("content")
     if not isinstance(content, list) or not content:
         raise proto.ProtocolError("invalid_value", "item.content must be a non-empty list", eid, param="item.content")
-    parts = []
-    for part in content:
+    parts, images = [], []
+    for index, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            images.append((index, frames.image_from_data_url(part, f"item.content[{index}]", eid)))
+            continue
         if not isinstance(part, dict) or part.get("type") not in ("input_text", "text") \
                 or not isinstance(part.get("text"), str):
-            raise proto.ProtocolError("unsupported_content", "only input_text content parts are supported", eid,
-                                      param="item.content")
+            raise proto.ProtocolError("unsupported_content", "only input_text and input_image content parts are "
+                                      "supported", eid, param="item.content")
         parts.append(part["text"])
-    text = "".join(parts)
+    if images and not parts:
+        return "", images
+    return _checked_text("".join(parts), eid), images
+
+
+def _checked_text(text: str, eid: str | None) -> str:
     if not text or len(text) > MAX_USER_TEXT_CHARS:
         raise proto.ProtocolError("invalid_value", f"a user message needs 1 to {MAX_USER_TEXT_CHARS} characters",
                                   eid, param="item.content")

@@ -85,6 +85,7 @@ class SessionSettings:
     output_kind: str = "pcm16"           # pcm16 (24 kHz), pcmu or pcma (G.711 at 8 kHz)
     turn: TurnDetection = field(default_factory=TurnDetection)
     audio_output: bool = True            # False: text-only replies (modalities ["text"], tts_enabled false)
+    video: bool = False                  # the session may send camera frames / images (server/frames.py)
 
     def input_format(self, openai_defaults: bool) -> InputFormat:
         rate = self.input_rate or (OPENAI_RATE if openai_defaults else ENGINE_RATE)
@@ -101,6 +102,8 @@ class SessionSettings:
             out["window"] = dict(self.window)
         if not self.audio_output:
             out["audio_output"] = False   # the engine skips the Talker and Code2Wav for it
+        if self.video:
+            out["video"] = True
         return out
 
 

@@ -150,7 +150,7 @@ def test_gpu_bench_script_commands_parse():
         assert (scripts.parent / path).is_file(), path
     shell_vars = {"out": "/tmp/out", "port": "8000", "sessions": "4", "duration": "10", "REPLY_LATENCY_S": "3.5",
                   "name": "step", "kv": "auto", "arm": "on",
-                  "small": "--memory-budget 512MiB"}
+                  "small": "--memory-budget 512MiB", "counts": "8,16", "formats": ""}
 
     def expand(text: str) -> str:   # $VAR, ${VAR} and ${VAR:-default}
         return re.sub(r"\$\{(\w+)(?::-([^}]*))?\}|\$(\w+)",

@@ -96,7 +96,7 @@ def test_results_schema_and_every_session_got_its_reply(sweep):
         assert set(step["reply_latency_growth_s"]) == {"p50", "p95", "p99", "max", "n"}
         # the server's per-stage timers over the step's ticks (its stage histogram on /metrics)
         means = step["stage_ms_mean"]
-        assert set(means) == {"encoder", "thinker", "talker", "code2wav", "tick"} and means["tick"] > 0
+        assert set(means) == {"encoder", "vision", "thinker", "talker", "code2wav", "tick"} and means["tick"] > 0
         assert all(0 <= v <= means["tick"] for v in means.values())
         # two phases (the default): timed when a tick between unit ticks answered a turn early
         assert step["between_tick_ms_mean"] is None or step["between_tick_ms_mean"] > 0

@@ -306,6 +306,10 @@ class FakeEngine:
     def voice_names(self) -> list[str] | None:
         return None if self.voices is None else sorted(self.voices.names())
 
+    def push_frame(self, sid: str, image: bytes) -> None:
+        from duplexcache.runtime.stages.vision_stage import VisionUnavailable
+        raise VisionUnavailable("camera frames need a server with a vision model (model.vision is false)")
+
     def add_reference_voice(self, ref_audio: Any) -> str:
         from duplexcache.context import ReferenceAudioError
         error = ReferenceAudioError("this engine takes no reference voices")

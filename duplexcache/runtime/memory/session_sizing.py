@@ -158,6 +158,15 @@ class SessionSizing:
         self.talker_turn_tokens = reserved_turn_tokens(deploy, models.talker.config)
         # Reference-audio embedding counts per voice: the only model run sizing needs, once.
         self.ref_embeddings = {v: self.count_ref_embeddings(self.voices.get(v)) for v in self.voices.names()}
+        # model.vision: a video session's unit carries a frame (runtime/stages/vision_stage.py); shapes only
+        self.vision = None
+        self.frame_tokens = 0
+        if deploy.model.vision:
+            from duplexcache.runtime.stages.vision_stage import frame_tokens, vision_config
+
+            self.vision = vision_config(deploy.model.preset, models.thinker.config.hidden_size,
+                                        deploy.model.checkpoint_dir)
+            self.frame_tokens = frame_tokens(self.vision)
 
     def count_ref_embeddings(self, voice: Voice) -> int:
         with torch.no_grad():
@@ -201,6 +210,7 @@ class SessionSizing:
             raise AdmissionError(
                 f"context_length_exceeded: context of {ctx.total} tokens + window high {window.high_tokens} "
                 f"exceeds the model's {max_pos} positions", code="context_length_exceeded")
+        frame_bytes = self._video_check(cfg, window) if cfg.video else 0
         share = self.deploy.stage0.shared_anchor_blocks
         # The runner's own formula (Stage0Runner.worst_case), with this session's marks.
         wc = session_worst_case(ctx.total, window, max_pos, self.block_size, share)
@@ -212,15 +222,32 @@ class SessionSizing:
         steady = code2wav_session_bytes(cfm, voice.prompt_frames, sharing, "steady", elem)
         encoder = self.models.audio_encoder.cfg.kv_bytes_per_session(
             self.models.dtype, kv_storage_dtype(self.deploy.precision.encoder_cache_dtype))
-        dynamic = max(setup.private, steady.private) + encoder
+        dynamic = max(setup.private, steady.private) + encoder + frame_bytes
         if not cfg.audio_output:
             # Text-only replies: its units never reach the Talker or Code2Wav (engine._run_units),
             # so it reserves no Talker turn and no Code2Wav stream caches, only its encoder cache.
-            talker_blocks, dynamic = 0, encoder
+            talker_blocks, dynamic = 0, encoder + frame_bytes
         # What a stream shares (setup.shared / steady.shared) is the voice's prompt state, which
         # plan() already counts as fixed: a session reserves nothing for it.
         return Footprint(wc.private_blocks, wc.shared_blocks, ctx.extra_key if share else None, talker_blocks,
                          dynamic, voice.name, 0)
+
+    def _video_check(self, cfg: SessionRuntimeConfig, window: WindowConfig) -> int:
+        """A video session's extra worst case: its units are ``frame_tokens`` longer, so its
+        window must hold one (else its first compaction would end it); its frame's activations in
+        the tick's batched vision call are reserved in the dynamic region. Returns those bytes."""
+        from duplexcache.runtime.turns import UNIT_TOKENS_BOUND
+        from duplexcache.runtime.stages.vision_stage import frame_activation_bytes
+
+        assert self.vision is not None, "config.py refuses video sessions without model.vision"
+        unit = UNIT_TOKENS_BOUND + self.frame_tokens
+        need = unit + 2 * (self.block_size - 1)   # turns.text_room's slack: two partial blocks
+        if window.enabled and window.high_tokens < need:
+            raise AdmissionError(
+                f"context_length_exceeded: a video unit is up to {unit} tokens ({self.frame_tokens} of them the "
+                f"frame's); the session's window high mark {window.high_tokens} must be at least {need}",
+                code="context_length_exceeded")
+        return frame_activation_bytes(self.vision, self.models.dtype)
 
     # ------------------------------------------------------------------ the memory plan
 

@@ -329,7 +329,8 @@ class Scheduler:
                 sess.audio = [rest] if rest.size else []
                 sess.buffered = sess.left_after_take = rest.size
                 sess.audio_started = True
-                units.append(Unit(sess, audio[:need], ahead=rest, turn=turns.take_unit_requests(sess.turn)))
+                units.append(Unit(sess, audio[:need], ahead=rest, turn=turns.take_unit_requests(sess.turn),
+                                  frame=sess.frames.popleft() if sess.frames else None))
             # after the whole units: an early close joins this tick only while the tick has room
             for sess, need in short:
                 if self.early_close.room(len(units)):
@@ -358,4 +359,5 @@ class Scheduler:
             sess.realign = True
         self.early_closes += 1
         pcm = np.concatenate([heard, np.zeros(silence, np.float32)])
-        return Unit(sess, pcm, ahead=rest, turn=turns.take_unit_requests(sess.turn))
+        return Unit(sess, pcm, ahead=rest, turn=turns.take_unit_requests(sess.turn),
+                    frame=sess.frames.popleft() if sess.frames else None)

@@ -57,6 +57,7 @@ class ThinkerStage:
         self.table = table
         self.end = end
         self.faults: FaultInjector | None = None
+        self.frame_tokens = 0   # Thinker rows a frame adds to a video session's unit (set with model.vision)
 
     # ------------------------------------------------------------------ opening sessions
 
@@ -142,7 +143,9 @@ class ThinkerStage:
             text = self._user_text_for(u, events)
             ids = ([c.unit_end] if u.session.unit_index > 0 else []) + text + [c.unit]
             tok = self.embed(torch.tensor(ids, dtype=torch.long))
-            u.rows = inputs[u.session.sid] = torch.cat([tok, emb.to(tok.dtype)], dim=0)
+            # a camera frame sits between <unit> and the audio (runtime/stages/vision_stage.py)
+            frame = [] if u.frame_rows is None else [u.frame_rows.to(tok.dtype)]
+            u.rows = inputs[u.session.sid] = torch.cat([tok, *frame, emb.to(tok.dtype)], dim=0)
         by_sid = {u.session.sid: u for u in units}
         result = self.stage0.append(inputs, unit_start=True)
         self._drop_failed(by_sid, result.errors, events)
@@ -225,7 +228,8 @@ class ThinkerStage:
         except ValueError:   # not in Stage 0 (yet, or any more)
             have = 0
         return turns.text_room(window.high_tokens if window.enabled else None, have,
-                               self.stage0.max_positions, self.stage0.block_size)
+                               self.stage0.max_positions, self.stage0.block_size,
+                               turns.UNIT_TOKENS_BOUND + (self.frame_tokens if sess.config.video else 0))
 
     def _user_text_for(self, u: Unit, events: list[EngineEvent]) -> list[int]:
         """The unit's user text ids, checked again on the tick thread (the session moved on since

@@ -134,6 +134,6 @@ def test_unregistered_voice_leaves_a_gap_the_next_voice_reuses():
     bank = stage.arena.bank
     assert (bank.offset("b"), bank.offset("a"), bank.version) == (1, 25, 0)
     stage.unregister_voice("b")
-    stage.register_voice("a2", *VOICES["a"])                # 20 frames fit the 24-frame gap
+    stage.register_voice("a2", *VOICES["a"], share_equal=False)   # 20 frames fit the 24-frame gap
     assert (bank.offset("a2"), bank.version) == (1, 0)
     assert torch.equal(bank.view("a2"), bank.view("a"))

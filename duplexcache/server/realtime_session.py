@@ -32,6 +32,7 @@ from duplexcache.server import frames
 from duplexcache.server import protocol as proto
 from duplexcache.server.audio_io import AudioError, InputAudio, OutputAudio
 from duplexcache.server.auth import Handshake
+from duplexcache.server.client_items import MAX_USER_TEXT_CHARS, response_metadata, user_content
 from duplexcache.server.connection import Connection
 from duplexcache.server.session_config import ECHOED_TEXTS, SessionSettings, apply_update, to_wire
 from duplexcache.server.session_host import SessionHost
@@ -42,7 +43,6 @@ logger = logging.getLogger(__name__)
 # Admission codes that the session's settings alone decide (remembered until they change); any
 # other code is asked again on the next append, as capacity is.
 _SETTINGS_REFUSALS = frozenset({"context_length_exceeded"})
-MAX_USER_TEXT_CHARS = 8192
 # Longest audio one append may carry: what the engine buffers per session (engine_session's
 # MAX_BUFFERED_SECONDS); a longer chunk could only be refused after decoding it.
 MAX_CHUNK_SECONDS = 10
@@ -267,7 +267,7 @@ class RealtimeSession:
         if self.tracker.current is not None or self.response_requested:
             raise proto.ProtocolError("conversation_already_has_active_response",
                                       "a response is already in progress; cancel it first", ev.event_id)
-        metadata = _response_metadata(ev)
+        metadata = response_metadata(ev)
         if await self._ensure_session(ev.event_id):
             self.tracker.next_metadata = metadata
             await self._request_response()
@@ -313,7 +313,7 @@ class RealtimeSession:
 
     async def _item_create(self, ev: proto.ClientEvent) -> None:
         item = proto.field(ev, "item", dict)
-        text, images = _user_content(item, ev.event_id)
+        text, images = user_content(item, ev.event_id)
         if images and not self.settings.video:
             param = f"item.content[{images[0][0]}]"
             raise proto.ProtocolError("vision_unavailable", f"{param}: image input needs a server with a vision model "
@@ -548,58 +548,3 @@ class RealtimeSession:
                 if tail:
                     self.emit(self.tracker.on_audio(tail))
         self.emit(self.tracker.on_done(status, usage))
-
-
-def _user_content(item: dict[str, Any], eid: str | None) -> tuple[str, list[tuple[int, bytes]]]:
-    """The text and the images (content index, bytes) of a user message item (the only kind this
-    server takes); a message of images only has no text."""
-    if item.get("type", "message") != "message" or item.get("role") != "user":
-        raise proto.ProtocolError("unsupported_item", "conversation.item.create takes user messages only "
-                                  "({type: message, role: user, content: [{type: input_text, text}]})", eid,
-                                  param="item")
-    content = item.get("content")
-    if not isinstance(content, list) or not content:
-        raise proto.ProtocolError("invalid_value", "item.content must be a non-empty list", eid, param="item.content")
-    parts, images = [], []
-    for index, part in enumerate(content):
-        if isinstance(part, dict) and part.get("type") == "input_image":
-            images.append((index, frames.image_from_data_url(part, f"item.content[{index}]", eid)))
-            continue
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "text") \
-                or not isinstance(part.get("text"), str):
-            raise proto.ProtocolError("unsupported_content", "only input_text and input_image content parts are "
-                                      "supported", eid, param="item.content")
-        parts.append(part["text"])
-    if images and not parts:
-        return "", images
-    return _checked_text("".join(parts), eid), images
-
-
-def _checked_text(text: str, eid: str | None) -> str:
-    if not text or len(text) > MAX_USER_TEXT_CHARS:
-        raise proto.ProtocolError("invalid_value", f"a user message needs 1 to {MAX_USER_TEXT_CHARS} characters",
-                                  eid, param="item.content")
-    problem = proto.unicode_problem(text)
-    if problem is not None:
-        raise proto.ProtocolError("invalid_value", f"the text is {problem}", eid, param="item.content")
-    return text
-
-
-def _response_metadata(ev: proto.ClientEvent) -> dict[str, str] | None:
-    """``response.create``'s ``response.metadata`` (OpenAI: at most 16 string pairs, keys up to
-    64 and values up to 512 characters), or None; anything else is a client error."""
-    response = ev.data.get("response")
-    if response is None:
-        return None
-    if not isinstance(response, dict):
-        raise proto.ProtocolError("invalid_value", "response must be an object", ev.event_id, param="response")
-    metadata = response.get("metadata")
-    if metadata is None:
-        return None
-    if (not isinstance(metadata, dict) or len(metadata) > 16
-            or not all(isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
-                       for k, v in metadata.items())):
-        raise proto.ProtocolError("invalid_value", "response.metadata must map at most 16 string keys "
-                                  "(<= 64 characters) to string values (<= 512 characters)", ev.event_id,
-                                  param="response.metadata")
-    return dict(metadata)

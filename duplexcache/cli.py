@@ -25,7 +25,7 @@ VERIFY_TARGETS = {
 
 # top-level command -> module exposing ``add_arguments(parser)`` and ``run(args) -> int``.
 COMMANDS = {
-    "demo": ("duplexcache.runtime.demo", "run many tiny sessions on CPU and print what they shared"),
+    "demo": ("duplexcache.demo", "run many tiny sessions on CPU and print what they shared"),
     "serve": ("duplexcache.server.cli", "serve the realtime WebSocket API"),
     "bench": ("duplexcache.bench.cli", "run a benchmark: " + ", ".join(BENCHMARKS)),
 }

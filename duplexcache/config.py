@@ -1,15 +1,11 @@
-"""Deploy configuration (one YAML file) and the per-session runtime config derived from it.
+"""Deploy configuration (one YAML file), one pydantic model per section.
 
 Flow: ``configs/<preset>.yaml`` -> :class:`DeployConfig` (validated, unknown keys are errors)
--> :func:`build_runtime_config` (the server-side plugin) merges what a client may set in
-``session.update`` with the server-owned switches -> :class:`SessionRuntimeConfig`.
+-> ``runtime_config.build_runtime_config`` (the server-side plugin) merges what a client may set
+in ``session.update`` with the server-owned switches -> ``SessionRuntimeConfig``.
 
-Server-owned keys (:data:`PRIVATE_RUNTIME_CONFIG_KEYS`) are never taken from a client: a client
-dict that names one raises :class:`PrivateConfigKeyError`, which the server turns into an
-``error`` event.
-
-Environment overrides are applied in exactly one place (:func:`apply_env_overrides`), before
-validation, so validators see the final values: ``DUPLEXCACHE_CFM_GRAPH_GRID`` (the spec's) and
+Environment overrides are applied in exactly one place (``config_loading.apply_env_overrides``),
+before validation, so validators see the final values: ``DUPLEXCACHE_CFM_GRAPH_GRID`` (the spec's) and
 ``DUPLEXCACHE_API_KEY`` (``server.api_key``, so the key need not be written into a file).
 
 This module needs only pydantic, pyyaml and the standard library.
@@ -18,11 +14,9 @@ This module needs only pydantic, pyyaml and the standard library.
 from __future__ import annotations
 
 import copy
-import difflib
 import ipaddress
 import logging
 import os
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping
@@ -30,40 +24,23 @@ from typing import Annotated, Any, Literal, Mapping
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
-# Re-exported: the value parsers are part of this module's public surface.
+# Re-exported: the value parsers and the loading helpers are part of this module's public surface.
+from duplexcache.config_loading import (  # noqa: F401
+    API_KEY_ENV, RETIRED_KEYS, ConfigError, apply_env_overrides, describe_validation_error, drop_retired_keys, move_keys,
+)
 from duplexcache.config_values import (  # noqa: F401
     AUTO, GRAPH_GRID_ENV, format_bytes, parse_budget, parse_bytes, parse_graph_grid,
 )
 
 logger = logging.getLogger(__name__)
 
-API_KEY_ENV = "DUPLEXCACHE_API_KEY"
 PRESETS = ("tiny", "minicpmo45")
-
-
-class ConfigError(ValueError):
-    """A deploy config that cannot be used; the message names every offending key by path."""
 
 
 class BudgetError(ValueError):
     """``engine.memory_budget`` that cannot work on this machine, found when the engine starts: too
     small for one session, more than the device has free, or ``auto`` finding too little free. The
     CLI reports it in one line (exit 2), as it does a ConfigError."""
-
-
-class PrivateConfigKeyError(ValueError):
-    """A client tried to set a server-owned runtime key (see PRIVATE_RUNTIME_CONFIG_KEYS)."""
-
-    def __init__(self, key: str):
-        self.key = key
-        super().__init__(
-            f"session key {key!r} is server-owned and cannot be set by a client "
-            "(it is configured in the deploy YAML)"
-        )
-
-
-class SessionConfigError(ValueError):
-    """A client session dict with an unknown key or a bad value (not a private key)."""
 
 
 ByteSize = Annotated[int, BeforeValidator(parse_bytes)]
@@ -143,7 +120,8 @@ class Code2WavConfig(_Strict):
     # Graph tiers (batch sizes captured as graphs). Overridden by DUPLEXCACHE_CFM_GRAPH_GRID.
     graph_grid: tuple[int, ...] | None = None
     # CUDA: the vocoder (HiFT) replays CUDA graphs of the engine's chunk shapes, like the
-    # estimator's solves: ~100 ms shorter ticks at 32-40 sessions (docs/benchmarks.md). Two captures
+    # estimator's solves: ~100 ms shorter ticks at 32-40 sessions (docs/results/HISTORY.md,
+    # "The vocoder as CUDA graphs"). Two captures
     # give the same PCM once cuDNN is limited to deterministic algorithms without TF32 (as the engine
     # pins it); False is the eager A/B reference.
     vocoder_cuda_graphs: bool = True
@@ -215,8 +193,8 @@ class SpeakPolicy(_Strict):
     ``ReplyPolicy``): a 10 ms frame whose RMS exceeds ``speech_rms`` is user speech; the first
     unit in which ``end_quiet_ms`` of quiet has followed the user's last speech starts a reply of
     ``reply_min_units``..``reply_max_units`` units (a deterministic function of session id and
-    turn index, ``policy.reply_units``); with ``end_quiet_lookahead`` that quiet may go on into
-    the audio the server already holds after the unit."""
+    turn index, ``policy.reply_units``); that quiet may go on into the audio the server already
+    holds after the unit."""
 
     mode: Literal["model", "every_k_units", "reply"] = "every_k_units"
     k: int = Field(2, gt=0)
@@ -225,8 +203,6 @@ class SpeakPolicy(_Strict):
     reply_min_units: int = Field(2, gt=0)
     reply_max_units: int = Field(8, gt=0)
     end_quiet_ms: int = Field(200, ge=10, le=10_000)
-    # reply: the quiet also counts into the audio already received after the unit (see ReplyPolicy)
-    end_quiet_lookahead: bool = True
 
     @model_validator(mode="after")
     def _reply_range(self) -> "SpeakPolicy":
@@ -240,7 +216,7 @@ class EngineConfig(_Strict):
     """Admission and ticking."""
 
     # "auto": memory_fraction of the device memory still free after the weights and the fixed
-    # allocations (runtime/memory_budget.py; on CPU a fixed 512 MiB, capped by available RAM), or a
+    # allocations (runtime/memory/memory_budget.py; on CPU a fixed 512 MiB, capped by available RAM), or a
     # byte size, refused at start-up when it exceeds what is free.
     memory_budget: BudgetSize = AUTO
     # Share of the free device memory an "auto" budget takes; the rest stays for the CUDA
@@ -252,7 +228,7 @@ class EngineConfig(_Strict):
     activation_reserve: ByteSize = parse_bytes("64MiB")
     tick_seconds: float = Field(1.0, gt=0)
     # Admission by time: admit while the measured per-session cost predicts a tick under
-    # tick_seconds x tick_headroom (runtime/admission.py TickCostModel).
+    # tick_seconds x tick_headroom (runtime/memory/admission.py TickCostModel).
     tick_headroom: float = Field(0.8, gt=0)
     # Context prefill runs in chunks of at most this many tokens per tick (all opening
     # sessions together), so a long context never stalls the other sessions' tick.
@@ -266,13 +242,15 @@ class EngineConfig(_Strict):
     # tokens fit a batch bucket (kv/decode_graphs.py run_ragged), instead of ~900 eager
     # launches each. Off: those steps launch eagerly (A/B reference). Measured (H200): the Thinker
     # stage 111.5 -> 43.9 ms at one session; over the wire (H100, 19 callers) 0 late ticks
-    # instead of 32 together with encoder_cuda_graphs (docs/benchmarks.md). CUDA only.
+    # instead of 32 together with encoder_cuda_graphs (docs/results/HISTORY.md, "The graph switches on
+    # the H200"). CUDA only.
     ragged_step_graphs: bool = True
     # CUDA devices: the streaming audio encoder's layers replay as piecewise CUDA graphs, with
     # each layer's cache store and gather as the eager piece between them (models/
     # audio_encoder_graphs.py): 25 replays and 48 multi-tensor copies per tick at minicpmo45
     # shapes instead of ~650 launches. Off: the eager layers (A/B reference). Measured (H200): the
-    # encoder stage 50.7 -> 4.5 ms at one session (docs/benchmarks.md). CUDA only.
+    # encoder stage 50.7 -> 4.5 ms at one session (docs/results/HISTORY.md, "The graph switches on the
+    # H200"). CUDA only.
     encoder_cuda_graphs: bool = True
     # A session's text and audio bits do not depend on which other sessions share its ticks:
     # every GEMM and conv runs in fixed-shape row tiles and the paged decode kernel splits a
@@ -288,7 +266,7 @@ class EngineConfig(_Strict):
     # live session (as a count: blocks are taken as tokens arrive), so it bounds the pool. A
     # unit that would pass it closes the audio turn and starts a new one with an empty Talker KV
     # while the Thinker's turn goes on (the path taken at the model's limit), so replies shorter
-    # than the cap are bit-identical; at least one unit's worst case (runtime/talker_stage.py).
+    # than the cap are bit-identical; at least one unit's worst case (runtime/stages/talker_stage.py).
     talker_turn_tokens: int | None = Field(None, gt=0)
     # Voices made from clients' reference recordings (runtime/reference_voices.py) held at once:
     # each costs a Code2Wav prompt state and a prompt pass when first seen; sessions sending the
@@ -298,7 +276,7 @@ class EngineConfig(_Strict):
     # the policy bounds it (every_k_units with turn_units < k: turn_units units; reply:
     # reply_max_units units; model: no bound, the whole talker_turn_tokens). The Talker stage caps
     # the turn at the same number, so a turn can never outgrow its reservation
-    # (runtime/session_sizing.py reserved_turn_tokens, docs/engine.md "Talker turns").
+    # (runtime/memory/session_sizing.py reserved_turn_tokens, docs/engine.md "Talker turns").
     talker_turn_from_policy: bool = True
     # Size the activation reserve from the device memory the warm-up measured (its peak above the
     # pools, graph pools included) plus activation_margin, and an auto budget from what is free
@@ -369,49 +347,6 @@ class ServerConfig(_Strict):
     # Longest session context (instructions + reference audio + initial text, in tokens) that
     # open_session accepts; longer ones are refused with context_length_exceeded.
     max_context_tokens: int = Field(8192, gt=0)
-    # Python's thread switch interval while the server runs (sys.setswitchinterval), in ms. The
-    # tick thread drops the GIL at every device sync; the event loop (WebSocket frames, audio
-    # decoding) then holds it for up to one interval before the tick thread may go on, so a busy
-    # server stretches every tick by (syncs per tick) x (interval). None = Python's default, 5 ms.
-    switch_interval_ms: float | None = Field(None, gt=0, le=100)
-    # Each tick takes one unit per session, so a tick that runs over its period leaves every
-    # session that much further behind, for good: the next on-time ticks take one unit per
-    # second again. With catch-up, a session holding a whole unit more than the next tick
-    # takes gets one extra tick before the next deadline (at most one per period).
-    catch_up_ticks: bool = True
-    # Prefill chunks of opening sessions run in the time left before the next tick, when their
-    # measured time fits (runtime/pacing.py), instead of inside the tick of every live session;
-    # a tick with no chunk run before it still runs one itself.
-    prefill_between_ticks: bool = True
-    # Cut each session's units so that they end a fixed lead (its largest audio chunk plus
-    # unit_align_margin_ms) before a tick, by starting its first unit with silence; off, units
-    # are cut from the stream's first sample and wait a random part of a period for their tick,
-    # which every reply waits too (runtime/engine_session.py UnitAlignment).
-    align_units_to_ticks: bool = True
-    unit_align_margin_ms: float = Field(50.0, ge=0, le=1000)
-    # Ticks per unit (engine.tick_seconds): with 2, the server ticks every half unit and each
-    # tick takes the units that are complete, so the sessions' units fall on two phases of the
-    # grid; a session whose caller's turn has ended (the speak policy's would_answer) gets its
-    # unit closed with silence at the next tick instead of waiting for the rest of it, and stays
-    # on that phase (runtime/engine_session.py EarlyClose). 1: one tick per unit. 2 is the default
-    # since the graph switches made a tick between cheap: 32 callers on an H100 answered at p99
-    # 1.16-1.35 s against 1.72 s with one phase (docs/benchmarks.md, "Two phases by default").
-    tick_phases: Literal[1, 2, 4] = 2
-    # Where sessions' units sit with tick_phases > 1. "spread": on whichever phase they fell (a
-    # session closed early stays on its new phase), so every tick runs part of the sessions and the
-    # fixed part of a tick (decode steps bound by launches and weight reads on a GPU) is paid
-    # tick_phases times per unit. "home": every session's units stay on the unit tick (the grid's
-    # first phase); the ticks between take only early closes, and only while the measured cost
-    # leaves time before the next unit tick; a session closed early is aligned to the unit tick
-    # again with silence (one unit of it per early close; docs/engine.md, "Units on the unit tick").
-    # "home" needs align_units_to_ticks. Home is the default: on the CPU it answered sooner, with
-    # more early closes and fewer late ticks, than spread (docs/benchmarks.md, "Units on the unit tick").
-    phase_units: Literal["spread", "home"] = "home"
-    # A session whose client sends nothing (push-to-talk between turns; a manual-turn client that
-    # commits, asks for a reply and waits) would get no more units, so no reply. Once it has sent
-    # nothing for this long beyond its largest chunk, its units are completed with silence until it
-    # sends again (runtime/engine_session.py SilenceFill). None: wait for the client's audio.
-    fill_silence_after_ms: float | None = Field(500.0, ge=0, le=60_000)
     # torch's CPU threads while the server runs. "auto": with the model on the CPU, one fewer than
     # the CPUs this process may use (at least 1), so the event loop keeps a core (on 2 cores, two
     # compute threads and the event loop oversubscribe them, and every parallel region waits for a
@@ -441,14 +376,62 @@ class ServerConfig(_Strict):
                                      "('*' trusts every peer)") from None
         return self
 
+
+class SchedulerConfig(_Strict):
+    """Pacing: which sessions run in which tick, and when (runtime/scheduler/core.py, docs/engine.md
+    "Pacing"). The server keeps the clock with these; the engine's scheduler is set from them.
+    Until 2026-12-07 these keys lived under ``server``; that spelling is still read, with a
+    deprecation warning (``DeployConfig._moved_scheduler_keys``)."""
+
+    # Each tick takes one unit per session, so a tick that runs over its period leaves every
+    # session that much further behind, for good: the next on-time ticks take one unit per
+    # second again. With catch-up, a session holding a whole unit more than the next tick
+    # takes gets one extra tick before the next deadline (at most one per period).
+    catch_up_ticks: bool = True
+    # Prefill chunks of opening sessions run in the time left before the next tick, when their
+    # measured time fits (runtime/scheduler/pacing.py), instead of inside the tick of every live session;
+    # a tick with no chunk run before it still runs one itself.
+    prefill_between_ticks: bool = True
+    # Cut each session's units so that they end a fixed lead (its largest audio chunk plus
+    # unit_align_margin_ms) before a tick, by starting its first unit with silence; off, units
+    # are cut from the stream's first sample and wait a random part of a period for their tick,
+    # which every reply waits too (runtime/engine_session.py UnitAlignment).
+    align_units_to_ticks: bool = True
+    unit_align_margin_ms: float = Field(50.0, ge=0, le=1000)
+    # Ticks per unit (engine.tick_seconds): with 2, the server ticks every half unit and each
+    # tick takes the units that are complete, so the sessions' units fall on two phases of the
+    # grid; a session whose caller's turn has ended (the speak policy's would_answer) gets its
+    # unit closed with silence at the next tick instead of waiting for the rest of it, and stays
+    # on that phase (runtime/engine_session.py EarlyClose). 1: one tick per unit. 2 is the default
+    # since the graph switches made a tick between cheap: 32 callers on an H100 answered at p99
+    # 1.16-1.35 s against 1.72 s with one phase (docs/benchmarks.md, "Two phases by default").
+    tick_phases: Literal[1, 2, 4] = 2
+    # Where sessions' units sit with tick_phases > 1. "spread": on whichever phase they fell (a
+    # session closed early stays on its new phase), so every tick runs part of the sessions and the
+    # fixed part of a tick (decode steps bound by launches and weight reads on a GPU) is paid
+    # tick_phases times per unit. "home": every session's units stay on the unit tick (the grid's
+    # first phase); the ticks between take only early closes, and only while the measured cost
+    # leaves time before the next unit tick; a session closed early is aligned to the unit tick
+    # again with silence (one unit of it per early close; docs/engine.md, "Units on the unit tick").
+    # "home" needs align_units_to_ticks. Home is the default: on the CPU it answered sooner, with
+    # more early closes and fewer late ticks, than spread (docs/results/HISTORY.md, "Units on the unit tick").
+    phase_units: Literal["spread", "home"] = "home"
+    # A session whose client sends nothing (push-to-talk between turns; a manual-turn client that
+    # commits, asks for a reply and waits) would get no more units, so no reply. Once it has sent
+    # nothing for this long beyond its largest chunk, its units are completed with silence until it
+    # sends again (runtime/engine_session.py SilenceFill). None: wait for the client's audio.
+    fill_silence_after_ms: float | None = Field(500.0, ge=0, le=60_000)
+
     @model_validator(mode="after")
-    def _home_phase_needs_alignment(self) -> "ServerConfig":
+    def _home_phase_needs_alignment(self) -> "SchedulerConfig":
         if self.tick_phases > 1 and self.phase_units == "home" and not self.align_units_to_ticks:
-            raise ValueError("server.phase_units 'home' keeps units on the unit tick by aligning them: it needs "
-                             "server.align_units_to_ticks (or phase_units 'spread', or tick_phases 1)")
+            raise ValueError("scheduler.phase_units 'home' keeps units on the unit tick by aligning them: it needs "
+                             "scheduler.align_units_to_ticks (or phase_units 'spread', or tick_phases 1)")
         return self
 
 
+# The scheduler's keys, read from ``server`` too until the release after 2026-12-07.
+SCHEDULER_KEYS = tuple(SchedulerConfig.model_fields)
 class ClusterConfig(_Strict):
     """Replicas on Ray Serve (``duplexcache serve --replicas N``, cluster/); ignored by one-engine serve."""
 
@@ -484,7 +467,17 @@ class DeployConfig(_Strict):
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_spellings(cls, data: Any) -> Any:
+        """Retired keys dropped and ``server.<key>`` of a scheduler key read as ``scheduler.<key>``
+        (moved 2026-12-07), each with a deprecation warning (config_loading.py)."""
+        if not isinstance(data, Mapping):
+            return data
+        return move_keys(drop_retired_keys(data), "server", "scheduler", SCHEDULER_KEYS)
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> "DeployConfig":
@@ -495,7 +488,7 @@ class DeployConfig(_Strict):
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
-            raise ConfigError(_describe_validation_error(exc, cls)) from None
+            raise ConfigError(describe_validation_error(exc, cls)) from None
         except ValueError as exc:  # e.g. a bad graph grid parsed in a "before" validator
             raise ConfigError(str(exc)) from None
 
@@ -551,211 +544,17 @@ def packaged_config_path(preset: str) -> Path:
     return Path(str(resources.files("duplexcache") / "configs" / f"{preset}.yaml"))
 
 
-def apply_env_overrides(raw: Mapping[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
-    """The one place environment variables change the deploy config (returns a new dict)."""
-    data = copy.deepcopy(dict(raw))
-    grid = environ.get(GRAPH_GRID_ENV)
-    if grid is not None and grid.strip():
-        section = data.get("code2wav")
-        if section is None:
-            section = data["code2wav"] = {}
-        if not isinstance(section, dict):
-            raise ConfigError(f"code2wav: expected a mapping, got {section!r}")
-        try:
-            section["graph_grid"] = parse_graph_grid(grid, GRAPH_GRID_ENV)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        logger.info("%s=%s overrides code2wav.graph_grid", GRAPH_GRID_ENV, grid)
-    api_key = environ.get(API_KEY_ENV)
-    if api_key:
-        section = data.get("server")
-        if section is None:
-            section = data["server"] = {}
-        if not isinstance(section, dict):
-            raise ConfigError(f"server: expected a mapping, got {section!r}")
-        section["api_key"] = api_key
-        logger.info("%s overrides server.api_key", API_KEY_ENV)
-    return data
-
-
-def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
-    """Field names of the model that sits at ``loc`` (for 'did you mean' hints)."""
-    current: Any = model
-    for part in loc:
-        field = getattr(current, "model_fields", {}).get(part)
-        if field is None:
-            return []
-        current = field.annotation
-    return list(getattr(current, "model_fields", {}))
-
-
-def _describe_validation_error(exc: ValidationError, model: type[BaseModel]) -> str:
-    lines = []
-    for err in exc.errors():
-        loc = tuple(p for p in err["loc"] if isinstance(p, str))
-        path = ".".join(str(p) for p in err["loc"]) or "<top>"
-        if err["type"] == "extra_forbidden":
-            allowed = _allowed_keys(model, loc[:-1])
-            hint = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
-            msg = f"unknown key {path!r}"
-            if hint:
-                msg += f" (did you mean {hint[0]!r}?)"
-            elif allowed:
-                msg += f" (allowed: {', '.join(allowed)})"
-        else:
-            # Strip pydantic's "Value error, " prefix from our own messages.
-            msg = f"{path}: {err['msg'].removeprefix('Value error, ')}"
-        lines.append(msg)
-    return "invalid deploy config: " + "; ".join(lines)
-
-
-# --------------------------------------------------------------------------------------------
-# Per-session runtime config (the server-side plugin)
-# --------------------------------------------------------------------------------------------
-
-# Keys a client must never set: they change memory use or sharing for every session.
-PRIVATE_RUNTIME_CONFIG_KEYS: frozenset[str] = frozenset({
-    "duplex_context_caching", "context_cache_capacity", "capacity",
-    "cfm_prompt_att_sharing", "cfm_arena_rows_from_graph_grid", "max_num_seqs", "graph_grid",
-    "shared_anchor_blocks", "block_size", "window_mode", "mode", "client_window_override",
-    "memory_budget", "memory_fraction", "activation_reserve", "activation_from_warmup", "activation_margin",
-    "memory_headroom", "cuda_expandable_segments", "talker_turn_from_policy", "tick_seconds", "speak_policy", "tick_headroom",
-    "prefill_chunk_tokens", "max_context_tokens", "switch_interval_ms",
-    "preset", "checkpoint_dir", "revision", "model_revision", "dtype", "device",
-    "max_frame_bytes", "code2wav_dtype", "kv_cache_dtype", "encoder_cache_dtype", "vision",
+# The per-session half moved to duplexcache/runtime_config.py (2026-12-07); these names are still
+# found here, loaded on first use (runtime_config imports this module).
+_MOVED_TO_RUNTIME_CONFIG = frozenset({
+    "PrivateConfigKeyError", "SessionConfigError", "PRIVATE_RUNTIME_CONFIG_KEYS", "CLIENT_SESSION_KEYS",
+    "CLIENT_WINDOW_KEYS", "INPUT_AUDIO_FORMATS", "SessionRuntimeConfig", "find_private_key", "build_runtime_config",
 })
 
-# What a client may put in session.update's session object.
-CLIENT_SESSION_KEYS: frozenset[str] = frozenset({
-    "instructions", "voice", "initial_user_text", "input_audio_format", "window", "audio_output", "video",
-})
-CLIENT_WINDOW_KEYS: frozenset[str] = frozenset({"high_tokens", "low_tokens"})
-INPUT_AUDIO_FORMATS = ("pcm16", "f32")
 
+def __getattr__(name: str) -> Any:
+    if name in _MOVED_TO_RUNTIME_CONFIG:
+        from duplexcache import runtime_config
 
-@dataclass(frozen=True)
-class SessionRuntimeConfig:
-    """Everything one session runs with: client-chosen fields plus server-owned switches."""
-
-    # client-settable
-    instructions: str
-    voice: str
-    initial_user_text: str | None
-    input_audio_format: str
-    window_high_tokens: int
-    window_low_tokens: int
-    # False: text-only replies; the session's units never enter the Talker or Code2Wav, and its
-    # footprint reserves neither (OpenAI's modalities ["text"], MiniCPM-o's tts_enabled false)
-    audio_output: bool
-    # server-owned
-    window_mode: str
-    block_size: int
-    shared_anchor_blocks: bool
-    duplex_context_caching: bool
-    context_cache_capacity: int
-    cfm_prompt_att_sharing: bool
-    cfm_arena_rows_from_graph_grid: bool
-    model_revision: str
-    # client-settable, last for its default: the session sends camera frames (model.vision), so
-    # its units may carry a frame's tokens and admission sizes it for that (docs/vision.md)
-    video: bool = False
-
-
-def find_private_key(obj: Any, prefix: str = "") -> str | None:
-    """The dotted path of the first server-owned key anywhere in ``obj`` (nested dicts too).
-    Iterative: a client's session object may nest deeper than Python's recursion limit."""
-    stack: list[tuple[Any, str]] = [(obj, prefix)]
-    while stack:
-        node, path = stack.pop()
-        if not isinstance(node, Mapping):
-            continue
-        nested = []
-        for key, value in node.items():
-            if key in PRIVATE_RUNTIME_CONFIG_KEYS:
-                return f"{path}{key}"
-            nested.append((value, f"{path}{key}."))
-        stack.extend(reversed(nested))   # a level's own keys first, then its values in key order
-    return None
-
-
-def _check_str(session: Mapping[str, Any], key: str, default: str | None) -> str | None:
-    value = session.get(key, default)
-    if value is not None and not isinstance(value, str):
-        raise SessionConfigError(f"session key {key!r} must be a string, got {type(value).__name__}")
-    return value
-
-
-def _client_window(deploy: DeployConfig, window: Any) -> tuple[int, int]:
-    server = deploy.stage0.window
-    if window is None:
-        return server.high_tokens, server.low_tokens
-    if not isinstance(window, Mapping):
-        raise SessionConfigError(f"session key 'window' must be an object, got {window!r}")
-    unknown = sorted(set(window) - CLIENT_WINDOW_KEYS)
-    if unknown:
-        raise SessionConfigError(f"unknown session key 'window.{unknown[0]}' "
-                                 f"(allowed: {', '.join(sorted(CLIENT_WINDOW_KEYS))})")
-    if window and not deploy.stage0.client_window_override:
-        raise SessionConfigError("this server does not let clients change window settings")
-    high = window.get("high_tokens", server.high_tokens)
-    low = window.get("low_tokens", server.low_tokens)
-    for name, value in (("high_tokens", high), ("low_tokens", low)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise SessionConfigError(f"window.{name} must be a positive int, got {value!r}")
-    # Admission reserves memory for the server's high mark; a client may only shrink it.
-    if high > server.high_tokens:
-        raise SessionConfigError(
-            f"window.high_tokens {high} exceeds the server limit {server.high_tokens}")
-    if low >= high:
-        raise SessionConfigError(f"window.low_tokens ({low}) must be below high_tokens ({high})")
-    return high, low
-
-
-def build_runtime_config(deploy: DeployConfig, client_session: Mapping[str, Any] | None) -> SessionRuntimeConfig:
-    """Merge a client's session.update fields with the server-owned deploy switches.
-
-    Raises PrivateConfigKeyError when the client names a server-owned key (anywhere, nested
-    too), SessionConfigError for unknown keys or bad values.
-    """
-    session = {} if client_session is None else client_session
-    if not isinstance(session, Mapping):
-        raise SessionConfigError(f"session must be an object, got {type(session).__name__}")
-    private = find_private_key(session)
-    if private is not None:
-        raise PrivateConfigKeyError(private)
-    unknown = sorted(set(session) - CLIENT_SESSION_KEYS)
-    if unknown:
-        raise SessionConfigError(
-            f"unknown session key {unknown[0]!r} (allowed: {', '.join(sorted(CLIENT_SESSION_KEYS))})")
-    audio_format = _check_str(session, "input_audio_format", "pcm16")
-    if audio_format not in INPUT_AUDIO_FORMATS:
-        raise SessionConfigError(
-            f"input_audio_format must be one of {INPUT_AUDIO_FORMATS}, got {audio_format!r}")
-    high, low = _client_window(deploy, session.get("window"))
-    audio_output = session.get("audio_output", True)
-    if not isinstance(audio_output, bool):
-        raise SessionConfigError(f"session key 'audio_output' must be true or false, got {audio_output!r}")
-    video = session.get("video", False)
-    if not isinstance(video, bool):
-        raise SessionConfigError(f"session key 'video' must be true or false, got {type(video).__name__}")
-    if video and not deploy.model.vision:
-        raise SessionConfigError("session key 'video': this server has no vision model (model.vision is false); "
-                                 "open an audio-only session")
-    return SessionRuntimeConfig(
-        instructions=_check_str(session, "instructions", "") or "",
-        voice=_check_str(session, "voice", "default") or "default",
-        initial_user_text=_check_str(session, "initial_user_text", None),
-        input_audio_format=audio_format,
-        window_high_tokens=high,
-        window_low_tokens=low,
-        audio_output=audio_output,
-        window_mode=deploy.stage0.window.mode,
-        block_size=deploy.stage0.block_size,
-        shared_anchor_blocks=deploy.stage0.shared_anchor_blocks,
-        duplex_context_caching=deploy.context_cache.duplex_context_caching,
-        context_cache_capacity=deploy.context_cache.capacity,
-        cfm_prompt_att_sharing=deploy.code2wav.cfm_prompt_att_sharing,
-        cfm_arena_rows_from_graph_grid=deploy.code2wav.cfm_arena_rows_from_graph_grid,
-        model_revision=deploy.model.revision,
-        video=video,
-    )
+        return getattr(runtime_config, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

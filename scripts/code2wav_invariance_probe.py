@@ -26,8 +26,8 @@ import torch
 from duplexcache.bench.gpu_stage2 import chunk_tokens, stage2_models, voice
 from duplexcache.cfm import BatchedCode2Wav, Code2WavConfig, Code2WavShape
 from duplexcache.models.batch_invariant import BatchInvariantMode, tile_rows_for
-from duplexcache.runtime.code2wav_stage import vocoder_graph_shapes
-from duplexcache.runtime.device_setup import pin_cuda_numerics
+from duplexcache.runtime.stages.code2wav_stage import vocoder_graph_shapes
+from duplexcache.runtime.memory.device_setup import pin_cuda_numerics
 
 logger = logging.getLogger("code2wav_invariance")
 ALL = set(BatchInvariantMode.FAMILIES)

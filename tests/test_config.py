@@ -11,14 +11,16 @@ import yaml
 from duplexcache.config import (
     GRAPH_GRID_ENV,
     PRESETS,
-    PRIVATE_RUNTIME_CONFIG_KEYS,
     ConfigError,
     DeployConfig,
+    packaged_config_path,
+    parse_bytes,
+)
+from duplexcache.runtime_config import (
+    PRIVATE_RUNTIME_CONFIG_KEYS,
     PrivateConfigKeyError,
     SessionConfigError,
     build_runtime_config,
-    packaged_config_path,
-    parse_bytes,
 )
 
 NO_ENV: dict[str, str] = {}
@@ -40,19 +42,16 @@ NON_DEFAULT = {
                "activation_margin": "256MiB", "memory_headroom": "2GiB", "cuda_expandable_segments": False,
                "tick_headroom": 0.5, "prefill_chunk_tokens": 256,
                "speak_policy": {"mode": "model", "k": 3, "turn_units": 1, "speech_rms": 0.02,
-                                "reply_min_units": 3, "reply_max_units": 5, "end_quiet_ms": 300,
-                                "end_quiet_lookahead": False}},
+                                "reply_min_units": 3, "reply_max_units": 5, "end_quiet_ms": 300}},
     "server": {"host": "0.0.0.0", "port": 9001, "max_frame_bytes": "1MiB", "api_key": "sk-test",
                "allowed_origins": ["https://app.example"], "idle_timeout_s": 30.0, "max_session_s": 600.0,
                "max_outbox_bytes": 2**20, "close_timeout_s": 2.0, "header_timeout_s": 3.0, "keep_alive_timeout_s": 2.0,
                "trusted_proxies": ["10.0.0.0/8"], "max_session_text_chars": 1000,
                "max_connections_per_client": 3, "max_sessions_per_client": 2, "queue_notice_s": 0.5, "max_context_tokens": 4096,
-               "switch_interval_ms": 0.5, "catch_up_ticks": False,
-               "prefill_between_ticks": False, "align_units_to_ticks": False, "unit_align_margin_ms": 80.0, "tick_phases": 4,
-               "phase_units": "spread",
-               "fill_silence_after_ms": 1500.0,
                "compute_threads": 3, "voice_aliases": {"alloy": "alt"},
                "resume_window_s": 7.5},
+    "scheduler": {"catch_up_ticks": False, "prefill_between_ticks": False, "align_units_to_ticks": False,
+                  "unit_align_margin_ms": 80.0, "tick_phases": 4, "phase_units": "spread", "fill_silence_after_ms": 1500.0},
     "cluster": {"replicas": 2, "max_replicas": 4, "target_utilisation": 0.5, "drain_timeout_s": 60.0,
                 "routing_stats_period_s": 0.5},
 }
@@ -191,8 +190,8 @@ def test_bad_byte_size_in_config_names_key():
     ({"server": {"port": 70000}}, r"server\.port"),
     ({"model": {"device": "gpu"}}, r"model\.device"),
     ({"precision": {"kv_cache_dtype": "fp8"}}, r"precision\.kv_cache_dtype.*fp8_e4m3"),
-    ({"server": {"tick_phases": 2, "phase_units": "home", "align_units_to_ticks": False}}, "align_units_to_ticks"),
-    ({"server": {"phase_units": "near"}}, r"server\.phase_units"),
+    ({"scheduler": {"tick_phases": 2, "phase_units": "home", "align_units_to_ticks": False}}, "align_units_to_ticks"),
+    ({"scheduler": {"phase_units": "near"}}, r"scheduler\.phase_units"),
 ])
 def test_invalid_values_name_their_key(raw, message):
     with pytest.raises(ConfigError, match=message):
@@ -341,3 +340,54 @@ def test_capacity_example_is_the_shared_example_plus_the_capacity_switches():
     assert capacity["engine"]["talker_turn_tokens"] == 1024
     shared["precision"], shared["engine"]["talker_turn_tokens"] = capacity["precision"], 1024
     assert shared == capacity
+
+
+# ----------------------------------------------------------------------------- scheduler keys' old spelling
+
+def test_the_scheduler_section_is_read_as_written():
+    d = DeployConfig.from_dict({"scheduler": {"tick_phases": 1, "catch_up_ticks": False}}, environ={})
+    assert (d.scheduler.tick_phases, d.scheduler.catch_up_ticks) == (1, False)
+    assert "tick_phases" not in d.to_dict()["server"] and d.to_dict()["scheduler"]["tick_phases"] == 1
+
+
+def test_old_server_spelling_of_a_scheduler_key_is_read_with_a_deprecation_warning(caplog):
+    """Until the release after 2026-12-07, ``server.tick_phases`` (and the other six) still
+    configure the scheduler, with a warning naming the new key; both spellings at once is an error."""
+    with pytest.warns(DeprecationWarning, match=r"server\.tick_phases.*scheduler\.tick_phases"):
+        d = DeployConfig.from_dict({"server": {"tick_phases": 1, "fill_silence_after_ms": None, "port": 9}},
+                                   environ={})
+    assert (d.scheduler.tick_phases, d.scheduler.fill_silence_after_ms, d.server.port) == (1, None, 9)
+    assert "moved to the scheduler section" in caplog.text
+    # the same deploy as the new spelling, key for key
+    assert d == DeployConfig.from_dict({"server": {"port": 9},
+                                        "scheduler": {"tick_phases": 1, "fill_silence_after_ms": None}}, environ={})
+    with pytest.raises(ConfigError, match=r"server\.tick_phases and scheduler\.tick_phases"):
+        DeployConfig.from_dict({"server": {"tick_phases": 1}, "scheduler": {"tick_phases": 2}}, environ={})
+
+
+def test_an_old_yaml_still_loads_its_scheduler_keys(tmp_path):
+    """An old YAML file (``server.tick_phases: 4`` ...) loads into ``scheduler``, which is what the
+    server hands the engine's pacing setters (tests/server/test_server.py checks that road)."""
+    import warnings
+
+    path = tmp_path / "old.yaml"
+    path.write_text("server:\n  tick_phases: 4\n  align_units_to_ticks: false\n  phase_units: spread\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        d = DeployConfig.from_yaml(path, environ={})
+    assert (d.scheduler.tick_phases, d.scheduler.align_units_to_ticks, d.scheduler.phase_units) == (4, False, "spread")
+
+
+@pytest.mark.parametrize("raw, key", [
+    ({"server": {"switch_interval_ms": 0.5}}, "server.switch_interval_ms"),
+    ({"engine": {"speak_policy": {"mode": "reply", "end_quiet_lookahead": False}}}, "engine.speak_policy.end_quiet_lookahead"),
+])
+def test_a_retired_switch_is_ignored_with_a_warning_naming_it(raw, key, caplog):
+    """Speed switches retired once their A/B was settled (docs/engine.md, "Retired switches"): an
+    old YAML that still sets one loads, the key is dropped, and the warning says so."""
+    with pytest.warns(DeprecationWarning, match=key.replace(".", r"\.") + " was retired"):
+        d = DeployConfig.from_dict(raw, environ={})
+    assert key in caplog.text
+    assert d == DeployConfig.from_dict({"engine": {"speak_policy": {"mode": "reply"}}} if "engine" in raw else {},
+                                       environ={})
+    assert key.rpartition(".")[2] not in str(d.to_dict())

@@ -5,7 +5,6 @@
     duplexcache bench serve         real-time callers over WebSockets against a running server
     duplexcache bench soak          long calls over WebSockets, latency/late ticks/memory/compactions over time
     duplexcache bench setup         setup time and private bytes of later same-context sessions
-    duplexcache bench prefill       what a longest-context session's prefill adds to live ticks
     duplexcache bench warm-start    time to ready, graph captures of the first ticks
     duplexcache bench kernels       Stage 0 GPU kernels: paged decode, key re-rotation (CUDA)
     duplexcache bench stage2        batched Code2Wav with CUDA graphs, prompt sharing on vs off
@@ -31,16 +30,12 @@ BENCHMARKS = {
     "soak": ("duplexcache.bench.soak", "long calls over WebSockets with compacting windows, recorded over time"),
     "setup": ("duplexcache.bench.session_setup",
               "setup time and private bytes of later sessions with the same context"),
-    "prefill": ("duplexcache.bench.prefill_isolation",
-                "what opening a session with the longest context adds to the live sessions' ticks"),
     "warm-start": ("duplexcache.bench.warm_start", "time to ready, warm-up graphs, captures in the first ticks"),
     "kernels": ("duplexcache.bench.gpu_stage0", "Stage 0 GPU kernels: paged decode attention, key re-rotation"),
     "stage2": ("duplexcache.bench.gpu_stage2", "batched Code2Wav with CUDA graphs, prompt sharing on vs off"),
     "stage0-bytes": ("duplexcache.bench.stage0_bytes", "Stage 0 KV bytes per session from shapes alone"),
     "precision": ("duplexcache.bench.precision",
                   "capacity mode: Code2Wav in bfloat16 against float32 (error over a long call, bytes, time)"),
-    "kv-precision": ("duplexcache.bench.kv_precision",
-                     "capacity mode: Thinker K/V in fp8 against exact (top-1 agreement, KL, bytes per token)"),
 }
 DEFAULT = "memory"
 

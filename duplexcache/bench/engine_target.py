@@ -14,8 +14,8 @@ report.json under ``workload``); it uses only the engine's public API:
 * Fast-forward to steady state: ``DuplexEngine.fast_forward`` fills each session's Thinker
   window to its high mark through the serving append path (embeddings of seeded random text
   ids) and holds Talker blocks for a full turn (``engine.talker_turn_tokens``, by default the
-  Talker's ``max_position_embeddings`` tokens; held, not computed) and the audio encoder's cache at its full ``max_cache_frames`` (it grows by blocks as
-  audio arrives; held, not computed). Code2Wav reaches P private frames by real units.
+  Talker's ``max_position_embeddings`` tokens) and the audio encoder's cache at its full
+  ``max_cache_frames`` (held, not computed). Code2Wav reaches P private frames by real units.
 * Memory: ``engine.stats().pools``, which lists the Euler arena and the context cache too.
 """
 
@@ -23,15 +23,11 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from duplexcache.bench.components import (
-    FRAMES_PER_UNIT,
-    SessionOutput,
-    check_code2wav_steady,
-)
 from duplexcache.bench.memory import Tier
 from duplexcache.config import DeployConfig
 from duplexcache.runtime.engine import DuplexEngine
@@ -41,6 +37,26 @@ logger = logging.getLogger(__name__)
 
 INSTRUCTIONS = "You are a helpful voice assistant. Answer briefly."
 ALWAYS_SPEAK_K = 1_000_000   # one turn for the whole run: every unit speaks
+FRAMES_PER_UNIT = 50         # 25 speech tokens, x2 upsampling
+
+
+@dataclass
+class SessionOutput:
+    """What one session produced: its text and its pcm16 audio, per unit (the equality check's input)."""
+
+    text: list[int] = field(default_factory=list)
+    audio: list[torch.Tensor] = field(default_factory=list)
+
+
+def check_code2wav_steady(code2wav) -> None:
+    """Raise if any Code2Wav session's estimator cache is not at its steady length P + tail
+    (the bench must not call a state "steady" that is not)."""
+    tail = code2wav.config.cache_tail_frames
+    for sid, sess in code2wav.sessions.items():
+        want = sess.prompt_frames + tail
+        if len(sess.att) != want:
+            raise RuntimeError(f"bench: Code2Wav session {sid} holds {len(sess.att)} cache frames, not the "
+                               f"steady {want} (P + tail); run more units (--units)")
 
 
 def always_speak(deploy: DeployConfig) -> DeployConfig:

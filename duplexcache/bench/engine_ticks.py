@@ -316,7 +316,7 @@ def _sample_shape(eng: DuplexEngine, feed: _Feed, res: RunResult) -> None:
         sums["encoder_cache_frames"] += fl.encoder_cache_frames_at(info.units, models.audio_encoder.cfg)
         sums["prompt_frames"] += models.voices.get(info.voice).prompt_frames
         if feed.scripts[i].speaks[feed.unit]:
-            # a unit that would pass the turn's limit starts a new audio turn (runtime/talker_stage.py)
+            # a unit that would pass the turn's limit starts a new audio turn (runtime/stages/talker_stage.py)
             have = info.talker_tokens if info.talker_tokens + unit_tokens <= turn else 0
             sums["speakers"] += 1
             sums["talker_kv_tokens"] += have + unit_tokens / 2

@@ -118,7 +118,7 @@ class DevicePeak:
 
 
 # NVIDIA datasheets (dense, no sparsity). float32 is the CUDA-core rate: the engine turns TF32
-# off (runtime/device_setup.py), so float32 GEMMs and convolutions run there.
+# off (runtime/memory/device_setup.py), so float32 GEMMs and convolutions run there.
 DEVICE_PEAKS: dict[str, DevicePeak] = {
     "h100-sxm": DevicePeak("H100 SXM", 3350.0, {"bfloat16": 989.4, "float16": 989.4, "float32": 66.9}),
     "h100-pcie": DevicePeak("H100 PCIe", 2000.0, {"bfloat16": 756.0, "float16": 756.0, "float32": 51.2}),

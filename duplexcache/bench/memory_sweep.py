@@ -5,9 +5,8 @@
 
 (``duplexcache bench`` with these options and no benchmark name runs it too: bench/cli.py.)
 
-Writes DIR/report.json (schema: docs/benchmarks.md), DIR/memory.png and prints a table.
-The measured target is the serving engine (``--target engine``, default) or the stages wired
-directly (``--target components``).
+Writes DIR/report.json (schema: docs/results/README.md), DIR/memory.png and prints a table.
+The measured target is the serving engine (``engine_target.py``).
 Needs torch, numpy, pydantic, pyyaml, tqdm and matplotlib; no web library.
 """
 
@@ -23,7 +22,6 @@ from pathlib import Path
 import torch
 
 from duplexcache.bench.common import usage_error
-from duplexcache.bench.components import BenchModels, ComponentTarget
 from duplexcache.bench.floor import SessionFloor, session_floor
 from duplexcache.bench.matrix import config_matrix
 from duplexcache.bench.report import RunMeta, build_report, format_table, write_report
@@ -77,8 +75,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="engine.talker_turn_tokens: the most Talker KV tokens one audio turn holds, "
                              "what admission reserves and the fast-forward holds per session (default: the "
                              "deploy config's, else the Talker's max_position_embeddings)")
-    parser.add_argument("--target", choices=("engine", "components"), default="engine",
-                        help="engine: the serving engine (default); components: the stages wired directly")
     parser.add_argument("--no-waterfall", dest="waterfall", action="store_false",
                         help="skip the card waterfall (engine target: one engine of the deploy config as given, "
                              "warmed up as serve does, every device byte by part; report.json 'waterfall' and "
@@ -112,10 +108,9 @@ def load_deploy(args: argparse.Namespace) -> DeployConfig:
 
 @dataclass
 class _Setup:
-    """What the chosen target contributes to the run: how to build it and what it measures."""
+    """What the engine target contributes to the run: how to build it and what it measures."""
 
     configs: list
-    target: str
     make_target: object
     weight_bytes: int
     floor: SessionFloor
@@ -144,7 +139,7 @@ def _fit_engine_budget(deploy: DeployConfig, configs, device: torch.device):
 def _engine_setup(deploy: DeployConfig, configs, args) -> _Setup:
     from duplexcache.bench.engine_target import ALWAYS_SPEAK_K, EngineTarget
     from duplexcache.runtime.bundle import build_models
-    from duplexcache.runtime.session_sizing import resolve_turn_tokens
+    from duplexcache.runtime.memory.session_sizing import resolve_turn_tokens
 
     models = build_models(configs[0].deploy, seed=args.seed)
     if models.device.type == "cuda":
@@ -168,24 +163,8 @@ def _engine_setup(deploy: DeployConfig, configs, args) -> _Setup:
                         "lags text by one unit); every context is prefilled between ticks before the first "
                         "unit, so each session's units fall on the same ticks in every configuration",
     }
-    return _Setup(configs, "engine", lambda cfg, n: EngineTarget(models, cfg.deploy, n), models.weight_bytes(), floor,
+    return _Setup(configs, lambda cfg, n: EngineTarget(models, cfg.deploy, n), models.weight_bytes(), floor,
                   args.units or EngineTarget.units_to_steady(p), p, notes, models)
-
-
-def _components_setup(deploy: DeployConfig, configs, args) -> _Setup:
-    models = BenchModels.build(args.preset, deploy.model.device, getattr(torch, deploy.model.dtype), seed=args.seed)
-    floor = session_floor(models.thinker.config, deploy.stage0.window.high_tokens,
-                          Code2WavShape.from_flow(models.flow), models.prompt_frames, models.encoder.cfg,
-                          deploy.model.dtype, kv_storage_dtype=kv_storage_dtype(deploy.precision.kv_cache_dtype))
-    notes = {
-        "fast_forward": "Thinker window filled to prefix + high_tokens by appending real token embeddings of "
-                        "seeded random ids in batched chunks (no decode); Code2Wav reaches P private frames "
-                        "by real units; the encoder cache is grown to max_cache_frames (held, not computed)",
-        "talker": "not in the component target: speech tokens are the top-28 Thinker logits mod 6561",
-        "text_tokens_per_unit": 2,
-    }
-    return _Setup(configs, "components", lambda cfg, n: ComponentTarget(models, cfg.deploy, n), models.weight_bytes(),
-                  floor, args.units or models.units_to_steady(), models.prompt_frames, notes)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -202,18 +181,8 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(deploy.model.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("duplexcache bench memory: --device cuda but torch sees no CUDA device")
-    if args.target == "components" and deploy.precision.code2wav_dtype != "float32":
-        # the component target builds its own float32 flow: the switch would not reach it
-        return usage_error("memory", f"--target components runs Code2Wav in float32 only; "
-                                     f"precision.code2wav_dtype {deploy.precision.code2wav_dtype} needs --target engine")
-    if args.target == "components" and deploy.precision.encoder_cache_dtype != "auto":
-        # the component target opens encoder states itself, in the weights' dtype
-        return usage_error("memory", "--target components keeps the encoder cache in the model dtype; "
-                                     "precision.encoder_cache_dtype needs --target engine")
-    if args.target == "components" and deploy.engine.talker_turn_tokens is not None:
-        return usage_error("memory", "--target components has no Talker; engine.talker_turn_tokens needs --target engine")
     configs = config_matrix(deploy)
-    setup = (_engine_setup if args.target == "engine" else _components_setup)(deploy, configs, args)
+    setup = _engine_setup(deploy, configs, args)
     configs = setup.configs
     with tqdm(total=len(configs) * len(sessions), desc="bench", file=sys.stderr, unit="run") as bar:
         results = run_sweep(configs, sessions, setup.make_target, setup.units, device,
@@ -222,8 +191,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     wf = None
-    if args.waterfall and setup.models is not None:
-        from duplexcache.runtime.waterfall import plot_waterfall
+    if args.waterfall:
+        from duplexcache.runtime.memory.waterfall import plot_waterfall
 
         wf = card_waterfall(setup.models, deploy)
         report["waterfall"] = wf.to_json()
@@ -242,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def card_waterfall(models, deploy: DeployConfig):
-    """The card waterfall of ``deploy`` as given (runtime/waterfall.py): one engine on the bench's
+    """The card waterfall of ``deploy`` as given (runtime/memory/waterfall.py): one engine on the bench's
     weights, warmed up as ``duplexcache serve`` warms up (a measured re-plan included), after
     the sweep's engines are gone, then shut down."""
     import gc
@@ -289,9 +258,9 @@ def _run_meta(args, deploy: DeployConfig, configs, device: torch.device, session
     else:
         budget, includes_weights = configs[0].deploy.engine.memory_budget, False
         if budget == "auto":   # a host device: what the engine resolves auto to
-            from duplexcache.runtime.memory_budget import resolve_memory_budget
+            from duplexcache.runtime.memory.memory_budget import resolve_memory_budget
             budget = resolve_memory_budget(configs[0].deploy.engine, 0, None)
-    return RunMeta(preset=args.preset, device=str(device), target=setup.target, memory_source=source,
+    return RunMeta(preset=args.preset, device=str(device), target="engine", memory_source=source,
                    memory_budget=budget, activation_reserve=deploy.engine.activation_reserve,
                    weight_bytes=setup.weight_bytes, floor=setup.floor, workload=workload,
                    realtime=args.realtime, budget_includes_weights=includes_weights)

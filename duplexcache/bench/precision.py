@@ -21,7 +21,7 @@ two arms differ only in the number format:
   min, max over ``--timed-chunks``. CUDA graphs on CUDA, eager elsewhere.
 
 Writes results.json and results.md to --out. The error has no pass/fail threshold here: it is a
-measurement reported next to the bytes it buys (docs/benchmarks.md).
+measurement reported next to the bytes it buys (docs/results/HISTORY.md, "Capacity mode").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""report.json, the terminal table, and a schema check for both (docs/benchmarks.md).
+"""report.json, the terminal table, and a schema check for both (schema: docs/results/README.md).
 
 Every number in the report comes from the runner's samples; nothing is estimated here except
 the fitted ceiling, whose method the report states next to it.

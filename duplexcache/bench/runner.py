@@ -18,32 +18,21 @@ import gc
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
 from duplexcache.bench.matrix import BASELINE, BenchConfig
 from duplexcache.bench.memory import Tier
 
+if TYPE_CHECKING:
+    from duplexcache.bench.engine_target import EngineTarget
+
 logger = logging.getLogger(__name__)
 
 
-class BenchTarget(Protocol):
-    """What the runner drives; ``components.ComponentTarget`` implements it."""
-
-    name: str
-    outputs: dict
-    tick_s: list[float]
-    units: int  # ticks run so far
-
-    def open_sessions(self, n: int) -> None: ...
-    def run_unit(self) -> None: ...
-    def fast_forward_window(self, chunk_tokens: int = 512) -> int: ...
-    def pools(self) -> dict[str, Tier]: ...
-    def close(self) -> None: ...
-
-
-MakeTarget = Callable[[BenchConfig, int], BenchTarget]
+# The runner drives an ``engine_target.EngineTarget`` (one per configuration and session count).
+MakeTarget = Callable[[BenchConfig, int], "EngineTarget"]
 
 
 @dataclass
@@ -93,7 +82,7 @@ class _CudaMeter:
         }
 
 
-def measure_point(target: BenchTarget, n: int, units: int, device: torch.device,
+def measure_point(target: EngineTarget, n: int, units: int, device: torch.device,
                   ff_chunk: int) -> tuple[Point, dict]:
     """Run the per-n script above on ``target``; returns the point and the outputs."""
     if units < 1:

@@ -14,7 +14,7 @@ sessions. Only ``--url`` (and ``/metrics``, ``/health`` on the same host and por
 ``reply_min_units``/``reply_max_units`` as ``--reply-min-units``/``--reply-max-units``: the
 client computes each reply's length with the server's ``policy.reply_units``. ``push_to_talk``
 is the same conversation from callers that send audio only during their own turns and nothing
-while the server replies (the server hears silence: ``server.fill_silence_after_ms``). ``continuous``
+while the server replies (the server hears silence: ``scheduler.fill_silence_after_ms``). ``continuous``
 expects a server that speaks every unit (``every_k_units`` with ``turn_units >= k``).
 
 Per session (bench/serve_client.py): reply latency (end of the user's turn audio sent -> first
@@ -55,9 +55,11 @@ from duplexcache.bench import workload as wl
 from duplexcache.bench.common import hardware_line, int_list, write_results
 from duplexcache.bench.plot import pyplot, save_figure
 from duplexcache.bench.serve_client import GAP_S, TURN_WORKLOADS, Caller, SessionTrace, session_row
+from duplexcache.bench.serve_metrics import (  # noqa: F401 - counters, stage_totals: read through this module too
+    COUNTERS, between_tick_ms_mean, counters, delta, scrape, stage_ms_mean, stage_totals,
+)
 from duplexcache.bench.video import is_video
 from duplexcache.config import API_KEY_ENV
-from duplexcache.server.protocol import PLACEMENT_HEADER
 
 logger = logging.getLogger(__name__)
 
@@ -164,120 +166,6 @@ def http_base(url: str) -> str:
     return urlunsplit(("http" if parts.scheme == "ws" else "https", parts.netloc, "", "", ""))
 
 
-# The server counters a step reports (their differences over the step), by a part of the family name.
-COUNTERS = {"late_ticks": "late_tick", "graph_captures": "graph_capture", "catch_up_ticks": "catch_up_tick",
-            "prefill_chunks_between_ticks": "prefill_chunks_between", "early_closes": "early_closes"}
-
-
-def _no_counters() -> dict[str, float | None]:
-    return dict.fromkeys(COUNTERS)
-
-
-def counters(metrics_text: str) -> dict[str, float | None]:
-    """Sums of the ``late_ticks``-, ``graph_capture``- and ``catch_up_tick``-like counters
-    (None: none exported)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    found = _no_counters()
-    for family in text_string_to_metric_families(metrics_text):
-        key = next((k for k, part in COUNTERS.items() if part in family.name), None)
-        if key is None:
-            continue
-        total = sum(s.value for s in family.samples if s.name in (family.name, family.name + "_total"))
-        found[key] = (found[key] or 0.0) + total
-    return found
-
-
-STAGE_HISTOGRAM = "stage_latency_seconds"   # the server's per-stage tick latency (server/metrics.py)
-BETWEEN_HISTOGRAM = "between_tick_duration_seconds"   # its ticks between unit ticks that ran units
-
-
-def stage_totals(metrics_text: str) -> dict[str, float]:
-    """``stage_sum:<stage>`` and ``stage_count:<stage>`` of the server's per-stage latency
-    histogram (seconds, ticks), and ``between_sum`` / ``between_count`` of its ticks between unit
-    ticks that ran units; empty when it exports neither."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    found: dict[str, float] = {}
-    for family in text_string_to_metric_families(metrics_text):
-        if family.name.endswith(BETWEEN_HISTOGRAM):
-            for s in family.samples:
-                kind = s.name.rsplit("_", 1)[-1]
-                if kind in ("sum", "count"):
-                    found[f"between_{kind}"] = found.get(f"between_{kind}", 0.0) + s.value
-            continue
-        if not family.name.endswith(STAGE_HISTOGRAM):
-            continue
-        for s in family.samples:
-            stage, kind = s.labels.get("stage"), s.name.rsplit("_", 1)[-1]
-            if stage and kind in ("sum", "count"):
-                key = f"stage_{kind}:{stage}"
-                found[key] = found.get(key, 0.0) + s.value
-    return found
-
-
-def stage_ms_mean(before: dict, after: dict) -> dict[str, float] | None:
-    """Each stage's mean ms per tick over a step, from the histogram's sums and counts (None when
-    the server exports no stage histogram or ran no tick)."""
-    out = {}
-    for key in after:
-        if not key.startswith("stage_sum:"):
-            continue
-        stage = key.split(":", 1)[1]
-        total = _delta(after[key], before.get(key))
-        ticks = _delta(after.get(f"stage_count:{stage}"), before.get(f"stage_count:{stage}"))
-        if total is not None and ticks:
-            out[stage] = round(total / ticks * 1e3, 1)
-    return out or None
-
-
-def between_tick_ms_mean(before: dict, after: dict) -> float | None:
-    """Mean ms of the server's ticks between unit ticks that ran units (``server.phase_units``
-    home) over a step; None when it exports no such histogram or ran none."""
-    total = _delta(after.get("between_sum"), before.get("between_sum"))
-    ticks = _delta(after.get("between_count"), before.get("between_count"))
-    return round(total / ticks * 1e3, 1) if total is not None and ticks else None
-
-
-def _scraped(metrics_text: str) -> dict[str, float | None]:
-    return {**counters(metrics_text), **stage_totals(metrics_text)}
-
-
-async def _get(client: Any, url: str) -> Any:
-    response = await client.get(url, timeout=10.0)
-    response.raise_for_status()
-    return response
-
-
-async def scrape(client: Any, base: str) -> dict[str, float | None]:
-    """The server's counters; behind a cluster (``duplexcache serve --replicas``, whose ``/health``
-    lists the replicas) the sum over every replica's own ``/metrics`` (docs/deploy.md)."""
-    try:
-        replicas = await _cluster_replicas(client, base)
-        if not replicas:
-            return _scraped((await _get(client, base + "/metrics")).text)
-        total = _no_counters()
-        for replica in replicas:
-            pin = {PLACEMENT_HEADER: f"replica:{replica}"}   # the router sends it to that replica
-            response = await client.get(base + "/metrics", timeout=10.0, headers=pin)
-            response.raise_for_status()
-            for key, value in _scraped(response.text).items():
-                if value is not None:
-                    total[key] = (total.get(key) or 0.0) + value
-        return total
-    except Exception as exc:  # noqa: BLE001 - a server without /metrics gives nulls, not a failed run
-        logger.warning("could not read %s/metrics: %s", base, exc)
-        return _no_counters()
-
-
-async def _cluster_replicas(client: Any, base: str) -> list[str]:
-    try:
-        body = (await _get(client, base + "/health")).json()
-    except Exception:  # noqa: BLE001 - no /health: a plain server
-        return []
-    return sorted(body.get("cluster", {}).get("replicas", {})) if isinstance(body, dict) else []
-
-
 def auth_headers() -> dict[str, str]:
     """The server's key from DUPLEXCACHE_API_KEY (the variable `duplexcache serve` reads), as a
     Bearer header for the callers' WebSockets and for /metrics; empty without it. Taken from the
@@ -373,10 +261,6 @@ def percentiles(values: list[float]) -> dict[str, float | int | None]:
             "p99": round(float(np.percentile(a, 99)), 4), "max": round(float(a.max()), 4), "n": int(a.size)}
 
 
-def _delta(after: float | None, before: float | None) -> float | None:
-    return None if after is None or before is None else after - before
-
-
 def summarize_step(n: int, rows: list[dict[str, Any]], before: dict, after: dict, wall_s: float,
                    max_latency: float, workload: str) -> dict[str, Any]:
     """The step's figures over its ``n`` regular callers; rows marked ``long_context`` (the
@@ -386,7 +270,7 @@ def summarize_step(n: int, rows: list[dict[str, Any]], before: dict, after: dict
     rows = [r for r in rows if not r.get("long_context")]
     latencies = [x for r in rows for x in r["reply_latency_s"]]
     ratios = [r["audio_received_ratio"] for r in rows if r["audio_received_ratio"] is not None]
-    late = _delta(after["late_ticks"], before["late_ticks"])
+    late = delta(after["late_ticks"], before["late_ticks"])
     lat = percentiles(latencies)
     # A server that falls behind real time and never catches up adds the same delay to every
     # later reply: the last reply of a session is then later than its first.
@@ -417,7 +301,7 @@ def summarize_step(n: int, rows: list[dict[str, Any]], before: dict, after: dict
         "errors_top": top_errors(rows),
         "replies_scheduled": sum(r["replies_scheduled"] for r in rows),
         "replies_done": sum(r["replies_done"] for r in rows),
-        **{key: _delta(after.get(key), before.get(key)) for key in COUNTERS},   # late_ticks, catch_up_ticks, ...
+        **{key: delta(after.get(key), before.get(key)) for key in COUNTERS},   # late_ticks, catch_up_ticks, ...
         "stage_ms_mean": stage_ms_mean(before, after),   # per tick, the server's own timers
         "between_tick_ms_mean": between_tick_ms_mean(before, after),   # home phases' ticks between, with units
         "realtime": bool(all_audio and late == 0 and latency_ok),

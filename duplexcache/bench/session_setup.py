@@ -52,13 +52,11 @@ from duplexcache.context.builder import (
 )
 from duplexcache.context.context_cache import EncoderPath
 from duplexcache.context.tokenizer import ByteTokenizer
-from duplexcache.kv.block_pool import BlockPool
-from duplexcache.kv.kv_cache_manager import KVCacheManager
-from duplexcache.kv.window import WindowConfig
 from duplexcache.models.audio_encoder import AudioEncoder
 from duplexcache.models.presets import build_random_models
 from duplexcache.models.thinker import Thinker
-from duplexcache.runtime.stage0 import SessionContextInput, Stage0Runner
+from duplexcache.runtime.memory.device_setup import stage0_runner, window_config
+from duplexcache.runtime.stage0.runner import SessionContextInput, Stage0Runner
 
 logger = logging.getLogger(__name__)
 
@@ -221,8 +219,7 @@ class SessionSetupBench:
         self.instructions = make_instructions(cfg.instructions_tokens)
         self.ref_audio = make_audio(cfg.ref_seconds, cfg.seed + 1)
         deploy = BASELINE.deploy(cfg.preset)
-        w = deploy.stage0.window
-        self.window = WindowConfig(mode=w.mode, high_tokens=w.high_tokens, low_tokens=w.low_tokens)
+        self.window = window_config(deploy.stage0)
         self.block_size = deploy.stage0.block_size
         probe = self._builder(BASELINE).build(self.instructions, self.ref_audio)
         self.context_len = probe.total
@@ -252,10 +249,7 @@ class SessionSetupBench:
 
     def _runner(self, combo: Combination) -> Stage0Runner:
         # A fresh pool over the same K/V tensor: no block hash survives from the previous repeat.
-        deploy = combo.deploy(self.cfg.preset)
-        mgr = KVCacheManager(BlockPool(self.cache.num_blocks), self.block_size, self.cache.bytes_per_block)
-        return Stage0Runner(self.models.thinker, mgr, self.cache, self.window,
-                            share_context=deploy.stage0.shared_anchor_blocks, block_size=self.block_size)
+        return stage0_runner(self.models.thinker, self.cache, combo.deploy(self.cfg.preset).stage0, self.window)
 
     def _open_one(self, builder: SessionContextBuilder, runner: Stage0Runner, sid: str) -> SessionSample:
         enc0, emb0 = self.models.encoder_calls, self.models.embed_calls

@@ -23,7 +23,7 @@ from duplexcache.kv.kv_cache_manager import KVCacheManager, SessionBytes
 from duplexcache.kv.kv_quant import KV_CACHE_DTYPES, kv_storage_dtype
 from duplexcache.kv.paged_attention import bytes_per_block
 from duplexcache.models.thinker import ThinkerConfig
-from duplexcache.runtime.stage0_window import stage0_session_bytes
+from duplexcache.runtime.stage0.window import stage0_session_bytes
 
 logger = logging.getLogger(__name__)
 MIB = 1024 * 1024
@@ -46,13 +46,12 @@ def _measured(config: ThinkerConfig, context: int, window: int, share: bool, dty
 
 def table_rows(config: ThinkerConfig, contexts: list[int], high: int, dtype: torch.dtype,
                block_size: int = 16, storage_dtype: torch.dtype | None = None) -> list[dict]:
-    dtype_bytes = torch.empty((), dtype=dtype, device="meta").element_size()
     rows = []
     for context in contexts:
         for point, window in (("start", 0), (f"full window (+{high})", high)):
             row = {"context": context, "point": point}
             for share in (True, False):
-                formula = stage0_session_bytes(config, context, window, share, dtype_bytes, block_size,
+                formula = stage0_session_bytes(config, context, window, share, dtype, block_size,
                                                storage_dtype)
                 measured = _measured(config, context, window, share, dtype, block_size, storage_dtype)
                 if formula != measured:

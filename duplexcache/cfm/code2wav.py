@@ -48,6 +48,7 @@ from duplexcache.cfm.graph_grid import arena_rows, replay_groups
 from duplexcache.cfm.prompt_cache import AttCache, PlainAttCache, SharedPromptAttCache
 from duplexcache.cfm.prompt_registry import PromptRegistry, PromptState, VoicePrompt
 from duplexcache.cfm.vocoder_graphs import VocoderGraphs
+from duplexcache.kv.kv_cache_manager import SessionBytes   # one type for every pool's per-session bytes
 from duplexcache.models.vocoder import HiftStreamState, frozen_weight_norm, hift_stream_steps
 
 logger = logging.getLogger(__name__)
@@ -63,12 +64,6 @@ def _own(t: torch.Tensor) -> torch.Tensor:
     """`t` if it is its storage's only content, else a private copy: a session must never keep a
     view of a batched tensor alive (that would hold the whole batch and break `session_bytes`)."""
     return t if t.untyped_storage().nbytes() == _nbytes(t) else t.clone()
-
-
-@dataclass(frozen=True)
-class SessionBytes:
-    private: int
-    shared: int
 
 
 @dataclass

@@ -80,7 +80,7 @@ class Code2WavConfig:
     up_rate: int = 2
     vocab_size: int = 6561
     # The speech tokenizer's silence token: Token2wav pads the voice prompt with 3 of them, and
-    # MiniCPM-o's duplex driver seeds each turn's chunk buffer with 3 (runtime/code2wav_stage.py).
+    # MiniCPM-o's duplex driver seeds each turn's chunk buffer with 3 (runtime/stages/code2wav_stage.py).
     prompt_pad_token: int = 4218
     key_bucket: int = 64             # cache-length bucket granularity of captured graphs
     # engine.batch_invariant: every solve attends over the arena's whole key capacity instead of

@@ -12,7 +12,7 @@ gets the noise it gets eagerly. The iSTFT is `models.vocoder.istft`, whose only 
 torch.istft is the missing host-side window check: nothing in the forward synchronises.
 
 Keys: (tier, mel frames with the cache, source-cache samples). The shapes are fixed at
-construction (the engine's chunks: first, continuing and final; runtime/code2wav_stage.py) and
+construction (the engine's chunks: first, continuing and final; runtime/stages/code2wav_stage.py) and
 their static buffers are allocated then, at the largest tier, so the engine's memory plan counts
 them as fixed bytes; the tiers come from the graph grid as the Euler arena's do (`replay_groups`).
 A call of another shape runs eagerly (counted). A graph is captured by `warm` (the engine's

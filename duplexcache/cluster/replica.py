@@ -4,7 +4,7 @@ Ray Serve gives the replica its life cycle: the app's lifespan warms the engine 
 tick loop when the replica starts, and stops it (closing every session with 1001) when Ray
 shuts the replica down. The replica adds what the cluster needs:
 
-* ``record_routing_stats``: room (``runtime.admission.headroom``) and the context keys it holds,
+* ``record_routing_stats``: room (``engine.admission_room()``) and the context keys it holds,
   for ``router.CacheAffinityRouter``; also pushed to the cluster summary shown in ``/health``;
 * ``record_autoscaling_stats``: live and admissible sessions, for ``autoscale.session_policy``;
 * ``check_health``: a failed warm-up or a run of failed ticks makes the replica unhealthy; it
@@ -25,7 +25,6 @@ from ray import serve
 from duplexcache.cluster.placement import context_key
 from duplexcache.cluster.summary import SUMMARY_ACTOR, SUMMARY_NAMESPACE
 from duplexcache.config import DeployConfig
-from duplexcache.runtime.admission import headroom
 from duplexcache.server import protocol as proto
 from duplexcache.server.app import create_app
 from duplexcache.server.metrics import ServerMetrics
@@ -65,7 +64,7 @@ class DuplexReplica:
         self._summary: Any = None
         self._drain_watch: asyncio.Task[None] | None = None
         self.draining = False
-        logger.info("replica %s: engine ready (%s)", self.replica_id, self.engine.plan.describe())
+        logger.info("replica %s: engine ready (%s)", self.replica_id, self.engine.describe_plan())
 
     def __serve_build_asgi_app__(self) -> Any:
         return self.asgi_app
@@ -89,7 +88,7 @@ class DuplexReplica:
 
     def load(self) -> dict[str, Any]:
         live = len(self.engine.session_ids())
-        room = headroom(self.engine.plan, self.engine.tick_cost, live)
+        room = self.engine.admission_room()
         opening = max(0, self.server.num_connections - live)   # connected, engine session not open yet
         ready = self.server.ready and self._failed is None
         self._seq += 1

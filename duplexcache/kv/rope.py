@@ -126,7 +126,7 @@ def rerotate_keys_(
         raise ValueError(f"rerotate_keys_: k_scale {tuple(k_scale.shape)} must be {tuple(k_cache.shape[:4])}")
     if layers is None and _is_cuda(k_cache) and _fused_rerotation_available(k_cache.device):
         # One fused kernel over all layers and blocks: the per-layer loop below costs ~6 ms
-        # for 36 layers x 6000 tokens on an H200, the kernel ~0.5 ms (docs/benchmarks.md).
+        # for 36 layers x 6000 tokens on an H200, the kernel ~0.5 ms (docs/benchmarks.md, "Stage 0: paged decode").
         from duplexcache.kv.triton_kernels import rerotate_keys_triton_  # noqa: PLC0415
 
         rerotation_path_counts["triton"] += 1

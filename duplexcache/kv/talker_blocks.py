@@ -10,7 +10,7 @@ Ownership (who may touch what):
 * ``BlockPool`` owns the blocks, their ref counts and the free list.
 * ``TalkerBlocks`` owns each session's table and its computed length; only it asks the pool
   for blocks or gives them back.
-* The Talker stage (``runtime/talker_stage.py``) reads tables and reports computed lengths.
+* The Talker stage (``runtime/stages/talker_stage.py``) reads tables and reports computed lengths.
 
 A table grows ahead of the tokens it will hold (a fast-forward may hold a whole turn before
 computing any of it)::

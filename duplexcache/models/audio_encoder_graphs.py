@@ -22,7 +22,7 @@ So a tick launches L + 1 replays and 2L multi-tensor copies instead of ~25 kerne
 The pieces exchange nothing through the graphs' memory pool: each reads and writes static
 buffers (per ``n``: X, Q, K, V of ``max_batch`` rows; shared: the gather buffer of
 ``max_cache_frames`` keys and the mask), so any capture order is safe. The pieces run without
-autograd (the memory that once outlived the engine was their autograd history, docs/benchmarks.md).
+autograd (the memory that once outlived the engine was their autograd history, docs/results/HISTORY.md).
 The gather buffer is the eager tick's gather buffer at its largest, held for good: at minicpmo45
 shapes 2 x 1500 frames x 1024 values per row, 6 MiB per row in bf16.
 
@@ -205,7 +205,7 @@ class EncoderGraphs:
         # Autograd off inside the piece, whoever calls it (a capture, the warm-up, a tick): with it
         # on, the copies into the static buffers would chain every piece's activations into the
         # buffers' grad_fn, a C++ reference cycle that outlives the engine (H100, 2026-12-06: 7 GiB
-        # still allocated after the engine was freed; scripts/graph_leak_probe.py).
+        # still allocated after the engine was freed; scripts/probes/graph_leak_probe.py).
         @torch.no_grad()
         def piece() -> None:
             if index == 0:

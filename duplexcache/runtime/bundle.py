@@ -56,7 +56,7 @@ class ModelBundle:
     voices: VoiceRegistry
     dtype: torch.dtype
     device: torch.device
-    vision: nn.Module | None = None   # model.vision: the vision encoder + resampler (runtime/vision_stage.py)
+    vision: nn.Module | None = None   # model.vision: the vision encoder + resampler (runtime/stages/vision_stage.py)
 
     def weight_bytes(self) -> int:
         mods = (self.thinker, self.talker, self.audio_encoder, self.flow, self.hift, self.vision)
@@ -81,7 +81,7 @@ def build_models(deploy: DeployConfig, seed: int = 0) -> ModelBundle:
         models = ModelBundle(r.thinker, r.talker, r.audio_encoder, code2wav_flow(deploy, r.flow), r.hift,
                              load_tokenizer(None), voices, dtype, device)
     if m.vision:   # only then: audio-only deployments hold no vision weights
-        from duplexcache.runtime.vision_stage import build_vision_model
+        from duplexcache.runtime.stages.vision_stage import build_vision_model
 
         models.vision = build_vision_model(m.preset, models.thinker.config.hidden_size, dtype, device,
                                            m.checkpoint_dir, seed)
@@ -90,7 +90,7 @@ def build_models(deploy: DeployConfig, seed: int = 0) -> ModelBundle:
 
 def meta_model_bundle(preset: str, dtype: torch.dtype = torch.bfloat16, vision: bool = False) -> ModelBundle:
     """The preset's models on the ``meta`` device: shapes and bytes, no weights, nothing computed.
-    For planning a card from shapes alone (scripts/card_capacity.py, the memory-plan tests); never
+    For planning a card from shapes alone (scripts/probes/card_capacity.py, the memory-plan tests); never
     a bundle to serve with (``build_models`` refuses ``meta``)."""
     tk, tl, enc, flow_cfg, voc = preset_configs(preset)
     meta = torch.device("meta")
@@ -102,7 +102,7 @@ def meta_model_bundle(preset: str, dtype: torch.dtype = torch.bfloat16, vision: 
                          build_vocoder(voc, device="meta"), load_tokenizer(None), voices, dtype, meta)
     if vision:
         from duplexcache.models.vision import VisionModel
-        from duplexcache.runtime.vision_stage import vision_config
+        from duplexcache.runtime.stages.vision_stage import vision_config
 
         with meta:
             bundle.vision = VisionModel(vision_config(preset, tk.hidden_size)).to(dtype)

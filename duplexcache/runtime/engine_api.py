@@ -6,11 +6,17 @@ library or torch.
 
 Threading contract (the server relies on it):
 
-* ``tick()`` runs in a worker thread, one call at a time (the server never overlaps two ticks).
-* ``open_session``, ``push_audio``, ``close_session``, ``is_queued``, ``stats`` and the
-  turn-control calls (``set_turn_mode``, ``request_response``, ``cancel_response``,
-  ``add_user_text``) may be called from another thread while a tick runs. They must be short (queue the input, take a
-  short lock) and must not wait for the running tick to finish.
+* ``tick()``, ``prefill_step()`` and ``warmup()`` run in a worker thread, one call at a time
+  (the server never overlaps them).
+* ``open_session``, ``push_audio``, ``close_session``, ``is_queued``, ``queue_position``,
+  ``stats`` and the turn-control calls (``set_turn_mode``, ``request_response``,
+  ``cancel_response``, ``add_user_text``) may be called from another thread while a tick runs.
+  They must be short (queue the input, take a short lock) and must not wait for the running tick
+  to finish.
+
+Everything the server (``duplexcache.server``) and the cluster (``duplexcache.cluster``) call on
+an engine is a member of :class:`EngineAPI`: they call it, never probe for it (a test checks that
+no ``getattr`` on an engine is left in either package).
 
 Session life cycle::
 
@@ -24,7 +30,7 @@ A refused session (no room, not queued) raises :class:`AdmissionError` and owns 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol, Union, runtime_checkable
+from typing import Any, Callable, Mapping, Protocol, Union, runtime_checkable
 
 import numpy as np
 
@@ -39,6 +45,15 @@ class ServerBehindError(ValueError):
     refused chunk, with ``code`` ``server_behind`` instead of the client's ``invalid_audio``)."""
 
     code = "server_behind"
+
+
+# What a client is told for each admission code (the one text per code: the engine raises it,
+# the server sends it); the engine's own detail (which may name pool sizes) goes to its log only.
+ADMISSION_MESSAGES = {
+    "capacity_memory": "The server has no memory for another session right now; try again later.",
+    "capacity_compute": "The server cannot run another session in real time right now; try again later.",
+    "admission_refused": "The server cannot admit another session right now; try again later.",
+}
 
 
 class AdmissionError(Exception):
@@ -198,7 +213,7 @@ class EngineStats:
     # How long the warm-up took; None before (or without) one.
     warmup_seconds: float | None = None
     # Units closed with silence at the first tick after their caller's turn ended
-    # (server.tick_phases > 1, runtime/engine_session.py EarlyClose).
+    # (scheduler.tick_phases > 1, runtime/engine_session.py EarlyClose).
     early_closes: int = 0
     # Voices made from clients' reference recordings (runtime/reference_voices.py): held now,
     # registered since start (one Code2Wav prompt pass each), and sessions that were given a
@@ -268,10 +283,10 @@ class EngineAPI(Protocol):
         for text that is not a message (empty, not encodable)."""
         ...
 
-    def tick(self) -> list[EngineEvent]:
-        """Run one 1-second unit for every live session with >= 1 s of audio buffered. (An engine
-        with ``set_tick_phases(phases, home=True)`` also takes ``tick(unit_tick=False)``: a tick
-        between unit ticks, server.phase_units home.)"""
+    def tick(self, unit_tick: bool = True) -> list[EngineEvent]:
+        """Run one 1-second unit for every live session with >= 1 s of audio buffered.
+        ``unit_tick`` False (after ``set_tick_phases(phases, home=True)``): a tick between unit
+        ticks, which takes early closes and units already held but starts no session's units."""
         ...
 
     def stats(self) -> EngineStats:
@@ -281,20 +296,104 @@ class EngineAPI(Protocol):
         """Close every session and release the engine's memory."""
         ...
 
+    # ---------------------------------------------------------------- start-up
+    def warmup(self, should_stop: Callable[[], bool] | None = None) -> Any:
+        """Capture every graph and compile every kernel a tick can need, before serving; returns
+        a report whose ``describe()`` is one log line, or None for an engine with nothing to warm.
+        ``should_stop`` is asked between captures (a server shutting down)."""
+        ...
 
-# Optional: ``add_reference_voice(ref_audio) -> str``, a voice name made from a client's
-# reference recording (16 kHz float32 mono), the same name for the same recording
-# (runtime/reference_voices.py); a server offers reference voices only where an engine has it.
-REFERENCE_VOICE_METHOD = "add_reference_voice"
+    def waterfall(self) -> Any:
+        """The card waterfall (``runtime/waterfall.Waterfall``: ``lines()``, every byte of the
+        device by part), or None for an engine that does not account its device."""
+        ...
 
-# The turn-control members of EngineAPI; the server checks for them by name so that an engine
-# built before they existed still serves (turn_detection "duplex" only, no response.cancel).
-TURN_CONTROL_METHODS = ("set_turn_mode", "request_response", "cancel_response", "add_user_text")
+    def describe_plan(self) -> str:
+        """The memory plan in one line (pools, planned sessions), for start-up logs."""
+        ...
+
+    # ---------------------------------------------------------------- pacing (the scheduler)
+    # A server sets these once, before its first tick, from its config (scheduler.*).
+    def set_prefill_between_ticks(self, enabled: bool) -> None:
+        """The server runs ``prefill_step`` in the slack between ticks: a tick then leaves a
+        session that became pending since the last tick to that slack."""
+        ...
+
+    def set_unit_alignment(self, margin_ms: float | None) -> None:
+        """Each new session's units end ``margin_ms`` plus its largest chunk before a tick of the
+        server's grid; None cuts units from the stream's first sample."""
+        ...
+
+    def set_silence_fill(self, after_ms: float | None) -> None:
+        """A session whose client sent nothing for ``after_ms`` past its unit has the unit
+        completed with silence; None waits for audio."""
+        ...
+
+    def set_tick_phases(self, phases: int, home: bool = False) -> None:
+        """The server ticks ``phases`` times per unit; ``home``: units stay on the unit tick and
+        the server says which tick is one (``tick(unit_tick=...)``)."""
+        ...
+
+    def prefill_pending(self) -> bool:
+        """Whether a session waits for its context to be built or prefilled."""
+        ...
+
+    def prefill_step(self) -> list[EngineEvent]:
+        """One prefill chunk between ticks (the next tick then runs none)."""
+        ...
+
+    def predicted_prefill_s(self) -> float | None:
+        """Seconds the next ``prefill_step`` is expected to take (None: not measured yet)."""
+        ...
+
+    def sessions_behind(self) -> int:
+        """Live sessions holding a whole unit more than the next tick takes (a server ticks
+        early for them: scheduler.catch_up_ticks)."""
+        ...
+
+    # Ticks the engine counted late (its own period), and the units the last tick ran.
+    late_ticks: int
+    last_tick_units: int
+
+    # ---------------------------------------------------------------- sessions and voices
+    def queue_position(self, sid: str) -> int | None:
+        """1 for the next queued session to be admitted, 2 for the one after...; None when
+        ``sid`` is not queued."""
+        ...
+
+    def session_ids(self) -> list[str]:
+        """Live (admitted, not queued) sessions, in admission order."""
+        ...
+
+    def admission_room(self) -> Any:
+        """How many more sessions the engine would admit now (``runtime/admission.Headroom``:
+        ``sessions``, ``limit``), from its plan and measured tick cost."""
+        ...
+
+    def context_tokens(self, client_session: Mapping[str, Any]) -> int:
+        """The Thinker context length a ``session.update`` object would open with."""
+        ...
+
+    def voice_names(self) -> list[str] | None:
+        """The voices a session may name, sorted; None: the engine does not check names."""
+        ...
+
+    def push_frame(self, sid: str, image: bytes) -> None:
+        """A camera frame (JPEG or PNG bytes) for video session ``sid``'s next unit without one.
+        A ValueError with ``code`` ``vision_unavailable`` without ``model.vision`` or for a session
+        not opened with ``video``, ``invalid_image`` for a bad image, ``too_many_frames`` past 10."""
+        ...
+
+    def add_reference_voice(self, ref_audio: Any) -> str:
+        """A voice name made from a client's reference recording (16 kHz float32 mono), the same
+        name for the same recording; ReferenceAudioError (``duplexcache.context``) when unusable."""
+        ...
+
+
+def missing_members(engine: Any) -> list[str]:
+    """The EngineAPI members ``engine`` lacks (a server refuses such an engine at start)."""
+    members = [name for name in dir(EngineAPI) if not name.startswith("_")] + ["late_ticks", "last_tick_units"]
+    return sorted({name for name in members if not hasattr(engine, name)})
+
+
 TURN_MODES = ("duplex", "manual")
-
-
-def engine_voice_names(engine: Any) -> list[str] | None:
-    """The voices an engine offers, sorted (the real engine keeps a VoiceRegistry as
-    ``engine.voices``); None for an engine without a registry, whose voices are not checked."""
-    names = getattr(getattr(engine, "voices", None), "names", None)
-    return None if names is None else sorted(names())

@@ -18,7 +18,7 @@ from duplexcache.kv.decode_graphs import PagedDecodeGraphs
 from duplexcache.kv.talker_blocks import TalkerBlocks
 from duplexcache.runtime.engine_api import EngineStats, TierBytes
 from duplexcache.runtime.engine_session import SessionTable
-from duplexcache.runtime.stage0 import Stage0Runner
+from duplexcache.runtime.stage0.runner import Stage0Runner
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,8 @@ class EngineStatsRecorder:
     # ------------------------------------------------------------------ the snapshot
 
     def snapshot(self, decode_graphs: Mapping[str, PagedDecodeGraphs | None], warmup_captures: int,
-                 captures_total: int, warmup_seconds: float | None, encoder_graph_ticks: int = 0) -> EngineStats:
+                 captures_total: int, warmup_seconds: float | None, encoder_graph_ticks: int = 0,
+                 early_closes: int = 0) -> EngineStats:
         cache = self.builder.cache
         table = self.table
         with table.lock:
@@ -121,5 +122,5 @@ class EngineStatsRecorder:
                 ragged_graph_steps={name: g.stats.ragged_replays for name, g in decode_graphs.items() if g is not None},
                 encoder_graph_ticks=encoder_graph_ticks,
                 graph_captures={"warmup": warmup_captures, "tick": captures_total - warmup_captures},
-                warmup_seconds=warmup_seconds, early_closes=table.early_closes,
+                warmup_seconds=warmup_seconds, early_closes=early_closes,
                 window_compactions=self.stage0.compactions)

@@ -29,12 +29,16 @@ import logging
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from duplexcache.kv.talker_blocks import TalkerBlocks
 from duplexcache.runtime.engine_session import EndSession, EngineSession
-from duplexcache.runtime.stage0 import Stage0Runner
+from duplexcache.runtime.stage0.runner import Stage0Runner
+
+if TYPE_CHECKING:
+    from duplexcache.runtime.engine import DuplexEngine
 
 logger = logging.getLogger(__name__)
 
@@ -117,3 +121,17 @@ def fast_forward(sess: EngineSession, req: FastForwardRequest, stage0: Stage0Run
     if req.encoder_full_cache and enc is not None:
         enc.reserve(enc.max_frames)
     return FastForwardResult(appended, added)
+
+
+def fast_forward_session(engine: DuplexEngine, sid: str, req: FastForwardRequest) -> FastForwardResult:
+    """``fast_forward`` of live session ``sid`` of ``engine``, between ticks (it waits for a
+    running tick), in the engine's numerics; pool stats are refreshed afterwards."""
+    with engine._tick_lock:
+        if engine._closed:
+            raise RuntimeError("engine is shut down")
+        with engine._numerics():
+            result = fast_forward(engine.table.get_live(sid), req, engine.stage0, engine.talker_kv,
+                                  engine.sizing.talker_turn_tokens, engine._text_ids, engine._embed_tokens,
+                                  engine._end)
+        engine.recorder.refresh_pools()
+    return result

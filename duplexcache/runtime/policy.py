@@ -45,8 +45,7 @@ Two policies:
       input     q q S S Sq q q ...                  (Sq: speech, then >= end_quiet_ms of quiet)
       decision  L L L L S  S S ...
 
-  With ``end_quiet_lookahead`` (the default) the quiet also counts into the audio the server
-  already holds after the unit when its tick takes it (about ``lead``, 150 ms, with units
+  The quiet also counts into the audio the server already holds after the unit when its tick takes it (about ``lead``, 150 ms, with units
   aligned to the ticks), so a turn ending in the unit's last ``end_quiet_ms`` is answered in that
   unit too, as a server VAD would hear it, instead of one unit (1 s) later. The decision then
   depends on how much audio has arrived, not on the unit alone.
@@ -344,8 +343,7 @@ class ReplyPolicy:
     """Replies after each user turn (see the module docstring)."""
 
     def __init__(self, control: ControlTokens, text_ids: torch.Tensor, speech_rms: float, reply_min_units: int,
-                 reply_max_units: int, text_tokens: int = 3, end_quiet_ms: int = DEFAULT_END_QUIET_MS,
-                 end_quiet_lookahead: bool = True) -> None:
+                 reply_max_units: int, text_tokens: int = 3, end_quiet_ms: int = DEFAULT_END_QUIET_MS) -> None:
         if not 0 < speech_rms < 1 or not 1 <= reply_min_units <= reply_max_units \
                 or not 0 <= text_tokens <= MAX_UNIT_TOKENS - 2 or end_quiet_ms < 10:
             raise ValueError(f"need 0 < speech_rms < 1, 1 <= reply_min_units <= reply_max_units, "
@@ -358,7 +356,6 @@ class ReplyPolicy:
         self.reply_min_units = reply_min_units
         self.reply_max_units = reply_max_units
         self.text_tokens = text_tokens
-        self.end_quiet_lookahead = end_quiet_lookahead
 
     def new_session(self, sid: str) -> ReplyState:
         return ReplyState(sid)
@@ -382,7 +379,7 @@ class ReplyPolicy:
         if not state.heard_speech:
             return self.control.listen
         quiet = state.quiet_samples
-        if quiet < self.end_quiet_samples and self.end_quiet_lookahead and ahead is not None and ahead.size:
+        if quiet < self.end_quiet_samples and ahead is not None and ahead.size:
             # The quiet may go on past the unit's end into audio the server already holds: a
             # turn that ends in the unit's last end_quiet_ms is answered now, not a unit later.
             quiet += leading_quiet(ahead, self.speech_rms)
@@ -400,7 +397,7 @@ class ReplyPolicy:
         (what the server holds past ``pcm``) holds no speech, and the quiet after the turn's last
         speech frame, counted through ``after``, is ``end_quiet_ms`` or more. Changes no state.
 
-        The engine asks this to close a unit early (``server.tick_phases``): the silence it
+        The engine asks this to close a unit early (``scheduler.tick_phases``): the silence it
         completes the unit with then never makes a turn end that the caller's audio did not."""
         if not isinstance(state, ReplyState):
             raise ValueError("ReplyPolicy.would_answer needs the session's ReplyState")
@@ -431,6 +428,5 @@ def make_policy(settings: SpeakPolicy, control: ControlTokens, text_ids: torch.T
         return ScriptedPolicy(control, text_ids, k=settings.k, turn_units=settings.turn_units)
     if settings.mode == "reply":
         return ReplyPolicy(control, text_ids, settings.speech_rms, settings.reply_min_units,
-                           settings.reply_max_units, end_quiet_ms=settings.end_quiet_ms,
-                           end_quiet_lookahead=settings.end_quiet_lookahead)
+                           settings.reply_max_units, end_quiet_ms=settings.end_quiet_ms)
     raise ValueError(f"unknown speak_policy mode {settings.mode!r}")

@@ -18,7 +18,7 @@ ends it (``<|turn_eos|>``, a listen after speaking, or a cancel). Each reply uni
 (:class:`ReplyUnit`): the rows it appended before its decision, its text length, its end token
 and the audio samples sent for it.
 
-Cancel and truncation. A unit's audio leaves in the tick of its text (runtime/code2wav_stage.py);
+Cancel and truncation. A unit's audio leaves in the tick of its text (runtime/stages/code2wav_stage.py);
 only the turn's final chunk (its last 3 codes and the vocoder's cross-fade tail) waits for the
 turn to end. A cancel recorded after tick t is applied at the start of tick t+1, before that
 tick's unit (4 reply units r0..r3 here, r0 spoken at tick 1)::
@@ -59,7 +59,7 @@ from duplexcache.runtime.engine_api import OUTPUT_SAMPLE_RATE, ResponseUsage
 from duplexcache.runtime.policy import MAX_UNIT_TOKENS, ControlTokens
 
 if TYPE_CHECKING:
-    from duplexcache.runtime.stage0 import Stage0Runner
+    from duplexcache.runtime.stage0.runner import Stage0Runner
 
 logger = logging.getLogger(__name__)
 

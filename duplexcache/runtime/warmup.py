@@ -31,7 +31,7 @@ the first seconds saw first audio after 13-16 s, and 11 of them none within 16 s
 * the audio encoder (its conv front eager in every tick, its layers too without graphs), over a first unit and a second unit of the planned
   session count on throwaway states (``run_encoder_once``): its first batch otherwise paid its
   library initialisation (cuDNN) and the device allocations of the batch inside a tick (H200,
-  32 sessions: a 2.1 s first unit; ``scripts/encoder_growth_probe.py``).
+  32 sessions: a 2.1 s first unit; ``scripts/probes/encoder_growth_probe.py``).
 * the CUDA caching allocator holds the plan's dynamic region once (``reserve_dynamic_region``):
   the sessions' encoder caches and Code2Wav stream caches are allocated as sessions open and
   grow, and each new size used to be a device allocation (cudaMalloc, which waits for the
@@ -58,8 +58,9 @@ import torch
 from duplexcache.cfm.graph_grid import replay_tiers
 from duplexcache.kv.decode_graphs import width_classes
 from duplexcache.kv.paged_attention import NULL_BLOCK_ID, PagedBatch, PagedKVCache
-from duplexcache.runtime.code2wav_stage import chunk_widths
-from duplexcache.runtime.stage0_types import SessionContextInput
+from duplexcache.runtime import engine_parts
+from duplexcache.runtime.stages.code2wav_stage import chunk_widths
+from duplexcache.runtime.stage0.types import SessionContextInput
 
 if TYPE_CHECKING:
     from duplexcache.runtime.engine import DuplexEngine
@@ -285,7 +286,7 @@ def run_prefill_once(engine: DuplexEngine) -> int:
     try:
         for step in range(tokens // chunk + 2):
             if step >= 2:   # a warm chunk: timed for the server's pacing
-                result = engine.prefill_times.measure(lambda: stage0.prefill(chunk))
+                result = engine.scheduler.prefill_times.measure(lambda: stage0.prefill(chunk))
             else:           # first uses: timed for the log only
                 _sync(m.device)
                 start = time.perf_counter()
@@ -299,7 +300,7 @@ def run_prefill_once(engine: DuplexEngine) -> int:
     finally:
         stage0.close_session(PREFILL_WARMUP_SID)
     _sync(m.device)
-    predicted = engine.prefill_times.predicted_s()
+    predicted = engine.scheduler.prefill_times.predicted_s()
     logger.info("warm-up prefill: chunks of %d tokens took %s ms (first uses), then %s ms (timed for pacing)",
                 chunk, " / ".join(f"{1e3 * w:.1f}" for w in walls),
                 "-" if predicted is None else f"{1e3 * predicted:.1f}")
@@ -344,7 +345,7 @@ def reserve_dynamic_region(engine: DuplexEngine) -> int:
     if n < engine.plan.dynamic_bytes:
         # The plan sized the pools before the warm-up's graphs took their memory; a region that
         # no longer fits means the sessions' growing caches may not either (seen on the H200 when
-        # the encoder pieces' captures kept their activations, fixed since: docs/benchmarks.md).
+        # the encoder pieces' captures kept their activations, fixed since: docs/results/HISTORY.md).
         logger.warning("warm-up: the device has %.1f GiB free for the plan's %.1f GiB dynamic region (the "
                        "sessions' encoder and Code2Wav caches); the graphs captured since the plan took the rest, "
                        "so the planned sessions may run out of device memory", n / 2**30,
@@ -390,7 +391,7 @@ def replan_after_warmup(engine: DuplexEngine, report: WarmupReport) -> None:
     device = engine.models.device
     base = engine.reserved_before_pools
     policy = engine.policy
-    engine._release_session_side()
+    engine_parts.release_session_side(engine)
     held = (torch.cuda.memory_reserved(device) - base) if device.type == "cuda" else 0
     reserve = max(0, report.activation_peak_bytes - max(0, held)) + e.activation_margin
     headroom = e.memory_headroom if e.memory_budget == "auto" else 0
@@ -402,14 +403,14 @@ def replan_after_warmup(engine: DuplexEngine, report: WarmupReport) -> None:
     engine.headroom_bytes = headroom
     engine._replanned = True
     plan = engine.sizing.plan(activation_reserve=reserve, headroom=headroom if e.memory_budget == "auto" else None)
-    engine._build_session_side(plan, policy, engine.faults)
+    engine_parts.build_session_side(engine, plan, policy, engine.faults)
     engine.recorder.refresh_pools()
     logger.info("re-planned: %s", plan.describe())
 
 
 def _log_device_memory(engine: DuplexEngine) -> None:
     """Where the device memory stands after the warm-up: what the graphs' pools took is the part
-    the memory plan does not count (docs/benchmarks.md, "The graph switches: the retained memory
+    the memory plan does not count (docs/results/HISTORY.md, "The graph switches: the retained memory
     explained")."""
     device = engine.models.device
     if device.type != "cuda":
@@ -508,4 +509,27 @@ def warm_up(engine: DuplexEngine, should_stop: Callable[[], bool] = _never) -> W
                     "workspaces); the plan reserved %.2f GiB", peak / 2**30, engine.activation_reserve / 2**30)
     _log_device_memory(engine)
     logger.info("engine %s%s", report.describe(), " (cancelled)" if cancelled else "")
+    return report
+
+
+def run_warmup(engine: DuplexEngine, should_stop: Callable[[], bool] | None = None) -> WarmupReport:
+    """Capture every decode and Code2Wav graph and run every Triton kernel a tick can need, so
+    that ticks capture nothing (``DuplexEngine.warmup``). Touches no session; call before serving
+    (the server does, before /health answers ok). ``should_stop`` is asked between captures (a
+    server shutting down). With ``engine.activation_from_warmup`` on a device that measures
+    (CUDA), the first warm-up's peak re-plans the pools once and the engine warms again
+    (docs/engine.md "Memory: the order of start-up")."""
+    with engine._tick_lock:
+        if engine._closed:
+            raise RuntimeError("engine is shut down")
+        stop = should_stop or (lambda: False)
+        before = engine._graph_captures_total()
+        with engine._numerics():
+            report = warm_up(engine, stop)
+            if (engine.deploy.engine.activation_from_warmup and not engine._replanned and not report.cancelled
+                    and report.activation_peak_bytes is not None):
+                replan_after_warmup(engine, report)
+                report = warm_up(engine, stop)
+        engine._warmup_captures += engine._graph_captures_total() - before
+        engine.warmup_report = report
     return report

@@ -11,14 +11,14 @@ Ownership:
   sender task writes to the socket, so the tick loop never waits on a slow client.
 
 The tick task calls ``engine.tick()`` in a worker thread (``asyncio.to_thread``) every
-``engine.tick_seconds`` / ``server.tick_phases`` and awaits it before the next one, so two ticks never overlap; a tick
+``engine.tick_seconds`` / ``scheduler.tick_phases`` and awaits it before the next one, so two ticks never overlap; a tick
 that overruns its period is logged and counted (``late_ticks``) and the next one starts at
 once, without a catch-up burst. Other engine calls also go through worker threads so a busy
 engine never stalls the event loop (the engine is thread-safe per ``engine_api``).
 
-Warm start: the lifespan starts listening at once, then runs ``engine.warmup()`` (when the engine
-has one: ``DuplexEngine`` captures every CUDA graph and compiles every kernel, runtime/warmup.py)
-in a worker thread; the tick loop starts after it. Until then ``/health`` answers 503
+Warm start: the lifespan starts listening at once, then runs ``engine.warmup()`` (``DuplexEngine``
+captures every CUDA graph and compiles every kernel, runtime/warmup.py; an engine with nothing to
+warm returns None) in a worker thread; the tick loop starts after it. Until then ``/health`` answers 503
 ``{"status": "warming"}`` and a WebSocket is accepted, sent an ``error`` event
 (``server_warming_up``) and closed with 1013 (try again later): refusing is explicit, and a client
 waiting through a 30 s warm-up inside the WebSocket handshake would hit its open timeout anyway.
@@ -35,7 +35,6 @@ import contextlib
 import functools
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -45,10 +44,8 @@ from fastapi.responses import JSONResponse, Response
 
 from duplexcache.config import ConfigError, DeployConfig
 from duplexcache.runtime.engine_api import (
-    TURN_CONTROL_METHODS, AudioDelta, EngineAPI, EngineEvent, ResponseDone, SessionAdmitted, SessionError, TextDelta,
-    engine_voice_names,
+    AudioDelta, EngineAPI, EngineEvent, ResponseDone, SessionAdmitted, SessionError, TextDelta, missing_members,
 )
-from duplexcache.runtime.pacing import UnitGrid, deadline_after_late, prefill_fits
 from duplexcache.server import protocol as proto
 from duplexcache.server.auth import Refusal, bearer_ok, check_handshake, client_address
 from duplexcache.server.connection import Connection, TransportScope, transport_of
@@ -58,24 +55,16 @@ from duplexcache.server.queue_wait import QueueWaitEstimate
 from duplexcache.server.realtime_session import RealtimeSession
 from duplexcache.server.resume import RESUME_QUERY, REPLAY_QUERY, ParkedSessions, ResumeRefusal
 from duplexcache.server.session_config import RefusalMemory
+from duplexcache.server.tick_loop import TickLoop
 
 logger = logging.getLogger(__name__)
 
 REALTIME_PATH = proto.REALTIME_PATH
-# A tick is late when it ends more than this fraction of a period after its deadline.
-LATE_SLACK = 0.1
 # Engine-reported error codes that describe the client's input rather than a server fault.
 _CLIENT_ERROR_CODES = frozenset({"invalid_audio", "context_length_exceeded", "invalid_reference_audio"})
-# What an engine needs for server.prefill_between_ticks (optional members, docs/design.md).
-_PREFILL_METHODS = ("prefill_pending", "prefill_step", "predicted_prefill_s")
-# The core session calls every engine has (engine_api.EngineAPI less the turn-control members).
-_CORE_METHODS = ("open_session", "is_queued", "push_audio", "close_session", "tick", "stats", "shutdown")
 MAX_PLACEMENT_KEY = 128   # characters of the placement header kept
 # Longest pause of the housekeeping loop (idle/duration limits, queue notices).
 HOUSEKEEPING_PERIOD_S = 0.5
-# How often the wait for the next tick looks for a session that started opening, whose prefill
-# chunks may then run in the rest of the period (server.prefill_between_ticks).
-PREFILL_POLL_S = 0.05
 
 
 def available_cpus() -> int:
@@ -101,7 +90,7 @@ def compute_threads(setting: int | str, device: str, cpus: int, omp_threads: str
 def _check_voice_aliases(engine: EngineAPI, config: DeployConfig) -> None:
     """server.voice_aliases must map to voices the engine has (an engine without a voice registry,
     such as a test fake, is not checked)."""
-    known = engine_voice_names(engine)
+    known = engine.voice_names()
     if known is None:
         return
     missing = sorted({v for v in config.server.voice_aliases.values() if v not in known})
@@ -110,20 +99,14 @@ def _check_voice_aliases(engine: EngineAPI, config: DeployConfig) -> None:
                           f"(it has: {', '.join(known)})")
 
 
-class RealtimeServer:
+class RealtimeServer(TickLoop):
     def __init__(self, engine: EngineAPI, config: DeployConfig, metrics: ServerMetrics | None = None):
-        missing = [name for name in _CORE_METHODS if not callable(getattr(engine, name, None))]
+        missing = missing_members(engine)
         if missing:
             raise TypeError(f"engine {type(engine).__name__} does not implement EngineAPI (missing {missing})")
         self.engine = engine
         self.config = config
         self.metrics = metrics or ServerMetrics()
-        # An engine without the turn API still serves turn_detection "duplex" (its speak policy).
-        self.turn_control = all(callable(getattr(engine, name, None)) for name in TURN_CONTROL_METHODS)
-        if not self.turn_control:
-            logger.warning("engine %s has no turn control (%s): only turn_detection 'duplex' is served; "
-                           "response.create/cancel and conversation items are refused",
-                           type(engine).__name__, ", ".join(TURN_CONTROL_METHODS))
         _check_voice_aliases(engine, config)
         self._by_sid: dict[str, RealtimeSession] = {}
         self._sessions: set[RealtimeSession] = set()
@@ -138,7 +121,6 @@ class RealtimeServer:
         self.resumes = ParkedSessions(config.server.resume_window_s, config.server.max_outbox_bytes)
         self.warm_state = "warming"            # -> "ready" | "warmup_failed"
         self.warmup_error: str | None = None
-        self._saved_switch_interval: float | None = None  # Python's, while ours is set
         self._saved_compute_threads: int | None = None    # torch's, while ours is set
         self.failed_ticks_in_a_row = 0         # a cluster replica reports itself unhealthy on a run
         self.last_tick_error: str | None = None
@@ -174,6 +156,16 @@ class RealtimeServer:
             session.conn.close(close_code, code)
         return len(sessions)
 
+    def queued_sessions(self) -> int:
+        return sum(1 for s in self._sessions if s.queued)
+
+    def estimated_wait_s(self, position: int, now: float) -> float:
+        """Seconds until the queued session at ``position`` is admitted (server/queue_wait.py),
+        from the ages of the live sessions at ``now`` (time.monotonic)."""
+        live_ages = [now - s.live_since for s in self._sessions
+                     if s.live_since is not None and s.sid is not None and not s.queued]
+        return self.queue_wait.estimate(position, live_ages)
+
     def connections_of(self, client: str) -> int:
         # a parked session holds no connection (it counts in sessions_of)
         return sum(s.client == client and not self.resumes.is_parked(s) for s in self._sessions) + \
@@ -191,13 +183,6 @@ class RealtimeServer:
     async def start(self) -> None:
         """Start warming up and then ticking, in the background (the app listens meanwhile)."""
         assert self._tick_task is None, "RealtimeServer.start called twice"
-        interval_ms = self.config.server.switch_interval_ms
-        if interval_ms is not None:
-            # process-wide: restored in stop() so an embedding process gets its own value back
-            self._saved_switch_interval = sys.getswitchinterval()
-            sys.setswitchinterval(interval_ms / 1000)
-            logger.info("thread switch interval %.2f ms (server.switch_interval_ms; Python's was %.2f ms)",
-                        interval_ms, self._saved_switch_interval * 1000)
         threads = compute_threads(self.config.server.compute_threads, self.config.model.device, available_cpus(),
                                   os.environ.get("OMP_NUM_THREADS"))
         if threads is not None:
@@ -211,38 +196,35 @@ class RealtimeServer:
         self._housekeeping_task = asyncio.create_task(self._housekeeping_loop(), name="duplexcache-housekeeping")
 
     async def _warm_then_tick(self) -> None:
-        warmup = getattr(self.engine, "warmup", None)   # optional: not part of EngineAPI
-        if warmup is not None:
-            start = time.perf_counter()
-            try:
-                # should_stop: a shutdown during the warm-up does not wait for every capture.
-                report = await asyncio.to_thread(warmup, should_stop=self._stopping.is_set)
-            except Exception as exc:  # noqa: BLE001 - report it on /health, keep the process up
-                logger.exception("engine warm-up failed; the server stays unready")
-                self.warmup_error = f"{type(exc).__name__}: {exc}"
-                self.warm_state = "warmup_failed"
-                return
-            if self._stopping.is_set():
-                logger.info("warm-up stopped: the server is shutting down")
-                return
-            logger.info("warm-up finished in %.2f s (%s); ready", time.perf_counter() - start,
-                        getattr(report, "describe", lambda: report)())
-            await self._log_waterfall()
+        start = time.perf_counter()
+        try:
+            # should_stop: a shutdown during the warm-up does not wait for every capture.
+            report = await asyncio.to_thread(self.engine.warmup, should_stop=self._stopping.is_set)
+        except Exception as exc:  # noqa: BLE001 - report it on /health, keep the process up
+            logger.exception("engine warm-up failed; the server stays unready")
+            self.warmup_error = f"{type(exc).__name__}: {exc}"
+            self.warm_state = "warmup_failed"
+            return
+        if self._stopping.is_set():
+            logger.info("warm-up stopped: the server is shutting down")
+            return
+        logger.info("warm-up finished in %.2f s (%s); ready", time.perf_counter() - start,
+                    "nothing to warm" if report is None else report.describe())
+        await self._log_waterfall()
         self.metrics.update(await asyncio.to_thread(self.engine.stats))
         self.warm_state = "ready"
         await self._tick_loop()
 
     async def _log_waterfall(self) -> None:
         """The card waterfall once, after the warm-up (issue 43): logged line by line and set on
-        /metrics as ``duplexcache_device_bytes{part=...}``. Optional: an engine without
-        ``waterfall()`` has none; a failure to account is logged, never fatal."""
-        waterfall = getattr(self.engine, "waterfall", None)
-        if waterfall is None:
-            return
+        /metrics as ``duplexcache_device_bytes{part=...}``. An engine that does not account its
+        device returns None; a failure to account is logged, never fatal."""
         try:
-            wf = await asyncio.to_thread(waterfall)
+            wf = await asyncio.to_thread(self.engine.waterfall)
         except Exception:  # noqa: BLE001 - accounting must not keep a warm server from serving
             logger.exception("card waterfall failed")
+            return
+        if wf is None:
             return
         for line in wf.lines():
             logger.info("%s", line)
@@ -261,155 +243,12 @@ class RealtimeServer:
             session.conn.close(proto.CLOSE_GOING_AWAY, "server shutting down")
         await asyncio.gather(*(session.conn.finish() for session in sessions))
         await asyncio.to_thread(self.engine.shutdown)
-        if self._saved_switch_interval is not None:
-            sys.setswitchinterval(self._saved_switch_interval)
-            self._saved_switch_interval = None
         if self._saved_compute_threads is not None:
             import torch
 
             torch.set_num_threads(self._saved_compute_threads)
             self._saved_compute_threads = None
         logger.info("server stopped: closed %d connection(s)", len(sessions))
-
-    # ---------------------------------------------------------------- tick loop
-
-    async def _tick_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        server = self.config.server
-        # server.tick_phases ticks per unit: each takes the units complete by then
-        period = self.config.engine.tick_seconds / server.tick_phases
-        pacing = self._pacing_prefill()   # decided once: the config and the engine do not change
-        pace = getattr(self.engine, "set_prefill_between_ticks", None)   # optional (docs/design.md)
-        if pace is not None:
-            pace(pacing)
-        align = getattr(self.engine, "set_unit_alignment", None)          # optional too
-        if align is not None:
-            align(server.unit_align_margin_ms if server.align_units_to_ticks else None)
-        fill = getattr(self.engine, "set_silence_fill", None)             # and this one
-        if fill is not None:
-            fill(server.fill_silence_after_ms)
-        set_phases = getattr(self.engine, "set_tick_phases", None)        # and this one
-        # phase_units home: units stay on the unit tick (every tick_phases-th point of the grid),
-        # and the engine is told which tick is one
-        home = server.tick_phases > 1 and server.phase_units == "home" and set_phases is not None
-        if set_phases is not None:
-            if home:
-                set_phases(server.tick_phases, home=True)
-            else:
-                set_phases(server.tick_phases)
-        elif server.tick_phases != 1:
-            logger.warning("server.tick_phases %d: this engine has no set_tick_phases; the server ticks %d times "
-                           "per unit without closing turns early", server.tick_phases, server.tick_phases)
-        grid = UnitGrid(loop.time(), period, server.tick_phases if home else 1)
-        deadline = grid.origin + period
-        caught_up_at = None   # the deadline of the period that already had its extra tick
-        catching_up = False
-        while not self._stopping.is_set():
-            # a catch-up tick is an extra tick, never a unit tick: it must not move the start that
-            # the room of the ticks between is measured from (engine._tick_has_room)
-            unit_tick = grid.unit_tick(deadline) and not catching_up
-            catching_up = False
-            engine_late = getattr(self.engine, "late_ticks", None)   # the engine's own count, when it keeps one
-            await self._tick_once(unit_tick if home else None)
-            now = loop.time()
-            if home and deadline < now <= grid.next_unit_point(deadline) + LATE_SLACK * period:
-                # A unit tick ran into the time of the ticks between: they start now (and take
-                # early closes only while there is room), the unit tick after them is on time
-                deadline = deadline_after_late(deadline, now, period)
-                continue
-            if now > deadline + LATE_SLACK * period:
-                self.metrics.late_ticks.inc()
-                # The engine logs the warning for a tick over its own period (one line, not two);
-                # home, that period is a unit and this grid's point a fraction of one, so the server
-                # says it unless the engine counted (and logged) this tick late too.
-                engine_said_it = engine_late is not None and getattr(self.engine, "late_ticks", 0) > engine_late
-                (logger.warning if home and not engine_said_it else logger.debug)(
-                    "%s ran late: ended %.3f s past its deadline (period %.3f s); the next tick starts now",
-                    "tick" if not home else "unit tick" if unit_tick else "tick between unit ticks",
-                    now - deadline, period)
-                # the next tick starts now and is due at the grid's next point (runtime/pacing.py)
-                deadline = deadline_after_late(deadline, now, period)
-                continue
-            if caught_up_at != deadline and self._sessions_behind() > 0:
-                # The sessions behind real time get one extra tick now, before the deadline
-                # (docs/engine.md, "Pacing"); the deadline stays where it was.
-                self.metrics.catch_up_ticks.inc()
-                caught_up_at, catching_up = deadline, True
-                await asyncio.sleep(0)   # let the event loop take the frames that arrived meanwhile
-                continue
-            await self._wait_for(deadline, period, pacing)
-            deadline += period
-
-    def _pacing_prefill(self) -> bool:
-        return self.config.server.prefill_between_ticks and all(
-            callable(getattr(self.engine, name, None)) for name in _PREFILL_METHODS)
-
-    async def _wait_for(self, deadline: float, period: float, pacing: bool) -> None:
-        """Until ``deadline`` (or shutdown). With ``server.prefill_between_ticks``, prefill chunks
-        of opening sessions run meanwhile while their measured time fits (runtime/pacing.py), and
-        the wait wakes every ``PREFILL_POLL_S`` to see whether a session started opening."""
-        loop = asyncio.get_running_loop()
-        while not self._stopping.is_set():
-            if pacing:
-                pacing = await self._prefill_in_slack(deadline, period)
-            left = deadline - loop.time()
-            if left <= 0:
-                return
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), min(left, PREFILL_POLL_S) if pacing else left)
-
-    async def _prefill_in_slack(self, deadline: float, period: float) -> bool:
-        """Chunks while they fit; False when ``prefill_step`` failed (the tick prefills instead,
-        and this wait tries no more: one logged failure per period, not one per poll)."""
-        loop = asyncio.get_running_loop()
-        try:
-            while not self._stopping.is_set() and self.engine.prefill_pending():
-                if not prefill_fits(deadline - loop.time(), self.engine.predicted_prefill_s(), period):
-                    return True
-                events = await asyncio.to_thread(self.engine.prefill_step)
-                self.metrics.prefill_chunks_between_ticks.inc()
-                await self._route(events)
-        except Exception:  # noqa: BLE001 - an engine bug must not stop the tick loop
-            logger.exception("prefill between ticks failed; the next tick prefills instead")
-            return False
-        return True
-
-    def _sessions_behind(self) -> int:
-        """Sessions holding a whole unit more than the next tick takes; 0 with
-        ``server.catch_up_ticks`` off or an engine that cannot tell."""
-        behind = getattr(self.engine, "sessions_behind", None)
-        if not self.config.server.catch_up_ticks or behind is None:
-            return 0
-        try:
-            return int(behind())
-        except Exception:  # noqa: BLE001 - pacing must not kill the tick loop
-            logger.exception("engine.sessions_behind failed")
-            return 0
-
-    async def _tick_once(self, unit_tick: bool | None = None) -> None:
-        """One engine tick; ``unit_tick`` (``server.phase_units: home`` only) says whether it is
-        one: None calls ``engine.tick()`` as every engine takes it."""
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        tick = self.engine.tick if unit_tick is None else functools.partial(self.engine.tick, unit_tick=unit_tick)
-        try:
-            events = await asyncio.to_thread(tick)
-        except Exception as exc:  # noqa: BLE001 - an engine bug must not kill the server loop
-            logger.exception("engine tick failed")
-            self.metrics.tick_errors.inc()
-            self.failed_ticks_in_a_row += 1
-            self.last_tick_error = f"{type(exc).__name__}: {exc}"
-            events = []
-        else:
-            self.failed_ticks_in_a_row = 0
-        self.metrics.tick_duration.observe(loop.time() - start)
-        if unit_tick is False and self.failed_ticks_in_a_row == 0 and getattr(self.engine, "last_tick_units", 0) > 0:
-            self.metrics.between_tick_duration.observe(loop.time() - start)
-        await self._route(events)
-        try:
-            self.metrics.update(await asyncio.to_thread(self.engine.stats))
-        except Exception:  # noqa: BLE001
-            logger.exception("engine stats failed")
 
     async def _route(self, events: list[EngineEvent]) -> None:
         for event in events:
@@ -422,7 +261,7 @@ class RealtimeServer:
             elif isinstance(event, TextDelta):
                 session.on_text(event.text)
             elif isinstance(event, ResponseDone):
-                session.on_done(getattr(event, "status", "completed"), getattr(event, "usage", None))
+                session.on_done(event.status, event.usage)
             elif isinstance(event, SessionAdmitted):
                 try:
                     await session.on_admitted()

@@ -1,7 +1,7 @@
 """Camera frames and images from either dialect into the engine (``push_frame``), errors by field.
 
-Both dialects hand image bytes to the engine's optional ``push_frame(sid, image)``
-(runtime/vision_stage.py decodes and checks them); the engine's refusals come back here as
+Both dialects hand image bytes to the engine's ``push_frame(sid, image)`` (EngineAPI;
+runtime/stages/vision_stage.py decodes and checks them); the engine's refusals come back here as
 ``error`` events naming the wire field, and the session goes on:
 
 =====================  ================================  =====================================
@@ -27,26 +27,20 @@ from typing import Any
 
 from duplexcache.server import protocol as proto
 
-# The engine's optional member (runtime/engine.py DuplexEngine.push_frame).
-FRAME_METHOD = "push_frame"
 # The data URL prefixes OpenAI's input_image takes (its spec: PNG and JPEG); remote URLs are not fetched.
 IMAGE_DATA_URLS = ("data:image/jpeg;base64,", "data:image/jpg;base64,", "data:image/png;base64,")
 IMAGE_DETAILS = (None, "auto", "low", "high")
 
 
-def vision_served(engine: Any, deploy: Any) -> bool:
-    """Whether this server takes frames: the engine has ``push_frame`` and ``model.vision`` is on."""
-    return getattr(engine, FRAME_METHOD, None) is not None and bool(deploy.model.vision)
+def vision_served(deploy: Any) -> bool:
+    """Whether this server takes frames: ``model.vision`` is on (the engine then has a vision stage)."""
+    return bool(deploy.model.vision)
 
 
 async def push_frame(engine: Any, sid: str, data: bytes, param: str, event_id: str | None = None) -> None:
     """``data`` for session ``sid``'s next unit; a refusal raises ``ProtocolError`` naming ``param``."""
-    push = getattr(engine, FRAME_METHOD, None)
-    if push is None:
-        raise proto.ProtocolError("vision_unavailable", f"{param}: this server takes no images (no vision model)",
-                                  event_id, param=param)
     try:
-        await asyncio.to_thread(push, sid, data)
+        await asyncio.to_thread(engine.push_frame, sid, data)
     except ValueError as exc:   # InvalidImageError, TooManyFrames, VisionUnavailable, unknown session
         raise proto.ProtocolError(getattr(exc, "code", "invalid_value"), f"{param}: {exc}", event_id,
                                   param=param) from None

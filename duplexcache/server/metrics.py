@@ -49,12 +49,12 @@ class ServerMetrics:
                                      registry=r)
         self.late_ticks = Counter(PREFIX + "late_ticks", "Ticks that started after their deadline", registry=r)
         self.catch_up_ticks = Counter(PREFIX + "catch_up_ticks", "Extra ticks run for sessions behind real time "
-                                      "(server.catch_up_ticks)", registry=r)
+                                      "(scheduler.catch_up_ticks)", registry=r)
         self.prefill_chunks_between_ticks = Counter(
             PREFIX + "prefill_chunks_between_ticks", "Prefill chunks run before a tick instead of inside it "
-            "(server.prefill_between_ticks)", registry=r)
+            "(scheduler.prefill_between_ticks)", registry=r)
         self.early_closes = Counter(PREFIX + "early_closes", "Units closed with silence at the first tick after "
-                                    "their caller's turn ended (server.tick_phases > 1)", registry=r)
+                                    "their caller's turn ended (scheduler.tick_phases > 1)", registry=r)
         self.reference_voices = Gauge(PREFIX + "reference_voices", "Voices made from clients' reference "
                                       "recordings, held now (engine.max_reference_voices)", registry=r)
         self.reference_voices_added = Counter(PREFIX + "reference_voices_added", "Reference recordings made into "
@@ -74,7 +74,7 @@ class ServerMetrics:
                                        buckets=LATENCY_BUCKETS, registry=r)
         self.between_tick_duration = Histogram(
             PREFIX + "between_tick_duration_seconds", "Wall time of a tick between unit ticks that ran units "
-            "(server.phase_units home: the turns that just ended; what the room test must predict)",
+            "(scheduler.phase_units home: the turns that just ended; what the room test must predict)",
             buckets=LATENCY_BUCKETS, registry=r)
         self.stage_latency = Histogram(PREFIX + "stage_latency_seconds", "Per-stage latency within a tick",
                                        ["stage"], buckets=LATENCY_BUCKETS, registry=r)
@@ -87,7 +87,7 @@ class ServerMetrics:
                                          "voice; a growing count means turn starts pay the pass again)",
                                          ["voice"], registry=r)
         self.device_bytes = Gauge(PREFIX + "device_bytes", "The card waterfall after the warm-up: device bytes "
-                                  "by part, adding up to the device total (runtime/waterfall.py)", ["part"], registry=r)
+                                  "by part, adding up to the device total (runtime/memory/waterfall.py)", ["part"], registry=r)
         self.device_total_bytes = Gauge(PREFIX + "device_total_bytes", "The device total the waterfall's parts add "
                                         "up to (CUDA: mem_get_info's total; CPU: weights + the memory budget)",
                                         registry=r)
@@ -144,7 +144,7 @@ class ServerMetrics:
             self._last_tick = stats.ticks
 
     def set_waterfall(self, wf: Any) -> None:
-        """Export a card waterfall (runtime/waterfall.py ``Waterfall``): one gauge child per part."""
+        """Export a card waterfall (runtime/memory/waterfall.py ``Waterfall``): one gauge child per part."""
         for part in wf.parts:
             self.device_bytes.labels(part=part.name).set(part.bytes)
         self.device_total_bytes.set(wf.total_bytes)

@@ -36,10 +36,10 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from duplexcache.context.builder import ReferenceAudioError
-from duplexcache.runtime.engine_api import REFERENCE_VOICE_METHOD, ResponseUsage
+from duplexcache.runtime.engine_api import ResponseUsage
 from duplexcache.server import frames
 from duplexcache.server import minicpmo_protocol as mp
 from duplexcache.server import protocol as proto
@@ -49,9 +49,7 @@ from duplexcache.server.connection import Connection
 from duplexcache.server.realtime_session import RealtimeSession
 from duplexcache.server.resume import ResumeReport
 from duplexcache.server.session_config import SessionSettings
-
-if TYPE_CHECKING:
-    from duplexcache.server.app import RealtimeServer
+from duplexcache.server.session_host import SessionHost
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +95,7 @@ class MiniCPMoSession(RealtimeSession):
     # app.RealtimeServer parses each text frame with its session's parser.
     parse_event = staticmethod(mp.parse_client_event)
 
-    def __init__(self, server: "RealtimeServer", conn: Connection, handshake: Handshake, client: str,
+    def __init__(self, server: SessionHost, conn: Connection, handshake: Handshake, client: str,
                  model: str | None, mode: str | None = None):
         super().__init__(server, conn, handshake, client, model)
         self.mode = mode
@@ -113,7 +111,7 @@ class MiniCPMoSession(RealtimeSession):
         refusal = None
         if self.mode not in (None, *mp.MODES):
             refusal = f"mode={proto.clip(str(self.mode))!r} is not served (modes: {', '.join(mp.MODES)})"
-        elif self.mode == "video" and not frames.vision_served(self.engine, self.server.config):
+        elif self.mode == "video" and not frames.vision_served(self.server.config):
             refusal = ("mode='video' needs a server with a vision model (model.vision is false); connect with "
                        "mode=audio")
         if refusal is not None:
@@ -160,12 +158,11 @@ class MiniCPMoSession(RealtimeSession):
         if not opened:
             self.initialized = False
             return
-        context = getattr(self.engine, "context_tokens", None)
-        if context is not None:
-            try:
-                self.usage.context_tokens = int(await asyncio.to_thread(context, self.settings.engine_session()))
-            except Exception:  # noqa: BLE001 - usage is best effort; the session is open
-                logger.exception("session %s: counting its context tokens failed", self.log_name)
+        try:
+            self.usage.context_tokens = int(await asyncio.to_thread(self.engine.context_tokens,
+                                                                    self.settings.engine_session()))
+        except Exception:  # noqa: BLE001 - usage is best effort; the session is open
+            logger.exception("session %s: counting its context tokens failed", self.log_name)
         if not self.queued:
             self._created()
 
@@ -185,12 +182,8 @@ class MiniCPMoSession(RealtimeSession):
 
     async def _reference_voice(self, ref_audio: Any) -> str:
         param = "payload.voice.ref_audio_base64"
-        add = getattr(self.engine, REFERENCE_VOICE_METHOD, None)
-        if add is None:
-            raise proto.ProtocolError("unsupported_parameter", f"{param}: this engine takes no reference voices",
-                                      param=param)
         try:
-            return await asyncio.to_thread(add, ref_audio)
+            return await asyncio.to_thread(self.engine.add_reference_voice, ref_audio)
         except ReferenceAudioError as exc:
             raise proto.ProtocolError(getattr(exc, "code", "invalid_reference_audio"), f"{param}: {exc}",
                                       param=param) from None
@@ -257,10 +250,8 @@ class MiniCPMoSession(RealtimeSession):
         # The SDK cannot send audio until session.created: waiting in the queue is not idleness
         # (server.idle_timeout_s would otherwise end every queue wait longer than it).
         self.last_input_at = now
-        queued = sum(1 for s in self.server._sessions if s.queued)   # noqa: SLF001 - this server's queue
-        live_ages = [now - s.live_since for s in self.server._sessions   # noqa: SLF001
-                     if s.live_since is not None and s.sid is not None and not s.queued]
-        wait = self.server.queue_wait.estimate(position or queued, live_ages)
+        queued = self.server.queued_sessions()
+        wait = self.server.estimated_wait_s(position or queued, now)
         self.send(mp.event(kind, position=position, queue_length=max(queued, position or 0), estimated_wait_s=wait))
 
     async def on_admitted(self) -> None:
@@ -320,7 +311,7 @@ class MiniCPMoSession(RealtimeSession):
         self.send(mp.event("response.listen", response_id=reply.id))
 
 
-def session_for(server: "RealtimeServer", conn: Connection, handshake: Handshake, client: str,
+def session_for(server: SessionHost, conn: Connection, handshake: Handshake, client: str,
                 query: Any) -> RealtimeSession:
     """The session object for a new connection: this dialect's when the handshake chose it."""
     if handshake.dialect == "minicpmo":

@@ -18,7 +18,6 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
-from duplexcache.runtime.engine_api import engine_voice_names
 
 logger = logging.getLogger(__name__)
 
@@ -27,9 +26,8 @@ DEFAULT_VOICE = "default"
 
 
 def voice_names(engine: Any) -> list[str]:
-    """The engine's voice names (the real engine keeps a VoiceRegistry as ``engine.voices``); an
-    engine without one offers only the default voice."""
-    names = engine_voice_names(engine)
+    """The engine's voice names; an engine that does not check names offers only the default voice."""
+    names = engine.voice_names()
     return [DEFAULT_VOICE] if names is None else names
 
 

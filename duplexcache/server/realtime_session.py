@@ -21,39 +21,30 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 
-from duplexcache.config import PrivateConfigKeyError, SessionConfigError, build_runtime_config
+from duplexcache.runtime_config import PrivateConfigKeyError, SessionConfigError, build_runtime_config
 from duplexcache.context.builder import ReferenceAudioError
-from duplexcache.runtime.engine_api import (AdmissionError, ResponseUsage, ServerBehindError, UserTextTooLong,
-                                            engine_voice_names)
+from duplexcache.runtime.engine_api import (ADMISSION_MESSAGES, AdmissionError, ResponseUsage, ServerBehindError,
+                                            UserTextTooLong)
 from duplexcache.server import frames
 from duplexcache.server import protocol as proto
 from duplexcache.server.audio_io import AudioError, InputAudio, OutputAudio
 from duplexcache.server.auth import Handshake
+from duplexcache.server.client_items import MAX_USER_TEXT_CHARS, response_metadata, user_content
 from duplexcache.server.connection import Connection
 from duplexcache.server.resume import ResumeReport
 from duplexcache.server.session_config import ECHOED_TEXTS, SessionSettings, apply_update, to_wire
+from duplexcache.server.session_host import SessionHost
 from duplexcache.server.turns import Outgoing, ResponseTracker, wire_name
-
-if TYPE_CHECKING:
-    from duplexcache.server.app import RealtimeServer
 
 logger = logging.getLogger(__name__)
 
-# What a client is told for each admission code; the engine's own reason (which may name pool
-# sizes) goes to the log only.
-_ADMISSION_MESSAGES = {
-    "capacity_memory": "The server has no memory for another session right now; try again later.",
-    "capacity_compute": "The server cannot run another session in real time right now; try again later.",
-    "admission_refused": "The server cannot admit another session right now; try again later.",
-}
 # Admission codes that the session's settings alone decide (remembered until they change); any
 # other code is asked again on the next append, as capacity is.
 _SETTINGS_REFUSALS = frozenset({"context_length_exceeded"})
-MAX_USER_TEXT_CHARS = 8192
 # Longest audio one append may carry: what the engine buffers per session (engine_session's
 # MAX_BUFFERED_SECONDS); a longer chunk could only be refused after decoding it.
 MAX_CHUNK_SECONDS = 10
@@ -67,7 +58,7 @@ def _vad_factory(threshold: float, silence_duration_ms: int, prefix_padding_ms: 
 
 
 class RealtimeSession:
-    def __init__(self, server: "RealtimeServer", conn: Connection, handshake: Handshake, client: str,
+    def __init__(self, server: SessionHost, conn: Connection, handshake: Handshake, client: str,
                  model: str | None):
         self.server = server
         self.engine = server.engine
@@ -80,7 +71,7 @@ class RealtimeSession:
         conn.label = self.id
         # On a server with a vision model every session may send images (conversation.item.create
         # input_image), so each opens as a video session: admission sizes it for a frame per unit.
-        self.settings = SessionSettings(video=frames.vision_served(self.engine, server.config))
+        self.settings = SessionSettings(video=frames.vision_served(server.config))
         self.openai_client = handshake.openai_client
         self.queue_if_full = False
         self.sid: str | None = None       # engine session (set by RealtimeServer.register only)
@@ -173,10 +164,6 @@ class RealtimeSession:
                                          audio_started=self.sid is not None,
                                          voice_aliases=self.server.config.server.voice_aliases,
                                          max_text_chars=self.server.config.server.max_session_text_chars)
-        if settings.turn.type != "duplex" and not self.server.turn_control:
-            raise proto.ProtocolError("unsupported_turn_detection", "this engine supports turn_detection "
-                                      "'duplex' only (it has no turn control)", ev.event_id,
-                                      param="session.turn_detection")
         self._check_engine_settings(settings, ev.event_id)
         if settings != self.settings or queue_if_full != self.queue_if_full:
             self.refusal_notice = None  # a changed request hears its own answer, whatever it is
@@ -196,7 +183,7 @@ class RealtimeSession:
         # An unknown voice would only fail when the session opens, after session.updated had
         # confirmed it, so the update is refused instead (OpenAI's names arrive here mapped by
         # server.voice_aliases, unless a deployment removed them).
-        known = engine_voice_names(self.engine) if settings.voice is not None else None
+        known = self.engine.voice_names() if settings.voice is not None else None
         if known is not None and settings.voice not in known:
             raise proto.ProtocolError("invalid_value", f"unknown voice {proto.clip(settings.voice, 64)!r} (this "
                                       f"server has: {', '.join(known)}; GET /v1/voices lists them)",
@@ -289,24 +276,22 @@ class RealtimeSession:
         await asyncio.to_thread(self.engine.request_response, self.sid)
 
     async def _response_create(self, ev: proto.ClientEvent) -> None:
-        self._need_turn_control(ev)
         if self.tracker.current is not None or self.response_requested:
             raise proto.ProtocolError("conversation_already_has_active_response",
                                       "a response is already in progress; cancel it first", ev.event_id)
-        metadata = _response_metadata(ev)
+        metadata = response_metadata(ev)
         if await self._ensure_session(ev.event_id):
             self.tracker.next_metadata = metadata
             await self._request_response()
 
     async def _response_cancel(self, ev: proto.ClientEvent) -> None:
-        self._need_turn_control(ev)
         if not await self._cancel(None):
             raise proto.ProtocolError("response_cancel_not_active", "there is no response in progress to cancel",
                                       ev.event_id)
 
     async def _cancel(self, played_ms: int | None, *, quiet: bool = False) -> bool:
         """Barge-in / response.cancel: stop the reply, drop its unsent audio. False if none runs."""
-        if self.sid is None or self.queued or not self.server.turn_control:
+        if self.sid is None or self.queued:
             return False
         if self.pending_response:
             self.pending_response = False
@@ -339,9 +324,8 @@ class RealtimeSession:
         return True
 
     async def _item_create(self, ev: proto.ClientEvent) -> None:
-        self._need_turn_control(ev)
         item = proto.field(ev, "item", dict)
-        text, images = _user_content(item, ev.event_id)
+        text, images = user_content(item, ev.event_id)
         if images and not self.settings.video:
             param = f"item.content[{images[0][0]}]"
             raise proto.ProtocolError("vision_unavailable", f"{param}: image input needs a server with a vision model "
@@ -380,7 +364,6 @@ class RealtimeSession:
         self.tracker.last_item_id = wire_item["id"]
 
     async def _item_truncate(self, ev: proto.ClientEvent) -> None:
-        self._need_turn_control(ev)
         item_id = proto.field(ev, "item_id", str)
         audio_end_ms = proto.field(ev, "audio_end_ms", int)
         content_index = proto.field(ev, "content_index", int, required=False, default=0)
@@ -403,10 +386,6 @@ class RealtimeSession:
         self.send(proto.event("response.done", response={"status": "completed",
                                                          "status_details": {"reason": "session_closed"}}))
         self.conn.close(proto.CLOSE_NORMAL, "session closed")
-
-    def _need_turn_control(self, ev: proto.ClientEvent) -> None:
-        if not self.server.turn_control:
-            raise proto.ProtocolError("not_supported", f"{ev.type} needs an engine with turn control", ev.event_id)
 
     # ---------------------------------------------------------------- the engine session
     async def _ensure_session(self, eid: str | None, *, streaming: bool = False) -> bool:
@@ -456,9 +435,9 @@ class RealtimeSession:
             if self._told_recently(code, streaming):
                 return False
             server.metrics.protocol_errors.labels(code=code).inc()
-            message = _ADMISSION_MESSAGES.get(code, proto.clip(exc.reason, 300))
+            message = ADMISSION_MESSAGES.get(code, proto.clip(exc.reason, 300))
             self.send(proto.error_event(code, message, event_id=eid, error_type=(
-                proto.SERVER_ERROR if code in _ADMISSION_MESSAGES else proto.INVALID_REQUEST)))
+                proto.SERVER_ERROR if code in ADMISSION_MESSAGES else proto.INVALID_REQUEST)))
             return False
         except ReferenceAudioError as exc:
             raise self._refuse_settings(proto.ProtocolError("invalid_reference_audio", str(exc), eid,
@@ -507,9 +486,8 @@ class RealtimeSession:
         return False
 
     async def _apply_turn_mode(self) -> None:
-        if self.server.turn_control:
-            mode = "duplex" if self.settings.turn.type == "duplex" else "manual"
-            await asyncio.to_thread(self.engine.set_turn_mode, self.sid, mode)
+        mode = "duplex" if self.settings.turn.type == "duplex" else "manual"
+        await asyncio.to_thread(self.engine.set_turn_mode, self.sid, mode)
 
     async def _add_user_text(self, text: str, eid: str | None) -> None:
         try:
@@ -533,12 +511,9 @@ class RealtimeSession:
             await self._request_response()
 
     def queue_position(self) -> int | None:
-        """This session's place in the engine's queue (None when the engine does not say)."""
-        queue_position = getattr(self.engine, "queue_position", None)
-        if queue_position is None:
-            return None
+        """This session's place in the engine's queue (None when it is not queued)."""
         try:
-            return queue_position(self.sid)
+            return self.engine.queue_position(self.sid)
         except Exception:  # noqa: BLE001 - a notice is best effort
             logger.exception("engine.queue_position failed")
             return None
@@ -585,58 +560,3 @@ class RealtimeSession:
                 if tail:
                     self.emit(self.tracker.on_audio(tail))
         self.emit(self.tracker.on_done(status, usage))
-
-
-def _user_content(item: dict[str, Any], eid: str | None) -> tuple[str, list[tuple[int, bytes]]]:
-    """The text and the images (content index, bytes) of a user message item (the only kind this
-    server takes); a message of images only has no text."""
-    if item.get("type", "message") != "message" or item.get("role") != "user":
-        raise proto.ProtocolError("unsupported_item", "conversation.item.create takes user messages only "
-                                  "({type: message, role: user, content: [{type: input_text, text}]})", eid,
-                                  param="item")
-    content = item.get("content")
-    if not isinstance(content, list) or not content:
-        raise proto.ProtocolError("invalid_value", "item.content must be a non-empty list", eid, param="item.content")
-    parts, images = [], []
-    for index, part in enumerate(content):
-        if isinstance(part, dict) and part.get("type") == "input_image":
-            images.append((index, frames.image_from_data_url(part, f"item.content[{index}]", eid)))
-            continue
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "text") \
-                or not isinstance(part.get("text"), str):
-            raise proto.ProtocolError("unsupported_content", "only input_text and input_image content parts are "
-                                      "supported", eid, param="item.content")
-        parts.append(part["text"])
-    if images and not parts:
-        return "", images
-    return _checked_text("".join(parts), eid), images
-
-
-def _checked_text(text: str, eid: str | None) -> str:
-    if not text or len(text) > MAX_USER_TEXT_CHARS:
-        raise proto.ProtocolError("invalid_value", f"a user message needs 1 to {MAX_USER_TEXT_CHARS} characters",
-                                  eid, param="item.content")
-    problem = proto.unicode_problem(text)
-    if problem is not None:
-        raise proto.ProtocolError("invalid_value", f"the text is {problem}", eid, param="item.content")
-    return text
-
-
-def _response_metadata(ev: proto.ClientEvent) -> dict[str, str] | None:
-    """``response.create``'s ``response.metadata`` (OpenAI: at most 16 string pairs, keys up to
-    64 and values up to 512 characters), or None; anything else is a client error."""
-    response = ev.data.get("response")
-    if response is None:
-        return None
-    if not isinstance(response, dict):
-        raise proto.ProtocolError("invalid_value", "response must be an object", ev.event_id, param="response")
-    metadata = response.get("metadata")
-    if metadata is None:
-        return None
-    if (not isinstance(metadata, dict) or len(metadata) > 16
-            or not all(isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
-                       for k, v in metadata.items())):
-        raise proto.ProtocolError("invalid_value", "response.metadata must map at most 16 string keys "
-                                  "(<= 64 characters) to string values (<= 512 characters)", ev.event_id,
-                                  param="response.metadata")
-    return dict(metadata)

@@ -8,7 +8,7 @@ is *parked* for ``server.resume_window_s`` instead of ended:
 * the engine session stays as it was: Thinker context, voice, place in the conversation, and
   its admission (it still counts against ``server.max_sessions_per_client``);
 * its input is heard as silence (the engine fills a session that sends nothing with silence
-  after ``server.fill_silence_after_ms``: runtime/engine_session.py ``SilenceFill``);
+  after ``scheduler.fill_silence_after_ms``: runtime/scheduler/core.py ``SilenceFill``);
 * what the session sends meanwhile -- the events its old connection had not written yet, then
   every new one -- is kept in a :class:`KeptOutbox`, bounded as a live connection's outbox is
   (``server.max_outbox_bytes``, 1024 events): audio past the bound is dropped and counted, any

@@ -26,7 +26,7 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
-from duplexcache.config import find_private_key
+from duplexcache.runtime_config import find_private_key
 from duplexcache.server.audio_io import ENGINE_RATE, G711_RATE, OUTPUT_RATE, InputFormat
 from duplexcache.server.protocol import ProtocolError, clip, unicode_problem
 

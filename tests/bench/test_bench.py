@@ -1,8 +1,8 @@
 """duplexcache bench: fits, ceiling, floor, config matrix, and reduced end-to-end runs.
 
 Reduced runs: tiny models, a 64/48-token window, Code2Wav max_num_seqs 4 and sessions 1, 2, so
-all six configurations run on CPU in seconds; through the engine (the default target, via the
-CLI) and through the components wired directly (P = 24, tail 8).
+all six configurations run on CPU in seconds, through the engine via the CLI (one module-scoped
+run that several tests read).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import torch
 
 from duplexcache.bench import memory_sweep as bench_cli
 from duplexcache.cli import main as cli_main
-from duplexcache.bench.components import BenchModels, ComponentTarget
 from duplexcache.bench.floor import session_floor
 from duplexcache.bench.matrix import (
     SWITCHES,
@@ -31,13 +30,10 @@ from duplexcache.bench.memory import (
     measured_ceiling,
 )
 from duplexcache.bench.report import (
-    RunMeta,
-    build_report,
     format_table,
     validate_report,
-    write_report,
 )
-from duplexcache.bench.runner import compare_outputs, run_sweep
+from duplexcache.bench.runner import compare_outputs
 from duplexcache.cfm.config import Code2WavShape
 from duplexcache.config import DeployConfig
 from duplexcache.models.audio_encoder import AudioEncoderConfig
@@ -146,14 +142,6 @@ def test_parse_sessions_rejects(text):
 
 # ----------------------------------------------------------------------------- reduced sweep
 
-P, TAIL = 24, 8
-
-
-@pytest.fixture(scope="module")
-def models():
-    return BenchModels.build("tiny", "cpu", torch.float32, seed=0, prompt_frames=P, cache_tail=TAIL)
-
-
 def _small_base() -> DeployConfig:
     data = DeployConfig.default("tiny", environ={}).to_dict()
     data["stage0"]["window"].update(high_tokens=64, low_tokens=48)
@@ -161,69 +149,14 @@ def _small_base() -> DeployConfig:
     return DeployConfig.from_dict(data, environ={})
 
 
-@pytest.fixture(scope="module")
-def sweep(models):
-    configs = config_matrix(_small_base())
-    results = run_sweep(configs, [1, 2], lambda cfg, n: ComponentTarget(models, cfg.deploy, n),
-                        units=models.units_to_steady() + 1, device=torch.device("cpu"), ff_chunk=32)
-    w = configs[0].deploy.stage0.window
-    floor = session_floor(models.thinker.config, w.high_tokens, Code2WavShape.from_flow(models.flow), P,
-                          models.encoder.cfg, torch.float32)
-    meta = RunMeta(preset="tiny", device="cpu", target="components", memory_source="component accounting",
-                   memory_budget=512 * MIB, activation_reserve=64 * MIB, weight_bytes=models.weight_bytes(),
-                   floor=floor, workload={"sessions": [1, 2]}, realtime=True)
-    return results, build_report(results, meta)
-
-
-def test_report_schema_equality_and_savings(sweep, tmp_path):
-    _, report = sweep
-    validate_report(report)
-    path = write_report(report, tmp_path)
-    loaded = json.loads(path.read_text())
-    assert [c["name"] for c in loaded["configs"]] == ["all_off", *SWITCHES, "all_on"]
-    for c in loaded["configs"]:
-        assert c["equal_to_all_off"] is True, c["mismatches"]
-        assert c["equality"] == "PASS"
-        assert set(c["bytes_per_tier"]["steady"]) >= {"thinker_kv", "cfm_prompt", "audio_encoder"}
-    by = {c["name"]: c for c in loaded["configs"]}
-    assert_savings(by)
-    assert loaded["repeat_count"] == 1 and {"preset", "device", "hardware", "date"} <= set(loaded)
-    assert "all_off" in format_table(loaded)
-
-
-def test_steady_state_is_reached(sweep, models):
-    _, report = sweep
-    all_off = {c["name"]: c for c in report["configs"]}["all_off"]
-    # at steady state every session's Thinker table covers prefix + high tokens: the KV slope
-    # is at least the floor's window part; measured >= floor overall
-    kv = [p["steady"]["thinker_kv"] for p in all_off["points"]]
-    per_session = (kv[1]["private"] + kv[1]["shared"]) - (kv[0]["private"] + kv[0]["shared"])
-    assert per_session >= report["floor"]["thinker_window"]
-    for c in report["configs"]:
-        assert c["measured_over_floor"] >= 1.0, c["name"]
-
-
-def test_equality_check_can_fail(sweep):
-    from duplexcache.bench.components import SessionOutput
+def test_equality_check_can_fail():
+    from duplexcache.bench.engine_target import SessionOutput
 
     a = {"s0": SessionOutput([1, 2], [torch.zeros(4)])}
     b = {"s0": SessionOutput([1, 2], [torch.tensor([0.0, 0.0, 0.0, 1e-9])])}
     assert compare_outputs("x", 1, a, b) == ["x n=1 s0: audio differs"]
     c = {"s0": SessionOutput([1, 3], [torch.zeros(4)])}
     assert compare_outputs("x", 1, c, a) == ["x n=1 s0: text differs"]
-
-
-def test_cli_runs_reduced_components(tmp_path, monkeypatch, models):
-    """The command with --target components: writes report.json, memory.png, prints the table."""
-    monkeypatch.setattr(BenchModels, "build", classmethod(lambda cls, *a, **k: models))
-    config = tmp_path / "deploy.yaml"
-    config.write_text(_small_base().to_yaml())
-    assert cli_main(["bench", "memory", "--preset", "tiny", "--target", "components", "--config", str(config),
-                     "--sessions", "1,2", "--window-high", "64", "--window-low", "48", "--out", str(tmp_path)]) == 0
-    assert (tmp_path / "memory.png").stat().st_size > 0
-    report = json.loads((tmp_path / "report.json").read_text())
-    validate_report(report)
-    assert report["target"] == "components" and report["workload"]["window"]["high_tokens"] == 64
 
 
 def test_cli_rejects_bad_budget_before_running(capsys):
@@ -241,19 +174,29 @@ def engine_models():
     return build_models(_small_base())
 
 
-def test_cli_runs_reduced_engine(tmp_path, monkeypatch, engine_models):
-    """The default command path (the engine), as ``duplexcache bench`` with no benchmark named
-    (the memory benchmark): the three outputs, schema, PASS, savings."""
+@pytest.fixture(scope="module")
+def engine_run(tmp_path_factory, engine_models):
+    """One reduced run of ``duplexcache bench`` with no benchmark named (the memory benchmark
+    through the engine): its output folder and its report."""
     from duplexcache.runtime import bundle
 
-    monkeypatch.setattr(bundle, "build_models", lambda deploy, seed=0: engine_models)
-    config = tmp_path / "deploy.yaml"
-    config.write_text(_small_base().to_yaml())
-    assert cli_main(["bench", "--preset", "tiny", "--config", str(config), "--sessions", "1,2",
-                     "--memory-budget", "1GiB", "--realtime", "--out", str(tmp_path)]) == 0
+    out = tmp_path_factory.mktemp("bench")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bundle, "build_models", lambda deploy, seed=0: engine_models)
+        config = out / "deploy.yaml"
+        config.write_text(_small_base().to_yaml())
+        assert cli_main(["bench", "--preset", "tiny", "--config", str(config), "--sessions", "1,2",
+                         "--memory-budget", "1GiB", "--realtime", "--out", str(out)]) == 0
+    return out, json.loads((out / "report.json").read_text())
+
+
+def test_cli_runs_reduced_engine(engine_run):
+    """The three outputs, schema, PASS, savings."""
+    tmp_path, report = engine_run
     assert (tmp_path / "memory.png").stat().st_size > 0
-    report = json.loads((tmp_path / "report.json").read_text())
     validate_report(report)
+    assert "all_off" in format_table(report)
+    assert report["repeat_count"] == 1 and {"preset", "device", "hardware", "date"} <= set(report)
     # the card waterfall of the deploy config as given (issue 43): parts add up, PNG beside it
     wf = report["waterfall"]
     assert sum(p["bytes"] for p in wf["parts"]) == wf["total_bytes"] == wf["parts_sum_bytes"]
@@ -274,10 +217,20 @@ def test_cli_runs_reduced_engine(tmp_path, monkeypatch, engine_models):
     assert_savings(by)
 
 
+def test_steady_state_is_reached(engine_run):
+    _, report = engine_run
+    all_off = {c["name"]: c for c in report["configs"]}["all_off"]
+    # at steady state every session's Thinker table covers prefix + high tokens: the KV slope
+    # is at least the floor's window part; measured >= floor overall
+    kv = [p["steady"]["thinker_kv"] for p in all_off["points"]]
+    per_session = (kv[1]["private"] + kv[1]["shared"]) - (kv[0]["private"] + kv[0]["shared"])
+    assert per_session >= report["floor"]["thinker_window"]
+
+
 def test_talker_turn_tokens_reaches_the_engine_the_bench_builds(tmp_path, monkeypatch, engine_models):
     """--talker-turn-tokens sets engine.talker_turn_tokens in every configuration's deploy
     config: the steady sample holds that many tokens' Talker blocks per session, not a
-    max_position_embeddings turn; the components target (no Talker) refuses it."""
+    max_position_embeddings turn."""
     from duplexcache.runtime import bundle
 
     monkeypatch.setattr(bundle, "build_models", lambda deploy, seed=0: engine_models)
@@ -294,8 +247,6 @@ def test_talker_turn_tokens_reaches_the_engine_the_bench_builds(tmp_path, monkey
     for c in report["configs"]:
         assert c["equality"] == "PASS"
         assert c["bytes_per_tier"]["steady"]["talker_kv"]["private"] == 2 * -(-320 // bs) * block
-    assert cli_main(["bench", "memory", "--target", "components", "--talker-turn-tokens", "64",
-                     "--out", str(tmp_path / "c")]) == 2
 
 
 def test_engine_target_refuses_to_call_an_early_state_steady(engine_models):

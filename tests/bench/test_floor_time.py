@@ -197,7 +197,7 @@ def _run(n: int, ms_per_session: dict[str, float], fixed_ms: float, status: str 
 
 
 def test_per_session_costs_are_the_slope_beside_the_floor():
-    per = {"encoder": 1.5, "thinker": 4.0, "talker": 2.0, "code2wav": 8.0, "tick": 15.5, "wall": 16.0}
+    per = {"encoder": 1.5, "vision": 0.5, "thinker": 4.0, "talker": 2.0, "code2wav": 8.0, "tick": 15.5, "wall": 16.0}
     rows = [_run(n, per, 40.0) for n in (16, 32, 48, 58)]
     rows.append(_run(64, {s: 100.0 for s in per}, 0.0, status="oom"))   # not fitted
     floor = _floor()
@@ -206,6 +206,9 @@ def test_per_session_costs_are_the_slope_beside_the_floor():
         s = out["stages"][stage]
         assert s["slope_ms"] == pytest.approx(slope) and s["intercept_ms"] == pytest.approx(40.0)
         assert s["sessions"] == [16, 32, 48, 58] and s["points"] == 4
+        if stage == "vision":   # bench/floor.py models no vision stage: a slope, no floor
+            assert s["floor_ms"] is None and s["distance_to_floor"] is None
+            continue
         want = floor.ms("tick" if stage in ("tick", "wall") else stage)
         assert s["floor_ms"] == want and s["distance_to_floor"] == pytest.approx(slope / want)
     one = et.per_session_costs(rows[:1], None)["stages"]["tick"]   # one count: no line, no floor

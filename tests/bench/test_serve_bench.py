@@ -315,7 +315,7 @@ def test_a_long_context_caller_joins_a_live_step_over_the_wire(tmp_path):
 def test_push_to_talk_callers_get_their_replies(tmp_path):
     """``--workload push_to_talk``: the conversation of a caller that sends only its own turn's
     units and nothing while the server replies. The server hears silence once the caller has
-    been quiet for ``server.fill_silence_after_ms``, so each reply comes whole; without that,
+    been quiet for ``scheduler.fill_silence_after_ms``, so each reply comes whole; without that,
     the session would run no unit after the turn and the reply would never start."""
     deploy = _deploy()
     engine = DuplexEngine(deploy, build_models(deploy, seed=0))

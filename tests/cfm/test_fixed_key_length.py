@@ -55,7 +55,7 @@ def test_a_stream_beside_longer_caches_gets_its_alone_bits_only_with_fixed_key_l
 def test_fixed_key_length_reaches_the_arena_from_the_deploy_switch():
     from duplexcache.config import DeployConfig
     from duplexcache.runtime.bundle import build_models
-    from duplexcache.runtime.code2wav_stage import build_code2wav, code2wav_config
+    from duplexcache.runtime.stages.code2wav_stage import build_code2wav, code2wav_config
 
     deploy = DeployConfig.default("tiny")
     models = build_models(deploy)

@@ -125,7 +125,7 @@ def test_cuda_graph_replays_are_deterministic_and_close_to_eager():
     algorithms; on an H100 after that change it passed, and the eager arm, run with torch's
     defaults (TF32 convolutions), was 2.1e-4 off. The engine pins cuDNN to deterministic
     algorithms without TF32 (device_setup.pin_cuda_numerics), so this test does too."""
-    from duplexcache.runtime.device_setup import pin_cuda_numerics
+    from duplexcache.runtime.memory.device_setup import pin_cuda_numerics
 
     saved = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32,
              torch.backends.cuda.matmul.allow_tf32)

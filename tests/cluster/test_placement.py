@@ -11,7 +11,7 @@ from duplexcache.cluster.placement import (
     AFFINITY, AFFINITY_FULL, ALL_FULL, NEW_CONTEXT, NO_KEY, ReplicaLoad, context_key, place, with_sent,
 )
 from duplexcache.config import DeployConfig
-from duplexcache.runtime.admission import MemoryPlan, TickCostModel, headroom
+from duplexcache.runtime.memory.admission import MemoryPlan, TickCostModel, headroom
 
 
 def test_context_key_names_revision_voice_and_instructions():

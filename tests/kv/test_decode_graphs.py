@@ -127,7 +127,7 @@ def test_stage0_decode_goes_through_the_runner_and_falls_back_when_too_many():
     from duplexcache.kv.block_pool import BlockPool
     from duplexcache.kv.kv_cache_manager import KVCacheManager
     from duplexcache.kv.window import WindowConfig
-    from duplexcache.runtime.stage0 import SessionContextInput, Stage0Runner
+    from duplexcache.runtime.stage0.runner import SessionContextInput, Stage0Runner
 
     def runner_pair():
         model = make_thinker(seed=3)

@@ -380,7 +380,7 @@ def test_stream_step_ops_do_not_grow_with_sessions(storage):
     The per-session copies this replaced added 4 ops per session and layer."""
     from torch.profiler import ProfilerActivity, profile
 
-    from duplexcache.bench.op_count import compute_ops
+    from op_count import compute_ops   # tests/models/op_count.py
 
     ours = AudioEncoder(AudioEncoderConfig.tiny()).eval()
     counts = {}

@@ -170,7 +170,7 @@ def test_conditions_of_a_batch_equal_each_units_own(boundary):
     tensor or as T rows; its compute ops do not grow with the units (they were ~10 per unit)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from duplexcache.bench.op_count import compute_ops
+    from op_count import compute_ops   # tests/models/op_count.py
 
     cfg, talker, _ = make_pair(seed=6)
     gen = torch.Generator().manual_seed(7)

@@ -94,15 +94,15 @@ def record_sdpa(monkeypatch, record) -> None:
 
 
 def record_taken(eng: DuplexEngine) -> list[np.ndarray]:
-    """Wrap ``eng.table.take_units`` so that every unit's PCM it hands out is appended to the
+    """Wrap ``eng.scheduler.take_units`` so that every unit's PCM it hands out is appended to the
     returned list (what the model heard, unit by unit)."""
     taken: list[np.ndarray] = []
-    real = eng.table.take_units
+    real = eng.scheduler.take_units
 
     def recording(*args, **kwargs):
         units = real(*args, **kwargs)
         taken.extend(u.pcm for u in units)
         return units
 
-    eng.table.take_units = recording
+    eng.scheduler.take_units = recording
     return taken

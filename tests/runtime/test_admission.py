@@ -6,20 +6,21 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import engine, tiny_models
 
 from duplexcache.cfm.code2wav import code2wav_session_bytes
 from duplexcache.context import SessionContextBuilder
-from duplexcache.runtime.admission import (
+from duplexcache.runtime.memory.admission import (
     AdmissionLedger,
     BudgetTooSmall,
     Footprint,
     MemoryPlan,
 )
 from duplexcache.runtime.engine_api import AdmissionError, SessionAdmitted
-from duplexcache.runtime.stage0 import stage0_session_bytes
+from duplexcache.runtime.stage0.runner import stage0_session_bytes
 
 RESERVE = 1 << 20
 
@@ -32,7 +33,7 @@ def _independent_session_bytes(eng, share: bool) -> tuple[int, int]:
     builder = SessionContextBuilder(m.tokenizer, eng._embed_tokens, eng._encode_reference_audio, model_revision="x")
     ctx = builder.build("", voice.ref_audio)
     high = eng.deploy.stage0.window.high_tokens
-    kv = stage0_session_bytes(m.thinker.config, ctx.total, high, share, dtype_bytes=4, block_size=16)
+    kv = stage0_session_bytes(m.thinker.config, ctx.total, high, share, dtype=torch.float32, block_size=16)
     tc = m.talker.config
     talker = -(-tc.max_position_embeddings // 16) * 2 * tc.num_hidden_layers * 16 * tc.num_key_value_heads * tc.head_dim * 4
     cfm = eng.code2wav.config
@@ -82,7 +83,7 @@ def test_budget_for_exactly_k_sessions_refuses_the_next_and_admits_after_close(t
 
 
 def test_a_cause_of_refusal_is_logged_once_per_interval_with_the_refusals_it_stands_for(caplog):
-    from duplexcache.runtime.session_sizing import RefusalLog
+    from duplexcache.runtime.memory.session_sizing import RefusalLog
 
     now = [0.0]
     log = RefusalLog(logging.getLogger("test.refusals"), interval_s=10.0, clock=lambda: now[0])

@@ -11,7 +11,7 @@ import pytest
 
 from duplexcache.runtime.engine_api import AdmissionError, SessionError
 from duplexcache.runtime.policy import ScriptedPolicy
-from duplexcache.runtime.session_sizing import largest_unit_tokens, policy_turn_units, reserved_turn_tokens
+from duplexcache.runtime.memory.session_sizing import largest_unit_tokens, policy_turn_units, reserved_turn_tokens
 from tests.runtime.engine_helpers import FIRST, UNIT, engine
 
 # A small card: a short window (the fast-forward on CPU is quadratic in it) and a budget that
@@ -106,7 +106,7 @@ def test_a_policy_that_outruns_the_reserved_turn_is_cut_at_it(tmp_path, caplog):
     eng.policy = ScriptedPolicy(eng.control, eng._text_ids, k=1000, turn_units=1000)
     sids = _fill(eng)
     assert len(sids) == eng.plan.planned_sessions
-    with caplog.at_level(logging.INFO, logger="duplexcache.runtime.talker_stage"):
+    with caplog.at_level(logging.INFO, logger="duplexcache.runtime.stages.talker_stage"):
         events = _push_units(eng, sids, 4, np.random.default_rng(1))
     assert [e for e in events if isinstance(e, SessionError)] == []
     assert "starting a new audio turn" in caplog.text

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from duplexcache.runtime import memory_budget, warmup
+from duplexcache.runtime import warmup
+from duplexcache.runtime.memory import memory_budget
 from duplexcache.runtime.bundle import build_models
 from duplexcache.runtime.engine import DuplexEngine
 from duplexcache.runtime.warmup import WarmupReport
@@ -46,7 +47,7 @@ def test_waterfall_sums_to_the_host_total_and_each_part_is_its_tensors(tmp_path)
 
 
 def test_waterfall_png(tmp_path):
-    from duplexcache.runtime.waterfall import plot_waterfall
+    from duplexcache.runtime.memory.waterfall import plot_waterfall
 
     eng = engine(tmp_path, "png")
     path = plot_waterfall(eng.waterfall(), tmp_path / "waterfall.png")

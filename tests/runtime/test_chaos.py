@@ -42,7 +42,7 @@ def _pools(eng) -> tuple:
 
 @pytest.mark.parametrize("between_ticks", [False, True])
 def test_chaos_sixteen_sessions(tmp_path, between_ticks):
-    """``between_ticks``: as behind a server with server.prefill_between_ticks, 0-2 prefill
+    """``between_ticks``: as behind a server with scheduler.prefill_between_ticks, 0-2 prefill
     chunks run before each tick (``prefill_step``), faults in the open stage included."""
     rng = np.random.default_rng(1234)
     eng = engine(tmp_path, "chaos", SECTIONS)

@@ -1,6 +1,6 @@
 """The engine feeds Code2Wav as MiniCPM-o 4.5's duplex driver feeds ``Token2wav.stream``.
 
-The driver, written out here from its description (runtime/code2wav_stage.py): each turn's buffer
+The driver, written out here from its description (runtime/stages/code2wav_stage.py): each turn's buffer
 starts with 3 silence tokens (4218); every time it holds 28 codes, its first 28 are a chunk and
 25 are consumed; when the turn ends, whatever is left is the final chunk. The engine must send
 exactly these chunks, each unit's chunk in the tick of that unit, and its audio must be the
@@ -21,7 +21,7 @@ from engine_helpers import audio, collect, engine
 
 from duplexcache.models.flow import trim_stream_cache
 from duplexcache.models.vocoder import HiftStreamState, hift_stream_step
-from duplexcache.runtime.code2wav_stage import Code2WavStage, pcm16_bytes
+from duplexcache.runtime.stages.code2wav_stage import Code2WavStage, pcm16_bytes
 
 SILENCE, CHUNK, LOOKAHEAD = 4218, 25, 3
 # k = 5, turn_units = 3: units 0-1 listen, 2-4 speak (one turn, <|turn_eos|> in unit 4), 5-6 listen

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from duplexcache.runtime.code2wav_stage import pcm16_batch, pcm16_bytes
+from duplexcache.runtime.stages.code2wav_stage import pcm16_batch, pcm16_bytes
 
 
 def _host_reference(pcm: torch.Tensor) -> bytes:

@@ -13,7 +13,7 @@ import wave
 import pytest
 import torch
 
-from duplexcache.runtime import demo
+from duplexcache import demo
 from duplexcache.runtime.engine_api import ResponseDone
 
 torch.set_num_threads(1)
@@ -153,7 +153,7 @@ def test_the_timeout_message_names_late_ticks(tmp_path):
     deploy = demo.demo_deploy(None)
     engine = demo.build_engine(deploy)
     try:
-        engine.late_ticks = 3
+        engine.recorder.late_ticks = 3   # the engine counts late ticks in its stats recorder
         engine.latency_history["tick"].extend([0.5, 8.0, 7.5, 9.25])
         message = demo.diagnose(engine)
     finally:
@@ -184,9 +184,9 @@ def test_model_policy_waits_for_every_unit_and_matches_direct(tmp_path):
     deploy = demo.DeployConfig.default("tiny")
     deploy.engine.speak_policy.mode = "model"
     # The clients wait ticks past their audio; a server would fill those with silence once they
-    # are quiet (server.fill_silence_after_ms), and the model could answer it, which the direct
+    # are quiet (scheduler.fill_silence_after_ms), and the model could answer it, which the direct
     # run, with no server, never hears. Off, both runs hear exactly the audio the clients sent.
-    deploy.server.fill_silence_after_ms = None
+    deploy.scheduler.fill_silence_after_ms = None
     config = tmp_path / "model.yaml"
     config.write_text(deploy.to_yaml())
     pcm = {}

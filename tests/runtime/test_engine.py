@@ -151,7 +151,7 @@ def test_talker_is_conditioned_on_the_rows_lm_head_consumed(tmp_path, monkeypatc
     """The Talker's condition rows are the Thinker hidden states that produced each text/end
     token: row j equals (torch.equal) the lm_head input of the session in decode call j,
     captured here independently with a pre-hook (the engine itself reads StepResult.hidden)."""
-    import duplexcache.runtime.talker_stage as talker_mod
+    import duplexcache.runtime.stages.talker_stage as talker_mod
 
     eng = engine(tmp_path, "cond")
     reqs = []
@@ -272,7 +272,7 @@ def test_a_session_one_unit_behind_is_behind(tmp_path):
 
 
 def test_prefill_between_ticks_keeps_chunks_out_of_the_tick_and_changes_no_byte(tmp_path):
-    """server.prefill_between_ticks: the server runs the chunks with ``prefill_step`` before the
+    """scheduler.prefill_between_ticks: the server runs the chunks with ``prefill_step`` before the
     tick, the tick then runs none, and the session hears and says exactly what it does when its
     context prefills inside ticks (the same chunks, the same KV)."""
     sections = {"engine": {"prefill_chunk_tokens": 32}}
@@ -328,7 +328,7 @@ def test_a_paced_engine_times_the_chunks_its_ticks_run(tmp_path):
     assert eng.predicted_prefill_s() is None and eng.prefill_pending()
     eng.tick()                                    # waited a whole tick: the tick runs a chunk
     assert eng.predicted_prefill_s() is not None
-    assert not eng.prefill_times.ran_since_tick
+    assert not eng.scheduler.prefill_times.ran_since_tick
     eng.shutdown()
 
 

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import audio, collect, engine
 
 from duplexcache.server.metrics import ServerMetrics
-from duplexcache.runtime.session_sizing import largest_unit_tokens
+from duplexcache.runtime.memory.session_sizing import largest_unit_tokens
 
 HIGH, LOW = 80, 40
 WINDOW = {"stage0": {"window": {"mode": "basic", "high_tokens": HIGH, "low_tokens": LOW}},

@@ -159,7 +159,7 @@ def test_talker_turn_tokens_caps_the_turn_on_the_model_limit_path(tmp_path):
     import dataclasses
 
     from duplexcache.models.talker import Talker
-    from duplexcache.runtime import device_setup
+    from duplexcache.runtime.memory import device_setup
 
     base = tiny_models()
     speak = {"speak_policy": {"k": 100, "turn_units": 100}}
@@ -303,7 +303,7 @@ def test_leading_quiet_counts_to_the_first_speech_frame():
 def test_reply_hears_the_quiet_after_the_unit():
     """Speech to 900 ms leaves 100 ms of quiet in the unit: the unit alone answers one unit later;
     with the 150 ms already received after it (the lookahead) it answers in that unit. Speech in
-    the lookahead, or lookahead off, keeps the old answer; so does a unit with no audio after it."""
+    the lookahead keeps the old answer; so does a unit with no audio after it (nothing to hear)."""
     loud, quiet = _unit(LOUD, 9), _unit(QUIET, 10)
     late = np.concatenate([loud[:14_400], quiet[14_400:]])        # speech to 900 ms, 100 ms quiet
     r = reply_units("sess_3", 0, 2, 2)
@@ -316,11 +316,8 @@ def test_reply_hears_the_quiet_after_the_unit():
         return got
 
     hear = ReplyPolicy(CONTROL, TEXT, speech_rms=0.05, reply_min_units=2, reply_max_units=2)
-    deaf = ReplyPolicy(CONTROL, TEXT, speech_rms=0.05, reply_min_units=2, reply_max_units=2,
-                       end_quiet_lookahead=False)
-    assert hear.end_quiet_lookahead and r == 2
+    assert r == 2
     assert run(hear, quiet[:2_400]) == "LSSLL"                     # answered in the unit holding the end
-    assert run(deaf, quiet[:2_400]) == "LLSSL"                     # one unit later
     assert run(hear, quiet[:800]) == "LLSSL"                       # 100 + 50 ms < 200 ms
     assert run(hear, np.concatenate([quiet[:800], loud[800:2_400]])) == "LLSSL"   # speech goes on
     assert run(hear, None) == "LLSSL"
@@ -330,13 +327,12 @@ def test_reply_mode_settings_reach_the_engine_policy(tmp_path):
     from duplexcache.config import ConfigError
 
     eng = engine(tmp_path, "reply_wiring", {"engine": {"speak_policy": {
-        "mode": "reply", "speech_rms": 0.03, "reply_min_units": 3, "reply_max_units": 5, "end_quiet_ms": 450,
-        "end_quiet_lookahead": False}}})
-    assert isinstance(eng.policy, ReplyPolicy) and eng.policy.end_quiet_lookahead is False
+        "mode": "reply", "speech_rms": 0.03, "reply_min_units": 3, "reply_max_units": 5, "end_quiet_ms": 450}}})
+    assert isinstance(eng.policy, ReplyPolicy)
     assert (eng.policy.speech_rms, eng.policy.reply_min_units, eng.policy.reply_max_units) == (0.03, 3, 5)
     assert eng.policy.end_quiet_samples == 450 * 16
     sid = eng.open_session({"voice": "default"})
-    assert eng._sessions[sid].policy_state == ReplyState(sid)   # per-session state from open
+    assert eng.table.live[sid].policy_state == ReplyState(sid)   # per-session state from open
     eng.shutdown()
     with pytest.raises(ConfigError, match="reply_min_units"):
         engine(tmp_path, "reply_bad", {"engine": {"speak_policy": {"reply_min_units": 9, "reply_max_units": 8}}})
@@ -345,17 +341,18 @@ def test_reply_mode_settings_reach_the_engine_policy(tmp_path):
 @pytest.mark.parametrize("lookahead", [True, False])
 def test_the_engine_gives_the_policy_what_it_holds_after_the_unit(tmp_path, lookahead):
     """Through the engine, tick by tick: the second unit's speech ends 100 ms before its end and
-    the client has already sent 150 ms of quiet after it when the tick takes it. With the
-    lookahead the reply starts in that unit's tick; without it (or if the engine did not pass
-    what it holds after the unit) one tick later."""
+    the client has already sent 150 ms of quiet after it when the tick takes it: the reply starts
+    in that unit's tick. Without that quiet in the buffer (``lookahead`` False: the client sends
+    it with the next unit) one tick later."""
     eng = engine(tmp_path, f"lookahead_{lookahead}", {"engine": {"speak_policy": {
-        "mode": "reply", "speech_rms": 0.05, "reply_min_units": 2, "reply_max_units": 2,
-        "end_quiet_lookahead": lookahead}}})
+        "mode": "reply", "speech_rms": 0.05, "reply_min_units": 2, "reply_max_units": 2}}})
     sid = eng.open_session({"voice": "default"})
     loud, quiet = _unit(LOUD, 11), _unit(QUIET, 12)
     late = np.concatenate([loud[:14_400], quiet[14_400:]])          # speech to 900 ms, 100 ms quiet
     pushes = [_unit(LOUD, 10, FIRST_UNIT), np.concatenate([late, quiet[:2_400]]),
               quiet[2_400:], np.concatenate([quiet[:2_400], quiet[2_400:]]), quiet]
+    if not lookahead:   # the same audio, each unit sent whole: nothing held past the second
+        pushes = [pushes[0], late, quiet, quiet, quiet]
     spoke = []
     for pcm in pushes:                   # one unit (plus what follows it) per tick
         eng.push_audio(sid, pcm)

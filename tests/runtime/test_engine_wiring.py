@@ -11,7 +11,8 @@ from engine_helpers import audio, deploy_from_yaml, engine, tiny_models
 from test_warmup import FakeArenaBackend
 
 from duplexcache.cfm.prompt_cache import PlainAttCache, SharedPromptAttCache
-from duplexcache.config import ConfigError, SessionConfigError
+from duplexcache.config import ConfigError
+from duplexcache.runtime_config import SessionConfigError
 from duplexcache.kv.window import WindowConfig
 from duplexcache.runtime.engine_api import AudioDelta, TextDelta
 from duplexcache.runtime.policy import ModelPolicy, ScriptedPolicy

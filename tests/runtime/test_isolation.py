@@ -194,7 +194,7 @@ def test_a_context_of_the_maximum_length_prefills_in_bounded_chunks_without_a_de
     assert ticks == math.ceil(limit / chunk)
     assert eng.session_info(long_sid).thinker_anchor_tokens == limit
     # The audio that arrived while it prefilled was trimmed to one unit: it starts in real time.
-    assert eng._sessions[long_sid].buffered <= FIRST
+    assert eng.table.live[long_sid].buffered <= FIRST
     events = eng.tick()
     assert not [e for e in events if isinstance(e, SessionError)]
     assert eng.session_info(long_sid).units == 1
@@ -224,7 +224,7 @@ def test_admission_by_time_refuses_with_capacity_compute_once_measured(tmp_path)
     second = eng.open_session({"voice": "default"})           # no measurement yet: admitted
     eng.push_audio(first, audio(0, 1))
     eng.tick()
-    assert eng.tick_cost.predicted_s(2) is not None and eng.tick_cost.predicted_s(2) > 0
+    assert eng.scheduler.tick_cost.predicted_s(2) is not None and eng.scheduler.tick_cost.predicted_s(2) > 0
     with pytest.raises(AdmissionError) as info:
         eng.open_session({"voice": "default"})
     assert info.value.code == "capacity_compute" and "blocks" not in info.value.reason
@@ -241,11 +241,11 @@ def test_admission_by_time_refuses_with_capacity_compute_once_measured(tmp_path)
 
 def test_tick_headroom_reaches_admission(tmp_path):
     eng = engine(tmp_path, "headroom", {"engine": {"tick_seconds": 1e-6, "tick_headroom": 1e9}})
-    assert eng.tick_cost.limit_s == pytest.approx(1e3)
+    assert eng.scheduler.tick_cost.limit_s == pytest.approx(1e3)
     sid = eng.open_session({"voice": "default"})
     eng.push_audio(sid, audio(0, 1))
     eng.tick()
-    assert eng.tick_cost.per_unit_s is not None
+    assert eng.scheduler.tick_cost.per_unit_s is not None
     eng.open_session({"voice": "default"})       # 1000 s of headroom: admitted
 
 
@@ -260,7 +260,7 @@ def test_prefill_chunk_tokens_reaches_stage0(tmp_path, monkeypatch):
 
 
 def test_tick_cost_model_formula():
-    from duplexcache.runtime.admission import TickCostModel
+    from duplexcache.runtime.memory.admission import TickCostModel
 
     m = TickCostModel(tick_seconds=1.0, headroom=0.8, window=4)
     assert m.refusal(100) is None                  # no measurement: memory decides
@@ -299,7 +299,7 @@ def test_tick_cost_model_admits_a_gpu_ramp_that_the_origin_line_refused():
     # H200, `bench serve` with 32 callers (2026-12-04): idle ticks while the server waited, then a
     # first tick of one session at 73 ms. The line through the origin predicted 804 ms at 11
     # sessions and refused callers of a card that ticks 32 in ~700 ms.
-    from duplexcache.runtime.admission import TickCostModel
+    from duplexcache.runtime.memory.admission import TickCostModel
 
     m = TickCostModel(tick_seconds=1.0, headroom=0.8)
     for _ in range(7):
@@ -315,10 +315,10 @@ def test_tick_cost_model_admits_a_gpu_ramp_that_the_origin_line_refused():
 
 
 def test_tick_cost_model_with_phased_ticks_shares_the_sessions_and_the_period():
-    """server.tick_phases 2: each tick runs about half the sessions' units in half the period,
+    """scheduler.tick_phases 2: each tick runs about half the sessions' units in half the period,
     so the fixed part counts twice per unit: one more session fits while
     fixed + per_unit * (live + 1) / 2 <= limit / 2."""
-    from duplexcache.runtime.admission import TickCostModel, headroom
+    from duplexcache.runtime.memory.admission import TickCostModel, headroom
 
     one, two = TickCostModel(1.0, 0.8), TickCostModel(1.0, 0.8)
     two.set_phases(2)

@@ -1,4 +1,4 @@
-"""``engine.memory_budget`` resolution (runtime/memory_budget.py) and the packaged configs'
+"""``engine.memory_budget`` resolution (runtime/memory/memory_budget.py) and the packaged configs'
 budgets on an H200 and an 80 GB card, computed on the ``meta`` device.
 
 The minicpmo45 engine is built on ``meta`` (shapes and bytes only, no weights: never build
@@ -18,7 +18,7 @@ from engine_helpers import engine
 
 from duplexcache.config import DeployConfig, packaged_config_path
 from duplexcache.kv.decode_graphs import batch_buckets, width_classes
-from duplexcache.runtime import memory_budget as MB
+from duplexcache.runtime.memory import memory_budget as MB
 from duplexcache.runtime import warmup as W
 from duplexcache.runtime.engine import DuplexEngine
 

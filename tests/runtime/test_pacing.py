@@ -1,11 +1,11 @@
-"""Pacing rules of the server's tick loop (runtime/pacing.py)."""
+"""Pacing rules of the server's tick loop (runtime/scheduler/pacing.py)."""
 from __future__ import annotations
 
 import torch
 
 import pytest
 
-from duplexcache.runtime.pacing import (PREFILL_MARGIN, RECENT_CHUNKS, PrefillTimes, UnitGrid, deadline_after_late,
+from duplexcache.runtime.scheduler.pacing import (PREFILL_MARGIN, RECENT_CHUNKS, PrefillTimes, UnitGrid, deadline_after_late,
                                        prefill_fits)
 
 

@@ -1,4 +1,4 @@
-"""A client that sends nothing (engine_session.SilenceFill, server.fill_silence_after_ms): its
+"""A client that sends nothing (scheduler.SilenceFill, scheduler.fill_silence_after_ms): its
 units are completed with silence once it has been quiet long enough, never while it sends in
 real time, and its audio after the pause starts a new aligned stream."""
 from __future__ import annotations
@@ -12,10 +12,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import FIRST, UNIT, audio, engine, record_taken
 
-from duplexcache.runtime.engine_session import SilenceFill
+from duplexcache.runtime.scheduler.core import SilenceFill
 
 CHUNK = 1_600                 # 100 ms chunks
-AFTER_MS = 500.0              # the default server.fill_silence_after_ms
+AFTER_MS = 500.0              # the default scheduler.fill_silence_after_ms
 QUIET_S = (CHUNK + 8_000) / 16_000   # largest chunk + 500 ms: when a fill is due
 
 

@@ -15,7 +15,7 @@ from duplexcache.kv.block_pool import BlockPool
 from duplexcache.kv.kv_cache_manager import KVCacheManager
 from duplexcache.kv.window import ContextLengthExceeded, WindowConfig
 from duplexcache.models.thinker import Thinker, ThinkerConfig
-from duplexcache.runtime.stage0 import (
+from duplexcache.runtime.stage0.runner import (
     BlockBudgetTooSmall,
     SessionContextInput,
     Stage0Runner,
@@ -322,7 +322,7 @@ def test_stage0_session_bytes_matches_manager(ctx_len, window, share):
     mgr.commit_context("warm")
     mgr.allocate_context("s", ids, b"k", share)
     mgr.append_slots("s", window)
-    want = stage0_session_bytes(cfg, ctx_len, window, share, dtype_bytes=4, block_size=BS)
+    want = stage0_session_bytes(cfg, ctx_len, window, share, dtype=torch.float32, block_size=BS)
     assert mgr.session_bytes("s") == want
 
 
@@ -388,7 +388,7 @@ def test_worst_case_blocks_exact(mode, high, prefix, share, table, template, sha
     # a session holding its longest table has exactly the worst case's private/shared split.
     per_block = r.cache.bytes_per_block
     ref = stage0_session_bytes(thinker.config, prefix, r.longest_tokens(prefix) - prefix, share,
-                               dtype_bytes=4, block_size=BS)
+                               dtype=torch.float32, block_size=BS)
     assert (wc.private_blocks * per_block, wc.shared_blocks * per_block) == (ref.private, ref.shared)
     with pytest.raises(ValueError, match="prefix_len"):
         r.worst_case(0)

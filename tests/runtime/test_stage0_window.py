@@ -17,7 +17,7 @@ from duplexcache.kv.block_pool import BlockPool
 from duplexcache.kv.kv_cache_manager import KVCacheManager
 from duplexcache.kv.window import WindowConfig
 from duplexcache.models.thinker import Thinker, ThinkerConfig
-from duplexcache.runtime.stage0 import (
+from duplexcache.runtime.stage0.runner import (
     BlockBudgetTooSmall,
     SessionContextInput,
     Stage0Runner,

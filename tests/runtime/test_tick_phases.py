@@ -1,5 +1,5 @@
-"""Phased ticks (server.tick_phases): a turn's unit closed with silence at the next tick
-(engine_session.EarlyClose, ReplyPolicy.would_answer)."""
+"""Phased ticks (scheduler.tick_phases): a turn's unit closed with silence at the next tick
+(scheduler.EarlyClose, ReplyPolicy.would_answer)."""
 from __future__ import annotations
 
 import copy
@@ -14,9 +14,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import FIRST, UNIT, collect, engine
 
-import duplexcache.runtime.engine as engine_module
+import duplexcache.runtime.scheduler.core as scheduler_module
 from duplexcache.context.tokenizer import ByteTokenizer
-from duplexcache.runtime.engine_session import EarlyClose, EngineSession
+from duplexcache.runtime.scheduler.core import EarlyClose, EngineSession
 from duplexcache.runtime.policy import ControlTokens, ReplyPolicy, ReplyState, text_token_ids
 
 CONTROL = ControlTokens.from_tokenizer(ByteTokenizer())
@@ -100,13 +100,13 @@ def _call(tmp_path, name: str, phases: int, mode: str = "reply", callers: int = 
     unit of audio (0.3 s before the first tick), for 9 ticks. Returns the engine's stats, the
     first caller's session, the units it heard, the samples left after each tick, which ticks
     spoke, and the stream. ``room`` replaces the early close's room test. ``home``: units stay on
-    the unit tick (server.phase_units home), the even ticks."""
+    the unit tick (scheduler.phase_units home), the even ticks."""
     policy = {"mode": mode, "speech_rms": 0.05, "reply_min_units": 2, "reply_max_units": 2, "end_quiet_ms": 200}
     eng = engine(tmp_path, name, {"engine": {"speak_policy": policy}})
     eng.set_unit_alignment(MARGIN_MS)
     eng.set_tick_phases(phases, home=home)
     if room is not None:
-        eng.table.early_close = dataclasses.replace(eng.table.early_close, room=room)
+        eng.scheduler.early_close = dataclasses.replace(eng.scheduler.early_close, room=room)
     sids = [eng.open_session({"voice": "default"}) for _ in range(callers)]
     first_taken = _record_first(eng, sids[0])
     stream, sent, left, spoke = _stream(), 0, [], []
@@ -128,14 +128,14 @@ def _call(tmp_path, name: str, phases: int, mode: str = "reply", callers: int = 
 def _record_first(eng, sid: str) -> list[np.ndarray]:
     """The PCM of every unit of ``sid`` the table hands out, as they are handed out."""
     taken: list[np.ndarray] = []
-    real = eng.table.take_units
+    real = eng.scheduler.take_units
 
     def recording(*args, **kwargs):
         units = real(*args, **kwargs)
         taken.extend(u.pcm for u in units if u.session.sid == sid)
         return units
 
-    eng.table.take_units = recording
+    eng.scheduler.take_units = recording
     return taken
 
 
@@ -167,7 +167,7 @@ def test_a_turn_is_answered_at_the_next_half_unit_tick_and_its_session_stays_on_
 
 
 def test_home_phase_answers_between_unit_ticks_and_puts_the_session_back_on_the_unit_tick(tmp_path):
-    """server.phase_units home: the turn is answered at the tick between (3), as spread; the
+    """scheduler.phase_units home: the turn is answered at the tick between (3), as spread; the
     reply's second unit comes at the next unit tick (4) and every later unit on the unit ticks
     (even), each leaving the lead; the model heard one whole unit of silence after the turn."""
     stats, sess, taken, left, spoke, stream = _call(tmp_path, "home", 2, home=True)
@@ -211,16 +211,16 @@ def test_a_tick_between_unit_ticks_starts_no_session(tmp_path):
 def test_the_room_between_unit_ticks_is_the_time_left_before_the_next_one(tmp_path, monkeypatch):
     eng = engine(tmp_path, "room_home", {"engine": {"tick_seconds": 1.0, "tick_headroom": 0.9}})
     eng.set_tick_phases(2, home=True)
-    assert eng.tick_cost.phases == 1                    # admission: one tick per unit
+    assert eng.scheduler.tick_cost.phases == 1                    # admission: one tick per unit
     for units in (1, 3, 5):                             # 0.1 s + 0.1 s per unit
-        eng.tick_cost.observe(0.1 + 0.1 * units, units)
+        eng.scheduler.tick_cost.observe(0.1 + 0.1 * units, units)
     # the engine's clock stands still (no test waits on this machine's speed)
-    monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(perf_counter=lambda: 100.0))
-    eng._unit_tick, eng._unit_tick_started = False, 100.0 - 0.65
+    monkeypatch.setattr(scheduler_module, "time", types.SimpleNamespace(perf_counter=lambda: 100.0))
+    eng.scheduler.unit_tick, eng.scheduler.unit_tick_started = False, 100.0 - 0.65
     # 0.65 s since the unit tick started: room while 0.65 + 0.1 + 0.1 (n + 1) <= 1.0
-    assert [eng.table.early_close.room(n) for n in range(3)] == [True, True, False]
-    eng._unit_tick = True                               # a unit tick: a unit x headroom, 0.9 s
-    assert eng.table.early_close.room(6) and not eng.table.early_close.room(8)
+    assert [eng.scheduler.early_close.room(n) for n in range(3)] == [True, True, False]
+    eng.scheduler.unit_tick = True                               # a unit tick: a unit x headroom, 0.9 s
+    assert eng.scheduler.early_close.room(6) and not eng.scheduler.early_close.room(8)
     eng.shutdown()
 
 
@@ -235,11 +235,11 @@ def test_an_early_close_joins_a_tick_only_while_it_has_room(tmp_path):
 def test_the_room_is_the_measured_tick_cost_against_the_phased_period(tmp_path):
     eng = engine(tmp_path, "room_cost", {"engine": {"tick_headroom": 0.9}})
     eng.set_tick_phases(2)
-    assert eng._tick_has_room(50)                       # nothing measured yet: room
+    assert eng.scheduler.tick_has_room(50)                       # nothing measured yet: room
     for units in (1, 3, 5):                             # 0.1 s + 0.1 s per unit
-        eng.tick_cost.observe(0.1 + 0.1 * units, units)
+        eng.scheduler.tick_cost.observe(0.1 + 0.1 * units, units)
     # a phased tick may take 1.0 / 2 x 0.9 = 0.45 s: room while 0.1 + 0.1 (n + 1) <= 0.45
-    assert [eng.table.early_close.room(n) for n in range(4)] == [True, True, True, False]
+    assert [eng.scheduler.early_close.room(n) for n in range(4)] == [True, True, True, False]
     eng.shutdown()
 
 
@@ -270,13 +270,13 @@ def test_the_early_close_period_is_the_audio_between_two_ticks(tmp_path):
     with pytest.raises(ValueError, match="tick phases"):
         eng.set_tick_phases(0)
     eng.set_tick_phases(4)
-    assert eng.table.early_close.period_samples == UNIT // 4 and eng.tick_cost.phases == 4
+    assert eng.scheduler.early_close.period_samples == UNIT // 4 and eng.scheduler.tick_cost.phases == 4
     eng.set_tick_phases(1)                       # a tick per unit: nothing to close early
-    assert eng.table.early_close is None and eng.tick_cost.phases == 1
+    assert eng.scheduler.early_close is None and eng.scheduler.tick_cost.phases == 1
     eng.shutdown()
     fast = engine(tmp_path, "fast", {"engine": {"tick_seconds": 0.25}})
     fast.set_tick_phases(2)                      # ticks every 0.125 s of audio
-    assert fast.table.early_close.period_samples == 2_000
+    assert fast.scheduler.early_close.period_samples == 2_000
     fast.set_tick_phases(1)                      # one phase: no early close, whatever the period
-    assert fast.table.early_close is None
+    assert fast.scheduler.early_close is None
     fast.shutdown()

@@ -1,4 +1,4 @@
-"""Units cut on the server's tick grid (engine_session.UnitAlignment, server.align_units_to_ticks)."""
+"""Units cut on the server's tick grid (scheduler.UnitAlignment, scheduler.align_units_to_ticks)."""
 from __future__ import annotations
 
 import sys
@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import FIRST, UNIT, audio, collect, engine, record_taken
 
-from duplexcache.runtime.engine_session import UnitAlignment
+from duplexcache.runtime.scheduler.core import UnitAlignment
 
 CHUNK = 1_600          # a client sending 100 ms chunks
 MARGIN_MS = 50.0       # 800 samples

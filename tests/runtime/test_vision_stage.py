@@ -1,4 +1,4 @@
-"""Issue 47: camera frames in a live session (runtime/vision_stage.py), tiny preset on CPU.
+"""Issue 47: camera frames in a live session (runtime/stages/vision_stage.py), tiny preset on CPU.
 
 Where a frame's rows land in the Thinker's input (checked against models/vision.unit_input_ids and
 the vision model run on its own, from models/vision.preprocess_frame), that an audio-only session
@@ -25,8 +25,9 @@ from duplexcache.runtime.bundle import build_models
 from duplexcache.runtime.engine import DuplexEngine
 from duplexcache.runtime.engine_api import AdmissionError, AudioDelta, TextDelta
 from duplexcache.runtime.engine_session import Unit
-from duplexcache.runtime.vision_stage import (InvalidImageError, TooManyFrames, VisionUnavailable, build_vision_model,
-                                              decode_frame, frame_activation_bytes, normalise)
+from duplexcache.runtime.stages.vision_stage import (InvalidImageError, TooManyFrames, VisionUnavailable,
+                                                     build_vision_model, decode_frame, frame_activation_bytes,
+                                                     normalise)
 
 VISION = {"model": {"vision": True}}
 _VISION_MODELS: dict[str, object] = {}

@@ -14,7 +14,7 @@ import torch
 from engine_helpers import audio, collect, engine, tiny_models
 
 from duplexcache.cfm.graph_grid import replay_tiers
-from duplexcache.runtime import device_setup
+from duplexcache.runtime.memory import device_setup
 from duplexcache.runtime import warmup as W
 from duplexcache.runtime.engine import DuplexEngine
 
@@ -225,7 +225,7 @@ def test_the_prefill_warm_up_opens_and_frees_a_throwaway_context(tmp_path):
     timing = [False]                              # inside PrefillTimes.measure
     real = eng.stage0.prefill
     eng.stage0.prefill = lambda chunk: calls.append((chunk, timing[0])) or real(chunk)
-    real_measure = eng.prefill_times.measure
+    real_measure = eng.scheduler.prefill_times.measure
 
     def measure(chunk):
         timing[0] = True
@@ -234,7 +234,7 @@ def test_the_prefill_warm_up_opens_and_frees_a_throwaway_context(tmp_path):
         finally:
             timing[0] = False
 
-    eng.prefill_times.measure = measure
+    eng.scheduler.prefill_times.measure = measure
     assert eng.predicted_prefill_s() is None
     assert W.run_prefill_once(eng) == 144
     # three chunks, one call each; only the third is timed for the server's pacing (the first

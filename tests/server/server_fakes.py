@@ -27,7 +27,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from duplexcache.config import DeployConfig, build_runtime_config
+from duplexcache.config import DeployConfig
+from duplexcache.runtime_config import build_runtime_config
+from duplexcache.runtime.memory.admission import Headroom
 from duplexcache.runtime.engine_api import (
     TURN_MODES, AdmissionError, AudioDelta, EngineEvent, EngineStats, ResponseDone, ResponseUsage, SessionAdmitted,
     SessionError, TextDelta, TierBytes, UserTextTooLong,
@@ -97,6 +99,8 @@ class FakeEngine:
         self.user_text_failure: Exception | None = None  # raised by add_user_text (a bug of the engine's)
         self.admission_code: str | None = None           # refuse every open_session with this code
         self.configs: dict[str, dict[str, Any]] = {}     # sid -> the client session it was opened with
+        self.late_ticks = 0                              # the engine's own late count (the server's is separate)
+        self.voices: Any = None                          # a VoiceRegistry makes voice names checked
 
     # ------------------------------------------------------------------ EngineAPI
     def open_session(self, client_session: Mapping[str, Any], *, queue_if_full: bool = False,
@@ -277,6 +281,40 @@ class FakeEngine:
                 self.closed.append(sid)
             self.live.clear()
             self.queued.clear()
+
+    # ------------------------------------------------------------------ the rest of EngineAPI
+    def warmup(self, should_stop: Any = None) -> None:
+        return None   # nothing to warm
+
+    def waterfall(self) -> None:
+        return None   # no device to account
+
+    def describe_plan(self) -> str:
+        return f"fake engine: {self.capacity} sessions"
+
+    def session_ids(self) -> list[str]:
+        with self._lock:
+            return list(self.live)
+
+    def admission_room(self) -> Headroom:
+        with self._lock:
+            return Headroom(max(0, self.capacity - len(self.live)), "memory")
+
+    def context_tokens(self, client_session: Mapping[str, Any]) -> int:
+        return len(str(client_session.get("instructions", "")))
+
+    def voice_names(self) -> list[str] | None:
+        return None if self.voices is None else sorted(self.voices.names())
+
+    def push_frame(self, sid: str, image: bytes) -> None:
+        from duplexcache.runtime.stages.vision_stage import VisionUnavailable
+        raise VisionUnavailable("camera frames need a server with a vision model (model.vision is false)")
+
+    def add_reference_voice(self, ref_audio: Any) -> str:
+        from duplexcache.context import ReferenceAudioError
+        error = ReferenceAudioError("this engine takes no reference voices")
+        error.code = "unsupported_parameter"   # what the MiniCPM-o dialect reports for it
+        raise error
 
     # ------------------------------------------------------------------ helpers
     def _admit(self, sid: str, session: _FakeSession) -> None:

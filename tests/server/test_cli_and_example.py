@@ -104,7 +104,7 @@ def test_a_wrong_checkpoint_dir_is_one_line(tmp_path, capsys):
 def test_a_memory_budget_the_machine_cannot_hold_is_one_line(tmp_path, monkeypatch, capsys, case):
     """engine.memory_budget too small for one session, or more than the device has free: found when
     the real engine starts; one line naming the numbers (exit 2), not a traceback."""
-    from duplexcache.runtime import memory_budget
+    from duplexcache.runtime.memory import memory_budget
 
     path = tmp_path / "deploy.yaml"
     path.write_text("engine:\n  memory_budget: 100MiB\n" if case == "too_small" else "engine:\n  memory_budget: 2GiB\n")

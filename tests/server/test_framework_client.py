@@ -111,7 +111,7 @@ async def _requested_reply(base_url: str) -> tuple[list, list[str], list]:
             session.commit_audio()
             generation = await asyncio.wait_for(session.generate_reply(), 30)
             # The reply speaks one unit per tick of buffered input. The real engine fills silence
-            # for a push-to-talk caller (server.fill_silence_after_ms); the FakeEngine does not, and
+            # for a push-to-talk caller (scheduler.fill_silence_after_ms); the FakeEngine does not, and
             # a tick may take one of the 3 s before response.create lands (it did, ~1 run in 5),
             # leaving one unit for a two-unit reply. So the caller keeps sending, as a mic does.
             for frame in _frames(3.0):

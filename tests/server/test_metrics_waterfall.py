@@ -3,7 +3,7 @@ the CUDA allocator's expandable segments before CUDA starts."""
 from __future__ import annotations
 
 from duplexcache.config import DeployConfig
-from duplexcache.runtime.waterfall import Part, Waterfall
+from duplexcache.runtime.memory.waterfall import Part, Waterfall
 from duplexcache.server.cli import ALLOC_CONF, EXPANDABLE, configure_cuda_allocator
 from duplexcache.server.metrics import ServerMetrics
 

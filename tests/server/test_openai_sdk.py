@@ -19,7 +19,6 @@ from openai import AsyncOpenAI
 from server_fakes import FakeEngine
 
 from duplexcache.config import DeployConfig
-from duplexcache.runtime.engine_api import TURN_CONTROL_METHODS
 from duplexcache.server.app import create_app
 from duplexcache.server.loopback import LoopbackServer
 
@@ -199,13 +198,6 @@ def test_sdk_response_cancel_cuts_a_reply():
     assert 1 <= len(deltas) < 50
 
 
-def _real_engine_has_turn_api() -> bool:
-    from duplexcache.runtime.engine import DuplexEngine
-    return all(hasattr(DuplexEngine, name) for name in TURN_CONTROL_METHODS)
-
-
-@pytest.mark.skipif(not _real_engine_has_turn_api(),
-                    reason="the real engine has no turn API yet (branch `turns` adds it); enabled by merging it")
 def test_sdk_against_the_real_tiny_engine():
     deploy = _deploy()
     deploy.engine.tick_seconds = 0.2
@@ -231,12 +223,10 @@ def test_sdk_against_the_real_tiny_engine():
         asyncio.run(main(srv))
 
 
-@pytest.mark.skipif(not _real_engine_has_turn_api(),
-                    reason="the real engine has no turn API yet (branch `turns` adds it); enabled by merging it")
 def test_sdk_push_to_talk_gets_its_reply_without_sending_more_audio():
     """A push-to-talk client (turn detection null): it streams while the button is held, commits,
     asks for a reply and then sends nothing. The server hears silence once the client has been
-    quiet for ``server.fill_silence_after_ms`` (engine_session.SilenceFill), so the model keeps
+    quiet for ``scheduler.fill_silence_after_ms`` (engine_session.SilenceFill), so the model keeps
     running units and the reply comes; waiting for the client's audio, it never would."""
     deploy = _deploy()
     deploy.engine.tick_seconds = 0.2

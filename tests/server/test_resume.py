@@ -53,7 +53,7 @@ def tiny_deploy(**server: Any) -> DeployConfig:
     # A client that stops sending is heard as silence after 3 s: long enough that the second unit
     # of a reply (every_k_units: units 0 and 1 speak as one turn) waits for it, so a cut after the
     # reply's first audio is a cut mid-reply, deterministically.
-    deploy.server.fill_silence_after_ms = 3000.0
+    deploy.scheduler.fill_silence_after_ms = 3000.0
     for name, value in server.items():
         setattr(deploy.server, name, value)
     return deploy

@@ -17,7 +17,7 @@ from server_fakes import FakeEngine, f32_b64, pcm16_b64, recv, recv_type, send, 
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-import duplexcache.server.app as app_module
+import duplexcache.server.tick_loop as tick_loop_module
 from duplexcache.config import DeployConfig
 from duplexcache.server.app import REALTIME_PATH, create_app
 from duplexcache.server.loopback import LoopbackServer
@@ -32,13 +32,16 @@ def serve():
     servers = []
 
     def _start(capacity: int = 16, catch_up_ticks: bool = True, prefill_between_ticks: bool = True,
-               tick_seconds: float = TICK, server: dict | None = None, **engine_kwargs):
+               tick_seconds: float = TICK, server: dict | None = None, scheduler: dict | None = None,
+               **engine_kwargs):
         deploy = DeployConfig.default("tiny")
         deploy.engine.tick_seconds = tick_seconds
-        deploy.server.catch_up_ticks = catch_up_ticks
-        deploy.server.prefill_between_ticks = prefill_between_ticks
+        deploy.scheduler.catch_up_ticks = catch_up_ticks
+        deploy.scheduler.prefill_between_ticks = prefill_between_ticks
         for key, value in (server or {}).items():
             setattr(deploy.server, key, value)
+        for key, value in (scheduler or {}).items():
+            setattr(deploy.scheduler, key, value)
         deploy.server.max_frame_bytes = MAX_FRAME
         deploy.server.max_sessions_per_client = 16  # every test client comes from 127.0.0.1
         engine = FakeEngine(deploy, capacity=capacity, **engine_kwargs)
@@ -353,14 +356,14 @@ def test_after_a_late_tick_the_loop_keeps_the_grid(serve, monkeypatch):
     point), not from the time the late tick ended."""
 
     calls = []
-    real = app_module.deadline_after_late
+    real = tick_loop_module.deadline_after_late
 
     def recording(deadline, now, period):
         due = real(deadline, now, period)
         calls.append((deadline, now, period, due))
         return due
 
-    monkeypatch.setattr(app_module, "deadline_after_late", recording)
+    monkeypatch.setattr(tick_loop_module, "deadline_after_late", recording)
     engine, srv = serve(tick_delay=0.5)   # 10 periods: every tick is late
     wait_for(lambda: len(calls) >= 2, timeout=60, what="two late ticks")
     for deadline, now, period, due in calls:
@@ -431,24 +434,24 @@ def test_prefill_chunks_run_before_the_tick_when_they_fit(serve, between, cost):
         assert moved == 0      # switched off, or a chunk longer than the period: the ticks run them
 
 
-@pytest.mark.parametrize("server, told, field", [
+@pytest.mark.parametrize("scheduler, told, field", [
     ({}, 50.0, "unit_alignment_ms"), ({"unit_align_margin_ms": 120.0}, 120.0, "unit_alignment_ms"),
     ({"tick_phases": 1, "align_units_to_ticks": False}, None, "unit_alignment_ms"),
     ({}, 500.0, "silence_fill_ms"), ({"fill_silence_after_ms": 250.0}, 250.0, "silence_fill_ms"),
     ({"fill_silence_after_ms": None}, None, "silence_fill_ms"),
 ])
-def test_pacing_switches_reach_the_engine(serve, server, told, field):
-    """server.align_units_to_ticks / unit_align_margin_ms -> set_unit_alignment, and
-    server.fill_silence_after_ms -> set_silence_fill, as the tick loop starts (what the fake
+def test_pacing_switches_reach_the_engine(serve, scheduler, told, field):
+    """scheduler.align_units_to_ticks / unit_align_margin_ms -> set_unit_alignment, and
+    scheduler.fill_silence_after_ms -> set_silence_fill, as the tick loop starts (what the fake
     engine was told; "unset" until then)."""
-    engine, _ = serve(server=server)
+    engine, _ = serve(scheduler=scheduler)
     wait_for(lambda: getattr(engine, field) != "unset", timeout=30, what="the tick loop to start")
     assert getattr(engine, field) == told
 
 
 @pytest.mark.parametrize("phases", [1, 2])
 def test_tick_phases_reach_the_engine_and_divide_the_period(serve, monkeypatch, phases):
-    """server.tick_phases -> set_tick_phases, and the tick loop waits for deadlines on a grid of
+    """scheduler.tick_phases -> set_tick_phases, and the tick loop waits for deadlines on a grid of
     engine.tick_seconds / tick_phases (the period it hands its wait, recorded: no wall clock)."""
     from duplexcache.server.app import RealtimeServer
 
@@ -460,13 +463,13 @@ def test_tick_phases_reach_the_engine_and_divide_the_period(serve, monkeypatch, 
         await real(self, deadline, period, pacing)
 
     monkeypatch.setattr(RealtimeServer, "_wait_for", recording)
-    engine, _ = serve(tick_seconds=0.3, server={"tick_phases": phases})
+    engine, _ = serve(tick_seconds=0.3, scheduler={"tick_phases": phases})
     wait_for(lambda: len(periods) >= 2, timeout=60, what="two waits of the tick loop")
     assert engine.tick_phases == phases
     assert periods[:2] == [pytest.approx(0.3 / phases)] * 2
 
 
-class _RecordingGrid(app_module.UnitGrid):
+class _RecordingGrid(tick_loop_module.UnitGrid):
     """The tick loop's grid, recording its verdict for each deadline asked (which points are unit
     ticks is pacing.UnitGrid's, tested in tests/runtime/test_pacing.py)."""
 
@@ -481,17 +484,17 @@ class _RecordingGrid(app_module.UnitGrid):
 @pytest.fixture
 def recording_grid(monkeypatch):
     monkeypatch.setattr(_RecordingGrid, "verdicts", [])
-    monkeypatch.setattr(app_module, "UnitGrid", _RecordingGrid)
+    monkeypatch.setattr(tick_loop_module, "UnitGrid", _RecordingGrid)
     return _RecordingGrid
 
 
 @pytest.mark.parametrize("units", ["spread", "home"])
 def test_phase_units_reach_the_engine_and_mark_the_unit_ticks(serve, recording_grid, units):
-    """server.phase_units -> set_tick_phases(home=...) and, home, tick(unit_tick=...) with the
+    """scheduler.phase_units -> set_tick_phases(home=...) and, home, tick(unit_tick=...) with the
     grid's verdict for the tick's deadline (the fake engine records both; spread ticks take no
     argument, so every one is a unit tick). Compared tick by tick with what the grid said, so a
     slow machine whose late tick skips a grid point cannot fail it."""
-    engine, _ = serve(tick_seconds=0.4, server={"tick_phases": 2, "phase_units": units})
+    engine, _ = serve(tick_seconds=0.4, scheduler={"tick_phases": 2, "phase_units": units})
     wait_for(lambda: len(engine.unit_ticks) >= 5, timeout=60, what="five ticks")
     assert engine.home_phase == (units == "home")
     ticks = engine.unit_ticks[:5]
@@ -505,7 +508,7 @@ def test_a_catch_up_tick_of_home_phases_is_not_a_unit_tick(serve, recording_grid
     """Home with sessions behind: the extra tick the server runs at once after sessions_behind()
     > 0 is a tick between, even where the grid's deadline is a unit tick's (a second unit tick
     would restart the time the room between unit ticks is measured from)."""
-    engine, srv = serve(tick_seconds=0.4, server={"tick_phases": 2, "phase_units": "home"})
+    engine, srv = serve(tick_seconds=0.4, scheduler={"tick_phases": 2, "phase_units": "home"})
     engine.behind = 1
     wait_for(lambda: sum(engine.catch_ups) >= 4, timeout=60, what="catch-up ticks")
     n = len(engine.catch_ups)
@@ -521,7 +524,7 @@ def test_a_late_tick_of_home_phases_is_logged_by_the_server(serve, caplog):
     server logs the late ticks the engine does not count (which kind of tick, how late; this fake
     keeps no count, and a tick the real engine counts is logged once: tests/runtime/test_demo.py)."""
     caplog.set_level(logging.WARNING, logger="duplexcache.server.app")
-    engine, srv = serve(tick_seconds=0.4, tick_delay=1.0, server={"tick_phases": 2, "phase_units": "home"})
+    engine, srv = serve(tick_seconds=0.4, tick_delay=1.0, scheduler={"tick_phases": 2, "phase_units": "home"})
     wait_for(lambda: _metric(srv, "duplexcache_late_ticks_total") >= 1, timeout=60, what="a late tick")
     late = [r.getMessage() for r in caplog.records if "ran late" in r.getMessage()]
     assert late and late[0].startswith(("unit tick ran late", "tick between unit ticks ran late"))
@@ -533,7 +536,7 @@ def test_home_ticks_between_that_ran_units_are_timed_apart(serve, units_between)
     units (what the room test must predict): none while they run none, never a unit tick. Every
     tick of the fake reports the same units from the first one, so timing the unit ticks too would
     count about twice as many; counted by ticks, not by time, so a slow machine cannot fail it."""
-    engine, srv = serve(tick_seconds=0.4, server={"tick_phases": 2, "phase_units": "home"},
+    engine, srv = serve(tick_seconds=0.4, scheduler={"tick_phases": 2, "phase_units": "home"},
                         tick_units=units_between)
     wait_for(lambda: engine.unit_ticks.count(True) >= 3 and engine.unit_ticks.count(False) >= 3,
              timeout=60, what="three unit ticks and three ticks between")
@@ -847,17 +850,3 @@ def test_written_audio_is_counted_for_the_newest_responses_only():
     conn = asyncio.run(main())
     assert list(conn.sent_audio_bytes) == [f"r{i}" for i in range(50 - REMEMBERED_RESPONSES, 50)]
     assert conn.played_ms("r49") == 3 * 96 // 48 and conn.played_ms("r0") == 0
-
-
-@pytest.mark.parametrize("interval_ms", [None, 0.5])
-def test_switch_interval_is_set_while_serving_and_restored(interval_ms):
-    """server.switch_interval_ms reaches sys.setswitchinterval for the server's life (None: untouched)."""
-    import sys
-
-    deploy = DeployConfig.default("tiny")
-    deploy.server.switch_interval_ms = interval_ms
-    before = sys.getswitchinterval()
-    with LoopbackServer(create_app(FakeEngine(deploy), deploy)):
-        during = sys.getswitchinterval()
-    assert during == (before if interval_ms is None else interval_ms / 1000)
-    assert sys.getswitchinterval() == before

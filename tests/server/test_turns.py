@@ -1,6 +1,6 @@
 """Turn taking over the wire: server_vad (with a VAD fake of SileroVAD's shape), client-driven
 turns (commit / response.create / response.cancel), user text items, truncate, barge-in dropping
-unsent audio, the beta event names, and an engine without the turn API."""
+unsent audio, the beta event names, and an engine without the turn API (refused at start)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 from websockets.exceptions import ConnectionClosed
-from server_fakes import FakeEngine, LoopbackServers, connect_realtime, pcm16_b64, recv, recv_type, send, sid_of, wait_for
+from server_fakes import FakeEngine, LoopbackServers, connect_realtime, pcm16_b64, recv, recv_type, send, sid_of
 
+from duplexcache.config import DeployConfig
 from duplexcache.server import realtime_session
 
 TICK = 0.05
@@ -242,7 +243,7 @@ def test_beta_client_gets_beta_names_and_24k(serve):
 
 
 class _NoTurnEngine:
-    """An engine built before the turn API: only the core EngineAPI calls."""
+    """An engine built before the turn API: the core calls only."""
 
     def __init__(self, deploy, **kwargs):
         self._inner = FakeEngine(deploy, **kwargs)
@@ -250,24 +251,17 @@ class _NoTurnEngine:
             setattr(self, name, getattr(self._inner, name))
 
 
-def test_engine_without_turn_api_serves_duplex_and_refuses_the_rest(serve):
-    engine, srv = serve(engine_cls=_NoTurnEngine)
+def test_an_engine_missing_part_of_the_contract_is_refused_at_start():
+    """The server calls every EngineAPI member without probing, so an engine that lacks one is
+    refused when the server is built, naming what it lacks (not at the first call that needs it)."""
+    from duplexcache.server.app import create_app
 
-    async def main():
-        async with _connect(srv) as ws:
-            await recv(ws)
-            codes = []
-            for event in ({"type": "session.update", "session": {"turn_detection": None}},
-                          {"type": "response.create"}, {"type": "response.cancel"}):
-                await send(ws, event)
-                error, _ = await recv_type(ws, "error")
-                codes.append(error["error"]["code"])
-            await _append(ws, QUIET, 2)
-            await recv_type(ws, "response.output_audio.delta")  # duplex: the speak policy answers
-            return codes
-
-    assert asyncio.run(main()) == ["unsupported_turn_detection", "not_supported", "not_supported"]
-    wait_for(lambda: engine._inner.opened == 1, what="one session")
+    deploy = DeployConfig.default("tiny", environ={})
+    with pytest.raises(TypeError, match="does not implement EngineAPI") as info:
+        create_app(_NoTurnEngine(deploy), deploy)
+    for name in ("set_turn_mode", "request_response", "cancel_response", "add_user_text", "warmup", "late_ticks"):
+        assert name in str(info.value)
+    create_app(FakeEngine(deploy), deploy)   # the whole contract: accepted
 
 
 def _user_message(text: str) -> dict:

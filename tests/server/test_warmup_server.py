@@ -129,10 +129,10 @@ def test_stop_during_warmup_does_not_wait_for_it():
 
 
 class WaterfallEngine(WarmingEngine):
-    """A warming FakeEngine that accounts its card (runtime/waterfall.py's interface)."""
+    """A warming FakeEngine that accounts its card (runtime/memory/waterfall.py's interface)."""
 
     def waterfall(self):
-        from duplexcache.runtime.waterfall import Part, Waterfall
+        from duplexcache.runtime.memory.waterfall import Part, Waterfall
 
         assert self.warmed, "the waterfall is taken after the warm-up"
         return Waterfall("cuda:0", 1000, "test", (Part("weights", 400, "weights"),

@@ -234,7 +234,7 @@ class TickCostModel:
     replays, the Code2Wav solve of a tier): at minicpmo45 shapes 32 sessions tick in ~700 ms and
     each further one adds ~20 ms, so a line through the origin (tick / units) read from the first
     ticks of a few sessions predicts ~70 ms per session and refuses the eleventh caller of a card
-    that runs 32 in real time (seen twice on an H200, docs/benchmarks.md). A slope is therefore
+    that runs 32 in real time (seen twice on an H200, docs/results/HISTORY.md). A slope is therefore
     trusted only when the ticks seen span at least ``MIN_SPAN_UNITS`` unit counts (a slope read
     from neighbouring counts is mostly noise times a long lever) and it is positive. Until then,
     and when the fitted slope is <= 0, the prediction is flat: the mean tick at the largest unit
@@ -245,7 +245,7 @@ class TickCostModel:
     (every live session may run a unit in one tick). Before the first tick with units there is
     no measurement and admission is by memory only.
 
-    A server that ticks ``phases`` times per unit (``server.tick_phases``) runs each session's
+    A server that ticks ``phases`` times per unit (``scheduler.tick_phases``) runs each session's
     unit in one of those ticks, and all of them in one unit's time: the sessions share the ticks
     (``(live + 1) / phases`` units each, as the grid spreads them) and each tick has a period of
     ``tick_seconds / phases``, so the test is ``predicted((live + 1) / phases) <= limit / phases``,
@@ -296,7 +296,7 @@ class TickCostModel:
         self.per_unit_s, self.fixed_s = 0.0, sum(at_top) / len(at_top)
 
     def set_phases(self, phases: int) -> None:
-        """Ticks per unit of the server that paces this engine (``server.tick_phases``)."""
+        """Ticks per unit of the server that paces this engine (``scheduler.tick_phases``)."""
         if phases < 1:
             raise ValueError(f"phases must be >= 1, got {phases}")
         self.phases = phases

@@ -2,8 +2,8 @@
 
 Two kinds of extra work may run between two ticks on the grid of ``engine.tick_seconds``:
 
-* a **catch-up tick** for sessions a late tick left a whole unit behind (``server.catch_up_ticks``);
-* **prefill chunks** of sessions that are opening (``server.prefill_between_ticks``): a chunk run in
+* a **catch-up tick** for sessions a late tick left a whole unit behind (``scheduler.catch_up_ticks``);
+* **prefill chunks** of sessions that are opening (``scheduler.prefill_between_ticks``): a chunk run in
   the time left before the next tick adds nothing to any tick, where a chunk inside the tick adds
   its whole cost to the tick of every live session (issue 11). When no chunk fits, the tick runs
   one itself, as without the switch, so an opening session always progresses.
@@ -41,9 +41,9 @@ def deadline_after_late(deadline: float, now: float, period: float) -> float:
     The grid is the clock at which every session's units are taken, and a session's audio keeps
     arriving in real time. A grid restarted at ``now`` would take every later unit that much
     after it arrived, for the rest of the call (a late tick's delay passed on to every reply), and
-    would undo the alignment of units to ticks (``server.align_units_to_ticks``). Grid points
+    would undo the alignment of units to ticks (``scheduler.align_units_to_ticks``). Grid points
     already past are skipped, not run in a burst: the units they leave are a backlog that
-    catch-up ticks take (``server.catch_up_ticks``)."""
+    catch-up ticks take (``scheduler.catch_up_ticks``)."""
     if period <= 0:
         raise ValueError(f"period must be > 0, got {period}")
     if now < deadline:
@@ -57,7 +57,7 @@ def deadline_after_late(deadline: float, now: float, period: float) -> float:
 @dataclass(frozen=True)
 class UnitGrid:
     """The server's tick grid, ``period`` apart from ``origin``, with a unit tick at every
-    ``phases``-th point (``server.phase_units: home``; 1: every tick is one).
+    ``phases``-th point (``scheduler.phase_units: home``; 1: every tick is one).
 
     A tick runs at the grid point before its deadline (the loop's ``deadline`` is the end of the
     tick's period; after a late tick the one that starts at once is due at the next point,

@@ -6,7 +6,7 @@ attributes what is still allocated: by the first duplexcache frame of each live 
 stack and by memory pool (a graph's private pool or the default one). It also lists the CUDA
 tensors Python still reaches and the CUDAGraph objects still alive.
 
-Usage: python3 scripts/graph_leak_probe.py [--preset minicpmo45] [--arms ragged,encoder,off] [--out DIR]
+Usage: python3 scripts/probes/graph_leak_probe.py [--preset minicpmo45] [--arms ragged,encoder,off] [--out DIR]
 An arm name ending in ``+fresh`` warms every capture up on a new pooled stream, as the runners did
 before ``warmup_stream`` (the A/B of that change).
 (tiny and CPU: a dry run of the script itself; nothing is attributed without CUDA.)

@@ -5,9 +5,9 @@ line per distinct stack (``frame;frame;... count``, outermost first). The server
 a worker thread (``asyncio.to_thread(engine.tick)``) and everything else on the event loop
 (WebSocket frames, JSON, base64, resampling, routing events), so the question "does the server's
 own work stretch the tick?" becomes "what share of the GIL samples does the event loop hold
-while ticks run, and on what?" (docs/benchmarks.md, "Where the server's time goes").
+while ticks run, and on what?" (docs/results/HISTORY.md, "Where the server's time goes").
 
-Only parsing and counting live here (tested on CPU); ``scripts/serve_profile.py`` runs the
+Only parsing and counting live here (tested on CPU); ``scripts/probes/serve_profile.py`` runs the
 server under py-spy with the load generator.
 """
 

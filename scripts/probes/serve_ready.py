@@ -1,6 +1,6 @@
 """Time `duplexcache serve` from launch to /health 200 and print its warm-up metrics.
 
-    python3 scripts/serve_ready.py --config examples/minicpmo45-shared.yaml [--port 8765] [--timeout 420]
+    python3 scripts/probes/serve_ready.py --config examples/minicpmo45-shared.yaml [--port 8765] [--timeout 420]
 
 Prints the seconds to the first "warming" answer (listening) and to "ok" (warm), then the
 duplexcache_graph_captures_total and duplexcache_warmup_seconds lines of /metrics, then stops

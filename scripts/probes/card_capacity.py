@@ -1,6 +1,6 @@
 """Expected sessions admitted on a card for a minicpmo45 deploy config, from shapes only.
 
-    python scripts/card_capacity.py [--config examples/minicpmo45-shared.yaml] [--policy reply]
+    python scripts/probes/card_capacity.py [--config examples/minicpmo45-shared.yaml] [--policy reply]
                                     [--total-gib 79.6] [--outside-gib 2.31] [--activation-gib 3.0]
 
 The engine itself plans on the ``meta`` device (the models' shapes, no weights, nothing
@@ -43,7 +43,7 @@ def plan_on_card(models, config: Path, policy: str | None, after: bool, free_aft
                  activation: int):
     """The engine's plan on ``meta`` with ``free_after_weights`` bytes free on the device."""
     from duplexcache.config import DeployConfig
-    from duplexcache.runtime import memory_budget as MB
+    from duplexcache.runtime.memory import memory_budget as MB
     from duplexcache.runtime.engine import DuplexEngine
 
     raw = DeployConfig.from_yaml(config, environ={}).to_dict()

@@ -25,9 +25,9 @@ from duplexcache.kv.kv_cache_manager import KVCacheManager
 from duplexcache.kv.paged_attention import PagedKVCache
 from duplexcache.kv.talker_blocks import TalkerBlocks
 from duplexcache.kv.window import WindowConfig
-from duplexcache.runtime.admission import MemoryPlan
+from duplexcache.runtime.memory.admission import MemoryPlan
 from duplexcache.runtime.bundle import ModelBundle
-from duplexcache.runtime.stage0 import Stage0Runner
+from duplexcache.runtime.stage0.runner import Stage0Runner
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,20 @@ class KVPools:
 BATCH_INVARIANT_SPLITS = 8
 
 
+def window_config(stage0_cfg: Stage0Config) -> WindowConfig:
+    """The Thinker window of the deploy config's ``stage0.window`` section."""
+    w = stage0_cfg.window
+    return WindowConfig(mode=w.mode, high_tokens=w.high_tokens, low_tokens=w.low_tokens)
+
+
+def stage0_runner(thinker, cache: PagedKVCache, stage0_cfg: Stage0Config, window: WindowConfig) -> Stage0Runner:
+    """A Stage 0 runner over ``cache`` with a fresh block pool and manager of the cache's size: the
+    one way the engine and the benchmarks build Stage 0 (``stage0.shared_anchor_blocks`` reaches it here)."""
+    manager = KVCacheManager(BlockPool(cache.num_blocks), stage0_cfg.block_size, cache.bytes_per_block)
+    return Stage0Runner(thinker, manager, cache, window, share_context=stage0_cfg.shared_anchor_blocks,
+                        block_size=stage0_cfg.block_size)
+
+
 def build_kv_pools(models: ModelBundle, plan: MemoryPlan, stage0_cfg: Stage0Config, window: WindowConfig,
                    storage_dtype: torch.dtype | None = None, batch_invariant: bool = False) -> KVPools:
     """Allocate the Thinker and Talker pools at the plan's sizes and pick their attention paths.
@@ -83,9 +97,7 @@ def build_kv_pools(models: ModelBundle, plan: MemoryPlan, stage0_cfg: Stage0Conf
     """
     bs, dev, dt = stage0_cfg.block_size, models.device, models.dtype
     thinker_cache = models.thinker.make_kv_cache(plan.thinker_blocks, bs, dt, dev, storage_dtype)
-    thinker_manager = KVCacheManager(BlockPool(plan.thinker_blocks), bs, thinker_cache.bytes_per_block)
-    stage0 = Stage0Runner(models.thinker, thinker_manager, thinker_cache, window,
-                          share_context=stage0_cfg.shared_anchor_blocks, block_size=bs)
+    stage0 = stage0_runner(models.thinker, thinker_cache, stage0_cfg, window)
     tc = models.talker.config
     talker_cache = PagedKVCache(tc.num_hidden_layers, plan.talker_blocks, bs, tc.num_key_value_heads,
                                 tc.head_dim, dt, dev, storage_dtype)
@@ -102,7 +114,7 @@ def build_kv_pools(models: ModelBundle, plan: MemoryPlan, stage0_cfg: Stage0Conf
         select_attention_backend(cache)
         cache.ragged_steps_in_kernel = stage0_cfg.ragged_kernel
         cache.fixed_num_splits = BATCH_INVARIANT_SPLITS if batch_invariant else None
-    return KVPools(thinker_cache, thinker_manager, stage0, talker_cache, talker_kv)
+    return KVPools(thinker_cache, stage0.manager, stage0, talker_cache, talker_kv)
 
 
 def decode_graphs_supported(device: torch.device, caches: tuple[PagedKVCache, ...]) -> bool:

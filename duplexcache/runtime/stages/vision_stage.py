@@ -19,7 +19,7 @@ in the unit and nothing else: a unit is one append, whatever it holds.
 The vision call runs eagerly (no CUDA graph): frames of different sizes pack to different
 lengths, and the call is one per tick, not one per token.
 
-Admission (runtime/session_sizing.py): a video session's unit is ``VIDEO_UNIT_TOKENS`` more, so
+Admission (runtime/memory/session_sizing.py): a video session's unit is ``VIDEO_UNIT_TOKENS`` more, so
 its window must hold a video unit, its user text has that much less room, and its dynamic
 reservation adds one frame's activations through the encoder (``frame_activation_bytes``): the
 batched call's activations grow with the frames in it.

@@ -22,12 +22,12 @@ from duplexcache.kv.decode_graphs import PagedDecodeGraphs
 from duplexcache.kv.paged_attention import PagedKVCache
 from duplexcache.kv.talker_blocks import TalkerBlocks
 from duplexcache.models.talker import Talker, TalkerUnitRequest, generate_unit
-from duplexcache.runtime.code2wav_stage import Code2WavStage
+from duplexcache.runtime.stages.code2wav_stage import Code2WavStage
 from duplexcache.runtime.engine_api import EngineEvent
 from duplexcache.runtime.engine_session import EndSession, FinalChunk, Unit, end_all, ended
 from duplexcache.runtime.isolation import FaultInjector, precheck, run_isolated
 from duplexcache.runtime.policy import ControlTokens
-from duplexcache.runtime.session_sizing import resolve_turn_tokens
+from duplexcache.runtime.memory.session_sizing import resolve_turn_tokens
 
 logger = logging.getLogger(__name__)
 

@@ -32,8 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from duplexcache.kv.kv_cache_manager import KVCacheManager, SessionBytes
-from duplexcache.kv.kv_quant import FP8_SCALE_BYTES, is_quantized
-from duplexcache.kv.paged_attention import PagedKVCache
+from duplexcache.kv.paged_attention import PagedKVCache, bytes_per_block
 from duplexcache.kv.rope import rerotate_keys_
 from duplexcache.kv.window import WindowConfig, WindowPlan
 
@@ -108,7 +107,7 @@ def stage0_session_bytes(
     context_tokens: int,
     window_tokens: int,
     share: bool,
-    dtype_bytes: int = 2,
+    dtype: torch.dtype = torch.bfloat16,
     block_size: int = 16,
     storage_dtype: torch.dtype | None = None,
 ) -> SessionBytes:
@@ -128,15 +127,14 @@ def stage0_session_bytes(
              shared    shared     private              private   private      shared
         share=False: all 5 table blocks private, no template.
     """
-    if context_tokens <= 0 or window_tokens < 0 or block_size <= 0 or dtype_bytes <= 0:
+    if context_tokens <= 0 or window_tokens < 0 or block_size <= 0:
         raise ValueError(
-            f"need context_tokens > 0, window_tokens >= 0, block_size > 0, dtype_bytes > 0; got "
-            f"{context_tokens}, {window_tokens}, {block_size}, {dtype_bytes}"
+            f"need context_tokens > 0, window_tokens >= 0, block_size > 0; got "
+            f"{context_tokens}, {window_tokens}, {block_size}"
         )
-    # A row (token, kv head): head_dim values, or in fp8 (precision.kv_cache_dtype) head_dim
-    # bytes plus its float32 scale, as the pool stores it (kv/kv_quant.row_bytes).
-    row = config.head_dim + FP8_SCALE_BYTES if is_quantized(storage_dtype) else config.head_dim * dtype_bytes
-    per_block = 2 * config.num_hidden_layers * config.num_key_value_heads * row * block_size
+    # the pool's own formula (fp8 in precision.kv_cache_dtype: values plus their float32 scales)
+    per_block = bytes_per_block(config.num_hidden_layers, block_size, config.num_key_value_heads,
+                                config.head_dim, dtype, storage_dtype)
     table_blocks = -(-(context_tokens + window_tokens) // block_size)
     if not share:
         return SessionBytes(private=table_blocks * per_block, shared=0)

@@ -33,7 +33,7 @@ from typing import Awaitable, Callable
 import numpy as np
 
 from duplexcache.config import ConfigError, DeployConfig
-from duplexcache.runtime.demo_client import OUT_RATE, ClientResult, ServerError, run_client, until_responses
+from duplexcache.demo_client import OUT_RATE, ClientResult, ServerError, run_client, until_responses
 from duplexcache.runtime.engine import STAGES, DuplexEngine, build_engine
 from duplexcache.runtime.engine_api import (
     AudioDelta,

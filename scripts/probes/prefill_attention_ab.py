@@ -1,6 +1,6 @@
 """A/B of one prefill chunk's attention over a long paged context (one Thinker layer, minicpmo45 shapes).
 
-    python scripts/prefill_attention_ab.py [--chunk 1024] [--contexts 1024,4096,8192,16384] [--out DIR]
+    python scripts/probes/prefill_attention_ab.py [--chunk 1024] [--contexts 1024,4096,8192,16384] [--out DIR]
 
 A: the path before 2026-12-03 — 3-D SDPA with an explicit boolean (T, S) mask (what
 ``_reference_paged_attention`` did). B: ``duplexcache.kv.paged_attention.paged_attention`` as it is

@@ -1,13 +1,13 @@
 """Profile a freshly started `duplexcache serve` under the conversation load: who holds the GIL.
 
-    python scripts/serve_profile.py --config duplexcache/configs/tiny.yaml --sessions 16 \
+    python scripts/probes/serve_profile.py --config duplexcache/configs/tiny.yaml --sessions 16 \
         --duration 60 --out DIR [--rate 50]
 
 Starts the server under ``py-spy record --gil --threads --nonblocking --format raw`` (pip install
 py-spy; it samples only the thread holding the GIL), waits for /health 200, runs `duplexcache
 bench serve --workload conversation` against it, stops the server with SIGINT, then writes
 DIR/gil.txt (py-spy's raw stacks), DIR/gil_summary.json and prints the summary
-(duplexcache/bench/gil_profile.py): the tick thread's share of the GIL, the event loop's, and
+(scripts/probes/gil_profile.py): the tick thread's share of the GIL, the event loop's, and
 what the event loop held it for. The config gets the reply policy and lifted per-address caps,
 as scripts/gpu_bench.sh's serve modes do.
 """
@@ -26,7 +26,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from duplexcache.bench.gil_profile import format_profile, summarize
+from gil_profile import format_profile, summarize   # its sibling (scripts/probes/)
 from duplexcache.config import DeployConfig
 
 logger = logging.getLogger("serve_profile")

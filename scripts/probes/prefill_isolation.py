@@ -1,7 +1,7 @@
 """Prefill isolation bench: what opening a session with the longest allowed context adds to the
 tick of the sessions already live.
 
-    duplexcache bench prefill [--preset tiny|minicpmo45] [--device cpu|cuda]
+    python scripts/probes/prefill_isolation.py [--preset tiny|minicpmo45] [--device cpu|cuda]
         [--sessions 32] [--warmup-ticks 8] [--baseline-ticks 16] [--prefill-chunk-tokens N]
         [--max-context-tokens N] [--memory-budget 80GiB] [--threshold-ms 100]
         [--between-ticks] [--tick-seconds S] [--out DIR]
@@ -24,9 +24,9 @@ baseline ticks' own spread, ~60-90 ms on the H200, as added time; it is kept as
 time is switched off for the bench (``tick_headroom`` 1e9), so the live sessions are admitted
 whatever their measured cost. Results go to ``DIR/results.json``.
 
-``--between-ticks`` emulates the server with ``server.prefill_between_ticks``: after each timed
+``--between-ticks`` emulates the server with ``scheduler.prefill_between_ticks``: after each timed
 tick, prefill chunks run while their measured time fits what is left of the period
-(runtime/pacing.py), so the ticks of the live sessions carry no chunk while the slack has room;
+(runtime/scheduler/pacing.py), so the ticks of the live sessions carry no chunk while the slack has room;
 reported besides: each period's chunk times and ``periods_overrun`` (tick + chunks > period: the
 next tick would have started late).
 """
@@ -41,13 +41,13 @@ from pathlib import Path
 
 import numpy as np
 
-from duplexcache.bench.common import alias_main, default_device, sync, usage_error, write_results
+from duplexcache.bench.common import default_device, sync, usage_error, write_results
 from duplexcache.bench.engine_ticks import session_audio
 from duplexcache.bench.engine_ticks_config import TickBenchConfig, make_deploy
 from duplexcache.config import DeployConfig
 from duplexcache.runtime.bundle import build_models
 from duplexcache.runtime.engine import DuplexEngine
-from duplexcache.runtime.pacing import prefill_fits
+from duplexcache.runtime.scheduler.pacing import prefill_fits
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def _instructions(eng: DuplexEngine, voice: str, tokens: int) -> str:
 
 
 def _between_ticks(eng: DuplexEngine, slack_s: float, period_s: float) -> list[float]:
-    """The server's rule (server/app.py, runtime/pacing.py) in the emulated slack: chunks while
+    """The server's rule (server/app.py, runtime/scheduler/pacing.py) in the emulated slack: chunks while
     their predicted time fits what is left of the period; returns each chunk's wall time."""
     walls = []
     while eng.prefill_pending() and prefill_fits(slack_s - sum(walls), eng.predicted_prefill_s(), period_s):
@@ -96,7 +96,7 @@ def measure(deploy: DeployConfig, sessions: int, warmup: int, baseline_ticks: in
     models = build_models(deploy, seed=seed)
     eng = DuplexEngine(deploy, models)
     eng.warmup()   # as `duplexcache serve` does: no graph capture inside the timed ticks
-    eng.set_prefill_between_ticks(between)   # as the server does with server.prefill_between_ticks
+    eng.set_prefill_between_ticks(between)   # as the server does with scheduler.prefill_between_ticks
     enc = models.audio_encoder.cfg
     total_units = warmup + baseline_ticks + 200
     sids = [eng.open_session({"voice": ("default", "alt")[i % 2]}) for i in range(sessions)]
@@ -165,7 +165,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the period whose slack --between-ticks uses (default: engine.tick_seconds, 1 s)")
     p.add_argument("--between-ticks", action="store_true",
                    help="run prefill chunks in each period's slack as the server does with "
-                        "server.prefill_between_ticks (default: inside the ticks, the engine alone)")
+                        "scheduler.prefill_between_ticks (default: inside the ticks, the engine alone)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("out/prefill_isolation"))
 
@@ -205,5 +205,7 @@ def run(a: argparse.Namespace) -> int:
     return 0 if result["ok"] else 1
 
 
-if __name__ == "__main__":
-    sys.exit(alias_main("prefill"))
+if __name__ == "__main__":   # a probe script: python scripts/probes/prefill_isolation.py ARGS (duplexcache importable)
+    _parser = argparse.ArgumentParser(prog="scripts/probes/prefill_isolation.py", description=__doc__.split("\n\n")[0])
+    add_arguments(_parser)
+    sys.exit(run(_parser.parse_args()))

@@ -18,31 +18,25 @@ from typing import Any
 import torch
 
 from duplexcache.cfm.code2wav import BatchedCode2Wav, code2wav_session_bytes
-from duplexcache.config import (ConfigError, DeployConfig, SessionConfigError, SessionRuntimeConfig, SpeakPolicy,
-                                build_runtime_config, format_bytes)
+from duplexcache.config import ConfigError, DeployConfig, SpeakPolicy, format_bytes
+from duplexcache.runtime_config import SessionConfigError, SessionRuntimeConfig, build_runtime_config
 from duplexcache.context import EmbeddingResult, EncoderPath, SessionContext, build_session_context
 from duplexcache.context.tokenizer import Tokenizer
 from duplexcache.kv.kv_quant import kv_storage_dtype
 from duplexcache.kv.paged_attention import bytes_per_block
 from duplexcache.kv.window import WindowConfig
-from duplexcache.runtime import memory_budget
-from duplexcache.runtime.admission import (AdmissionLedger, BudgetTooSmall, Footprint, MemoryPlan, TickCostModel,
+from duplexcache.runtime.memory import memory_budget
+from duplexcache.runtime.memory.admission import (AdmissionLedger, BudgetTooSmall, Footprint, MemoryPlan, TickCostModel,
                                            plan_memory)
 from duplexcache.runtime.bundle import ModelBundle
 from duplexcache.models.talker import TalkerConfig
 from duplexcache.runtime.engine_api import AdmissionError
 from duplexcache.runtime.policy import MAX_UNIT_TOKENS
-from duplexcache.runtime.stage0 import session_worst_case
+from duplexcache.runtime.stage0.runner import session_worst_case
 from duplexcache.runtime.voices import Voice
 
 logger = logging.getLogger(__name__)
 
-# What a refused client reads (AdmissionError.reason): no pool sizes; the numbers go to the log.
-CLIENT_REFUSALS = {
-    "capacity_memory": "capacity_memory: the server has no memory for another session now; try again later",
-    "capacity_compute": "capacity_compute: one more session would make the server miss its real-time "
-                        "deadline; try again later",
-}
 
 
 def refusal(ledger: AdmissionLedger, tick_cost: TickCostModel, fp: Footprint,
@@ -164,11 +158,11 @@ class SessionSizing:
         self.talker_turn_tokens = reserved_turn_tokens(deploy, models.talker.config)
         # Reference-audio embedding counts per voice: the only model run sizing needs, once.
         self.ref_embeddings = {v: self.count_ref_embeddings(self.voices.get(v)) for v in self.voices.names()}
-        # model.vision: a video session's unit carries a frame (runtime/vision_stage.py); shapes only
+        # model.vision: a video session's unit carries a frame (runtime/stages/vision_stage.py); shapes only
         self.vision = None
         self.frame_tokens = 0
         if deploy.model.vision:
-            from duplexcache.runtime.vision_stage import frame_tokens, vision_config
+            from duplexcache.runtime.stages.vision_stage import frame_tokens, vision_config
 
             self.vision = vision_config(deploy.model.preset, models.thinker.config.hidden_size,
                                         deploy.model.checkpoint_dir)
@@ -243,7 +237,7 @@ class SessionSizing:
         window must hold one (else its first compaction would end it); its frame's activations in
         the tick's batched vision call are reserved in the dynamic region. Returns those bytes."""
         from duplexcache.runtime.turns import UNIT_TOKENS_BOUND
-        from duplexcache.runtime.vision_stage import frame_activation_bytes
+        from duplexcache.runtime.stages.vision_stage import frame_activation_bytes
 
         assert self.vision is not None, "config.py refuses video sessions without model.vision"
         unit = UNIT_TOKENS_BOUND + self.frame_tokens
@@ -267,7 +261,7 @@ class SessionSizing:
         return kv_storage_dtype(self.deploy.precision.kv_cache_dtype)   # precision.kv_cache_dtype
 
     def fixed_bytes(self) -> int:
-        """The engine's fixed buffers (runtime/waterfall.py lists them one by one)."""
+        """The engine's fixed buffers (runtime/memory/waterfall.py lists them one by one)."""
         names = self.voices.names()
         # The voices' Code2Wav prompt states were computed by register_voice and live as long as
         # the engine: fixed, once per voice (sharing on or off), never per session.

@@ -7,7 +7,7 @@ Arms (each in a fresh process, so the allocator starts empty as in a fresh serve
   prime  the same after one block of B full caches was allocated and freed (the allocator keeps it)
   full   every cache allocated at its full size at open (grow=False), no growth
 
-Usage: python scripts/encoder_growth_probe.py --out DIR [--sessions 32 --units 40]
+Usage: python scripts/probes/encoder_growth_probe.py --out DIR [--sessions 32 --units 40]
 """
 from __future__ import annotations
 

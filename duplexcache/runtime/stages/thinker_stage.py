@@ -30,8 +30,8 @@ from duplexcache.runtime.engine_api import (INPUT_SAMPLE_RATE, EngineEvent, Inva
 from duplexcache.runtime.engine_session import EndSession, EngineSession, SessionTable, Unit, end_all
 from duplexcache.runtime.isolation import FaultInjector, Isolated, check_faults, precheck, run_isolated
 from duplexcache.runtime.policy import MAX_UNIT_TOKENS, ControlTokens, StepLogits
-from duplexcache.runtime.session_sizing import session_window
-from duplexcache.runtime.stage0 import SessionContextInput, Stage0Runner
+from duplexcache.runtime.memory.session_sizing import session_window
+from duplexcache.runtime.stage0.runner import SessionContextInput, Stage0Runner
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class ThinkerStage:
             text = self._user_text_for(u, events)
             ids = ([c.unit_end] if u.session.unit_index > 0 else []) + text + [c.unit]
             tok = self.embed(torch.tensor(ids, dtype=torch.long))
-            # a camera frame sits between <unit> and the audio (runtime/vision_stage.py)
+            # a camera frame sits between <unit> and the audio (runtime/stages/vision_stage.py)
             frame = [] if u.frame_rows is None else [u.frame_rows.to(tok.dtype)]
             u.rows = inputs[u.session.sid] = torch.cat([tok, *frame, emb.to(tok.dtype)], dim=0)
         by_sid = {u.session.sid: u for u in units}

@@ -1,9 +1,14 @@
-"""The GIL-profile summary (bench/gil_profile.py) over hand-written py-spy raw lines."""
+"""The GIL-profile summary (scripts/probes/gil_profile.py, the serve_profile probe's parser) over
+hand-written py-spy raw lines."""
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import pytest
 
-from duplexcache.bench.gil_profile import format_profile, parse_frame, summarize
+sys.path.insert(0, str(Path(__file__).parents[2] / "scripts" / "probes"))   # a probe, not a package module
+from gil_profile import format_profile, parse_frame, summarize  # noqa: E402
 
 LOOP = ('thread (7): MainThread;<module> (duplexcache/cli.py:79);run (duplexcache/server/cli.py:118);'
         'Runner.run (asyncio/runners.py:118)')
@@ -17,8 +22,8 @@ def test_samples_are_split_by_role_and_the_loop_by_site():
         f"b64decode (base64.py:88) 30",
         f"{LOOP};on_append (duplexcache/server/realtime_session.py:210);loads (json/__init__.py:346) 10",
         f"{LOOP};read_frame (websockets/frames.py:140) 20",
-        f"{TICK};run (duplexcache/runtime/code2wav_stage.py:150);step (duplexcache/cfm/code2wav.py:80) 35",
-        f"{TICK};encode (duplexcache/runtime/thinker_stage.py:90) 5",
+        f"{TICK};run (duplexcache/runtime/stages/code2wav_stage.py:150);step (duplexcache/cfm/code2wav.py:80) 35",
+        f"{TICK};encode (duplexcache/runtime/stages/thinker_stage.py:90) 5",
         "thread (7): MainThread 8",   # uvloop's C loop: no Python frame
         "thread (7): MainThread;<module> (duplexcache/cli.py:79);build_models (duplexcache/runtime/bundle.py:40) 2",
         "thread (11): asyncio_1;Thread._bootstrap (threading.py:1002);DuplexEngine.stats (duplexcache/runtime/engine.py:380) 0",
@@ -34,8 +39,8 @@ def test_samples_are_split_by_role_and_the_loop_by_site():
     assert prof.loop_by_site["duplexcache/server/realtime_session.py:on_append"] == 10
     assert prof.loop_by_site["websockets"] == 20
     assert prof.loop_by_leaf["base64.py:b64decode"] == 30
-    assert prof.tick_by_stage == {"duplexcache/runtime/code2wav_stage.py:run": 35,
-                                  "duplexcache/runtime/thinker_stage.py:encode": 5}
+    assert prof.tick_by_stage == {"duplexcache/runtime/stages/code2wav_stage.py:run": 35,
+                                  "duplexcache/runtime/stages/thinker_stage.py:encode": 5}
     assert "tick 36.4%" in format_profile(prof)
     summary = prof.to_json(top=2)
     assert summary["share"] == {"tick": 0.3636, "event_loop": 0.6182, "startup": 0.0182, "other": 0.0}

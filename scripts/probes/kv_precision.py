@@ -1,7 +1,7 @@
 """Capacity-mode A/B: the Thinker's next-token distributions with fp8 K/V against exact K/V.
 
-    duplexcache bench kv-precision --out DIR [--preset minicpmo45] [--sessions 4]
-                                   [--windows 1000,4000,8000] [--decode 32] [--chunk 1024]
+    python scripts/probes/kv_precision.py --out DIR [--preset minicpmo45] [--sessions 4]
+                                       [--windows 1000,4000,8000] [--decode 32] [--chunk 1024]
 
 One Thinker (seeded random weights, the model dtype) and two paged caches that differ only in
 the K/V storage format (``precision.kv_cache_dtype``: ``auto`` = the model dtype, the exact
@@ -32,6 +32,7 @@ results.md to ``--out``; no pass/fail threshold (a measurement reported next to 
 from __future__ import annotations
 
 import argparse
+import sys
 import logging
 import time
 from pathlib import Path
@@ -40,7 +41,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from duplexcache.bench.common import alias_main, hardware_line, int_list, usage_error, write_results
+from duplexcache.bench.common import hardware_line, int_list, usage_error, write_results
 from duplexcache.kv.kv_quant import kv_storage_dtype
 from duplexcache.kv.paged_attention import PagedBatch, PagedKVCache
 from duplexcache.models.presets import PRESETS, build_random_models
@@ -225,5 +226,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(alias_main("kv-precision"))
+if __name__ == "__main__":   # a probe script: python scripts/probes/kv_precision.py ARGS (duplexcache importable)
+    _parser = argparse.ArgumentParser(prog="scripts/probes/kv_precision.py", description=__doc__.split("\n\n")[0])
+    add_arguments(_parser)
+    sys.exit(run(_parser.parse_args()))

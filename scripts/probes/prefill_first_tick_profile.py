@@ -1,7 +1,7 @@
 """Where the first tick of a long context's prefill goes (issue 11): the prefill bench with the
 context build, the Stage 0 chunk and the rest of the tick timed separately (synchronised).
 
-    python scripts/prefill_first_tick_profile.py [--sessions 32] [--out DIR]
+    python scripts/probes/prefill_first_tick_profile.py [--sessions 32] [--out DIR]
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 
 from duplexcache.bench.engine_ticks_config import TickBenchConfig, make_deploy
-from duplexcache.bench.prefill_isolation import CONTINUOUS
-from duplexcache.bench import prefill_isolation
+from prefill_isolation import CONTINUOUS   # its sibling probe (scripts/probes/)
+import prefill_isolation
 from duplexcache.config import DeployConfig
-from duplexcache.runtime import stage0 as stage0_module
-from duplexcache.runtime import thinker_stage
+from duplexcache.runtime.stage0 import runner as stage0_module
+from duplexcache.runtime.stages import thinker_stage
 
 logger = logging.getLogger("prefill_first_tick_profile")
 TIMINGS: list[tuple[str, float]] = []

@@ -73,7 +73,7 @@ from duplexcache.kv.decode_graphs import PagedDecodeGraphs
 from duplexcache.kv.paged_attention import PagedBatch, PagedKVCache, copy_blocks, last_token_rows
 from duplexcache.kv.window import ContextLengthExceeded, WindowConfig, plan_compaction
 from duplexcache.runtime.isolation import FaultInjector, check_faults, run_isolated
-from duplexcache.runtime.stage0_types import (
+from duplexcache.runtime.stage0.types import (
     BlockBudgetTooSmall,
     PrefillResult,
     SessionContextInput,
@@ -82,7 +82,7 @@ from duplexcache.runtime.stage0_types import (
     session_longest_tokens,
     session_worst_case,
 )
-from duplexcache.runtime.stage0_window import (
+from duplexcache.runtime.stage0.window import (
     SessionHistory,
     Stage0Session,
     compact_basic,

@@ -1,0 +1,139 @@
+"""How a raw deploy dict (one YAML file) becomes what ``DeployConfig`` validates, and how a
+failure reads: environment overrides (the one place they apply), keys retired or moved (read
+with a deprecation warning for one release), and validation errors named by key path.
+
+Needs pydantic and the standard library; imports nothing of ``duplexcache.config`` (which
+imports this).
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import logging
+import warnings
+from typing import Any, Mapping
+
+from pydantic import BaseModel, ValidationError
+
+from duplexcache.config_values import GRAPH_GRID_ENV, parse_graph_grid
+
+logger = logging.getLogger("duplexcache.config")   # the config's one logger name
+
+API_KEY_ENV = "DUPLEXCACHE_API_KEY"
+
+
+class ConfigError(ValueError):
+    """A deploy config that cannot be used; the message names every offending key by path."""
+
+
+def apply_env_overrides(raw: Mapping[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
+    """The one place environment variables change the deploy config (returns a new dict)."""
+    data = copy.deepcopy(dict(raw))
+    grid = environ.get(GRAPH_GRID_ENV)
+    if grid is not None and grid.strip():
+        section = data.get("code2wav")
+        if section is None:
+            section = data["code2wav"] = {}
+        if not isinstance(section, dict):
+            raise ConfigError(f"code2wav: expected a mapping, got {section!r}")
+        try:
+            section["graph_grid"] = parse_graph_grid(grid, GRAPH_GRID_ENV)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        logger.info("%s=%s overrides code2wav.graph_grid", GRAPH_GRID_ENV, grid)
+    api_key = environ.get(API_KEY_ENV)
+    if api_key:
+        section = data.get("server")
+        if section is None:
+            section = data["server"] = {}
+        if not isinstance(section, dict):
+            raise ConfigError(f"server: expected a mapping, got {section!r}")
+        section["api_key"] = api_key
+        logger.info("%s overrides server.api_key", API_KEY_ENV)
+    return data
+
+
+# Speed switches retired with their code path once their A/B was settled (docs/engine.md,
+# "Retired switches"): (section path, key, why). A YAML that still names one loads, with a
+# warning, for one release.
+RETIRED_KEYS = (
+    (("server",), "switch_interval_ms", "Python's 5 ms was kept: 0.5 ms gave no gain (32 callers, H200)"),
+    (("engine", "speak_policy"), "end_quiet_lookahead", "the reply policy always hears the quiet after the unit "
+                                                        "(32 callers, H200: reply p95 2.74 -> 1.88 s)"),
+)
+
+
+def drop_retired_keys(data: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``data`` without the keys of RETIRED_KEYS, each dropped with a deprecation warning."""
+    for path, key, why in RETIRED_KEYS:
+        node: Any = data
+        for part in path:
+            node = node.get(part) if isinstance(node, Mapping) else None
+        if not isinstance(node, Mapping) or key not in node:
+            continue
+        data = copy.deepcopy(dict(data))
+        node = data
+        for part in path:
+            node[part] = dict(node[part])
+            node = node[part]
+        del node[key]
+        message = f"deploy config: {'.'.join(path)}.{key} was retired and is ignored ({why}; docs/engine.md)"
+        warnings.warn(message, DeprecationWarning, stacklevel=3)
+        logger.warning("%s", message)
+    return data
+
+
+def move_keys(data: Mapping[str, Any], source: str, target: str, keys: tuple[str, ...]) -> Mapping[str, Any]:
+    """``data`` with ``source.<key>`` read as ``target.<key>`` for each of ``keys`` present (a
+    key that moved section), with a deprecation warning; ValueError when both are set."""
+    if not isinstance(data.get(source), Mapping):
+        return data
+    moved = [key for key in keys if key in data[source]]
+    if not moved:
+        return data
+    data = dict(data)
+    old, new = dict(data[source]), dict(data.get(target) or {})
+    both = [key for key in moved if key in new]
+    if both:
+        raise ValueError(f"{source}.{both[0]} and {target}.{both[0]} are both set: the key moved to "
+                         f"{target} (write it there only)")
+    for key in moved:
+        new[key] = old.pop(key)
+    message = (f"deploy config: {', '.join(f'{source}.{k}' for k in moved)} moved to the {target} section "
+               f"({', '.join(f'{target}.{k}' for k in moved)}); the old spelling is read for one more release")
+    warnings.warn(message, DeprecationWarning, stacklevel=3)
+    logger.warning("%s", message)
+    data[source], data[target] = old, new
+    return data
+
+
+def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """Field names of the model that sits at ``loc`` (for 'did you mean' hints)."""
+    current: Any = model
+    for part in loc:
+        field = getattr(current, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        current = field.annotation
+    return list(getattr(current, "model_fields", {}))
+
+
+def describe_validation_error(exc: ValidationError, model: type[BaseModel]) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = tuple(p for p in err["loc"] if isinstance(p, str))
+        path = ".".join(str(p) for p in err["loc"]) or "<top>"
+        if err["type"] == "extra_forbidden":
+            allowed = _allowed_keys(model, loc[:-1])
+            hint = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+            msg = f"unknown key {path!r}"
+            if hint:
+                msg += f" (did you mean {hint[0]!r}?)"
+            elif allowed:
+                msg += f" (allowed: {', '.join(allowed)})"
+        else:
+            # Strip pydantic's "Value error, " prefix from our own messages.
+            msg = f"{path}: {err['msg'].removeprefix('Value error, ')}"
+        lines.append(msg)
+    return "invalid deploy config: " + "; ".join(lines)

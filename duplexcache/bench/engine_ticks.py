@@ -63,17 +63,7 @@ no new ``n`` starts after it, and an ``n`` still running stops between ticks (ma
 results.json and results.md are rewritten after every ``n``, so a killed run leaves its rows.
 
 Per-stage cost per extra session (``per_session`` in results.json, its own table in results.md):
-over the session counts that ran ``ok`` (two or more), each stage's p50 tick ms is fitted by
-least squares against the session count: the slope is the ms one more session adds to a tick,
-the intercept the fixed per-tick cost, with the slope's standard error (three or more counts).
-Beside it, the floor for the same shapes (bench/floor.py ``tick_floor``): one extra session's own
-HBM bytes and matmul FLOPs per tick at the device's peak bandwidth and dense FLOP/s, from the
-shapes the recorded ticks ran (before each recorded tick: every session's Thinker window and
-encoder cache, the speakers' Talker turn length, the share of sessions speaking), the model's
-dtype, ``precision.code2wav_dtype`` (the vocoder stays float32) and ``precision.kv_cache_dtype``.
-``distance to floor`` = slope / floor. ``--floor-device``: the peak table's entry (``auto``: by
-``torch.cuda.get_device_name``; on CPU or an unknown GPU the floor's bytes and FLOPs are still
-reported, its time is not).
+the slope of each stage's p50 over the session counts beside the floor; engine_ticks_report.py says how.
 
 The deploy config is the preset's defaults plus these flags; environment overrides
 (``DUPLEXCACHE_*``) are ignored so that a run is reproducible from its command line.
@@ -102,10 +92,16 @@ from duplexcache.bench import workload as wl
 from duplexcache.bench.common import alias_main, hardware_line, sync, usage_error, write_results
 from duplexcache.bench.engine_ticks_config import TickBenchConfig, config_from_args, make_deploy
 from duplexcache.bench.engine_ticks_config import add_arguments as add_config_arguments
-from duplexcache.bench.engine_ticks_report import STAGES, markdown
+from duplexcache.bench.engine_ticks_report import (
+    SHAPE_SUMS,
+    STAGES,
+    per_session_costs,
+    report_markdown,
+    session_floor,
+    summarize,
+)
 from duplexcache.bench.tick_profile import profile_ticks, profiled_units
 from duplexcache.config import DeployConfig, format_bytes
-from duplexcache.kv.kv_quant import kv_storage_dtype
 from duplexcache.runtime.bundle import ModelBundle, build_models
 from duplexcache.runtime.engine import DuplexEngine
 from duplexcache.runtime.engine_api import (
@@ -124,12 +120,6 @@ VOICES = ("default", "alt")
 INSTRUCTIONS = "You are a friendly voice assistant. Keep every answer short."
 
 EngineFactory = Callable[[DeployConfig, ModelBundle], DuplexEngine]
-# Per recorded tick, over the live sessions: how many, their Thinker window tokens (after the
-# anchor), encoder cache frames and voice prompt frames; over the scheduled speakers: how many
-# and the Talker KV tokens their steps attend over (mean over the unit's steps).
-SHAPE_SUMS = ("sessions", "thinker_window_tokens", "encoder_cache_frames", "prompt_frames", "speakers",
-              "talker_kv_tokens")
-PER_SESSION_STAGES = (*STAGES, "wall")
 
 
 # --------------------------------------------------------------------------------------------
@@ -144,15 +134,6 @@ def session_audio(index: int, units: int, first: int, unit: int, seed: int = 0) 
     tone = 0.2 * np.sin(2 * math.pi * (180.0 + 35.0 * index) * t)
     noise = np.random.default_rng(seed * 100_003 + index).uniform(-0.1, 0.1, n)
     return (tone + noise).astype(np.float32)
-
-
-def summarize(values: list[float]) -> dict[str, float | int | None]:
-    """p50/p99/max in seconds over the ticks where the stage ran (value > 0)."""
-    ran = np.asarray([v for v in values if v > 0.0], dtype=np.float64)
-    if ran.size == 0:
-        return {"p50": None, "p99": None, "max": None, "n": 0}
-    return {"p50": float(np.percentile(ran, 50)), "p99": float(np.percentile(ran, 99)),
-            "max": float(ran.max()), "n": int(ran.size)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -566,125 +547,8 @@ def _results(cfg: TickBenchConfig, deploy: DeployConfig, models: ModelBundle, ro
         "skipped_sessions": skipped,
         "elapsed_s": round(deadline.elapsed(), 3),
         "runs": [r.to_dict() for r in rows],
-        "per_session": per_session_costs(rows, _floor(deploy, models, rows, floor_device)),
+        "per_session": per_session_costs(rows, session_floor(deploy, models, rows, floor_device)),
     }
-
-
-# --------------------------------------------------------------------------------------------
-# Per-stage cost per extra session: the slope over the session counts, beside the floor
-# --------------------------------------------------------------------------------------------
-
-def fit_line(xs: list[float], ys: list[float]) -> dict[str, float | int | None]:
-    """Least-squares line ``y = intercept + slope * x``: slope, intercept and the slope's
-    standard error (None with fewer than 3 points, where the residuals have no freedom left).
-    Needs two or more distinct x."""
-    if len(xs) != len(ys) or len(set(xs)) < 2:
-        raise ValueError(f"a line needs two or more distinct x, got {xs!r}")
-    x, y = np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64)
-    xm = x.mean()
-    sxx = float(((x - xm) ** 2).sum())
-    slope = float(((x - xm) * (y - y.mean())).sum()) / sxx
-    intercept = float(y.mean() - slope * xm)
-    stderr = None
-    if x.size > 2:
-        residual = y - (intercept + slope * x)
-        stderr = math.sqrt(float((residual ** 2).sum()) / (x.size - 2) / sxx)
-    return {"slope": slope, "intercept": intercept, "slope_stderr": stderr, "points": int(x.size)}
-
-
-def _ok_rows(rows: list[RunResult]) -> list[RunResult]:
-    return [r for r in rows if r.status == "ok" and r.per_tick["wall"]]
-
-
-def tick_shape(rows: list[RunResult], models: ModelBundle) -> fl.TickShape | None:
-    """The mean shapes of the recorded ticks of every ``ok`` run (session-weighted); None when none ran."""
-    ok = _ok_rows(rows)
-    total = {k: sum(sum(r.shape_sums[k]) for r in ok) for k in SHAPE_SUMS}
-    if total["sessions"] == 0:
-        return None
-    n = total["sessions"]
-    unit_tokens = fl.talker_unit_tokens(models.talker.config)
-    talker = total["talker_kv_tokens"] / total["speakers"] if total["speakers"] else unit_tokens / 2
-    return fl.TickShape(speaking_fraction=total["speakers"] / n,
-                        thinker_window_tokens=total["thinker_window_tokens"] / n,
-                        talker_turn_tokens=talker, prompt_frames=max(1, round(total["prompt_frames"] / n)),
-                        encoder_cache_frames=total["encoder_cache_frames"] / n)
-
-
-def _floor(deploy: DeployConfig, models: ModelBundle, rows: list[RunResult], floor_device: str) -> fl.TickFloor | None:
-    """The time floor of one extra session for the shapes the recorded ticks ran (None before any ran)."""
-    shape = tick_shape(rows, models)
-    if shape is None:
-        return None
-    p = deploy.precision
-    return fl.tick_floor(models.thinker.config, models.talker.config, models.audio_encoder.cfg, models.flow.cfg,
-                         models.hift.cfg, shape, deploy.model.dtype,
-                         code2wav_dtype=p.code2wav_dtype, kv_storage_dtype=kv_storage_dtype(p.kv_cache_dtype),
-                         encoder_storage_dtype=kv_storage_dtype(p.encoder_cache_dtype),
-                         peak=fl.resolve_floor_device(floor_device, models.device))
-
-
-def per_session_costs(rows: list[RunResult], floor: fl.TickFloor | None) -> dict[str, Any]:
-    """Per stage (and ``wall``): the least-squares slope of p50 tick ms over the session counts
-    that ran ``ok`` (ms per extra session per tick), its intercept (fixed ms per tick) and
-    standard error, beside the floor (``tick`` and ``wall``: the four stages' sum) and
-    ``distance_to_floor`` = slope / floor."""
-    ok = _ok_rows(rows)
-    stages: dict[str, Any] = {}
-    for stage in PER_SESSION_STAGES:
-        points = [(r.sessions, summarize(r.per_tick[stage])["p50"]) for r in ok]
-        points = [(n, 1e3 * p50) for n, p50 in points if p50 is not None]
-        fit: dict[str, Any] = {"slope": None, "intercept": None, "slope_stderr": None, "points": len(points)}
-        if len({n for n, _ in points}) >= 2:
-            fit = fit_line([n for n, _ in points], [ms for _, ms in points])
-        # the vision stage has no floor model (bench/floor.py): its slope stands alone
-        modelled = floor is not None and (stage in ("tick", "wall") or stage in floor.work)
-        floor_ms = floor.ms("tick" if stage in ("tick", "wall") else stage) if modelled else None
-        distance = None if fit["slope"] is None or not floor_ms else fit["slope"] / floor_ms
-        stages[stage] = {"slope_ms": fit["slope"], "intercept_ms": fit["intercept"],
-                         "slope_stderr_ms": fit["slope_stderr"], "points": fit["points"],
-                         "sessions": [n for n, _ in points], "p50_ms": [ms for _, ms in points],
-                         "floor_ms": floor_ms, "distance_to_floor": distance}
-    return {"stages": stages, "floor": None if floor is None else floor.to_json()}
-
-
-def per_session_markdown(results: dict[str, Any]) -> str:
-    """The per-stage cost per extra session table (appended to results.md)."""
-    per = results.get("per_session") or {}
-    floor = per.get("floor")
-    lines = ["## Per-stage cost per extra session", "",
-             "Slope of each stage's p50 tick ms over the session counts that ran ok (least squares; ± its "
-             "standard error), the fixed per-tick cost (intercept), and the floor: one extra session's own HBM "
-             "bytes and matmul FLOPs per tick at the device's peaks (bench/floor.py). `tick` and `wall` are "
-             "compared with the four stages' floors summed.", ""]
-    if floor is not None:
-        dev = floor["device"]
-        shape = floor["shape"]
-        peak = "no device peaks (the floor's time is not claimed here)" if dev is None else \
-            f"{dev['name']}: {dev['hbm_gb_s']:.0f} GB/s, " \
-            + ", ".join(f"{d} {t:.1f} TFLOP/s" for d, t in dev["tflops"].items())
-        lines += [f"Floor device: {peak}. Shapes of the recorded ticks: {shape['speaking_fraction']:.2f} of sessions "
-                  f"speaking, Thinker window {shape['thinker_window_tokens']:.0f} tokens, Talker turn "
-                  f"{shape['talker_turn_tokens']:.0f} tokens, P {shape['prompt_frames']} frames, encoder cache "
-                  f"{shape['encoder_cache_frames']:.0f} frames.", ""]
-    lines += ["| stage | ms per extra session (± SE) | fixed ms per tick | sessions fitted | floor ms per session "
-              "| distance to floor |", "|---|---|---|---|---|---|"]
-
-    def cell(x: float | None, digits: int = 2) -> str:
-        return "-" if x is None else f"{x:.{digits}f}"
-
-    for stage, s in (per.get("stages") or {}).items():
-        slope = cell(s["slope_ms"]) + ("" if s["slope_stderr_ms"] is None else f" ± {s['slope_stderr_ms']:.2f}")
-        fitted = ",".join(str(n) for n in s["sessions"]) or "-"
-        distance = "-" if s["distance_to_floor"] is None else f"{s['distance_to_floor']:.1f}x"
-        lines.append(f"| {stage} | {slope} | {cell(s['intercept_ms'], 1)} | {fitted} | {cell(s['floor_ms'], 3)} "
-                     f"| {distance} |")
-    return "\n".join(lines)
-
-
-def report_markdown(results: dict[str, Any]) -> str:
-    """results.md: the tick table (engine_ticks_report.markdown), then the per-session table."""
-    return markdown(results) + "\n\n" + per_session_markdown(results) + "\n"
 
 
 # --------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from duplexcache.bench import engine_ticks as et
+from duplexcache.bench import engine_ticks_report as etr
 from duplexcache.bench.engine_ticks_config import CONTINUOUS_K, config_from_args
 from duplexcache.cli import build_parser
 from duplexcache.cli import main as cli_main
@@ -187,7 +188,7 @@ def test_wall_clock_budget_stops_the_sweep(models):
     assert "wall-clock budget" in first["note"]
     assert second["status"] == "skipped" and results["skipped_sessions"] == [2]
     assert len(TrackedEngine.built) == 1 and TrackedEngine.built[0].shutdowns == 1
-    md = et.markdown(results)
+    md = etr.markdown(results)
     assert "| 1 | stopped |" in md and "wall-clock budget" in md
 
 

@@ -18,6 +18,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from duplexcache.bench import engine_ticks as et
+from duplexcache.bench import engine_ticks_report as etr
 from duplexcache.bench import floor as fl
 from duplexcache.cfm.config import Code2WavShape
 from duplexcache.models.audio_encoder import AudioEncoder
@@ -177,21 +178,21 @@ def test_floor_device_from_the_device_name():
 
 def test_fit_line_recovers_a_synthetic_line():
     xs = [8, 16, 24, 32]
-    fit = et.fit_line(xs, [12.5 + 3.25 * x for x in xs])
+    fit = etr.fit_line(xs, [12.5 + 3.25 * x for x in xs])
     assert fit["slope"] == pytest.approx(3.25, abs=1e-12) and fit["intercept"] == pytest.approx(12.5, abs=1e-9)
     assert fit["slope_stderr"] == pytest.approx(0.0, abs=1e-9) and fit["points"] == 4
     # residuals +1, -1, -1, +1 around the same line: slope unchanged, error sqrt(4 / 2 / 320)
-    noisy = et.fit_line(xs, [12.5 + 3.25 * x + e for x, e in zip(xs, (1, -1, -1, 1))])
+    noisy = etr.fit_line(xs, [12.5 + 3.25 * x + e for x, e in zip(xs, (1, -1, -1, 1))])
     assert noisy["slope"] == pytest.approx(3.25) and noisy["slope_stderr"] == pytest.approx(math.sqrt(4 / 2 / 320))
-    assert et.fit_line([1, 2], [1.0, 3.0])["slope_stderr"] is None
+    assert etr.fit_line([1, 2], [1.0, 3.0])["slope_stderr"] is None
     with pytest.raises(ValueError, match="distinct"):
-        et.fit_line([4, 4], [1.0, 2.0])
+        etr.fit_line([4, 4], [1.0, 2.0])
 
 
 def _run(n: int, ms_per_session: dict[str, float], fixed_ms: float, status: str = "ok") -> et.RunResult:
     """A run whose every tick costs ``fixed_ms + ms_per_session[stage] * n`` (3 recorded ticks)."""
     r = et.RunResult(n, status=status)
-    for stage in et.PER_SESSION_STAGES:
+    for stage in etr.PER_SESSION_STAGES:
         r.per_tick[stage] = [1e-3 * (fixed_ms + ms_per_session[stage] * n)] * 3
     return r
 
@@ -201,7 +202,7 @@ def test_per_session_costs_are_the_slope_beside_the_floor():
     rows = [_run(n, per, 40.0) for n in (16, 32, 48, 58)]
     rows.append(_run(64, {s: 100.0 for s in per}, 0.0, status="oom"))   # not fitted
     floor = _floor()
-    out = et.per_session_costs(rows, floor)
+    out = etr.per_session_costs(rows, floor)
     for stage, slope in per.items():
         s = out["stages"][stage]
         assert s["slope_ms"] == pytest.approx(slope) and s["intercept_ms"] == pytest.approx(40.0)
@@ -211,9 +212,9 @@ def test_per_session_costs_are_the_slope_beside_the_floor():
             continue
         want = floor.ms("tick" if stage in ("tick", "wall") else stage)
         assert s["floor_ms"] == want and s["distance_to_floor"] == pytest.approx(slope / want)
-    one = et.per_session_costs(rows[:1], None)["stages"]["tick"]   # one count: no line, no floor
+    one = etr.per_session_costs(rows[:1], None)["stages"]["tick"]   # one count: no line, no floor
     assert one["slope_ms"] is None and one["floor_ms"] is None and one["distance_to_floor"] is None
-    md = et.per_session_markdown({"per_session": out})
+    md = etr.per_session_markdown({"per_session": out})
     assert "## Per-stage cost per extra session" in md
     assert "| stage | ms per extra session (± SE) | fixed ms per tick | sessions fitted | floor ms per session " \
            "| distance to floor |" in md

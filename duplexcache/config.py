@@ -161,7 +161,7 @@ class Code2WavConfig(_Strict):
 
 class PrecisionConfig(_Strict):
     """Capacity mode (issue 15): number formats below the reference's, each an A/B switch whose
-    error against the reference's format is measured (``duplexcache bench precision``).
+    error against the reference's format is measured (scripts/probes/code2wav_precision.py, kv_precision.py).
 
     ``code2wav_dtype``: the Code2Wav flow (conformer + estimator), its per-stream caches and the
     whole-Euler arena. ``float32`` is the reference's (exact mode, the default); ``bfloat16``

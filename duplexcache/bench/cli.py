@@ -9,7 +9,6 @@
     duplexcache bench kernels       Stage 0 GPU kernels: paged decode, key re-rotation (CUDA)
     duplexcache bench stage2        batched Code2Wav with CUDA graphs, prompt sharing on vs off
     duplexcache bench stage0-bytes  Stage 0 KV bytes per session from shapes alone
-    duplexcache bench precision     capacity mode: Code2Wav in bfloat16 vs float32, error, bytes, time
 
 Each benchmark is a module exposing ``add_arguments(parser)`` and ``run(args) -> int`` (the table
 below), imported when the parser is built. ``duplexcache bench`` with options and no benchmark
@@ -34,8 +33,6 @@ BENCHMARKS = {
     "kernels": ("duplexcache.bench.gpu_stage0", "Stage 0 GPU kernels: paged decode attention, key re-rotation"),
     "stage2": ("duplexcache.bench.gpu_stage2", "batched Code2Wav with CUDA graphs, prompt sharing on vs off"),
     "stage0-bytes": ("duplexcache.bench.stage0_bytes", "Stage 0 KV bytes per session from shapes alone"),
-    "precision": ("duplexcache.bench.precision",
-                  "capacity mode: Code2Wav in bfloat16 against float32 (error over a long call, bytes, time)"),
 }
 DEFAULT = "memory"
 

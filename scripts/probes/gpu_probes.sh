@@ -158,7 +158,7 @@ d = DeployConfig.from_packaged_yaml("minicpmo45"); d.code2wav.vocoder_cuda_graph
     [ "$mode" = ticks_recheck_capacity ] || step engine_ticks_exact48 200 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 48 --workload conversation --steady-window --all-switches on --ticks 6 --warmup-ticks 8 --max-seconds 190 --memory-budget auto --graph-grid 1,4,8,16 --talker-turn-tokens 1024 --out "$out/engine_ticks_exact48"
     [ "$mode" = ticks_recheck_exact ] || step engine_ticks_capacity64_fp8enc 250 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 64 --workload conversation --steady-window --all-switches on --ticks 6 --warmup-ticks 8 --max-seconds 240 --memory-budget auto --graph-grid 1,4,8,16 --code2wav-dtype bfloat16 --kv-cache-dtype fp8_e4m3 --encoder-cache-dtype fp8_e4m3 --talker-turn-tokens 1024 --out "$out/engine_ticks_capacity64_fp8enc" ;;
   precision)  # issue 15 capacity mode: Code2Wav bfloat16 vs float32 on the same weights: error over a 60 s call, bytes, ms per step
-    step precision 240 python3 -m duplexcache.cli bench precision --preset minicpmo45 --device cuda --sessions 4 --chunks 60 --batches 1,8,32 --out "$out/precision" ;;
+    step precision 240 python3 scripts/probes/code2wav_precision.py --preset minicpmo45 --device cuda --sessions 4 --chunks 60 --batches 1,8,32 --out "$out/precision" ;;
   serve_precision)  # issue 15 capacity mode over the wire: serve_conversation with precision.code2wav_dtype float32,
     # then bfloat16, a fresh server per arm; SERVE_BASE / SERVE_SESSIONS / SERVE_DURATION as for serve_catch_up
     for arm in float32 bfloat16; do

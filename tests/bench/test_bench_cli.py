@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import math
 import subprocess
 import sys
 
@@ -27,7 +26,7 @@ REQUIRED = {"serve": ["--url", "ws://127.0.0.1:9/v1/realtime"], "soak": ["--url"
 
 def test_every_benchmark_is_a_subcommand():
     assert list(BENCHMARKS) == ["memory", "ticks", "serve", "soak", "setup", "warm-start", "kernels", "stage2",
-                                "stage0-bytes", "precision"]
+                                "stage0-bytes"]
 
 
 @pytest.mark.parametrize("name", list(BENCHMARKS))
@@ -98,33 +97,6 @@ def test_stage2_tiny_on_cpu(tmp_path, capsys):
     assert res["equality"]["all_equal"] and res["equality"]["compared"] == 3   # 1 session x (2 + 1) chunks
     assert (tmp_path / "results.md").read_text() in capsys.readouterr().out
     assert cli_main(["bench", "stage2", "--out", str(tmp_path), "--warmup", "1"]) == 2
-
-
-def test_precision_tiny_on_cpu(tmp_path, capsys):
-    """Code2Wav in bfloat16 against float32 on the same weights: the error is measured per session
-    (non-zero: the arms really differ), the bytes halve where the flow's format decides them."""
-    rc = cli_main(["bench", "precision", "--preset", "tiny", "--sessions", "2", "--chunks", "4", "--batches", "1,2",
-                   "--warmup", "2", "--timed-chunks", "1", "--prompt-frames", "100", "--out", str(tmp_path)])
-    assert rc == 0
-    res = json.loads((tmp_path / "results.json").read_text())
-    f32, bf16 = res["arms"]
-    assert (f32["code2wav_dtype"], bf16["code2wav_dtype"]) == ("float32", "bfloat16")
-    assert [r["session"] for r in res["error"]] == [0, 1]
-    for r in res["error"]:
-        assert 0 < r["mel_rel_error"] < 1 and math.isfinite(r["pcm_snr_db"]) and r["seconds"] == pytest.approx(4, abs=0.5)
-    # the arena's int64 row indexes (its prompt-bank frame map) keep their size
-    assert bf16["arena_index_bytes"] == f32["arena_index_bytes"] > 0
-    assert (bf16["arena_bytes"] - bf16["arena_index_bytes"]) * 2 == f32["arena_bytes"] - f32["arena_index_bytes"]
-    assert bf16["voice_bytes"] * 2 == f32["voice_bytes"]
-    # the vocoder's caches stay float32: the stream's bytes fall by less than half
-    assert f32["steady_private_bytes"] / 2 < bf16["steady_private_bytes"] < f32["steady_private_bytes"]
-    assert bf16["admission_bytes"]["steady"]["private"] == bf16["steady_private_bytes"]
-    assert [t["batch"] for t in f32["times"]] == [1, 2]
-    assert (tmp_path / "results.md").read_text() in capsys.readouterr().out
-    assert cli_main(["bench", "precision", "--out", str(tmp_path), "--warmup", "1"]) == 2
-
-
-
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernels bench runs for minutes")
@@ -257,7 +229,6 @@ def test_a_checkpoint_that_does_not_load_is_one_line(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv", [["memory"], ["ticks"], ["setup"], ["stage2", "--device", "cpu"],
-                                  ["precision", "--device", "cpu"],
                                   ["serve", "--url", "ws://127.0.0.1:9/v1/realtime"]])
 def test_an_out_that_cannot_be_a_directory_is_refused_before_the_run(argv, tmp_path, monkeypatch, capsys):
     """Results are first written after the first step (after a warm-up and a minute of callers):

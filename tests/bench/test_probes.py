@@ -1,6 +1,6 @@
 """The probe scripts of scripts/probes/ that measure (runs of an earlier round: docs/results/HISTORY.md),
 driven through their own argument parsers, briefly, on tiny/CPU: prefill isolation (the slack
-between ticks) and the capacity mode's fp8 K/V error; and the GIL profile's parser."""
+between ticks), the capacity mode's fp8 K/V error and Code2Wav-in-bfloat16 error; and the GIL profile's parser."""
 
 from __future__ import annotations
 
@@ -90,3 +90,27 @@ def test_kv_precision_tiny_on_cpu(tmp_path, capsys):
     assert enc["bytes_per_session"]["fp8_e4m3"] < enc["bytes_per_session"]["auto"]
     assert (tmp_path / "results.md").read_text() in capsys.readouterr().out
     assert _run("kv_precision", ["--preset", "tiny", "--windows", "100,40", "--out", str(tmp_path)]) == 2
+
+
+def test_precision_tiny_on_cpu(tmp_path, capsys):
+    """Code2Wav in bfloat16 against float32 on the same weights: the error is measured per session
+    (non-zero: the arms really differ), the bytes halve where the flow's format decides them."""
+    rc = _run("code2wav_precision", ["--preset", "tiny", "--sessions", "2", "--chunks", "4", "--batches", "1,2",
+                                     "--warmup", "2", "--timed-chunks", "1", "--prompt-frames", "100", "--out", str(tmp_path)])
+    assert rc == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    f32, bf16 = res["arms"]
+    assert (f32["code2wav_dtype"], bf16["code2wav_dtype"]) == ("float32", "bfloat16")
+    assert [r["session"] for r in res["error"]] == [0, 1]
+    for r in res["error"]:
+        assert 0 < r["mel_rel_error"] < 1 and math.isfinite(r["pcm_snr_db"]) and r["seconds"] == pytest.approx(4, abs=0.5)
+    # the arena's int64 row indexes (its prompt-bank frame map) keep their size
+    assert bf16["arena_index_bytes"] == f32["arena_index_bytes"] > 0
+    assert (bf16["arena_bytes"] - bf16["arena_index_bytes"]) * 2 == f32["arena_bytes"] - f32["arena_index_bytes"]
+    assert bf16["voice_bytes"] * 2 == f32["voice_bytes"]
+    # the vocoder's caches stay float32: the stream's bytes fall by less than half
+    assert f32["steady_private_bytes"] / 2 < bf16["steady_private_bytes"] < f32["steady_private_bytes"]
+    assert bf16["admission_bytes"]["steady"]["private"] == bf16["steady_private_bytes"]
+    assert [t["batch"] for t in f32["times"]] == [1, 2]
+    assert (tmp_path / "results.md").read_text() in capsys.readouterr().out
+    assert _run("code2wav_precision", ["--out", str(tmp_path), "--warmup", "1"]) == 2

@@ -1,7 +1,7 @@
 """Capacity-mode A/B: what ``precision.code2wav_dtype: bfloat16`` saves and what it costs.
 
-    duplexcache bench precision --out DIR [--preset minicpmo45] [--sessions 4] [--chunks 60]
-                                [--batches 1,8,32] [--timed-chunks 10]
+    python scripts/probes/code2wav_precision.py --out DIR [--preset minicpmo45] [--sessions 4] [--chunks 60]
+                                                [--batches 1,8,32] [--timed-chunks 10]
 
 One process, one set of float32 flow + HiFT weights (random, redrawn as `bench stage2` does so
 every path is exercised); the bfloat16 flow is a copy of the same weights rounded once, so the
@@ -30,13 +30,14 @@ import argparse
 import copy
 import gc
 import logging
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from duplexcache.bench.common import alias_main, hardware_line, int_list, sync, usage_error, write_results
+from duplexcache.bench.common import hardware_line, int_list, sync, usage_error, write_results
 from duplexcache.bench.gpu_stage2 import allocated, chunk_tokens, stage2_models, summary, voice
 from duplexcache.cfm import BatchedCode2Wav, Code2WavConfig, Code2WavShape, code2wav_session_bytes
 from duplexcache.models.presets import PRESETS
@@ -200,11 +201,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.sessions < 1 or args.chunks < 1 or args.timed_chunks < 1:
-        return usage_error("precision", "--sessions, --chunks and --timed-chunks must be positive")
+        return usage_error("code2wav-precision", "--sessions, --chunks and --timed-chunks must be positive")
     if args.warmup < 2:
-        return usage_error("precision", "--warmup must be >= 2 (the cache reaches P + 100 after two chunks)")
+        return usage_error("code2wav-precision", "--warmup must be >= 2 (the cache reaches P + 100 after two chunks)")
     if any(b < 1 for b in args.batches):
-        return usage_error("precision", "--batches must be positive")
+        return usage_error("code2wav-precision", "--batches must be positive")
     device = torch.device(args.device or ("cuda" if args.preset == "minicpmo45" else "cpu"))
     _, _, flow, hift = stage2_models(args.preset, device, args.seed)
     prompt = voice(args.prompt_frames, args.seed + 7, flow.vocab_size)
@@ -225,5 +226,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(alias_main("precision"))
+if __name__ == "__main__":   # a probe script: python scripts/probes/code2wav_precision.py ARGS (duplexcache importable)
+    _parser = argparse.ArgumentParser(prog="scripts/probes/code2wav_precision.py", description=__doc__.split("\n\n")[0])
+    add_arguments(_parser)
+    sys.exit(run(_parser.parse_args()))

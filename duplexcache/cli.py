@@ -121,23 +121,14 @@ def out_dir_problem(args: argparse.Namespace) -> str | None:
 
 
 def bench_device_problem(args: argparse.Namespace) -> str | None:
-    """A benchmark that builds models on CUDA (``--device cuda``, minicpmo45's default, or a
-    ``--config`` whose ``model.device`` is cuda) on a machine without it: one line before anything
-    is built (``serve`` asks the same)."""
+    """A benchmark that builds models on CUDA (``--device cuda``, minicpmo45's default) on a
+    machine without it: one line before anything is built (``serve`` asks the same)."""
     if getattr(args, "command", None) != "bench":
         return None
     from duplexcache.runtime.device import device_problem
 
     if not hasattr(args, "device"):
-        # warm-start builds what its --config names; a config that does not load is the
-        # benchmark's own error to report
-        if getattr(args, "config", None) is None:
-            return None
-        from duplexcache.config import ConfigError, DeployConfig
-        try:
-            return device_problem(DeployConfig.from_yaml(args.config).model.device)
-        except (ConfigError, OSError):
-            return None
+        return None
     from duplexcache.bench.common import default_device
 
     preset = getattr(args, "preset", None)

@@ -5,7 +5,6 @@
     duplexcache bench serve         real-time callers over WebSockets against a running server
     duplexcache bench soak          long calls over WebSockets, latency/late ticks/memory/compactions over time
     duplexcache bench setup         setup time and private bytes of later same-context sessions
-    duplexcache bench warm-start    time to ready, graph captures of the first ticks
     duplexcache bench kernels       Stage 0 GPU kernels: paged decode, key re-rotation (CUDA)
     duplexcache bench stage2        batched Code2Wav with CUDA graphs, prompt sharing on vs off
     duplexcache bench stage0-bytes  Stage 0 KV bytes per session from shapes alone
@@ -29,7 +28,6 @@ BENCHMARKS = {
     "soak": ("duplexcache.bench.soak", "long calls over WebSockets with compacting windows, recorded over time"),
     "setup": ("duplexcache.bench.session_setup",
               "setup time and private bytes of later sessions with the same context"),
-    "warm-start": ("duplexcache.bench.warm_start", "time to ready, warm-up graphs, captures in the first ticks"),
     "kernels": ("duplexcache.bench.gpu_stage0", "Stage 0 GPU kernels: paged decode attention, key re-rotation"),
     "stage2": ("duplexcache.bench.gpu_stage2", "batched Code2Wav with CUDA graphs, prompt sharing on vs off"),
     "stage0-bytes": ("duplexcache.bench.stage0_bytes", "Stage 0 KV bytes per session from shapes alone"),

@@ -190,8 +190,8 @@ d = DeployConfig.from_packaged_yaml("minicpmo45"); d.code2wav.vocoder_cuda_graph
   prefill_512)  # prefill with engine.prefill_chunk_tokens 512 (the 16384-token context opens in 32 ticks)
     step prefill_isolation_512 400 python3 scripts/probes/prefill_isolation.py --preset minicpmo45 --device cuda --sessions 32 --memory-budget 100GiB --prefill-chunk-tokens 512 --out "$out/prefill_isolation_512" ;;
   warm_start)  # issue 10: warm-up time and graphs, then 24 sessions at once: captures per tick (0) and first audio; --no-warmup is the cold A/B
-    step warm_start 420 python3 -m duplexcache.cli bench warm-start --config examples/minicpmo45-shared.yaml --sessions 24 --ticks 4 --out "$out/warm_start"
-    step cold_start 420 python3 -m duplexcache.cli bench warm-start --config examples/minicpmo45-shared.yaml --sessions 24 --ticks 4 --no-warmup --out "$out/cold_start" ;;
+    step warm_start 420 python3 scripts/probes/warm_start.py --config examples/minicpmo45-shared.yaml --sessions 24 --ticks 4 --out "$out/warm_start"
+    step cold_start 420 python3 scripts/probes/warm_start.py --config examples/minicpmo45-shared.yaml --sessions 24 --ticks 4 --no-warmup --out "$out/cold_start" ;;
   serve_ready)  # issue 10: `duplexcache serve` from launch to /health 200, then the graph-capture counters on /metrics
     step serve_ready 480 python3 scripts/probes/serve_ready.py --config examples/minicpmo45-shared.yaml --port 8765 ;;
   *) echo "unknown mode $mode (bench_turn|bench_capacity|ticks|ticks_continuous|ticks_steady|ticks_ragged|ticks_eager|ticks_conversation|serve_conversation|serve_sweep|serve_align|serve_ptt|serve_threads|serve_catch_up|ticks_vocoder|vocoder_exact|serve_vocoder|serve_phases|ticks_conversation_large|ticks_conversation_bf16|kv_precision|ticks_conversation_fp8|ticks_capacity|ticks_profile|ticks_profile_small|ticks_ragged_graphs|ticks_capacity_mid|ticks_wire_gap|ticks_exact48|ticks_recheck|ticks_recheck_exact|ticks_recheck_capacity|precision|serve_precision|serve_prefill_between|serve_long_context|serve_profile|prefill|prefill_between|prefill_512|warm_start|serve_ready)"; exit 2 ;;

@@ -2,7 +2,7 @@
 
 The dispatch test fails for a subcommand wired to the wrong module (or to none); the runs below
 drive the benchmarks that no other test runs through the command line, briefly, on tiny/CPU
-(memory, ticks, setup, warm-start and serve run through it in their own test files).
+(memory, ticks, setup and serve run through it in their own test files).
 """
 from __future__ import annotations
 
@@ -20,12 +20,11 @@ from duplexcache.cli import main as cli_main
 
 # The smallest arguments each benchmark's parser accepts.
 REQUIRED = {"serve": ["--url", "ws://127.0.0.1:9/v1/realtime"], "soak": ["--url", "ws://127.0.0.1:9/v1/realtime"],
-            "warm-start": ["--config", "x.yaml"],
             "kernels": ["--out", "x"], "stage2": ["--out", "x"]}
 
 
 def test_every_benchmark_is_a_subcommand():
-    assert list(BENCHMARKS) == ["memory", "ticks", "serve", "soak", "setup", "warm-start", "kernels", "stage2",
+    assert list(BENCHMARKS) == ["memory", "ticks", "serve", "soak", "setup", "kernels", "stage2",
                                 "stage0-bytes"]
 
 
@@ -175,32 +174,6 @@ def test_a_cuda_benchmark_without_cuda_says_so_before_building(argv, monkeypatch
     assert cli_main(["bench", "ticks", "--preset", "tiny"]) == 0 and len(ran) == 1   # CPU: not stopped
 
 
-def test_warm_start_checks_its_configs_device_and_reports_a_bad_config(tmp_path, monkeypatch, capsys):
-    """warm-start has no --device: the device is the --config's model.device, checked before
-    anything is built; a config that does not load is one line, not a traceback."""
-    from duplexcache.config import DeployConfig
-    from duplexcache.bench import warm_start
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    built = []
-    monkeypatch.setattr(warm_start, "measure", lambda *a: built.append(a) or {})
-    cuda_yaml = tmp_path / "cuda.yaml"
-    deploy = DeployConfig.default("tiny")
-    deploy.model.device = "cuda"
-    cuda_yaml.write_text(deploy.to_yaml())
-    assert cli_main(["bench", "warm-start", "--config", str(cuda_yaml)]) == 2
-    assert "but this torch" in capsys.readouterr().err and not built
-    assert cli_main(["bench", "warm-start", "--config", str(tmp_path / "missing.yaml")]) == 2
-    assert "duplexcache bench warm-start: error:" in capsys.readouterr().err and not built
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("engine: {no_such_key: 1}\n")
-    assert cli_main(["bench", "warm-start", "--config", str(bad)]) == 2
-    assert "no_such_key" in capsys.readouterr().err and not built
-    cpu_yaml = tmp_path / "cpu.yaml"
-    cpu_yaml.write_text(DeployConfig.default("tiny").to_yaml())
-    assert cli_main(["bench", "warm-start", "--config", str(cpu_yaml), "--sessions", "1"]) == 0 and len(built) == 1
-
-
 @pytest.mark.parametrize("argv, said", [
     (["--sessions", "1"], "--sessions needs >= 2"),
     (["--sessions", "a,b"], "comma-separated ints"),
@@ -213,19 +186,6 @@ def test_memory_bad_options_are_one_line(argv, said, capsys):
     assert cli_main(["bench", "memory", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("duplexcache bench memory: error:") and said in err, err
-
-
-def test_a_checkpoint_that_does_not_load_is_one_line(tmp_path, capsys):
-    """A --config whose model.checkpoint_dir is wrong: every command says so in one line."""
-    from duplexcache.config import DeployConfig
-
-    deploy = DeployConfig.default("tiny")
-    deploy.model.checkpoint_dir = str(tmp_path / "nowhere")
-    path = tmp_path / "deploy.yaml"
-    path.write_text(deploy.to_yaml())
-    assert cli_main(["bench", "warm-start", "--config", str(path), "--sessions", "1", "--ticks", "1"]) == 2
-    assert capsys.readouterr().err.strip() == (f"duplexcache bench warm-start: checkpoint: config: no checkpoint "
-                                               f"at {tmp_path / 'nowhere'} (no such file or directory)")
 
 
 @pytest.mark.parametrize("argv", [["memory"], ["ticks"], ["setup"], ["stage2", "--device", "cpu"],

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 PROBES = Path(__file__).parents[2] / "scripts" / "probes"
 
@@ -114,3 +115,63 @@ def test_precision_tiny_on_cpu(tmp_path, capsys):
     assert [t["batch"] for t in f32["times"]] == [1, 2]
     assert (tmp_path / "results.md").read_text() in capsys.readouterr().out
     assert _run("code2wav_precision", ["--out", str(tmp_path), "--warmup", "1"]) == 2
+
+
+def test_warm_start_report(tmp_path, capsys):
+    """The warm-start probe on CPU (tiny, small budget): the report's shape and counters."""
+    cfg = tmp_path / "small.yaml"
+    cfg.write_text(yaml.safe_dump({"engine": {"memory_budget": "128MiB", "activation_reserve": "16MiB"},
+                                   "stage0": {"window": {"high_tokens": 400, "low_tokens": 200}}}))
+    assert _run("warm_start", ["--config", str(cfg), "--sessions", "2", "--ticks", "1", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "warm_start.json").read_text())
+    assert result == json.loads(capsys.readouterr().out)
+    assert result["config"]["sessions"] == 2 and result["config"]["planned_sessions"] == 9   # 128 MiB less the fixed 64.4 MiB (arena without prompt copies)
+    assert result["warmup"]["graphs"] == 0                  # CPU: nothing to capture
+    assert result["graph_captures"] == {"warmup": 0, "tick": 0}
+    assert [t["tick"] for t in result["per_tick"]] == [1] and len(result["first_audio_tick"]) == 2
+
+
+def test_warm_start_checks_its_configs_device_and_reports_a_bad_config(tmp_path, monkeypatch, capsys):
+    """The warm-start probe has no --device: the device is the --config's model.device, checked
+    before anything is built; a config that does not load, or a checkpoint that does not, is one
+    line, not a traceback."""
+    from duplexcache.config import DeployConfig
+
+    warm_start = _probe("warm_start")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    built = []
+    monkeypatch.setattr(warm_start, "measure", lambda *a: built.append(a) or {})
+
+    def run(argv: list[str]) -> int:
+        parser = argparse.ArgumentParser()
+        warm_start.add_arguments(parser)
+        return warm_start.run(parser.parse_args(argv))
+
+    cuda_yaml = tmp_path / "cuda.yaml"
+    deploy = DeployConfig.default("tiny")
+    deploy.model.device = "cuda"
+    cuda_yaml.write_text(deploy.to_yaml())
+    assert run(["--config", str(cuda_yaml)]) == 2
+    assert "but this torch" in capsys.readouterr().err and not built
+    assert run(["--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "warm-start: error:" in capsys.readouterr().err and not built
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("engine: {no_such_key: 1}\n")
+    assert run(["--config", str(bad)]) == 2
+    assert "no_such_key" in capsys.readouterr().err and not built
+    cpu_yaml = tmp_path / "cpu.yaml"
+    cpu_yaml.write_text(DeployConfig.default("tiny").to_yaml())
+    assert run(["--config", str(cpu_yaml), "--sessions", "1"]) == 0 and len(built) == 1
+
+
+def test_warm_start_checkpoint_that_does_not_load_is_one_line(tmp_path, capsys):
+    """A --config whose model.checkpoint_dir is wrong: the probe says so in one line."""
+    from duplexcache.config import DeployConfig
+
+    deploy = DeployConfig.default("tiny")
+    deploy.model.checkpoint_dir = str(tmp_path / "nowhere")
+    path = tmp_path / "deploy.yaml"
+    path.write_text(deploy.to_yaml())
+    assert _run("warm_start", ["--config", str(path), "--sessions", "1", "--ticks", "1"]) == 2
+    assert capsys.readouterr().err.strip() == (f"duplexcache bench warm-start: error: checkpoint: config: no checkpoint "
+                                               f"at {tmp_path / 'nowhere'} (no such file or directory)")

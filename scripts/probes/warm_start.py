@@ -1,6 +1,6 @@
 """Warm start of one engine: time to ready, graphs captured, and captures inside the first ticks.
 
-    duplexcache bench warm-start --config examples/minicpmo45-shared.yaml \\
+    python scripts/probes/warm_start.py --config examples/minicpmo45-shared.yaml \\
         [--sessions 24] [--ticks 4] [--no-warmup] [--out DIR]
 
 Builds the config's models and engine (``engine.memory_budget`` as configured, ``auto`` by
@@ -10,6 +10,7 @@ session's audio buffered, as if all clients connected in the same second. Report
 engine build time, warm-up seconds and graphs (per model, Code2Wav), the graph captures of each
 tick (0 after a warm-up), each tick's wall time and the tick in which every session got its
 first audio. Writes ``warm_start.json`` under ``--out``. Speeds are for the report, never asserted.
+A probe (its runs: docs/results/HISTORY.md); until issue 44 it was ``duplexcache bench warm-start``.
 """
 
 from __future__ import annotations
@@ -17,15 +18,18 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from duplexcache.bench.common import alias_main, usage_error, write_results
+from duplexcache.bench.common import usage_error, write_results
 from duplexcache.config import ConfigError, DeployConfig
+from duplexcache.models.checkpoint import CheckpointError
 from duplexcache.runtime.bundle import build_models
+from duplexcache.runtime.device import device_problem
 from duplexcache.runtime.engine import DuplexEngine
 from duplexcache.runtime.engine_api import AudioDelta
 
@@ -98,12 +102,20 @@ def run(a: argparse.Namespace) -> int:
         deploy = DeployConfig.from_yaml(a.config)
     except (ConfigError, OSError) as exc:
         return usage_error("warm-start", str(exc))
-    result = measure(deploy, a.sessions, a.ticks, not a.no_warmup)
+    problem = device_problem(deploy.model.device)   # a cuda config on a machine without it: one line, nothing built
+    if problem:
+        return usage_error("warm-start", problem)
+    try:
+        result = measure(deploy, a.sessions, a.ticks, not a.no_warmup)
+    except CheckpointError as exc:
+        return usage_error("warm-start", f"checkpoint: {exc}")
     print(json.dumps(result, indent=2))
     if a.out is not None:
         write_results(a.out, result, stem="warm_start")
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(alias_main("warm-start"))
+if __name__ == "__main__":   # a probe script: python scripts/probes/warm_start.py ARGS (duplexcache importable)
+    _parser = argparse.ArgumentParser(prog="scripts/probes/warm_start.py", description=__doc__.split("\n\n")[0])
+    add_arguments(_parser)
+    sys.exit(run(_parser.parse_args()))

@@ -5,13 +5,16 @@ after the row axis), so a tier of `t` rows is the contiguous prefix `[:t]` of ev
 session's slot `[:, :, r]` has exactly the per-session cache layout
 (steps, layers, cfg=2, heads, frames, 2*head_dim).
 
-Attention: the row's private keys live in the arena, the voice prompt's keys live once per voice
-in the `PromptBank`, and the solve reads both in place. Per (step, layer, row, cfg, head), along
-the key axis (d_r = the row's private delta, s_r = its shared prompt frames, L_r = d_r + s_r):
+Attention: a row holds only its chunk's new keys; the session's private delta frames stay in the
+session's own storage and the voice prompt's keys in the `PromptBank` (once per voice); the solve
+reads both in place. Per (step, layer, row, cfg, head), along the key axis (d_r = the row's
+private delta, s_r = its shared prompt frames, L_r = d_r + s_r):
 
-    arena row (static, per row)        0        W          W + d_r        Kp (private capacity)
-                                       | new KV | delta (d_r) | stale/unused |
-                                       '-- the row's next private frames --'
+    arena row (static, per row)        0        W            row_capacity (the widest chunk)
+                                       | new KV |   unused   |
+
+    session storage (its own, P frames; `SharedPromptAttCache.storage`, `PlainAttCache.data`)
+                                       | frames in any order: delta key j at pos_r[j], j < d_r |
 
     PromptBank (static, per voice)     0     off_v                  off_v + P_v
                                        | 0 | ... | voice v: prompt[0:P_v] | ... |   (frame 0 = zeros)
@@ -24,22 +27,38 @@ the key axis (d_r = the row's private delta, s_r = its shared prompt frames, L_r
                                        | new KV | delta    | prompt frames | zero frames | unused |
                                        '--------- reference key order ---------'  masked
 
-At each attention the workspace gets the arena row's `[0, min(Kp, W + Lb))` and then, past
-`W + d_r`, the bank frames `frame_map` names (one `index_select` per (step, layer) over the tier's
-rows). So the workspace holds, value for value and stride for stride, what the old layout's row
-held (`[new KV | cache copied in | padding]`, K wide), and the attention call is the same call:
-sharing on/off and old/new layout stay `torch.equal`. The arena keeps only Kp = max(P, W + P)
-key slots per row (the private delta never exceeds P), not K = max(P, W + P + tail); the prompt
-is never copied into a row. Keys past W + L_r are masked (rows of one micro-batch have their own
-cache lengths; masked keys read finite zeros, so they add exact zeros). Lb is a cache-length
-bucket. K = max(largest setup width, largest chunk width + largest cache): the setup pass (width
-P, no cache) and a chunk (width <= 56, cache <= P + 100) never need more.
+At each attention the workspace gets the row's `[0, W)`, then every cache key's bank frame (the
+frame map: prompt frames, and the zero frame for the private and padding keys; one
+`index_select` per (step, layer) over the tier's rows), then the private keys j < d_r over
+those, gathered from each row's session storage at `pos_r[j]` (cfm/private_gather.py: on CUDA a
+Triton kernel reading a static per-row table of storage addresses, frame counts, delta lengths
+and positions, filled by `load_row` and sent once per `run`, so it runs inside the captured
+graph; on CPU one `index_select` per row). So the workspace holds, value for value and stride
+for stride, what the old layout's row held (`[new KV | cache copied in | padding]`, K wide), and
+the attention call is the same call: sharing on/off and old/new layout stay `torch.equal`.
+Nothing of a cache is copied into the arena, and after a solve the session copies only the
+chunk's W new keys out of the row (`advance`). Keys past W + L_r are masked (rows of one
+micro-batch have their own cache lengths; masked keys read finite zeros, so they add exact
+zeros). Lb is a cache-length bucket. K = max(largest setup width, largest chunk width + largest
+cache): the setup pass (width P, no cache) and a chunk (width <= 56, cache <= P + 100) never need
+more.
 
-The old layout (the whole cache copied into each row, `prompt_in_place=False`) is kept only as
-the reference the equality tests (tests/cfm/test_inplace_attention.py) and the CUDA check
+Storage: one allocation of max(rows x row_capacity, P) frames holds two views, `att` (the rows,
+row_capacity = the widest chunk) and `att_setup` (one row of P frames: the voice's setup pass,
+run alone at tier 1 by `register_voice`, which is wider than a chunk and has no cache); a solve
+writes into the view its width needs. Both addresses are fixed, so graphs of either stay valid.
+minicpmo45 (16 rows, W 56, float32, 1.25 MiB a frame): keys 1.09 GiB, `nbytes` 1.18 GiB, where
+rows of [new | delta] took 7.04 GiB and the whole cache copied per row 8.99 GiB.
+
+The old layout (the whole cache copied into each K-wide row, `prompt_in_place=False`) is kept
+only as the reference the equality tests (tests/cfm/test_inplace_attention.py) and the CUDA check
 (tests/cfm/test_inplace_attention_cuda.py) compare against. Cost of the in-place read: the
-workspace plus one gather and one select of the cache keys per (step, layer), transient (about
-3 x 2 x tier x heads x K x 2hd elements; ~200 MiB at 20 rows of minicpmo45, in the graph pool).
+workspace plus one gather of the bank frames per (step, layer) and the private-key gather,
+transient (the workspace and the gathered bank frames, about 2 x 2 x tier x heads x K x 2hd
+elements; ~135 MiB at 20 rows of minicpmo45, in the graph pool). The row table points rows without a delta (padded rows, a first chunk) at a live
+buffer (the bank), so a replay never holds a freed address; a run drops its rows' storage
+references when it ends (a session may replace its storage after the chunk), so every run loads
+its rows first (`warm` pads them).
 
 CUDA graphs (policy: capture at warm-up, lazy as a fallback). `run` looks up the key (tier, W,
 Lb); the first time a key is needed it is captured (one eager warm-up on a side stream, then the
@@ -61,12 +80,13 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from duplexcache.cfm.private_gather import gather_private_torch, gather_private_triton, triton_gather_available
 from duplexcache.cfm.prompt_bank import PromptBank
 from duplexcache.cfm.prompt_cache import FRAME_DIM, AttCache
 from duplexcache.kv.decode_graphs import warmup_stream
@@ -168,6 +188,9 @@ def _attend(attn: nn.Module, q: torch.Tensor, keys: torch.Tensor, mask: torch.Te
     return attn.proj(out.transpose(1, 2).reshape(b2, w, nh * hd))
 
 
+PrivateGather = Callable[[torch.Tensor, int, int], None]   # (workspace, step, layer)
+
+
 @dataclass
 class _Keys:
     """Where one solve's attention keys come from (see the module docstring).
@@ -181,12 +204,13 @@ class _Keys:
     copied: bool
     workspace: torch.Tensor | None = None   # (B2, heads, K, 2hd), transient
     frame_idx: torch.Tensor | None = None   # (tier * Lb,) bank frame per cache key
-    private: torch.Tensor | None = None     # (tier, 1, 1, Lb, 1) bool: key from the arena row
+    gather: PrivateGather | None = None     # copies each row's keys j < d_r from its session's storage
+    step: int = 0                           # the Euler step being solved
 
 
 def _attention(attn: nn.Module, x: torch.Tensor, att: torch.Tensor, bank: torch.Tensor,
-               keys: _Keys) -> torch.Tensor:
-    """x (B2, W, H); att (B2, heads, Kp, 2hd), the rows' private keys, updated in place at
+               keys: _Keys, layer: int) -> torch.Tensor:
+    """x (B2, W, H); att (B2, heads, >= W, 2hd), the rows' new keys, written in place at
     [0, W); bank (2, heads, F, 2hd), this (step, layer)'s prompt frames of every voice."""
     q, k, v = _qkv(attn, x)
     hd, width = attn.head_dim, keys.width
@@ -195,16 +219,16 @@ def _attention(attn: nn.Module, x: torch.Tensor, att: torch.Tensor, bank: torch.
     if keys.copied:
         return _attend(attn, q, att[:, :, :keys.num_keys], keys.mask)
     ws = keys.workspace
-    n = min(att.shape[2], keys.num_keys)
-    ws[:, :, :n].copy_(att[:, :, :n])
+    ws[:, :, :width].copy_(att[:, :, :width])
     lb = keys.num_keys - width
     if lb:
         b2, nh, cap, hd2 = ws.shape
         tier = b2 // 2
+        # Every cache key from the bank: a prompt frame, or the zero frame (private and padding
+        # keys); then the private keys (j < d_r) over it, read from the sessions' own storage.
         shared = bank.index_select(2, keys.frame_idx).unflatten(2, (tier, lb)).permute(2, 0, 1, 3, 4)
-        cache = ws.view(tier, 2, nh, cap, hd2)[:, :, :, width:keys.num_keys]
-        # Private keys (j < d_r) stay; every other cache key is a prompt frame or a zero frame.
-        cache.copy_(torch.where(keys.private, cache, shared))
+        ws.view(tier, 2, nh, cap, hd2)[:, :, :, width:keys.num_keys].copy_(shared)
+        keys.gather(ws, keys.step, layer)
     return _attend(attn, q, ws[:, :, :keys.num_keys], keys.mask)
 
 
@@ -212,14 +236,14 @@ def _estimator(est: nn.Module, x: torch.Tensor, mu: torch.Tensor, c: torch.Tenso
                cond: torch.Tensor, cnn_in: torch.Tensor, cnn_out: torch.Tensor, att: torch.Tensor,
                bank: torch.Tensor, keys: _Keys) -> torch.Tensor:
     """One DiT call over B2 = 2 * tier rows. c (B2, 1, H) timestep embedding;
-    cnn_in/out (depth, B2, 2H, 2); att (depth, B2, heads, Kp, 2hd); bank (depth, 2, heads, F, 2hd)."""
+    cnn_in/out (depth, B2, 2H, 2); att (depth, B2, heads, >= W, 2hd); bank (depth, 2, heads, F, 2hd)."""
     width = x.shape[2]
     h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, width), cond], dim=1)
     h = est.in_proj(h.transpose(1, 2))                      # (B2, W, H)
     for i, block in enumerate(est.blocks):
         (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp,
          shift_conv, scale_conv, gate_conv) = block.adaLN_modulation(c).chunk(9, dim=-1)
-        a = _attention(block.attn, _modulate(block.norm1(h), shift_msa, scale_msa), att[i], bank[i], keys)
+        a = _attention(block.attn, _modulate(block.norm1(h), shift_msa, scale_msa), att[i], bank[i], keys, i)
         h = h + gate_msa * a
         conv, new_cnn = block.conv.forward_chunk(_modulate(block.norm3(h), shift_conv, scale_conv), cnn_in[i])
         cnn_out[i].copy_(new_cnn)
@@ -238,14 +262,17 @@ class EulerArena:
     them in place; the timestep embedding is computed once).
 
     prompt_in_place=False keeps the old layout (each row K wide, the whole cache copied in): the
-    reference the equality tests compare against, not a deploy setting.
+    reference the equality tests compare against, not a deploy setting. private_gather picks the
+    copy of the private keys: "auto" (Triton on CUDA, the torch gather elsewhere), "torch" or
+    "triton" (tests: the CPU interpreter, or the eager reference on a GPU).
     """
 
     def __init__(self, estimator: nn.Module, rows: int, max_query: int, max_cache: int,
                  n_timesteps: int, cfg_rate: float, key_bucket: int = 64, max_setup_query: int = 0,
                  use_cuda_graphs: bool = True, graph_backend: GraphBackend | None = None,
                  max_private: int | None = None, prompt_in_place: bool = True,
-                 prompt_bank_frames: int = 1, fixed_key_length: bool = False) -> None:
+                 prompt_bank_frames: int = 1, fixed_key_length: bool = False,
+                 private_gather: Literal["auto", "torch", "triton"] = "auto") -> None:
         if rows < 1 or max_query < 1 or max_cache < 0 or key_bucket < 1:
             raise ValueError(f"bad arena shape: rows={rows} max_query={max_query} max_cache={max_cache} "
                              f"key_bucket={key_bucket}")
@@ -262,10 +289,18 @@ class EulerArena:
         mel = estimator.out_channels
         self.key_capacity = max(max_setup_query, max_query + max_cache)
         self.prompt_in_place = prompt_in_place
-        max_private = max_cache if max_private is None else min(max_private, max_cache)
-        # Key slots a row keeps: its private frames only, [new | delta] (old layout: the whole cache).
-        self.private_capacity = (max(max_setup_query, max_query + max_private) if prompt_in_place
-                                 else self.key_capacity)
+        self.max_private = max_cache if max_private is None else min(max_private, max_cache)
+        # Frames a row keeps: the chunk's new keys only (old layout: K, the whole cache copied in).
+        self.row_capacity = max_query if prompt_in_place else self.key_capacity
+        self.setup_capacity = max_setup_query
+        if private_gather == "auto":
+            private_gather = "triton" if device.type == "cuda" and triton_gather_available(device) else "torch"
+        if private_gather not in ("torch", "triton"):
+            raise ValueError(f"private_gather must be 'auto', 'torch' or 'triton', got {private_gather!r}")
+        if private_gather == "triton" and not triton_gather_available(device):
+            raise ValueError(f"private_gather 'triton' cannot run on {device} here (no Triton, or off CUDA "
+                             "without TRITON_INTERPRET=1)")
+        self.private_gather = private_gather
         z = dict(device=device, dtype=dtype)
         width = self.max_query
         self.x = torch.zeros(rows, mel, width, **z)        # initial noise per row
@@ -275,30 +310,58 @@ class EulerArena:
         self.spks = torch.zeros(rows, mel, **z)
         self.cnn_in = torch.zeros(n_timesteps, depth, rows, 2, 2 * hidden, 2, **z)
         self.cnn_out = torch.zeros_like(self.cnn_in)
-        self.att = torch.zeros(n_timesteps, depth, rows, 2, attn.num_heads, self.private_capacity,
-                               2 * attn.head_dim, **z)
+        # The rows' new keys, and the setup pass's (wider than a chunk, one row, no cache): one
+        # allocation, two views of it (a solve uses the one its width needs; both addresses are
+        # fixed, so graphs of either stay valid). Old layout: rows K wide, the setup fits a row.
+        frame = (2, attn.num_heads, 2 * attn.head_dim)
+        frames = max(rows * self.row_capacity, max_setup_query)
+        self._att_storage = torch.zeros(n_timesteps * depth * frames * math.prod(frame), **z)
+        self.att = self._att_view_of(rows, self.row_capacity)
+        self.att_setup = self._att_view_of(1, max_setup_query)
         self.bank = PromptBank(n_timesteps, depth, attn.num_heads, attn.head_dim, device, dtype,
                                prompt_bank_frames)
         self._bank_version = self.bank.version
-        self.cache_len = torch.zeros(rows, dtype=torch.long, device=device)
-        # Per row: its private frames (d_r) and, per cache key, the bank frame it reads (0 = the
-        # zero frame). Filled on the host by load_row, copied once per run like cache_len.
-        self.private_len = torch.zeros(rows, dtype=torch.long, device=device)
-        self.frame_map = torch.zeros(rows, self.key_capacity, dtype=torch.long, device=device)
-        self._host_private_len = [0] * rows
-        self._host_frame_map = torch.zeros(rows, self.key_capacity, dtype=torch.long)
-        # Rows' cache lengths as loaded, copied to `cache_len` once per run: a per-row write of a
-        # Python int into a device tensor is a blocking copy each.
+        # Per row, in one buffer (one host-to-device copy per run): cache length, private delta
+        # frames d_r, and where the delta is: its storage's address and frame count (the Triton
+        # gather reads them; `private_gather.py`).
+        self._row_index = torch.zeros(4, rows, dtype=torch.long, device=device)
+        self.cache_len, self.private_len, self.private_base, self.private_cap = self._row_index.unbind(0)
+        # Per row and cache key: the bank frame it reads (0 = the zero frame) and, for j < d_r,
+        # the storage frame of delta key j. Filled on the host by load_row, copied once per run.
+        self._row_maps = torch.zeros(2, rows, self.key_capacity, dtype=torch.long, device=device)
+        self.frame_map, self.private_pos = self._row_maps.unbind(0)
+        self._host_row_maps = torch.zeros(2, rows, self.key_capacity, dtype=torch.long)
+        # Rows' lengths and storages as loaded, sent once per run: a per-row write of a Python int
+        # into a device tensor is a blocking copy each.
         self._host_cache_len = [0] * rows
+        self._host_private_len = [0] * rows
+        # Each row's delta storage, held from load_row to the end of its run only (a session's
+        # replaced storage must not outlive its chunk here).
+        self._row_storage: list[torch.Tensor | None] = [None] * rows
         self.t_steps, self.dt_steps = euler_times(n_timesteps, device, dtype)
         self.t_emb = torch.zeros(n_timesteps, hidden, **z)   # timestep embedding per Euler step
         self._t_emb_ready = False
         if graph_backend is None and use_cuda_graphs and device.type == "cuda":
             graph_backend = CudaGraphBackend()
+        if prompt_in_place and private_gather == "torch" and isinstance(graph_backend, CudaGraphBackend):
+            # the torch gather reads the rows' tensors on the host: a graph would bake in the first ones
+            raise ValueError("CUDA graphs of the Code2Wav arena need Triton (the private-key gather runs "
+                             "inside the graph); install triton or turn code2wav's CUDA graphs off")
         self.graph_backend = graph_backend
         self._graphs: dict[GraphKey, Callable[[], None]] = {}
         self.stats = ArenaStats()
         self._buffer_ptrs = self._ptrs()
+
+    def _att_view_of(self, rows: int, frames: int) -> torch.Tensor:
+        steps, depth = self.n_timesteps, len(self.estimator.blocks)
+        attn = self.estimator.blocks[0].attn
+        shape = (steps, depth, rows, 2, attn.num_heads, frames, 2 * attn.head_dim)
+        return self._att_storage[:math.prod(shape)].view(shape)
+
+    def _att_view(self, width: int) -> torch.Tensor:
+        """The view a solve of `width` frames writes its new keys into: the rows, or (wider than
+        a row: the setup pass) the setup view."""
+        return self.att if width <= self.row_capacity else self.att_setup
 
     @property
     def use_graphs(self) -> bool:
@@ -336,9 +399,10 @@ class EulerArena:
                  voice: str | None = None) -> None:
         """Copy one session's inputs into row `row`. noise, mu, cond (mel, W); spks (mel,).
 
-        Only the cache's private delta is copied into the row (`copy_private_to`); its prompt
-        frames are read from `voice`'s bank slot during the solve, through the row's frame map.
-        (Old layout: the whole cache, by `copy_range_to`.)
+        Nothing of the cache is copied: the row gets where its private delta is (the session's
+        storage and each delta key's position in it, `private_frames`), and which bank frames
+        its prompt keys are (`voice`'s slot); the solve reads both in place. (Old layout: the
+        whole cache copied into the row, by `copy_range_to`.)
         """
         cache_len = 0 if att_cache is None else len(att_cache)
         private = 0 if att_cache is None else att_cache.num_delta
@@ -346,9 +410,13 @@ class EulerArena:
             raise ArenaShapeError(
                 f"chunk of {width} frames with a cache of {cache_len} does not fit the arena "
                 f"(max query {self.max_query}, key capacity {self.key_capacity})")
-        if width + private > self.private_capacity:
-            raise ArenaShapeError(f"chunk of {width} frames with {private} private cache frames does not "
-                                  f"fit the arena rows ({self.private_capacity} key slots)")
+        if width > self.row_capacity and (row != 0 or cache_len):
+            raise ArenaShapeError(f"only the setup pass (row 0, no cache) may be wider than the arena rows "
+                                  f"({self.row_capacity} frames): {width} frames in row {row} with a "
+                                  f"cache of {cache_len}")
+        if self.prompt_in_place and private > self.max_private:
+            raise ArenaShapeError(f"a cache of {private} private frames exceeds the arena's "
+                                  f"{self.max_private} (max_private)")
         if self.prompt_in_place and cache_len > private and voice is None:
             raise ValueError("a cache with prompt frames needs its voice (the bank slot to read)")
         self.x[row, :, :width].copy_(noise)
@@ -362,14 +430,18 @@ class EulerArena:
             self.cnn_in[:, :, row].zero_()
         else:
             self.cnn_in[:, :, row].copy_(cnn_cache)
-        fmap = self._host_frame_map[row]
+        fmap, pmap = self._host_row_maps[:, row]
         fmap.zero_()
+        storage = None
         if not self.prompt_in_place:
             if cache_len:
                 att_cache.copy_range_to(self.att[:, :, row, :, :, width:width + cache_len], 0, cache_len)
             private = 0
         elif cache_len:
-            att_cache.copy_private_to(self.att[:, :, row, :, :, width:width + private])
+            if private:
+                storage, positions = att_cache.private_frames()
+                self._check_storage(storage, len(positions), private)
+                pmap[:private] = torch.tensor(positions, dtype=torch.long)
             off, p, head, tail = self.bank.offset(voice), att_cache.num_prompt, att_cache.head, att_cache.tail
             if self.bank.view(voice).shape[FRAME_DIM] != p:
                 raise ValueError(f"voice {voice!r} has {self.bank.view(voice).shape[FRAME_DIM]} prompt "
@@ -380,6 +452,19 @@ class EulerArena:
                 fmap[private + head:private + head + tail] = torch.arange(off + p - tail, off + p)
         self._host_cache_len[row] = cache_len
         self._host_private_len[row] = private
+        self._row_storage[row] = storage
+
+    def _check_storage(self, storage: torch.Tensor, num_positions: int, private: int) -> None:
+        attn = self.estimator.blocks[0].attn
+        want = (self.n_timesteps, len(self.estimator.blocks), 2, attn.num_heads, 2 * attn.head_dim)
+        got = tuple(storage.shape[:FRAME_DIM]) + tuple(storage.shape[FRAME_DIM + 1:])
+        if got != want or storage.dtype != self.att.dtype or storage.device != self.att.device:
+            raise ValueError(f"private storage {tuple(storage.shape)} {storage.dtype} on {storage.device} does "
+                             f"not match the arena's frames {want} {self.att.dtype} on {self.att.device}")
+        if not storage.is_contiguous():
+            raise ValueError("a cache's private storage must be contiguous (the gather computes its strides)")
+        if num_positions != private:
+            raise ValueError(f"the cache lists {num_positions} delta positions for {private} delta frames")
 
     def pad_row(self, row: int, width: int) -> None:
         """A slot the replay computes but nobody reads: zero inputs, only its own new keys valid."""
@@ -389,7 +474,8 @@ class EulerArena:
         self.cnn_in[:, :, row].zero_()
         self._host_cache_len[row] = 0
         self._host_private_len[row] = 0
-        self._host_frame_map[row].zero_()
+        self._host_row_maps[0, row].zero_()   # every cache key reads the zero frame (all masked)
+        self._row_storage[row] = None         # its address: a live arena buffer, never read
 
     # ---- reading rows ------------------------------------------------------------------
     def mel(self, row: int, width: int) -> torch.Tensor:
@@ -399,11 +485,13 @@ class EulerArena:
         return self.cnn_out[:, :, row]                      # (steps, depth, 2, 2H, 2)
 
     def new_att_cache(self, row: int, length: int) -> torch.Tensor:
-        """View of the row's private keys after the run, `[new | old delta]`, first `length`
-        frames (at most W + d_r: the prompt frames are not in the row)."""
-        if length > self.private_capacity:
-            raise ArenaShapeError(f"{length} frames asked of rows of {self.private_capacity}")
-        return self.att[:, :, row, :, :, :length]          # (steps, depth, 2, heads, length, 2hd)
+        """View of the row's new keys after a run of `length` frames (the chunk's W, or the setup
+        pass's P in row 0): the row holds nothing else."""
+        view = self._att_view(length)
+        if length > view.shape[5] or row >= view.shape[2]:
+            raise ArenaShapeError(f"{length} frames of row {row} asked of rows of {self.row_capacity} "
+                                  f"(setup: row 0, {self.setup_capacity})")
+        return view[:, :, row, :, :, :length]              # (steps, depth, 2, heads, length, 2hd)
 
     # ---- running -----------------------------------------------------------------------
     def bucket(self, width: int, cache_len: int) -> int:
@@ -423,15 +511,33 @@ class EulerArena:
             raise ArenaShapeError(f"tier {tier} outside 1..{self.rows}")
         if not 1 <= width <= self.max_query:
             raise ArenaShapeError(f"width {width} outside 1..{self.max_query}")
+        if width > self.row_capacity and tier != 1:
+            raise ArenaShapeError(f"width {width} is wider than the arena rows ({self.row_capacity}): "
+                                  f"only a setup pass at tier 1 may be")
         lb = self.bucket(width, max_cache_len)
         if lb < max_cache_len:
             raise ArenaShapeError(f"cache of {max_cache_len} frames does not fit with width {width}")
+        missing = [r for r in range(tier) if self._host_private_len[r] and self._row_storage[r] is None]
+        if missing:
+            raise ArenaShapeError(f"rows {missing} were not loaded since the last run (a run consumes its rows)")
         self._prepare_time_embedding()
-        self.cache_len[:tier].copy_(torch.tensor(self._host_cache_len[:tier], dtype=torch.long), non_blocking=True)
+        # A row without a delta reads nothing from its storage; its address is still a live
+        # buffer's (the bank: frame 0 is zeros), so no replay can hold a freed pointer.
+        dummy = self.bank.frames
+        stores = [dummy if s is None else s for s in self._row_storage[:tier]]
+        self._row_index[:, :tier].copy_(torch.tensor(
+            [self._host_cache_len[:tier], self._host_private_len[:tier], [s.data_ptr() for s in stores],
+             [s.shape[FRAME_DIM] for s in stores]], dtype=torch.long), non_blocking=True)
         if self.prompt_in_place:
-            self.private_len[:tier].copy_(torch.tensor(self._host_private_len[:tier], dtype=torch.long),
-                                          non_blocking=True)
-            self.frame_map[:tier].copy_(self._host_frame_map[:tier], non_blocking=True)
+            self._row_maps[:, :tier].copy_(self._host_row_maps[:, :tier], non_blocking=True)
+        try:
+            self._solve(tier, width, lb)
+        finally:
+            # A session's storage may be replaced after its chunk (PlainAttCache): the arena
+            # must not keep it alive. A later run loads its rows again first.
+            self._row_storage[:tier] = [None] * tier
+
+    def _solve(self, tier: int, width: int, lb: int) -> None:
         if self.graph_backend is None:
             self.stats.eager_runs += 1
             self._euler(tier, width, lb)
@@ -489,6 +595,7 @@ class EulerArena:
         valid = keys.unsqueeze(0) < (width + self.cache_len[:tier]).unsqueeze(1)      # (tier, keys)
         mask = _twice(valid)[:, None, None, :]                                        # (2*tier, 1, 1, keys)
         spec = _Keys(width, num_keys, mask, copied=not self.prompt_in_place)
+        att = self._att_view(width)
         if self.prompt_in_place:
             attn = self.estimator.blocks[0].attn
             # One workspace for every (step, layer): K wide like the old rows, so the attention
@@ -496,33 +603,47 @@ class EulerArena:
             spec.workspace = torch.empty(2 * tier, attn.num_heads, self.key_capacity, 2 * attn.head_dim,
                                          device=x.device, dtype=x.dtype)
             spec.frame_idx = self.frame_map[:tier, :lb].reshape(-1)
-            spec.private = (keys[:lb].unsqueeze(0) < self.private_len[:tier].unsqueeze(1))[:, None, None, :, None]
+            spec.gather = self._private_gather(tier, width, lb)
         for k in range(self.n_timesteps):
             c = self.t_emb[k].reshape(1, 1, -1)                                        # same t for every row
+            spec.step = k
             dphi = _estimator(self.estimator, _twice(x), mu_in, c, spks_in, cond_in,
                               self.cnn_in[k, :, :tier].flatten(1, 2), self.cnn_out[k, :, :tier].flatten(1, 2),
-                              self.att[k, :, :tier].flatten(1, 2), self.bank.frames[k], spec)
+                              att[k, :, :tier].flatten(1, 2), self.bank.frames[k], spec)
             dphi = dphi.unflatten(0, (tier, 2))
             dphi = (1.0 + self.cfg_rate) * dphi[:, 0] - self.cfg_rate * dphi[:, 1]
             x = x + self.dt_steps[k] * dphi
         self.out[:tier, :, :width].copy_(x)
 
+    def _private_gather(self, tier: int, width: int, lb: int) -> PrivateGather:
+        """The copy of every row's private keys (j < d_r) into the workspace, per (step, layer)."""
+        if self.private_gather == "triton":
+            depth = len(self.estimator.blocks)
+            return lambda ws, step, layer: gather_private_triton(
+                ws, self.private_base, self.private_cap, self.private_len, self.private_pos,
+                step * depth + layer, width, lb)
+        lengths = self._host_private_len[:tier]
+        storages = self._row_storage[:tier]
+        return lambda ws, step, layer: gather_private_torch(ws, storages, lengths, self.private_pos, step,
+                                                            layer, width)
+
     def _ptrs(self) -> tuple[int, ...]:
         return tuple(b.data_ptr() for b in (self.x, self.out, self.mu, self.cond, self.spks, self.cnn_in,
-                                            self.cnn_out, self.att, self.cache_len, self.t_steps,
-                                            self.dt_steps, self.t_emb, self.bank.frames, self.private_len,
-                                            self.frame_map))
+                                            self.cnn_out, self.att, self.att_setup, self.t_steps,
+                                            self.dt_steps, self.t_emb, self.bank.frames, self._row_index,
+                                            self._row_maps))
 
     def index_nbytes(self) -> int:
-        """Bytes of the int64 row indexes (frame map, private lengths): the part of `nbytes` that
-        does not scale with the flow's dtype."""
-        return sum(b.numel() * b.element_size() for b in (self.private_len, self.frame_map))
+        """Bytes of the int64 row indexes (lengths, storage addresses, frame and position maps):
+        the part of `nbytes` that does not scale with the flow's dtype."""
+        return sum(b.numel() * b.element_size() for b in (self._row_index, self._row_maps))
 
     def nbytes(self) -> int:
-        """Bytes of the static buffers (the graph pool's scratch is not included). The bank's
+        """Bytes of the static buffers (the graph pool's scratch is not included): the keys'
+        storage is rows x row_capacity frames (or the setup view's, if larger). The bank's
         frames that voices own are their prompt states (`voice_bytes`, counted once per voice by
         the memory plan); its zero frame and any gap left by a removed voice count here."""
-        bufs = (self.x, self.out, self.mu, self.cond, self.spks, self.cnn_in, self.cnn_out, self.att,
-                self.private_len, self.frame_map)
+        bufs = (self.x, self.out, self.mu, self.cond, self.spks, self.cnn_in, self.cnn_out, self._att_storage,
+                self._row_index, self._row_maps)
         return (sum(b.numel() * b.element_size() for b in bufs)
                 + self.bank.nbytes() - self.bank.voice_nbytes())

@@ -444,8 +444,8 @@ class BatchedCode2Wav:
         for r, (w, sess) in enumerate(zip(group, sessions)):
             sess.last_mel = self.arena.mel(r, width).clone()
             sess.estimator_cnn = self.arena.new_cnn_cache(r).clone()
-            # the row holds [new | old delta]: all the next delta can take (prompt frames stay put)
-            sess.att.advance(width, self.arena.new_att_cache(r, width + sess.att.num_delta))
+            # the row holds the chunk's new keys only: the cache copies those it keeps (W frames)
+            sess.att.advance(width, self.arena.new_att_cache(r, width))
 
     def _run_rows(self, rows: list[tuple[_Work, torch.Tensor | None, AttCache | None, str | None]], width: int,
                   tier: int) -> None:

@@ -6,15 +6,18 @@ side on the last axis. The frame axis is `FRAME_DIM`.
 Two classes with one interface:
 
 * `SharedPromptAttCache`: private delta (newest first) + read-only views of the per-voice prompt
-  tensor. Never builds the concatenation except in `materialize()`, which exists only for eager
-  fallbacks and debugging.
+  tensor. The delta lives in a storage of P frames, allocated once at the first chunk and never
+  shifted: a host list names each delta key's storage position, and a chunk writes only its W new
+  frames (into never-used positions, then the positions of the keys the trim drops). Never builds
+  the concatenation except in `materialize()`, which exists only for eager fallbacks and debugging.
 * `PlainAttCache`: one ordinary private tensor (sharing off, or a verification fallback). It
-  follows the reference trim literally (slices + cat).
+  follows the reference trim literally (slices + cat); its delta is frames [0, d) of it, in order.
 
-Both report the same layout (`num_delta`, `head`, `trimmed`, `num_prompt`, `tail`): the arena
-copies only the private delta into its row (`copy_private_to`) and reads the prompt frames from
-the voice's slot of its `PromptBank` (for `PlainAttCache` those frames are bit-identical copies of
-the voice's, so reading the bank instead of the copy changes no value).
+Both report the same layout (`num_delta`, `head`, `trimmed`, `num_prompt`, `tail`) and where the
+delta's frames are (`private_frames`: a storage tensor and the position of each delta key): the
+arena reads the delta in place from there and the prompt frames from the voice's slot of its
+`PromptBank` (for `PlainAttCache` those frames are bit-identical copies of the voice's, so reading
+the bank instead of the copy changes no value). Nothing copies the delta into an arena row.
 """
 from __future__ import annotations
 
@@ -25,6 +28,19 @@ FRAME_DIM = 4
 
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
+
+
+def position_runs(positions: list[int]) -> list[tuple[int, int, int]]:
+    """(key index, storage position, length) of each maximal run of consecutive positions, so a
+    copy between key order and storage order is one narrow copy per run (usually one or two)."""
+    runs: list[tuple[int, int, int]] = []
+    for j, pos in enumerate(positions):
+        if runs and runs[-1][1] + runs[-1][2] == pos:
+            key, start, n = runs[-1]
+            runs[-1] = (key, start, n + 1)
+        else:
+            runs.append((j, pos, 1))
+    return runs
 
 
 class SharedPromptAttCache:
@@ -51,6 +67,14 @@ class SharedPromptAttCache:
                    '------ private, P frames -----''-- shared, tail -'
 
     At setup the session owns nothing (d = 0); at steady state it owns P frames and shares `tail`.
+
+    Storage of the delta (`storage`, P frames, allocated at the first chunk): key j of the delta
+    is frame `positions[j]` of it. A chunk of W frames takes W free positions, never-used ones
+    first (frames [used, P)), then those of the old keys the trim drops (the oldest), and copies
+    the new frames there; `positions` becomes [new positions | kept old positions]. So a chunk
+    copies W frames, never the whole delta, and the storage never moves (the arena keeps its
+    address in a table its graphs read). Before the delta reaches P frames, positions = [0, d)
+    in chunk order; the trim then recycles the oldest chunk's frames.
     """
 
     def __init__(self, prompt: torch.Tensor, tail: int) -> None:
@@ -62,23 +86,43 @@ class SharedPromptAttCache:
         self.prompt = prompt            # shared, read-only; owned by the prompt registry
         self.num_prompt = num_prompt    # P
         self.tail = tail
-        self.delta: torch.Tensor | None = None   # private, newest frame first
+        self.storage: torch.Tensor | None = None   # private, P frames once the first chunk came
+        self.positions: list[int] = []  # storage frame of each delta key, newest key first
+        self.used = 0                   # storage frames [used, P) were never written
         self.head = num_prompt          # h: prompt[0:h] follows the delta
         self.trimmed = False            # whether prompt[P-tail:P] ends the cache
 
     # ---- layout --------------------------------------------------------------------------
     @property
     def num_delta(self) -> int:
-        return 0 if self.delta is None else self.delta.shape[FRAME_DIM]
+        return len(self.positions)
+
+    @property
+    def delta(self) -> torch.Tensor | None:
+        """The delta in key order (a view when its positions are one ascending run, else a copy):
+        references and tests only, the arena reads `private_frames`."""
+        if not self.positions:
+            return None
+        runs = position_runs(self.positions)
+        if len(runs) == 1:
+            return self.storage.narrow(FRAME_DIM, runs[0][1], runs[0][2])
+        return torch.cat([self.storage.narrow(FRAME_DIM, pos, n) for _, pos, n in runs], dim=FRAME_DIM)
+
+    def private_frames(self) -> tuple[torch.Tensor, list[int]] | None:
+        """(storage, positions): delta key j is frame positions[j] of storage (contiguous,
+        (steps, layers, 2, heads, P, 2hd)); None while there is no delta."""
+        return (self.storage, self.positions) if self.positions else None
 
     def __len__(self) -> int:
         return self.num_delta + self.head + (self.tail if self.trimmed else 0)
 
     def parts(self) -> list[torch.Tensor]:
-        """The logical cache as a list of views, in key order (no copy)."""
+        """The logical cache as a list of tensors, in key order: the delta (see `delta`), then
+        views of the prompt (no copy)."""
+        return ([self.delta] if self.positions else []) + self._prompt_parts()
+
+    def _prompt_parts(self) -> list[torch.Tensor]:
         out = []
-        if self.num_delta:
-            out.append(self.delta)
         if self.head:
             out.append(self.prompt.narrow(FRAME_DIM, 0, self.head))
         if self.trimmed:
@@ -95,8 +139,11 @@ class SharedPromptAttCache:
             raise ValueError(f"range [{start}, {start + length}) outside cache of {len(self)} frames")
         if dst.shape[FRAME_DIM] != length:
             raise ValueError(f"dst has {dst.shape[FRAME_DIM]} frames, expected {length}")
+        # the delta's runs of storage frames, then the prompt views
+        parts = [self.storage.narrow(FRAME_DIM, p, n) for _, p, n in position_runs(self.positions)]
+        parts += self._prompt_parts()
         pos = 0   # logical index of the current part's first frame
-        for part in self.parts():
+        for part in parts:
             n = part.shape[FRAME_DIM]
             lo, hi = max(start, pos), min(start + length, pos + n)
             if lo < hi:
@@ -104,9 +151,10 @@ class SharedPromptAttCache:
             pos += n
 
     def copy_private_to(self, dst: torch.Tensor) -> None:
-        """Copy the private delta (its `num_delta` newest frames) into `dst` (an arena row)."""
-        if self.num_delta:
-            dst.copy_(self.delta)
+        """Copy the private delta (its `num_delta` newest frames, key order) into `dst`. The
+        arena never calls it (it reads `private_frames` in place); references and tests do."""
+        for key, pos, n in position_runs(self.positions):
+            dst.narrow(FRAME_DIM, key, n).copy_(self.storage.narrow(FRAME_DIM, pos, n))
 
     def materialize(self) -> torch.Tensor:
         """Concatenated copy of the logical cache. Eager fallbacks only: the arena never calls it."""
@@ -116,31 +164,39 @@ class SharedPromptAttCache:
     def advance(self, new_frames: int, src: torch.Tensor) -> None:
         """Apply one chunk: the cache becomes `[new | old]`, then the reference trim.
 
-        `src` holds the chunk's post-attention cache in key order, `[new (W) | old ...]`, for at
-        least the first min(W + d, P) frames (the arena's attention buffer for this row). Only the
-        new private delta is copied out of it; the prompt views never move.
+        `src` holds the chunk's new keys in key order (the arena row's first W frames; at least
+        the first min(W, P) of them). Only the new frames the trim keeps are copied, into free
+        storage positions; the kept old frames and the prompt views never move.
         """
         if new_frames < 1:
             raise ValueError(f"a chunk must add at least one frame, got {new_frames}")
+        p, d = self.num_prompt, self.num_delta
         total = new_frames + len(self)
-        if total > self.num_prompt + self.tail:
-            num_delta = min(self.num_delta + new_frames, self.num_prompt)
-            self.head = self.num_prompt - num_delta
-            self.trimmed = True
+        if total > p + self.tail:
+            num_delta = min(d + new_frames, p)
+            head, trimmed = p - num_delta, True
         else:
-            num_delta = self.num_delta + new_frames
-        if src.shape[FRAME_DIM] < num_delta:
-            raise ValueError(f"src has {src.shape[FRAME_DIM]} frames, need {num_delta}")
-        # Reallocate only while the delta grows; at steady state (d = P) the buffer is reused.
-        if self.delta is None or self.delta.shape[FRAME_DIM] != num_delta:
-            shape = list(src.shape)
-            shape[FRAME_DIM] = num_delta
-            self.delta = torch.empty(shape, dtype=src.dtype, device=src.device)
-        self.delta.copy_(src.narrow(FRAME_DIM, 0, num_delta))
+            num_delta, head, trimmed = d + new_frames, self.head, self.trimmed
+        kept_new = min(new_frames, num_delta)     # < new_frames only for a chunk longer than P
+        kept_old = num_delta - kept_new           # the newest old keys; the trim drops the rest
+        if src.shape[FRAME_DIM] < kept_new:
+            raise ValueError(f"src has {src.shape[FRAME_DIM]} frames, need {kept_new}")
+        if self.storage is None:
+            # P frames once: the memory plan reserves them from the first chunk on (steady state)
+            self.storage = torch.empty(self.prompt.shape, dtype=self.prompt.dtype, device=self.prompt.device)
+        # never-used frames first, then the dropped keys' frames (ascending: long copy runs)
+        fresh = min(kept_new, p - self.used)
+        free = list(range(self.used, self.used + fresh)) + sorted(self.positions[kept_old:])
+        new_positions = free[:kept_new]
+        for key, pos, n in position_runs(new_positions):
+            self.storage.narrow(FRAME_DIM, pos, n).copy_(src.narrow(FRAME_DIM, key, n))
+        self.used += fresh
+        self.positions = new_positions + self.positions[:kept_old]
+        self.head, self.trimmed = head, trimmed
 
     # ---- accounting --------------------------------------------------------------------
     def private_bytes(self) -> int:
-        return _nbytes(self.delta)
+        return _nbytes(self.storage)
 
     def shared_bytes(self) -> int:
         """Bytes of the prompt frames this session references (they are stored once per voice)."""
@@ -181,12 +237,16 @@ class PlainAttCache:
         if self.num_delta:
             dst.copy_(self.data.narrow(FRAME_DIM, 0, self.num_delta))
 
+    def private_frames(self) -> tuple[torch.Tensor, list[int]] | None:
+        """(data, [0, d)): the delta is the first d frames of `data`, in key order."""
+        return (self.data, list(range(self.num_delta))) if self.num_delta else None
+
     def materialize(self) -> torch.Tensor:
         return self.data
 
     def advance(self, new_frames: int, src: torch.Tensor) -> None:
         """The reference step literally: keys `[new | cache]` (cat), then the trim. `src` starts
-        with the chunk's `new_frames` new frames (the arena row; it holds no prompt frames)."""
+        with the chunk's `new_frames` new frames (the arena row: it holds nothing else)."""
         if new_frames < 1:
             raise ValueError(f"a chunk must add at least one frame, got {new_frames}")
         if src.shape[FRAME_DIM] < new_frames:

@@ -1,8 +1,10 @@
-"""The arena reads the voice prompt in place (PromptBank) and keeps only each row's private keys.
+"""The arena reads the voice prompt in place (PromptBank) and each session's private delta in
+place (its own storage); its rows hold only the chunk's new keys.
 
 Compared bit for bit with the old layout (`prompt_in_place=False`: the whole cache copied into
-every row), sharing on and off, over several chunks (trims included), two voices, staggered
-starts and replay groups with padded rows; and the arena's bytes drop by exactly the prompt part.
+every row), sharing on and off, over several chunks (trims and recycled delta frames included),
+two voices, staggered starts and replay groups with padded rows; and the arena's bytes are rows x
+the widest chunk (or the setup pass, if wider), nothing per cache frame.
 """
 import pytest
 import torch
@@ -18,6 +20,7 @@ VOICES = {"a": voice_inputs(11, 10), "b": voice_inputs(12, 12)}    # P = 20 and 
 # wider final chunk (16 frames)
 PLAN = {f"s{i}": ("a" if i % 2 else "b", i // 3, token_stream(90 + i, 4 + i % 2)) for i in range(8)}
 PLAN["wide"] = ("a", 1, token_stream(99, 4, last_keeps_lookahead=True))
+PLAN["long"] = ("b", 0, token_stream(98, 8))   # the delta's frames recycled 5 times over
 TICKS = 8
 
 
@@ -45,7 +48,7 @@ def test_in_place_equals_copied_arena_sharing_on_and_off(kw):
     old = run_plan(_stage(False, prompt_att_sharing=False, **kw), VOICES, PLAN, TICKS)
     for sharing in (False, True):
         stage = _stage(True, prompt_att_sharing=sharing, **kw)
-        assert stage.arena.private_capacity == stage.arena.key_capacity - TAIL   # no prompt slots
+        assert stage.arena.row_capacity == stage.config.max_chunk_frames   # the chunk's keys only
         got = run_plan(stage, VOICES, PLAN, TICKS)
         _assert_equal(got, old)
         want_type = SharedPromptAttCache if sharing else PlainAttCache
@@ -67,19 +70,25 @@ def test_in_place_through_the_graph_path_equals_eager():
     _assert_equal(got, eager)
 
 
-def test_arena_bytes_drop_by_the_prompt_part():
-    """Exact: each row loses K - Kp = (W + P + tail) - (W + P) = tail key slots of every
-    (step, layer, cfg, head); nothing else changes size."""
-    old, new = _stage(False, max_num_seqs=8).arena, _stage(True, max_num_seqs=8).arena
+@pytest.mark.parametrize("rows", [8, 1])
+def test_arena_bytes_are_rows_times_the_widest_chunk(rows):
+    """Exact: the keys' storage is rows x W frames (W the widest chunk), or the setup pass's P
+    frames where that is more (one row here: P = 24 > W = 16); the old layout's is rows x K,
+    K = W + P + tail. Nothing else changes size."""
+    old, new = _stage(False, max_num_seqs=rows).arena, _stage(True, max_num_seqs=rows).arena
     cfg = make_config(tiny_models()[0])
     s = cfg.shape
     w, p = cfg.max_chunk_frames, cfg.max_prompt_frames
     assert (old.key_capacity, new.key_capacity) == (w + p + TAIL, w + p + TAIL)
-    assert (old.private_capacity, new.private_capacity) == (w + p + TAIL, w + p)
+    assert (old.row_capacity, new.row_capacity) == (w + p + TAIL, w)
     frame = s.att_frame_bytes(4)          # one key slot of one row: steps x layers x cfg x heads x 2hd
     assert frame == s.n_timesteps * s.depth * 2 * s.num_heads * 2 * s.head_dim * 4
-    assert new.att.numel() * 4 == 8 * (w + p) * frame
-    assert old.nbytes() - new.nbytes() == 8 * TAIL * frame
+    keys = max(rows * w, p)
+    assert new.att_setup.shape[5] == p and new.att.shape[2] == rows
+    assert new.att.untyped_storage().nbytes() == new.att_setup.untyped_storage().nbytes() == keys * frame
+    assert old.nbytes() - new.nbytes() == (rows * (w + p + TAIL) - keys) * frame
+    if rows > 1:
+        assert new.att.numel() * 4 == keys * frame
     # the voices' frames are their prompt states (voice_bytes), not the arena's
     stage = _stage(True, max_num_seqs=8)
     before = stage.arena.nbytes()

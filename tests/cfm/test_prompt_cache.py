@@ -94,3 +94,53 @@ def test_bad_arguments():
         cache.copy_range_to(torch.zeros(1, 1, 2, 1, 3, 4), 5, 3)
     with pytest.raises(ValueError, match="at least one frame"):
         cache.advance(0, prompt)
+
+
+@pytest.mark.parametrize("p,tail,widths", [
+    (12, 4, [3] * 12),                            # steady state, every frame recycled 2 times over
+    (12, 4, [5, 2, 7, 3, 3, 1, 6, 4, 2, 5, 7]),   # uneven chunks: recycled frames in several runs
+    (9, 4, [20, 1, 3, 2]),                        # one chunk longer than P
+])
+def test_delta_storage_is_written_once_per_new_frame_and_trims_like_the_reference(p, tail, widths):
+    """A chunk of W frames writes W storage frames (never-used ones first, then the dropped
+    keys'), every other frame keeps its bits; the storage (P frames) never moves; the logical
+    cache equals PlainAttCache's (the literal reference trim) after every chunk."""
+    gen = torch.Generator().manual_seed(2)
+    prompt = _frames(p, gen)
+    shared = SharedPromptAttCache(prompt, tail)
+    plain = PlainAttCache(prompt.clone(), p, tail)
+    ptr = None
+    for w in widths:
+        new = _frames(w, gen)                               # the arena row holds these only
+        before = None if shared.storage is None else shared.storage.clone()
+        old_positions = list(shared.positions)
+        shared.advance(w, new)
+        plain.advance(w, new)
+        assert torch.equal(shared.materialize(), plain.materialize())
+        assert (shared.num_delta, shared.head, shared.trimmed) == (plain.num_delta, plain.head, plain.trimmed)
+        storage = shared.storage
+        assert storage.shape[FRAME_DIM] == p and storage.is_contiguous()
+        ptr = ptr or storage.data_ptr()
+        assert storage.data_ptr() == ptr                    # allocated once, at the first chunk
+        kept_new = min(w, shared.num_delta)
+        kept_old = shared.num_delta - kept_new
+        assert len(set(shared.positions)) == shared.num_delta and all(0 <= q < p for q in shared.positions)
+        assert shared.positions[kept_new:] == old_positions[:kept_old]   # kept keys stay where they were
+        written = shared.positions[:kept_new]
+        if before is not None:
+            changed = [q for q in range(p) if not torch.equal(storage[..., q, :], before[..., q, :])]
+            assert changed == sorted(written)               # W frames copied, nothing else touched
+            unused = [q for q in range(p) if q not in old_positions]
+            # never-used frames first, then the dropped keys' frames
+            assert written[:len(unused)] == unused[:kept_new]
+        for j, q in enumerate(written):
+            assert torch.equal(storage[..., q, :], new[..., j, :])
+        # where the arena reads the delta from: key j at storage frame positions[j]
+        frames = shared.private_frames()
+        assert frames[0] is storage and frames[1] == shared.positions
+        dst = torch.full_like(plain.data[..., :shared.num_delta, :], float("nan"))
+        shared.copy_private_to(dst)
+        assert torch.equal(dst, plain.data[..., :shared.num_delta, :])
+        assert torch.equal(storage.index_select(FRAME_DIM, torch.tensor(shared.positions)),
+                           plain.data[..., :shared.num_delta, :])
+    assert shared.private_bytes() == p * prompt[..., :1, :].numel() * 4

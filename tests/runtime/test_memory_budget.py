@@ -174,3 +174,35 @@ def test_a_fixed_budget_above_the_h200s_free_memory_is_refused(monkeypatch, meta
     with pytest.raises(MB.BudgetExceedsDevice, match=f"exceeds the {H200_AVAILABLE} bytes available"):
         _meta_engine(monkeypatch, meta_models, CONFIGS["minicpmo45-shared.yaml"], budget="120GiB",
                      available=H200_AVAILABLE)
+
+
+def test_code2wav_arena_rows_hold_the_chunk_only_and_the_plan_admits_more(monkeypatch, meta_models):
+    """Issue 43: the arena's key storage is rows x the widest chunk (the setup pass's P frames
+    fit in it), not rows x K (K = chunk + P + tail, the old layout's whole cache per row); the
+    plan's fixed bytes drop by exactly the difference and the same card plans more sessions."""
+    from duplexcache.cfm.arena import EulerArena
+
+    eng = _meta_engine(monkeypatch, meta_models, CONFIGS["minicpmo45-shared.yaml"], available=CARD_80GB_AVAILABLE)
+    c2w, cfg = eng.code2wav, eng.code2wav.config
+    arena = c2w.arena
+    frame = cfg.shape.att_frame_bytes(arena.att.element_size())
+    w, p, k = cfg.max_chunk_frames, cfg.max_prompt_frames, arena.key_capacity
+    assert (w, p, k) == (56, 300, 56 + 300 + cfg.cache_tail_frames)
+    assert arena.rows * w >= p
+    assert arena._att_storage.numel() * arena.att.element_size() == arena.rows * w * frame
+    old = EulerArena(c2w.flow.decoder.estimator, rows=arena.rows, max_query=w, max_cache=cfg.max_cache_frames,
+                     n_timesteps=cfg.shape.n_timesteps, cfg_rate=cfg.cfg_rate, key_bucket=cfg.key_bucket,
+                     max_setup_query=p, use_cuda_graphs=False, max_private=p, prompt_in_place=False,
+                     prompt_bank_frames=1)   # the voices' frames are theirs (voice_bytes), not the arena's
+    fixed = eng.sizing.fixed_bytes()
+    new_plan = eng.sizing.plan()
+    c2w.arena = old
+    try:
+        assert eng.sizing.fixed_bytes() - fixed == old.nbytes() - arena.nbytes() == arena.rows * (k - w) * frame
+        old_plan = eng.sizing.plan()
+    finally:
+        c2w.arena = arena
+    logging.getLogger(__name__).info("80 GB card: arena %.2f -> %.2f GiB, %d -> %d planned sessions",
+                                     old.nbytes() / 2**30, arena.nbytes() / 2**30, old_plan.planned_sessions,
+                                     new_plan.planned_sessions)
+    assert new_plan.planned_sessions > old_plan.planned_sessions

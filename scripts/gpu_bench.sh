@@ -3,7 +3,7 @@
 # step per mode given (a failing step is logged and the next one still runs). Usage:
 #   OUT=/path/to/results bash scripts/gpu_bench.sh MODE [MODE ...]
 # smoke: every benchmark on the tiny preset (catches device bugs in seconds); suite: the whole pytest suite;
-# bench, batch_invariance, card_tests, card_waterfall, card_before, card_capacity, card_bench, serve_ragged_graphs,
+# bench, batch_invariance, card_tests, card_waterfall, card_dialects, card_before, card_capacity, card_bench, serve_ragged_graphs,
 # setup, stage0, stage2, slope, video, soak: the minicpmo45 figures (random weights), each fits one 10-minute device call.
 # The A/Bs and probes of earlier rounds (docs/results/HISTORY.md) are modes of scripts/probes/gpu_probes.sh.
 # Every step is a `duplexcache bench BENCHMARK` command (run as `python3 -m duplexcache.cli`, so no install is needed).
@@ -53,6 +53,13 @@ case "$mode" in
     SERVE_READY_S=420 serve_conversation card_before examples/minicpmo45-shared.yaml 40 60 \
       "engine.activation_from_warmup=false engine.talker_turn_from_policy=false engine.cuda_expandable_segments=false"
     grep -E 'card waterfall|cumulative|parts sum|admitted / floor-limited|engine ready' "$out/card_before_server.log" | tail -n 40 ;;
+  card_dialects)  # issues 43 + 45: card_waterfall's server and 40 callers, half of them on each dialect (what the card
+    # admits, the waterfall), then on the same server as many callers as that admitted, half on each dialect: every
+    # caller should get audio, 0 late ticks (~6 min)
+    SERVE_READY_S=420 SERVE_THEN_ADMITTED=1 SERVE_EXTRA="--minicpmo-share 0.5 ${SERVE_EXTRA:-}" \
+      serve_conversation card_dialects examples/minicpmo45-shared.yaml 40 60
+    grep -E 'card waterfall|cumulative|parts sum|admitted / floor-limited|re-plan|activation peak|engine ready|capturing' \
+      "$out/card_dialects_server.log" | tail -n 40 ;;
   card_capacity)  # issue 43: the capacity config (examples/minicpmo45-capacity.yaml), 64 callers (~5 min)
     SERVE_READY_S=420 serve_conversation card_capacity examples/minicpmo45-capacity.yaml 64 60
     grep -E 'admitted / floor-limited|re-plan|engine ready' "$out/card_capacity_server.log" | tail -n 5 ;;
@@ -108,6 +115,6 @@ case "$mode" in
     step gpu_stage2 300 python3 -m duplexcache.cli bench stage2 --out "$out/gpu_stage2" --batches 1,8,32 ;;
   batch_invariance)  # the current "Batch invariance on the GPU" table: engine.batch_invariant off vs on, beside 1, 7, 31
     step batch_invariance 500 python3 scripts/batch_invariance.py --preset minicpmo45 --device cuda --others 1,7,31 --units 5 --out "$out/batch_invariance" ;;
-  *) echo "unknown mode $mode (soak|smoke|suite|bench|setup|card_tests|card_waterfall|card_before|card_capacity|card_bench|serve_ragged_graphs|stage0|stage2|batch_invariance)"; exit 2 ;;
+  *) echo "unknown mode $mode (soak|smoke|suite|bench|setup|card_tests|card_waterfall|card_dialects|card_before|card_capacity|card_bench|serve_ragged_graphs|stage0|stage2|batch_invariance)"; exit 2 ;;
 esac
 done

@@ -74,6 +74,16 @@ PY
     step "$name" "${SERVE_STEP_LIMIT:-300}" python3 -m duplexcache.cli bench "${SERVE_BENCH:-serve}" --url "ws://127.0.0.1:$port/v1/realtime" \
       --workload "${SERVE_WORKLOAD:-conversation}" --sessions "$sessions" --ramp 5 --duration "$duration" --max-reply-latency "$REPLY_LATENCY_S" \
       ${SERVE_EXTRA:-} --out "$out/$name"
+    if [ -n "${SERVE_THEN_ADMITTED:-}" ]; then
+      # a second load on the same server with exactly as many callers as the first one had admitted
+      # (callers with no error): "every caller gets audio, 0 late ticks at the count the card admits"
+      local admitted
+      admitted=$(python3 -c 'import json, sys; s = json.load(open(sys.argv[1]))["steps"][0]
+print(sum(1 for p in s["per_session"] if not p["errors"]))' "$out/$name/results.json") && [ "$admitted" -gt 0 ] &&
+        step "${name}_admitted" "${SERVE_STEP_LIMIT:-300}" python3 -m duplexcache.cli bench "${SERVE_BENCH:-serve}" \
+          --url "ws://127.0.0.1:$port/v1/realtime" --workload "${SERVE_WORKLOAD:-conversation}" --sessions "$admitted" \
+          --ramp 5 --duration "$duration" --max-reply-latency "$REPLY_LATENCY_S" ${SERVE_EXTRA:-} --out "$out/${name}_admitted"
+    fi
     # the server's own counters after the run: graph captures inside ticks (0 after a warm-up), late ticks
     python3 -c 'import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=30).read().decode())' \
       "http://127.0.0.1:$port/metrics" >"$out/${name}_metrics.txt" 2>&1

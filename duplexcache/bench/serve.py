@@ -1,35 +1,6 @@
-"""``duplexcache bench serve``: drive a running server over WebSockets at real-time pace, the
-way callers meet it (the ``vllm bench serve`` of duplex speech).
+"""``duplexcache bench serve``: drive a running server over WebSockets at real-time pace, the way callers meet it.
 
-    duplexcache bench serve --url ws://127.0.0.1:8000/v1/realtime --sessions 8,16,32
-        [--workload conversation|push_to_talk|continuous] [--duration 60] [--ramp 5] [--seed 0] [--out DIR]
-
-Each step of ``--sessions`` (one count, or a comma list: a sweep) connects a fresh set of
-sessions over ``--ramp`` seconds; each streams ``--duration`` seconds of its workload
-(bench/workload.py) in 0.1 s chunks at real-time pace, waits a few seconds for the replies it
-was promised, and disconnects. Between steps the client waits for the server to report no live
-sessions. Only ``--url`` (and ``/metrics``, ``/health`` on the same host and port) is contacted.
-
-``conversation`` needs the server to run ``engine.speak_policy.mode: reply`` with the same
-``reply_min_units``/``reply_max_units`` as ``--reply-min-units``/``--reply-max-units``: the
-client computes each reply's length with the server's ``policy.reply_units``. ``push_to_talk``
-is the same conversation from callers that send audio only during their own turns and nothing
-while the server replies (the server hears silence: ``scheduler.fill_silence_after_ms``). ``continuous``
-expects a server that speaks every unit (``every_k_units`` with ``turn_units >= k``).
-
-Per session (bench/serve_client.py): reply latency (end of the user's turn audio sent -> first
-audio delta of the reply), playback gaps inside replies longer than 200 ms, audio seconds
-received vs scheduled, errors. Per step: p50/p95/p99 of these, and the difference of the
-server's ``late_ticks``-like and ``graph_capture``-like counters over the step (null when the
-server exports none). A step is real-time when every session received audio, the server
-counted 0 late ticks, and the reply latency p99 is at most ``--max-reply-latency`` (1.5 s);
-``largest_realtime_sessions`` is the largest such step (null if none). Writes
-``DIR/results.json`` and ``DIR/reply_latency.png``.
-
-``--long-context-callers K`` adds K callers per step that connect ``--long-context-at`` seconds
-in (default ``--ramp`` + 5), 0.5 s apart, with ``--long-context-chars`` of instructions: a long
-context opening while the others are live (issue 11). The step's figures stay those of the
-regular callers; the long ones are summarised under ``long_context``.
+How it measures and what its figures mean: docs/bench_methods.md, "duplexcache bench serve".
 """
 
 from __future__ import annotations

@@ -1,32 +1,6 @@
-"""Session setup benchmark: time and private KV bytes of the 2nd and later sessions that open
-with the SAME context, context cache on/off x shared anchor blocks on/off.
+"""Session setup benchmark: time and private KV bytes of the 2nd and later sessions that open with the same context.
 
-    duplexcache bench setup [--preset tiny|minicpmo45] [--device cpu|cuda]
-        [--sessions 8] [--repeats 5] [--instructions-tokens 96] [--ref-seconds 6] [--out DIR]
-
-Session setup = (1) building the session context with ``SessionContextBuilder`` (token embedding
-of the system prompt + whole-clip encode of the reference audio; with
-``context_cache.duplex_context_caching`` on, a hit skips both) and (2) ``Stage0Runner.open_session``
-(with ``stage0.shared_anchor_blocks`` on, the full context blocks are shared and the partial
-tail is copied from a template; off, every session prefills its whole context).
-
-Per repeat and combination (interleaved), a fresh context cache and a fresh block pool (over one K/V tensor
-allocated once) are built, so session 1 is always a cold miss and sessions 2..N open one after
-another with the same context. Each session records: wall time (context build, Stage 0 open;
-``torch.cuda.synchronize`` around both on CUDA), ``session_bytes`` right after open, and how
-many times the reference-audio encoder and the token embedding were called. After the Nth
-session all are closed and the pool must be back to all free (else ``SetupBenchError``).
-
-Equality check (repeat 0 of every combination): every open session appends the same unit
-(``<unit>`` + 10 audio embeddings of a fixed 1 s clip), alone, and its next-token logits must
-be ``torch.equal`` to those of session 1 of the (cache off, sharing off) baseline.
-
-Both switches travel the deploy-config path the server uses (``DeployConfig`` ->
-``SessionContextBuilder.from_config`` / ``Stage0Runner(share_context=...)``), so a switch that
-did not reach its code would show up here as unchanged encoder calls or private bytes.
-
-Weights are random and built directly on the target device (never on CPU for ``minicpmo45``).
-Only torch, numpy and the package's pydantic config are needed.
+How it measures and what its figures mean: docs/bench_methods.md, "duplexcache bench setup".
 """
 
 from __future__ import annotations

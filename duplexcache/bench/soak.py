@@ -1,27 +1,6 @@
 """``duplexcache bench soak``: long calls over the wire, recorded over time (issue 46).
 
-    duplexcache bench soak --url ws://127.0.0.1:8000/v1/realtime --sessions 32 --duration 540
-        [--interval 30] [--window-high 1024 --window-low 512] [--workload conversation] [--out DIR]
-
-``--sessions`` callers (bench/serve_client.py ``Caller``, as ``bench serve`` runs them) connect
-over ``--ramp`` seconds and each streams ``--duration`` seconds of its workload in real time. Each
-lowers its Thinker window with ``session.update`` (``window: {high_tokens, low_tokens}``, which
-the server validates against ``stage0.window`` and ``stage0.client_window_override``), so that
-its window fills and compacts within minutes instead of the hour a full window takes: what an
-hour-long call does to the server is then seen in a short run.
-
-Every ``--interval`` seconds one row is recorded: reply latency p50/p99 of the replies whose
-first audio arrived in the interval (the caller's clock: end of the user's turn sent -> first
-audio delta), late ticks in the interval, the server's memory in use (``/metrics``
-``duplexcache_memory_in_use_bytes``: on CUDA the card's used bytes and torch's reserved; on a CPU
-the resident set), bytes held per pool (``duplexcache_bytes``, shared + private), live sessions,
-and the Thinker window compactions so far per caller (``duplexcache_window_compactions_total``,
-counted engine-wide, over the callers). Only ``--url`` and ``/metrics``, ``/health`` of the same
-server are contacted (one server; a cluster's per-replica figures are not summed here).
-
-Writes ``DIR/soak.json`` (config, rows, first-vs-last comparison, per-session rows),
-``DIR/soak.csv`` (the rows) and ``DIR/soak.png`` (the rows over time), and prints the
-comparison of the first and the last interval.
+How it measures and what its figures mean: docs/bench_methods.md, "duplexcache bench soak".
 """
 
 from __future__ import annotations

@@ -1,35 +1,6 @@
-"""Workloads that look like calls: what each session's user says, unit by unit, and when the
-server is scheduled to speak. Shared by ``engine_ticks`` (in process) and ``bench serve`` (over
-the wire).
+"""Workloads that look like calls: what each session's user says, unit by unit, and when the server is scheduled to speak.
 
-A unit is one second of 16 kHz input (the first is 1.035 s: the audio encoder's first chunk),
-the engine's tick. Three workloads:
-
-* ``conversation``: each session alternates user turns of ``user_min_units..user_max_units``
-  (2..6) units and replies of ``reply_min_units..reply_max_units`` (2..8) units. A session
-  starts at a random phase (0..``max_lead_units`` quiet units first) and leaves
-  0..``max_gap_units`` quiet units between a reply and the next user turn. The server must run
-  ``engine.speak_policy.mode: reply`` with the same reply range: the first unit with
-  ``end_quiet_ms`` of quiet after a user turn starts the reply (the first quiet unit, when units
-  are cut where turns end: in process; over the wire the server's units are aligned to its ticks
-  and the reply may start in the unit holding the turn's end), and the reply's length is
-  ``policy.reply_units(sid, turn, ...)``
-  (the function the server uses), so the script knows when and how long the server speaks::
-
-      unit     0 1 2 3 4 5 6 7 8 9 ...
-      user     q q S S S q q q q S ...      lead 2, user turn of 3 units
-      server   . . . . . R R R R . ...      reply of 4 units (its first unit is the quiet one
-                                            that ends the user's turn)
-
-* ``continuous``: the user speaks every unit and the server is scheduled to speak every unit
-  (one endless turn: ``every_k_units`` with a huge k).
-* ``turns``: the lockstep ``every_k_units`` schedule (the last ``turn_units`` of every ``k``
-  units speak), the user speaking every unit; engine_ticks only.
-
-User audio is seeded Gaussian noise: at speech level (RMS :data:`SPEECH_RMS`, about -20 dBFS)
-in user turns, near-silence (RMS :data:`QUIET_RMS`) otherwise; the policy's default threshold
-``speech_rms`` = 0.01 lies between the two. Everything is a pure function of (seed, session
-index, session id), so two runs with one seed send the same audio.
+How it measures and what its figures mean: docs/bench_methods.md, "Workloads (bench ticks, bench serve, bench soak)".
 """
 
 from __future__ import annotations

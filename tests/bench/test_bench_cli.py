@@ -122,7 +122,7 @@ def test_gpu_bench_script_commands_parse():
     for path in paths:
         assert (scripts.parent / path).is_file(), path
     shell_vars = {"out": "/tmp/out", "port": "8000", "sessions": "4", "duration": "10", "REPLY_LATENCY_S": "3.5",
-                  "name": "step", "kv": "auto", "arm": "on",
+                  "name": "step", "kv": "auto", "arm": "on", "admitted": "3",
                   "small": "--memory-budget 512MiB", "counts": "8,16", "formats": ""}
 
     def expand(text: str) -> str:   # $VAR, ${VAR} and ${VAR:-default}
@@ -143,8 +143,10 @@ def test_gpu_bench_script_commands_parse():
             assert args.benchmark in BENCHMARKS, line
             if soak:
                 assert args.benchmark == "soak" and (args.window_high, args.window_low) == (1024, 512), line
-            elif extra:
+            if "--long-context-callers" in extra:
                 assert args.long_context_callers == 1 and args.long_context_chars == 15000, line
+            if "--minicpmo-share" in extra:   # card_dialects: half the callers on each dialect
+                assert args.minicpmo_share == 0.5, line
 
 
 def test_gpu_benchmarks_dispatch_without_the_config_stack(tmp_path):

@@ -55,10 +55,10 @@ only as the reference the equality tests (tests/cfm/test_inplace_attention.py) a
 (tests/cfm/test_inplace_attention_cuda.py) compare against. Cost of the in-place read: the
 workspace plus one gather of the bank frames per (step, layer) and the private-key gather,
 transient (the workspace and the gathered bank frames, about 2 x 2 x tier x heads x K x 2hd
-elements; ~135 MiB at 20 rows of minicpmo45, in the graph pool). The row table points rows without a delta (padded rows, a first chunk) at a live
-buffer (the bank), so a replay never holds a freed address; a run drops its rows' storage
-references when it ends (a session may replace its storage after the chunk), so every run loads
-its rows first (`warm` pads them).
+elements; ~135 MiB at 20 rows of minicpmo45, in the graph pool). The row table points rows
+without a delta (padded rows, a first chunk) at a live buffer (the bank), so a replay never
+holds a freed address; a run drops its rows' storage references when it ends (a session may
+replace its storage after the chunk), so every run loads its rows first (`warm` pads them).
 
 CUDA graphs (policy: capture at warm-up, lazy as a fallback). `run` looks up the key (tier, W,
 Lb); the first time a key is needed it is captured (one eager warm-up on a side stream, then the

@@ -125,7 +125,7 @@ def test_warm_start_report(tmp_path, capsys):
     assert _run("warm_start", ["--config", str(cfg), "--sessions", "2", "--ticks", "1", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "warm_start.json").read_text())
     assert result == json.loads(capsys.readouterr().out)
-    assert result["config"]["sessions"] == 2 and result["config"]["planned_sessions"] == 9   # 128 MiB less the fixed 64.4 MiB (arena without prompt copies)
+    assert result["config"]["sessions"] == 2 and result["config"]["planned_sessions"] == 16   # 128 MiB less the fixed bytes (an arena of new keys only, issue 43)
     assert result["warmup"]["graphs"] == 0                  # CPU: nothing to capture
     assert result["graph_captures"] == {"warmup": 0, "tick": 0}
     assert [t["tick"] for t in result["per_tick"]] == [1] and len(result["first_audio_tick"]) == 2

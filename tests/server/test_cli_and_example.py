@@ -107,7 +107,7 @@ def test_a_memory_budget_the_machine_cannot_hold_is_one_line(tmp_path, monkeypat
     from duplexcache.runtime.memory import memory_budget
 
     path = tmp_path / "deploy.yaml"
-    path.write_text("engine:\n  memory_budget: 100MiB\n" if case == "too_small" else "engine:\n  memory_budget: 2GiB\n")
+    path.write_text("engine:\n  memory_budget: 75MiB\n" if case == "too_small" else "engine:\n  memory_budget: 2GiB\n")
     if case == "more_than_free":
         monkeypatch.setattr(memory_budget, "device_free_bytes", lambda device: 2**30)
     served = []
@@ -116,7 +116,7 @@ def test_a_memory_budget_the_machine_cannot_hold_is_one_line(tmp_path, monkeypat
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("duplexcache serve: ") and not served
     if case == "too_small":
-        assert "cannot hold one session" in err and "(engine.memory_budget 100MiB - engine.activation_reserve" in err
+        assert "cannot hold one session" in err and "(engine.memory_budget 75MiB - engine.activation_reserve" in err
     else:
         assert "engine.memory_budget 2147483648 bytes exceeds the" in err
 

@@ -8,13 +8,14 @@ reruns this file in a fresh process with TRITON_INTERPRET=1, where the others ru
 """
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from triton_interpreter import rerun_interpreted  # noqa: E402
 
 triton = pytest.importorskip("triton", reason="triton is not installed: the kernel cannot be interpreted")
 
@@ -36,13 +37,8 @@ def _interpreted_only(request):
 def test_in_a_fresh_interpreter_process():
     if _INTERPRETED:
         pytest.skip("the kernel is interpreted in this process; the tests here ran directly")
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-rs", "-p", "no:cacheprovider",
-                           str(Path(__file__).resolve())], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "4 passed" in proc.stdout, proc.stdout[-2000:]   # all but this one ran there
+    out = rerun_interpreted(__file__)
+    assert "4 passed" in out, out[-2000:]   # all but this one ran there
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

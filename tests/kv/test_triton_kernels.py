@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from triton_interpreter import rerun_interpreted  # noqa: E402
 
 # The interpreter must be on before any Triton function is decorated, and it is process-wide:
 # setting it here at import would turn every kernel of the collecting process into interpreted
@@ -52,15 +54,10 @@ def _interpret_env(request):
 def test_kernels_in_fresh_interpreter_process():
     if _INTERP_OK:
         pytest.skip("kernels are interpreted in this process; the tests here ran directly")
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-rs",
-                           "-p", "no:cacheprovider", str(Path(__file__).resolve())],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    out = rerun_interpreted(__file__)
     # The rerun must really interpret the kernels: all but the runner and the bf16 test pass.
-    assert " passed" in proc.stdout and "failed" not in proc.stdout, proc.stdout[-2000:]
-    assert "not interpreted in this process" not in proc.stdout, proc.stdout[-2000:]
+    assert " passed" in out and "failed" not in out, out[-2000:]
+    assert "not interpreted in this process" not in out, out[-2000:]
 
 
 PAGE = 16

@@ -55,9 +55,9 @@ case "$mode" in
     grep -E 'card waterfall|cumulative|parts sum|admitted / floor-limited|engine ready' "$out/card_before_server.log" | tail -n 40 ;;
   card_dialects)  # issues 43 + 45: card_waterfall's server and 40 callers, half of them on each dialect (what the card
     # admits, the waterfall), then on the same server as many callers as that admitted, half on each dialect: every
-    # caller should get audio, 0 late ticks (~6 min)
+    # caller should get audio, 0 late ticks (~6 min; CARD_SECONDS: each load's length, default 60)
     SERVE_READY_S=420 SERVE_THEN_ADMITTED=1 SERVE_EXTRA="--minicpmo-share 0.5 ${SERVE_EXTRA:-}" \
-      serve_conversation card_dialects examples/minicpmo45-shared.yaml 40 60
+      serve_conversation card_dialects examples/minicpmo45-shared.yaml 40 "${CARD_SECONDS:-60}"
     grep -E 'card waterfall|cumulative|parts sum|admitted / floor-limited|re-plan|activation peak|engine ready|capturing' \
       "$out/card_dialects_server.log" | tail -n 40 ;;
   card_capacity)  # issue 43: the capacity config (examples/minicpmo45-capacity.yaml), 64 callers (~5 min)

@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
-from duplexcache.cfm.arena import ArenaStats, EulerArena, GraphBackend
+from duplexcache.cfm.arena import EulerArena
+from duplexcache.cfm.graph_capture import ArenaStats, GraphBackend
 from duplexcache.cfm.batching import BatchStats, group_by
 from duplexcache.cfm.config import Code2WavConfig
 from duplexcache.cfm.graph_grid import arena_rows, replay_groups

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from duplexcache.cfm.arena import ArenaStats, GraphBackend
+from duplexcache.cfm.graph_capture import ArenaStats, GraphBackend
 from duplexcache.cfm.graph_grid import replay_groups, replay_tiers
 from duplexcache.models.vocoder import SAMPLES_PER_FRAME, HiFTGenerator, NSFNoise
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from duplexcache.cfm.arena import CudaGraphBackend
+from duplexcache.cfm.graph_capture import CudaGraphBackend
 from duplexcache.kv.decode_graphs import batch_buckets, upload_host
 from duplexcache.kv.kv_quant import is_quantized
 from duplexcache.models.audio_encoder import AudioEncoder, StreamingAudioEncoderState, TickKV, stored_keys_values

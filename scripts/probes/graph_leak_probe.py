@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-import duplexcache.cfm.arena as arena_module
+import duplexcache.cfm.graph_capture as graph_capture_module
 import duplexcache.kv.decode_graphs as decode_graphs_module
 from duplexcache.bench.engine_ticks import run_benchmark
 from duplexcache.bench.engine_ticks_config import TickBenchConfig, make_deploy
@@ -120,7 +120,7 @@ def main() -> None:
     for name in args.arms.split(","):
         switches, _, fresh = name.partition("+")
         stream_of = (lambda device=None: torch.cuda.Stream(device)) if fresh else shared_stream
-        decode_graphs_module.warmup_stream = arena_module.warmup_stream = stream_of
+        decode_graphs_module.warmup_stream = graph_capture_module.warmup_stream = stream_of
         cfg = TickBenchConfig(**{**base.__dict__, **ARMS[switches]})
         if cuda:
             torch.cuda.memory._record_memory_history(enabled="state", stacks="python", max_entries=100_000)

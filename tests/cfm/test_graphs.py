@@ -11,7 +11,8 @@ import pytest
 import torch
 from helpers import new_stage, run_plan, tiny_models, token_stream, voice_inputs
 
-from duplexcache.cfm.arena import ArenaGraphError, CudaGraphBackend
+from duplexcache.cfm.arena import ArenaGraphError
+from duplexcache.cfm.graph_capture import CudaGraphBackend
 
 VOICES = {"a": voice_inputs(11, 10), "b": voice_inputs(12, 12)}    # P = 20 and 24 frames
 # 7 sessions, staggered starts: batches of 2, 4, 6, 7 and setups of 1 row

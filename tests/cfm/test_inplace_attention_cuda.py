@@ -28,7 +28,8 @@ import torch
 from helpers import make_config, run_plan, tiny_models
 from test_inplace_attention import PLAN, TICKS, VOICES
 
-from duplexcache.cfm.arena import CudaGraphBackend, EulerArena
+from duplexcache.cfm.arena import EulerArena
+from duplexcache.cfm.graph_capture import CudaGraphBackend
 from duplexcache.cfm.code2wav import BatchedCode2Wav
 from duplexcache.cfm.config import Code2WavConfig, Code2WavShape
 from duplexcache.cfm.private_gather import gather_private_torch, gather_private_triton

@@ -1,0 +1,122 @@
+"""The Code2Wav estimator (DiT) over an arena's static buffers: the Euler times and one
+estimator call whose attention keys are assembled in a transient workspace from three places, the
+row's new keys, the voice prompt's frames in the prompt bank and the session's private frames in
+its own storage (cfm/arena.py's module docstring draws the layout; cfm/private_gather.py copies
+the private frames). Pure functions of their tensors: what the arena captures as one graph.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x * (1 + scale) + shift
+
+
+def twice(t: torch.Tensor) -> torch.Tensor:
+    """(n, ...) -> (2n, ...) with every row repeated once in place: rows [r0, r0, r1, r1, ...].
+    Same values as repeat_interleave(2, 0), written as expand + reshape so it never needs the host."""
+    return t.unsqueeze(1).expand(t.shape[0], 2, *t.shape[1:]).flatten(0, 1)
+
+
+def euler_times(n_timesteps: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t_k, dt_k) for k = 0..n-1, accumulated exactly like the reference solver (t += dt).
+
+    Accumulated in float32 and then cast: a bfloat16 arena (precision.code2wav_dtype) would
+    otherwise round every partial sum of t to 8 bits of mantissa."""
+    out_dtype, dtype = dtype, torch.float32
+    t_span = torch.linspace(0, 1, n_timesteps + 1, device=device, dtype=dtype)
+    t_span = 1 - torch.cos(t_span * 0.5 * torch.pi)
+    t, dt = t_span[0].unsqueeze(0), t_span[1] - t_span[0]
+    ts, dts = [], []
+    for step in range(1, n_timesteps + 1):
+        ts.append(t.reshape(()))
+        dts.append(dt.reshape(()))
+        t = t + dt
+        if step < n_timesteps:
+            dt = t_span[step + 1] - t
+    return torch.stack(ts).to(out_dtype), torch.stack(dts).to(out_dtype)
+
+
+def qkv(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    b2, w, _ = x.shape
+    nh, hd = attn.num_heads, attn.head_dim
+    q = attn.to_q(x).reshape(b2, w, nh, hd).transpose(1, 2)   # (B2, heads, W, hd)
+    k = attn.to_k(x).reshape(b2, w, nh, hd).transpose(1, 2)
+    v = attn.to_v(x).reshape(b2, w, nh, hd).transpose(1, 2)
+    return attn.q_norm(q), attn.k_norm(k), v
+
+
+def attend(attn: nn.Module, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    b2, nh, w, hd = q.shape
+    out = F.scaled_dot_product_attention(q, keys[..., :hd], keys[..., hd:], attn_mask=mask)
+    return attn.proj(out.transpose(1, 2).reshape(b2, w, nh * hd))
+
+
+PrivateGather = Callable[[torch.Tensor, int, int], None]   # (workspace, step, layer)
+
+
+@dataclass
+class AttentionKeys:
+    """Where one solve's attention keys come from (see the module docstring).
+
+    copied: the old layout, whole cache in the row (att is then K wide; the other fields unused).
+    """
+
+    width: int
+    num_keys: int
+    mask: torch.Tensor                  # (B2, 1, 1, num_keys) bool
+    copied: bool
+    workspace: torch.Tensor | None = None   # (B2, heads, K, 2hd), transient
+    frame_idx: torch.Tensor | None = None   # (tier * Lb,) bank frame per cache key
+    gather: PrivateGather | None = None     # copies each row's keys j < d_r from its session's storage
+    step: int = 0                           # the Euler step being solved
+
+
+def attention(attn: nn.Module, x: torch.Tensor, att: torch.Tensor, bank: torch.Tensor,
+               keys: AttentionKeys, layer: int) -> torch.Tensor:
+    """x (B2, W, H); att (B2, heads, >= W, 2hd), the rows' new keys, written in place at
+    [0, W); bank (2, heads, F, 2hd), this (step, layer)'s prompt frames of every voice."""
+    q, k, v = qkv(attn, x)
+    hd, width = attn.head_dim, keys.width
+    att[:, :, :width, :hd] = k       # keys are [new | cache]: new frames first
+    att[:, :, :width, hd:] = v
+    if keys.copied:
+        return attend(attn, q, att[:, :, :keys.num_keys], keys.mask)
+    ws = keys.workspace
+    ws[:, :, :width].copy_(att[:, :, :width])
+    lb = keys.num_keys - width
+    if lb:
+        b2, nh, cap, hd2 = ws.shape
+        tier = b2 // 2
+        # Every cache key from the bank: a prompt frame, or the zero frame (private and padding
+        # keys); then the private keys (j < d_r) over it, read from the sessions' own storage.
+        shared = bank.index_select(2, keys.frame_idx).unflatten(2, (tier, lb)).permute(2, 0, 1, 3, 4)
+        ws.view(tier, 2, nh, cap, hd2)[:, :, :, width:keys.num_keys].copy_(shared)
+        keys.gather(ws, keys.step, layer)
+    return attend(attn, q, ws[:, :, :keys.num_keys], keys.mask)
+
+
+def estimator_forward(est: nn.Module, x: torch.Tensor, mu: torch.Tensor, c: torch.Tensor, spks: torch.Tensor,
+               cond: torch.Tensor, cnn_in: torch.Tensor, cnn_out: torch.Tensor, att: torch.Tensor,
+               bank: torch.Tensor, keys: AttentionKeys) -> torch.Tensor:
+    """One DiT call over B2 = 2 * tier rows. c (B2, 1, H) timestep embedding;
+    cnn_in/out (depth, B2, 2H, 2); att (depth, B2, heads, >= W, 2hd); bank (depth, 2, heads, F, 2hd)."""
+    width = x.shape[2]
+    h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, width), cond], dim=1)
+    h = est.in_proj(h.transpose(1, 2))                      # (B2, W, H)
+    for i, block in enumerate(est.blocks):
+        (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp,
+         shift_conv, scale_conv, gate_conv) = block.adaLN_modulation(c).chunk(9, dim=-1)
+        a = attention(block.attn, modulate(block.norm1(h), shift_msa, scale_msa), att[i], bank[i], keys, i)
+        h = h + gate_msa * a
+        conv, new_cnn = block.conv.forward_chunk(modulate(block.norm3(h), shift_conv, scale_conv), cnn_in[i])
+        cnn_out[i].copy_(new_cnn)
+        h = h + gate_conv * conv
+        h = h + gate_mlp * block.mlp(modulate(block.norm2(h), shift_mlp, scale_mlp))
+    return est.final_layer(h, c).transpose(1, 2)             # (B2, mel, W)

@@ -123,3 +123,9 @@ def int_list(option: str, largest: int | None = None, most: int | None = None):
             raise argparse.ArgumentTypeError(f"{option} wants {count}{bounds} ints, got {text!r}")
         return values
     return parse
+
+
+def argv_after(subcommand: str) -> list[str]:
+    """What followed ``subcommand`` on the command line (for a report's command line), or every
+    argument when it is not there (a direct call)."""
+    return sys.argv[sys.argv.index(subcommand) + 1:] if subcommand in sys.argv else sys.argv[1:]

@@ -23,7 +23,7 @@ from urllib.parse import urlsplit, urlunsplit
 import numpy as np
 
 from duplexcache.bench import workload as wl
-from duplexcache.bench.common import hardware_line, int_list, write_results
+from duplexcache.bench.common import argv_after, hardware_line, int_list, write_results
 from duplexcache.bench.plot import pyplot, save_figure
 from duplexcache.bench.serve_client import GAP_S, TURN_WORKLOADS, Caller, SessionTrace, session_row
 from duplexcache.bench.serve_metrics import (  # noqa: F401 - counters, stage_totals: read through this module too
@@ -473,7 +473,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         print("duplexcache bench serve: need 1 <= --reply-min-units <= --reply-max-units and --max-lead-units >= 0", file=sys.stderr)
         return 2
     if argv is None:   # what followed ``serve`` on the command line, for the report
-        argv = sys.argv[sys.argv.index("serve") + 1:] if "serve" in sys.argv else sys.argv[1:]
+        argv = argv_after("serve")
     try:
         results = asyncio.run(run_sweep(args, argv))
     except ServerUnreachable as exc:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from duplexcache.bench import workload as wl
-from duplexcache.bench.common import hardware_line, write_results
+from duplexcache.bench.common import argv_after, hardware_line, write_results
 from duplexcache.bench.plot import pyplot
 from duplexcache.bench.serve import (INSTRUCTIONS, SERVE_WORKLOADS, ServerUnreachable, auth_headers, http_base,
                                      percentiles, wait_ready)
@@ -342,7 +342,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         print(f"duplexcache bench soak: {exc}", file=sys.stderr)
         return 2
     if argv is None:
-        argv = sys.argv[sys.argv.index("soak") + 1:] if "soak" in sys.argv else sys.argv[1:]
+        argv = argv_after("soak")
     try:
         results = asyncio.run(run_soak(args, argv))
     except ServerUnreachable as exc:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from triton_interpreter import rerun_interpreted  # noqa: E402
+from triton_interpreter import rerun_unless_interpreted, skip_unless_interpreted  # noqa: E402
 
 triton = pytest.importorskip("triton", reason="triton is not installed: the kernel cannot be interpreted")
 
@@ -30,14 +30,11 @@ _RUNNER = "test_in_a_fresh_interpreter_process"
 
 @pytest.fixture(autouse=True)
 def _interpreted_only(request):
-    if not _INTERPRETED and request.node.name != _RUNNER:
-        pytest.skip(f"the kernel is not interpreted in this process; {_RUNNER} runs this test")
+    skip_unless_interpreted(request, _INTERPRETED, _RUNNER)
 
 
 def test_in_a_fresh_interpreter_process():
-    if _INTERPRETED:
-        pytest.skip("the kernel is interpreted in this process; the tests here ran directly")
-    out = rerun_interpreted(__file__)
+    out = rerun_unless_interpreted(_INTERPRETED, __file__)
     assert "4 passed" in out, out[-2000:]   # all but this one ran there
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from triton_interpreter import rerun_interpreted  # noqa: E402
+from triton_interpreter import rerun_unless_interpreted, skip_unless_interpreted  # noqa: E402
 
 # The interpreter must be on before any Triton function is decorated, and it is process-wide:
 # setting it here at import would turn every kernel of the collecting process into interpreted
@@ -47,14 +47,11 @@ _RUNNER = "test_kernels_in_fresh_interpreter_process"
 
 @pytest.fixture(autouse=True)
 def _interpret_env(request):
-    if not _INTERP_OK and request.node.name != _RUNNER:
-        pytest.skip(f"kernels are not interpreted in this process; {_RUNNER} runs this test")
+    skip_unless_interpreted(request, _INTERP_OK, _RUNNER)
 
 
 def test_kernels_in_fresh_interpreter_process():
-    if _INTERP_OK:
-        pytest.skip("kernels are interpreted in this process; the tests here ran directly")
-    out = rerun_interpreted(__file__)
+    out = rerun_unless_interpreted(_INTERP_OK, __file__)
     # The rerun must really interpret the kernels: all but the runner and the bf16 test pass.
     assert " passed" in out and "failed" not in out, out[-2000:]
     assert "not interpreted in this process" not in out, out[-2000:]

@@ -3,7 +3,8 @@ beside 1, 7 and 31 others, and what does the switch cost per stage? One process,
 
     python scripts/batch_invariance.py --preset minicpmo45 --device cuda --out DIR
 
-For each arm (switch on, then off) and each neighbour count: a fresh engine, the probe session
+For each arm (switch on, then off): the probe alone twice (the control: a run that is not
+deterministic says nothing about invariance), then for each neighbour count a fresh engine, the probe session
 opened first (its Code2Wav noise seed follows the open order), every context prefilled before the
 first unit, the same seeded audio for the probe, other voices / contexts / audio for the others.
 The probe's text and pcm16 are compared with the alone run (bytes); per-stage tick latency is the
@@ -17,9 +18,14 @@ import argparse
 import gc
 import json
 import logging
+import os
 import statistics
 import time
 from pathlib import Path
+
+# before torch: cuBLAS reads its workspace setting at its first use, and without a fixed workspace
+# its reductions may differ run to run across streams (the `duplexcache` CLI sets the same)
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import numpy as np
 import torch
@@ -74,6 +80,14 @@ def probe(models, deploy: DeployConfig, others: int, units: int) -> dict:
     return {"pcm": bytes(pcm), "text": text, "ms": {s: statistics.median(v) for s, v in lat.items() if v}}
 
 
+def _pcm_diff(got: bytes, ref: bytes) -> dict | None:
+    """Samples that differ and the largest difference in LSB (None when the lengths differ)."""
+    if len(got) != len(ref):
+        return None
+    d = np.frombuffer(got, "<i2").astype(np.int32) - np.frombuffer(ref, "<i2")
+    return {"samples": int(np.count_nonzero(d)), "max_lsb": int(np.abs(d).max(initial=0))}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="minicpmo45")
@@ -91,13 +105,17 @@ def main() -> None:
     for arm in (True, False):
         deploy = _deploy(args.preset, args.device, arm)
         alone = probe(models, deploy, 0, args.units)
-        rows = {"0": {"equal": True, "ms": alone["ms"], "pcm_bytes": len(alone["pcm"])}}
+        # the control: the same lone run again. Unequal means the run is not deterministic, and a
+        # difference beside others says nothing about batch invariance
+        again = probe(models, deploy, 0, args.units)
+        rows = {"0": {"equal": True, "ms": alone["ms"], "pcm_bytes": len(alone["pcm"]),
+                      "repeat_equal": again["pcm"] == alone["pcm"] and again["text"] == alone["text"],
+                      "repeat_pcm_diff": _pcm_diff(again["pcm"], alone["pcm"])}}
+        logger.info("batch_invariant=%s alone twice: equal %s %s", arm, rows["0"]["repeat_equal"],
+                    rows["0"]["repeat_pcm_diff"])
         for n in counts:
             got = probe(models, deploy, n, args.units)
-            diff = None
-            if len(got["pcm"]) == len(alone["pcm"]):
-                d = np.frombuffer(got["pcm"], "<i2").astype(np.int32) - np.frombuffer(alone["pcm"], "<i2")
-                diff = {"samples": int(np.count_nonzero(d)), "max_lsb": int(np.abs(d).max(initial=0))}
+            diff = _pcm_diff(got["pcm"], alone["pcm"])
             rows[str(n)] = {"text_equal": got["text"] == alone["text"], "pcm_equal": got["pcm"] == alone["pcm"],
                             "equal": got["text"] == alone["text"] and got["pcm"] == alone["pcm"],
                             "pcm_diff": diff, "ms": got["ms"]}

@@ -13,6 +13,7 @@ differs names the culprit. Writes DIR/code2wav_invariance.json.
 from __future__ import annotations
 
 import argparse
+import os
 import contextlib
 import dataclasses
 import gc
@@ -20,6 +21,9 @@ import json
 import logging
 import time
 from pathlib import Path
+
+# before torch: cuBLAS reads its workspace setting at its first use (the `duplexcache` CLI sets the same)
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch
 

@@ -9,6 +9,8 @@ real and skips without CUDA.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from engine_helpers import audio, collect, engine, tiny_models
@@ -273,3 +275,18 @@ def test_the_graph_switches_default_on_and_the_engine_caps_their_buckets(tmp_pat
     assert eng.thinker_graphs.max_batch == eng.talker_graphs.max_batch == eng.encoder_graphs.max_batch == 2
     assert eng.stage0.ragged_step_graphs and eng.thinker_graphs.row_buckets[-1] > 2
     eng.shutdown()
+
+
+def test_pinned_cuda_numerics_fix_the_cublas_workspace(monkeypatch):
+    """An engine built outside the CLI (a script, a library caller) still gets cuBLAS's fixed
+    workspace: scripts/batch_invariance.py ran without it on the H100 (2026-12-07)."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    for flag in ("benchmark", "deterministic", "allow_tf32"):
+        monkeypatch.setattr(torch.backends.cudnn, flag, getattr(torch.backends.cudnn, flag))
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    device_setup.pin_cuda_numerics(torch.device("cpu"))
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ          # nothing to pin off CUDA
+    device_setup.pin_cuda_numerics(torch.device("cuda"))       # sets flags only; no device needed
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == device_setup.CUBLAS_WORKSPACE_CONFIG == ":4096:8"
+    assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+    torch.backends.cuda.matmul.allow_tf32 = tf32

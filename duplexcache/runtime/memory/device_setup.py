@@ -14,6 +14,7 @@ Ownership of what ``build_kv_pools`` returns (``KVPools``):
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,8 @@ from duplexcache.runtime.bundle import ModelBundle
 from duplexcache.runtime.stage0.runner import Stage0Runner
 
 logger = logging.getLogger(__name__)
+# cuBLAS's deterministic workspace setting (its docs: ':4096:8' or ':16:8')
+CUBLAS_WORKSPACE_CONFIG = ":4096:8"
 
 
 def pin_cuda_numerics(device: torch.device) -> None:
@@ -40,6 +43,11 @@ def pin_cuda_numerics(device: torch.device) -> None:
     process-wide torch settings: every engine in the process (and anything else) shares them."""
     if device.type != "cuda":
         return
+    # cuBLAS is deterministic across streams (warm-up, graph capture) only with a fixed workspace,
+    # read when the process first uses cuBLAS: `duplexcache` (cli.main) sets it before any CUDA
+    # work; a script or library caller that builds an engine first gets it here, in time unless it
+    # ran a GEMM on the device before (scripts/batch_invariance.py did not set it until 2026-12-07).
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
     torch.backends.cudnn.benchmark = False
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.allow_tf32 = False

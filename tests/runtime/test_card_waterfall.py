@@ -6,12 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from duplexcache.runtime import warmup
-from duplexcache.runtime.memory import memory_budget
+from duplexcache.runtime.memory import memory_budget, replan
 from duplexcache.runtime.memory.admission import BudgetTooSmall
 from duplexcache.runtime.bundle import build_models
 from duplexcache.runtime.engine import DuplexEngine
-from duplexcache.runtime.warmup import WarmupReport
 from tests.runtime.engine_helpers import deploy_from_yaml, engine, tiny_models
 
 MIB = 2**20
@@ -81,7 +79,7 @@ def test_waterfall_sums_to_the_card_on_cuda(tmp_path):
 
 def _measured(monkeypatch, peak: int, free: int | None = None) -> None:
     """A device that measures (as CUDA does): the warm-up reports ``peak``; ``free`` device memory."""
-    monkeypatch.setattr(warmup, "activation_peak", lambda engine: peak)
+    monkeypatch.setattr(replan, "activation_peak", lambda engine: peak)
     if free is not None:
         monkeypatch.setattr(memory_budget, "device_free_bytes", lambda device: free)
 
@@ -143,7 +141,7 @@ def test_a_peak_the_budget_cannot_hold_is_scaled_to_the_batch_and_checked(tmp_pa
         peaks.append(per_session * engine.plan.planned_sessions)
         return peaks[-1]
 
-    monkeypatch.setattr(warmup, "activation_peak", peak)
+    monkeypatch.setattr(replan, "activation_peak", peak)
     with pytest.raises(BudgetTooSmall):              # the measured peak as such leaves no session
         eng.sizing.plan(activation_reserve=per_session * first + 4 * MIB)
     eng.warmup()
@@ -176,7 +174,7 @@ def test_an_estimate_the_next_warmup_exceeds_is_replanned_from_that_peak(tmp_pat
             peaks.append(MIB)                                    # under any reserve
         return peaks[-1]
 
-    monkeypatch.setattr(warmup, "activation_peak", peak)
+    monkeypatch.setattr(replan, "activation_peak", peak)
     eng.warmup()
     assert len(peaks) == 3
     assert reserves[2] != reserves[1] and peaks[-1] <= eng.activation_reserve == reserves[2]
@@ -195,8 +193,8 @@ def test_estimated_replans_are_bounded(tmp_path, monkeypatch, caplog):
         peaks.append(512 * MIB if not peaks else engine.activation_reserve + 8 * MIB)
         return peaks[-1]
 
-    monkeypatch.setattr(warmup, "activation_peak", peak)
-    monkeypatch.setattr(warmup, "MAX_ESTIMATED_REPLANS", 1)
+    monkeypatch.setattr(replan, "activation_peak", peak)
+    monkeypatch.setattr(replan, "MAX_ESTIMATED_REPLANS", 1)
     eng.warmup()
     assert len(peaks) == 2 and peaks[-1] > eng.activation_reserve
     assert "still exceeds the reserve" in caplog.text

@@ -19,7 +19,7 @@ fraction of a shared machine's RAM would be far too much for a demo.
 
 With ``engine.activation_from_warmup`` (the minicpmo45 configs) this is the first plan's budget
 only: after the warm-up has measured the activation peak, an auto budget is re-planned as
-``fixed + free - engine.memory_headroom`` (runtime/warmup.py ``replan_after_warmup``,
+``fixed + free - engine.memory_headroom`` (runtime/memory/replan.py ``replan_after_warmup``,
 docs/engine.md "Memory: the order of start-up").
 
 A fixed byte budget keeps the old contract: on CUDA it must fit what is free, else start-up fails

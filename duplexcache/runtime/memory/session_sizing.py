@@ -273,7 +273,7 @@ class SessionSizing:
         """The pools' sizes for the budget left after what is already allocated.
 
         ``activation_reserve`` (default ``engine.activation_reserve``) and ``headroom``: a re-plan
-        after a measured warm-up (runtime/warmup.py ``replan_after_warmup``) passes the measured
+        after a measured warm-up (runtime/memory/replan.py ``replan_after_warmup``) passes the measured
         reserve and, for an auto budget, ``engine.memory_headroom``: the budget is then what is
         free less the headroom, not ``memory_fraction`` of it."""
         e = self.deploy.engine

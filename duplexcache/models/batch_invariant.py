@@ -82,14 +82,19 @@ def invariant_matmul(a: torch.Tensor, b: torch.Tensor, tile: int) -> torch.Tenso
     """``a @ b`` in fixed-shape tiles, or None for a product this does not cover.
 
     (..., M, K) @ (K, N) is a ``linear`` over the flattened rows; (..., M, K) @ (..., K, N) with
-    equal leading dims is a batched GEMM over the flattened batch: cuBLAS may pick its algorithm
+    leading dims that broadcast is a batched GEMM over the flattened broadcast batch: cuBLAS may pick its algorithm
     by the batch count (the conformer's attention runs one per segment of streams), so the batch
     goes in tiles of exactly ``tile`` matrices."""
     if a.dim() >= 2 and b.dim() == 2:
         rows = a.reshape(-1, a.shape[-1])
         return _tiled(lambda t: t @ b, rows, tile).reshape(*a.shape[:-1], b.shape[-1])
-    if a.dim() >= 3 and b.dim() >= 3 and a.shape[:-2] == b.shape[:-2]:
-        lead = a.shape[:-2]
+    if a.dim() >= 3 and b.dim() >= 3:
+        # a broadcast batch (the conformer's relative-position product: (n, h, t, d) @ (1, h, d, p))
+        # is expanded first: left to matmul it became one batched GEMM of n * h matrices, whose
+        # algorithm cuBLAS picks by n (H100, 2026-12-07: the probe's conformer output differed
+        # beside one other stream; scripts/batch_invariance.py --trace)
+        lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        a, b = a.expand(*lead, *a.shape[-2:]), b.expand(*lead, *b.shape[-2:])
         pairs = torch.cat([a.reshape(-1, *a.shape[-2:]).flatten(1), b.reshape(-1, *b.shape[-2:]).flatten(1)], 1)
         split = a.shape[-2] * a.shape[-1]
 

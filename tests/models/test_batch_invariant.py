@@ -73,6 +73,7 @@ def test_batched_matmul_sdpa_and_ffts_are_tiled_correct_and_batch_invariant():
     op within float32 rounding, and element 0's bits the same in a batch of 1 and of 9."""
     g = torch.Generator().manual_seed(11)
     a, b = torch.randn(9, 4, 12, 16, generator=g), torch.randn(9, 4, 16, 20, generator=g)
+    pos = torch.randn(1, 4, 16, 23, generator=g)   # the conformer's relative positions: batch 1, broadcast
     w = torch.randn(16, 24, generator=g)
     q, k, v = (torch.randn(9, 4, 10, 16, generator=g) for _ in range(3))
     mask = torch.rand(9, 1, 1, 10, generator=g) > 0.3
@@ -82,6 +83,7 @@ def test_batched_matmul_sdpa_and_ffts_are_tiled_correct_and_batch_invariant():
     ops = {
         "matmul": lambda n: torch.matmul(a[:n], b[:n]),
         "matmul_operator": lambda n: a[:n] @ b[:n],
+        "matmul_broadcast": lambda n: torch.matmul(a[:n], pos),
         "bmm": lambda n: torch.bmm(a[:n].flatten(0, 1), b[:n].flatten(0, 1)),
         "matmul_2d": lambda n: a[:n] @ w,
         "sdpa": lambda n: F.scaled_dot_product_attention(q[:n], k[:n], v[:n], attn_mask=mask[:n]),

@@ -31,10 +31,11 @@ case "$mode" in
     serve_conversation smoke_serve duplexcache/configs/tiny.yaml 2 16 "engine.memory_budget=512MiB"   # 16 s: every caller reaches its first reply
     step gpu_tests 240 python3 -m pytest -q -x tests/cfm/test_graphs.py tests/kv/test_paged_attention.py tests/kv/test_decode_graphs.py tests/models/test_audio_encoder_graphs.py tests/runtime/test_warmup.py -p no:cacheprovider ;;
   suite)  # issue 14: the whole test suite on the GPU machine (CUDA tests run, interpreter tests skip; -q comes from pyproject).
-    # SUITE_WORKERS (default 4); each worker's torch gets nproc / workers threads: at 12 workers with torch on all 16
-    # cores a tiny CPU engine's tick took 21-27 s and the real-time server tests failed (H100, 2026-12-07). The SDK and
-    # reference tests need minicpmo-utils, openai and openbmb-realtime (carry their wheels; without them 6 files error)
-    workers=${SUITE_WORKERS:-4}
+    # SUITE_WORKERS (default 8); each worker's torch gets nproc / workers threads: at 12 workers with torch on all 16
+    # cores a tiny CPU engine's tick took 21-27 s and the real-time server tests failed; 8 workers of 2 threads: 1226
+    # passed in 163 s (H100, 2026-12-07). The SDK and reference tests need minicpmo-utils, openai and openbmb-realtime:
+    # carry the wheels scripts/device_wheels.sh downloads (without them 6 files error)
+    workers=${SUITE_WORKERS:-8}
     OMP_NUM_THREADS=$(( $(nproc) / workers > 0 ? $(nproc) / workers : 1 )) \
       step suite 420 python3 -m pytest -rs -n "$workers" --dist loadfile --timeout 300 -p no:cacheprovider tests ;;
   bench)  # the current "Equality on the GPU" table: memory per session A/B per switch at 1..16 sessions,

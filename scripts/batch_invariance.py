@@ -36,6 +36,7 @@ from duplexcache.models.batch_invariant import BatchInvariantMode
 from duplexcache.runtime.bundle import build_models
 from duplexcache.runtime.engine import DuplexEngine
 from duplexcache.runtime.engine_api import AudioDelta, TextDelta
+from duplexcache.runtime.stages import talker_stage as talker_stage_module
 
 logger = logging.getLogger("batch_invariance")
 STAGES = ("encoder", "thinker", "talker", "code2wav", "tick")
@@ -78,10 +79,30 @@ def _batch_tile(variant: str):
 
 
 def _trace(eng: DuplexEngine, sid: str) -> dict[str, list]:
-    """Record session ``sid``'s Code2Wav inputs and outputs per step: the Talker codes of its chunk,
-    the conformer output (mu), the solved mel and the float PCM (host copies: numerics unchanged)."""
+    """Record session ``sid``'s Talker inputs and codes per unit (text ids, the Thinker's hidden rows)
+    and its Code2Wav inputs and outputs per step: the codes of its chunk, the conformer output (mu),
+    the solved mel and the float PCM (host copies: numerics unchanged)."""
     c2w, stage = eng.code2wav, eng.code2wav_stage
-    rec: dict[str, list] = {"codes": [], "mu": [], "mel": [], "pcm": []}
+    rec: dict[str, list] = {"talker_text": [], "talker_hidden": [], "talker_codes": [],
+                            "codes": [], "mu": [], "mel": [], "pcm": []}
+    generate_unit = talker_stage_module.generate_unit
+
+    def generate_hook(talker, cache, reqs, **kwargs):
+        # the Talker's input from the Thinker (text ids, hidden rows) and its codes, for the session's
+        # request (found by its block table): which of the two first differs names the stage
+        results = generate_unit(talker, cache, reqs, **kwargs)
+        table = eng.talker_kv.block_table(sid)   # [] between turns: no request matches
+        if table:
+            for req, res in zip(reqs, results):
+                if req.block_table == table:
+                    hidden = req.thinker_hidden
+                    hidden = torch.stack(list(hidden)) if not torch.is_tensor(hidden) else hidden
+                    rec["talker_text"].append(req.text_token_ids.detach().cpu().clone())
+                    rec["talker_hidden"].append(hidden.detach().float().cpu().clone())
+                    rec["talker_codes"].append(res.codes.detach().cpu().clone())
+        return results
+    talker_stage_module.generate_unit = generate_hook
+    eng._trace_restore = lambda: setattr(talker_stage_module, "generate_unit", generate_unit)
     streams: set[str] = set()    # Code2Wav's stream ids of the session (a new one per audio turn)
     stage_step, run_rows, vocode = stage._step, c2w._run_rows, c2w._vocode_group
 
@@ -111,7 +132,7 @@ def _trace(eng: DuplexEngine, sid: str) -> dict[str, list]:
 def _first_difference(got: dict[str, list], ref: dict[str, list]) -> dict:
     """Per recorded stage: the first step whose tensor differs from the alone run's, and by how much."""
     out = {}
-    for stage in ("codes", "mu", "mel", "pcm"):
+    for stage in ("talker_text", "talker_hidden", "talker_codes", "codes", "mu", "mel", "pcm"):
         a, b = got.get(stage, []), ref.get(stage, [])
         first = None
         for i, (x, y) in enumerate(zip(a, b)):
@@ -151,6 +172,8 @@ def probe(models, deploy: DeployConfig, others: int, units: int, same_voice: boo
         if k >= 2:   # past the first ticks' graph captures
             for s in STAGES:
                 lat[s].append(eng.latency_history[s][-1] * 1000)
+    if trace:
+        eng._trace_restore()   # the Talker stage's module-level hook goes with its engine
     eng.shutdown()
     del eng
     gc.collect()
@@ -207,7 +230,8 @@ def main() -> None:
     ap.add_argument("--variants", default="default",
                     help=f"comma-separated diagnostic variants of the on arm ({', '.join(VARIANTS)})")
     ap.add_argument("--trace", action="store_true",
-                    help="record the probe's Code2Wav codes, mu, mel and PCM per step and name the first that differs")
+                    help="record the probe's Talker inputs and codes per unit and its Code2Wav codes, mu, mel and PCM "
+                         "per step, and name the first that differs")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -58,3 +58,22 @@ def test_without_the_switch_a_neighbour_changes_the_bits(tmp_path):
     assert calls == 0
     assert len(alone) == len(beside) > 0
     assert alone != beside
+
+
+def test_the_trace_names_the_first_stage_that_differs():
+    """scripts/batch_invariance.py --trace: with the switch off a neighbour changes the probe's
+    Talker input first (the Thinker's hidden rows); two lone runs trace equal at every stage."""
+    import importlib.util
+    script = Path(__file__).parents[2] / "scripts" / "batch_invariance.py"
+    spec = importlib.util.spec_from_file_location("batch_invariance_script", script)
+    bi = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bi)
+    deploy = bi._deploy("tiny", "cpu", False)
+    models = bi.build_models(deploy)
+    alone, again = (bi.probe(models, deploy, 0, 4, trace=True) for _ in range(2))
+    beside = bi.probe(models, deploy, 1, 4, trace=True)
+    same = bi._first_difference(again["trace"], alone["trace"])
+    assert all(s["steps"][0] > 0 and s["first_difference"] is None for s in same.values()), same
+    diff = bi._first_difference(beside["trace"], alone["trace"])
+    assert diff["talker_hidden"]["first_difference"] is not None, diff
+    assert diff["pcm"]["first_difference"] is not None, diff

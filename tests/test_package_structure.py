@@ -6,7 +6,9 @@
 * the client-session modules of the server import nothing of ``server/app.py`` (not even for
   annotations): they depend on ``server/session_host.SessionHost`` only;
 * the server and the cluster call an engine through ``EngineAPI`` only: no ``getattr(`` whose
-  object is an engine (``engine``, ``self.engine``, ``server.engine``).
+  object is an engine (``engine``, ``self.engine``, ``server.engine``);
+* ``runtime/`` imports nothing of ``bench/`` at module level (annotations included): the
+  benchmarks drive the engine, not the other way round.
 """
 
 from __future__ import annotations
@@ -127,6 +129,15 @@ def test_client_sessions_do_not_import_the_server(module):
     mods = _modules()
     name = f"duplexcache.server.{module}"
     assert "duplexcache.server.app" not in _imports(name, mods[name], mods, annotations=True)
+
+
+def test_runtime_imports_nothing_of_the_benchmarks():
+    mods = _modules()
+    bench = {name: sorted(m for m in _imports(name, path, mods, annotations=True) if m.startswith("duplexcache.bench"))
+             for name, path in mods.items() if name.startswith("duplexcache.runtime")}
+    assert {name: found for name, found in bench.items() if found} == {}
+    target = "duplexcache.bench.engine_target"   # the walk sees an import of bench/ where there is one
+    assert "duplexcache.bench.fast_forward" in _imports(target, mods[target], mods)
 
 
 def _is_engine(node: ast.expr) -> bool:

@@ -1,19 +1,11 @@
 """``duplexcache bench BENCHMARK [options]``: every benchmark of the package behind one command.
 
-    duplexcache bench memory        memory per session and the ceiling, A/B per switch
-    duplexcache bench ticks         per-stage tick latency, largest real-time session count
-    duplexcache bench serve         real-time callers over WebSockets against a running server
-    duplexcache bench soak          long calls over WebSockets, latency/late ticks/memory/compactions over time
-    duplexcache bench setup         setup time and private bytes of later same-context sessions
-    duplexcache bench kernels       Stage 0 GPU kernels: paged decode, key re-rotation (CUDA)
-    duplexcache bench stage2        batched Code2Wav with CUDA graphs, prompt sharing on vs off
-    duplexcache bench stage0-bytes  Stage 0 KV bytes per session from shapes alone
-
-Each benchmark is a module exposing ``add_arguments(parser)`` and ``run(args) -> int`` (the table
-below), imported when the parser is built. ``duplexcache bench`` with options and no benchmark
-name is ``duplexcache bench memory`` (what the command meant before it had benchmarks), so the
-commands recorded with earlier results still run. ``python -m duplexcache.bench.<module>`` is an
-alias of its subcommand (bench/common.py ``alias_main``).
+Each benchmark (``BENCHMARKS`` below, as ``duplexcache bench --help`` lists them) is a module
+exposing ``add_arguments(parser)`` and ``run(args) -> int``, imported when the parser is built.
+``duplexcache bench`` with options and no benchmark name is ``duplexcache bench memory`` (what
+the command meant before it had benchmarks), so the commands recorded with earlier results
+still run. ``python -m duplexcache.bench.<module>`` is an alias of its subcommand
+(bench/common.py ``alias_main``).
 """
 
 from __future__ import annotations

@@ -11,11 +11,9 @@ report.json under ``workload``); it uses only the engine's public API:
   stream reach its steady size. The bench's deploy config sets ``engine.speak_policy`` to
   ``every_k_units`` with ``k = turn_units = ALWAYS_SPEAK_K``, so every unit speaks and one turn
   spans the whole run (the same setting a deploy YAML can make).
-* Fast-forward to steady state: ``DuplexEngine.fast_forward`` fills each session's Thinker
-  window to its high mark through the serving append path (embeddings of seeded random text
-  ids) and holds Talker blocks for a full turn (``engine.talker_turn_tokens``, by default the
-  Talker's ``max_position_embeddings`` tokens) and the audio encoder's cache at its full
-  ``max_cache_frames`` (held, not computed). Code2Wav reaches P private frames by real units.
+* Fast-forward to steady state (bench/fast_forward.py): each session's Thinker window to its
+  high mark, a full Talker turn and a full encoder cache held; Code2Wav reaches P private
+  frames by real units.
 * Memory: ``engine.stats().pools``, which lists the Euler arena and the context cache too.
 """
 
@@ -28,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from duplexcache.bench.fast_forward import fast_forward_session
 from duplexcache.bench.memory import Tier
 from duplexcache.config import DeployConfig
 from duplexcache.runtime.engine import DuplexEngine
@@ -152,8 +151,8 @@ class EngineTarget:
         for sid in e.session_ids():
             window = e.session_info(sid).window
             high = window.high_tokens if window.enabled else None
-            done = e.fast_forward(sid, thinker_tokens=high, talker_full_turn=True, encoder_full_cache=True,
-                                  chunk_tokens=chunk_tokens)
+            done = fast_forward_session(e, sid, thinker_tokens=high, talker_full_turn=True, encoder_full_cache=True,
+                                        chunk_tokens=chunk_tokens)
             most = max(most, done.thinker_tokens_appended)
         check_code2wav_steady(e.code2wav)
         return most

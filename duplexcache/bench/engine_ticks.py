@@ -33,6 +33,7 @@ from duplexcache.bench.engine_ticks_report import (
     session_floor,
     summarize,
 )
+from duplexcache.bench.fast_forward import fast_forward_session
 from duplexcache.bench.tick_profile import profile_ticks, profiled_units
 from duplexcache.config import DeployConfig, format_bytes
 from duplexcache.runtime.bundle import ModelBundle, build_models
@@ -262,7 +263,7 @@ def _fill_windows(eng: DuplexEngine, sids: list[str]) -> None:
             continue
         have = info.thinker_tokens - info.thinker_anchor_tokens
         target = max(have, (info.window.low_tokens + info.window.high_tokens) // 2)
-        eng.fast_forward(sid, thinker_tokens=target)
+        fast_forward_session(eng, sid, thinker_tokens=target)
     logger.info("filled %d Thinker windows to the middle of their marks", len(sids))
 
 

@@ -93,12 +93,6 @@ class TickBenchConfig:
             logger.warning("warmup_ticks=%d: the first Code2Wav step (graph capture on CUDA) "
                            "falls in a recorded tick", self.warmup_ticks)
 
-    @property
-    def every_unit_speaks(self) -> bool:
-        if self.workload == "conversation":
-            return False
-        return self.workload == "continuous" or self.turn_units >= self.speak_k
-
     def speak_policy(self) -> dict[str, Any]:
         """``engine.speak_policy`` of the workload."""
         if self.workload == "conversation":

@@ -211,16 +211,6 @@ def attention_flops(layers: int, heads: int, head_dim: int, query_key_pairs: flo
     return 4.0 * layers * heads * head_dim * query_key_pairs
 
 
-def thinker_dense_flops(config, rows: int, logit_rows: int, query_key_pairs: float) -> float:
-    """Matmul + attention FLOPs of ``rows`` Thinker rows (``ThinkerConfig``), ``logit_rows`` of
-    them through the LM head."""
-    c = config
-    return (c.num_hidden_layers * decoder_layer_flops(c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
-                                                      c.head_dim, c.intermediate_size, rows)
-            + _linear(logit_rows, c.hidden_size, c.vocab_size)
-            + attention_flops(c.num_hidden_layers, c.num_attention_heads, c.head_dim, query_key_pairs))
-
-
 @dataclass(frozen=True)
 class TickShape:
     """What an average session does in one tick, and the lengths its steps attend over.
@@ -286,14 +276,6 @@ def talker_unit_tokens(talker_config, text_tokens: int = TEXT_TOKENS_PER_UNIT) -
     return text_tokens + 1 + talker_config.tokens_per_unit + 1
 
 
-def talker_tokens_at(run_units: int, talker_config, turn_tokens: int, text_tokens: int = TEXT_TOKENS_PER_UNIT) -> float:
-    """Mean Talker KV length the steps of a speaking unit attend over, ``run_units`` units into
-    its audio turn: a turn restarts (empty KV) when the next unit would pass ``turn_tokens``."""
-    per_unit = talker_unit_tokens(talker_config, text_tokens)
-    units_per_turn = max(1, turn_tokens // per_unit)
-    return (run_units % units_per_turn) * per_unit + per_unit / 2
-
-
 def talker_tick_work(config, shape: TickShape, dtype: torch.dtype | str,
                      kv_storage_dtype: torch.dtype | None = None) -> StageWork:
     """One session's Talker share of a tick (speaking units only): the condition step (text +
@@ -336,14 +318,6 @@ def encoder_chunk_flops(config, cache_frames: float, samples: int | None = None)
               + _linear(frames, d, c.out_dim) + _linear(frames, c.out_dim, c.out_dim))
     return matmul, attention_flops(c.encoder_layers, c.encoder_attention_heads, c.head_dim,
                                    frames * (cache_frames + frames))
-
-
-def encoder_mean_cache_frames(config) -> float:
-    """The mean cache a 1 s chunk attends over in a long call: the cache fills by one chunk per
-    unit and empties when the next would pass ``max_cache_frames`` (0, 50, ..., 1450: 725)."""
-    frames = config.chunk_frames(config.chunk_samples)
-    chunks = max(1, config.max_cache_frames // frames)
-    return frames * (chunks - 1) / 2
 
 
 def encoder_cache_frames_at(unit_index: int, config) -> int:

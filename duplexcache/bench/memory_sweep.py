@@ -154,7 +154,7 @@ def _engine_setup(deploy: DeployConfig, configs, args) -> _Setup:
     notes = {
         "speak_policy": f"engine.speak_policy every_k_units k={ALWAYS_SPEAK_K} turn_units={ALWAYS_SPEAK_K} in "
                         "the deploy config: every unit speaks, one turn spans the run",
-        "fast_forward": "DuplexEngine.fast_forward per session: Thinker window filled to prefix + high_tokens "
+        "fast_forward": "fast_forward_session per session: Thinker window filled to prefix + high_tokens "
                         f"through the serving append path (embeddings of seeded random text ids); Talker "
                         f"blocks held for a full turn (engine.talker_turn_tokens = {turn} tokens), not computed; "
                         "Code2Wav reaches P private frames by real units; encoder cache grown to max_cache_frames "

@@ -361,16 +361,11 @@ def equality_report(results: dict[Combination, list[RepeatResult]]) -> dict[str,
     }
 
 
-def _kib(value: int | dict[str, int]) -> str:
+def _kib(value: int | dict[str, int], unit: int = 1024, digits: int = 1) -> str:
+    """Bytes (or their min-max) in KiB; ``unit=2**20, digits=2``: in MiB."""
     if isinstance(value, dict):
-        return f"{value['min'] / 1024:.1f}-{value['max'] / 1024:.1f}"
-    return f"{value / 1024:.1f}"
-
-
-def _mib(value: int | dict[str, int]) -> str:
-    if isinstance(value, dict):
-        return f"{value['min'] / 2**20:.2f}-{value['max'] / 2**20:.2f}"
-    return f"{value / 2**20:.2f}"
+        return f"{value['min'] / unit:.{digits}f}-{value['max'] / unit:.{digits}f}"
+    return f"{value / unit:.{digits}f}"
 
 
 def _ms(spread: dict[str, float]) -> str:
@@ -394,7 +389,7 @@ def _row(x: dict[str, Any], baseline_ms: float) -> str:
         f"{_kib(f['private_bytes'])} / {_kib(later['private_bytes'])}",
         _kib(later["shared_bytes"]),
         f"{f['encoder_calls_per_session']} / {x['encoder_calls_later_total']}",
-        _mib(x["pool_used_bytes_after_all"]),
+        _kib(x["pool_used_bytes_after_all"], 2**20, 2),
     ]
     return "| " + " | ".join(cells) + " |"
 

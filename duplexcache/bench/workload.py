@@ -163,11 +163,6 @@ def unit_audio(script: SessionScript, index: int, unit_index: int, seed: int = 0
     return np.clip(noise * rms, -1.0, 1.0).astype(np.float32)
 
 
-def script_audio(script: SessionScript, index: int, seed: int = 0) -> np.ndarray:
-    """The whole session's input, every unit in order."""
-    return np.concatenate([unit_audio(script, index, u, seed) for u in range(script.units)])
-
-
 def ensure_voices(registry: VoiceRegistry, count: int = MIN_VOICES) -> list[str]:
     """Register synthetic voices until ``registry`` has ``count``; returns every voice name.
 

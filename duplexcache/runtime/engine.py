@@ -21,7 +21,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -41,7 +41,6 @@ from duplexcache.runtime.engine_api import (ADMISSION_MESSAGES, AdmissionError, 
 from duplexcache.runtime.engine_session import (MAX_BUFFERED_SAMPLES, MAX_BUFFERED_SECONDS, EngineSession,
                                                 SessionInfo, SessionTable, Unit, session_info)
 from duplexcache.runtime.engine_stats import LATENCY_HISTORY, STAGES
-from duplexcache.runtime.fast_forward import FastForwardRequest, FastForwardResult, fast_forward_session
 from duplexcache.runtime.isolation import FaultInjector
 from duplexcache.runtime.policy import ControlTokens, make_policy, text_token_ids
 from duplexcache.runtime.reference_voices import ReferenceVoices
@@ -53,7 +52,7 @@ from duplexcache.runtime.warmup import WarmupReport, cached_bytes, run_warmup
 
 # Names other modules import from here (their home is where the work moved).
 __all__ = ["LATENCY_HISTORY", "LOOKAHEAD", "MAX_BUFFERED_SAMPLES", "MAX_BUFFERED_SECONDS", "STAGES",
-           "DuplexEngine", "FastForwardResult", "SessionInfo", "build_engine", "pcm16_bytes"]
+           "DuplexEngine", "SessionInfo", "build_engine", "pcm16_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +101,7 @@ class DuplexEngine:
         # each voice's Code2Wav prompt pass was captured by build_code2wav: its pool is held now
         self.fixed_graph_pool_bytes = cached_bytes(models.device)
         self._replanned = False
-        # Held by tick() and fast_forward(): both run models over the tick thread's state.
+        # Held by tick() and between_ticks(): both run models over the tick thread's state.
         self._tick_lock = threading.Lock()
         self.table: SessionTable | None = None
         engine_parts.build_session_side(self, self.sizing.plan(), policy)
@@ -250,11 +249,6 @@ class DuplexEngine:
         """A snapshot of live session ``sid`` (consistent between ticks); ValueError if unknown."""
         return session_info(self.table.get_live(sid), self.stage0, self.talker_kv)
 
-    def fast_forward(self, sid: str, **request: Any) -> FastForwardResult:
-        """For benchmarks, between ticks: ``sid`` at a full window / Talker turn / encoder cache
-        without running the audio path (runtime/fast_forward.py ``fast_forward_session``)."""
-        return fast_forward_session(self, sid, FastForwardRequest(**request))
-
     # ------------------------------------------------------------------ the tick
 
     def tick(self, unit_tick: bool = True) -> list[EngineEvent]:
@@ -268,6 +262,16 @@ class DuplexEngine:
         """The batch-invariant mode when ``engine.batch_invariant`` is on (entered on the thread
         that runs the models: torch function modes are thread-local)."""
         return self.batch_invariant if self.batch_invariant is not None else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def between_ticks(self) -> Iterator[None]:
+        """Model work on the tick thread's state outside a tick (a prefill chunk, bench/fast_forward.py):
+        waits for a running tick, refuses after shutdown, runs in the tick's numerics."""
+        with self._tick_lock:
+            if self._closed:
+                raise RuntimeError("engine is shut down")
+            with self._numerics():
+                yield
 
     def _tick(self, unit_tick: bool = True) -> list[EngineEvent]:
         if self._closed:
@@ -317,13 +321,10 @@ class DuplexEngine:
     def prefill_step(self) -> list[EngineEvent]:
         """One prefill chunk between ticks (runtime/scheduler/pacing.py: the server runs it when
         ``predicted_prefill_s()`` fits before the next tick); the next tick then runs none."""
-        with self._tick_lock:
-            if self._closed:
-                raise RuntimeError("engine is shut down")
+        with self.between_ticks():
             for sess in self.table.take_closing():   # as a tick does: no chunk for a closed session
                 self._free(sess)
-            with self._numerics():
-                return self._for_live(self.scheduler.prefill_times.run(self._prefill_chunk))
+            return self._for_live(self.scheduler.prefill_times.run(self._prefill_chunk))
 
     def predicted_prefill_s(self) -> float | None:
         return self.scheduler.prefill_times.predicted_s()

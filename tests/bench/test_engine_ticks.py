@@ -23,6 +23,7 @@ import torch
 from duplexcache.bench import engine_ticks as et
 from duplexcache.bench import engine_ticks_report as etr
 from duplexcache.bench.engine_ticks_config import CONTINUOUS_K, config_from_args
+from duplexcache.bench.fast_forward import fast_forward_session
 from duplexcache.cli import build_parser
 from duplexcache.cli import main as cli_main
 from duplexcache.config import DeployConfig
@@ -230,7 +231,7 @@ def test_deploy_switches_policy_and_bad_input():
     assert fast.precision.kv_cache_dtype == "fp8_e4m3" and on.precision.kv_cache_dtype == "auto"
     assert fast.precision.encoder_cache_dtype == "fp8_e4m3" and on.precision.encoder_cache_dtype == "auto"
     assert fast.engine.talker_turn_tokens == 1024 and on.engine.talker_turn_tokens is None
-    assert fast.engine.speak_policy.turn_units == 9 and cfg.every_unit_speaks
+    assert fast.engine.speak_policy.turn_units == fast.engine.speak_policy.k == 9   # every unit speaks
     assert on.engine.decode_cuda_graphs is True and on.stage0.ragged_kernel is True   # the default
     with pytest.raises(ValueError, match="turn_units"):
         et.TickBenchConfig(turn_units=0)
@@ -252,28 +253,23 @@ def test_session_audio_lengths_and_seeding():
     assert np.abs(a).max() <= 0.3 + 1e-6 and np.abs(a).max() > 0.1
 
 
-class FillTrackingEngine(TrackedEngine):
-    """Records each fast-forward and the Thinker length right after it."""
+def test_steady_window_fills_to_the_middle_of_the_marks(models, tmp_path, restore_logging, monkeypatch):
+    fills: list[tuple[str, int, int]] = []   # each fast-forward and the Thinker length right after it
 
-    def __init__(self, deploy, models) -> None:
-        super().__init__(deploy, models)
-        self.fills: list[tuple[str, int, int]] = []
-
-    def fast_forward(self, sid, **kw):
-        res = super().fast_forward(sid, **kw)
-        info = self.session_info(sid)
-        self.fills.append((sid, kw["thinker_tokens"], info.thinker_tokens - info.thinker_anchor_tokens))
+    def tracking_fast_forward(eng, sid, **kw):
+        res = fast_forward_session(eng, sid, **kw)
+        info = eng.session_info(sid)
+        fills.append((sid, kw["thinker_tokens"], info.thinker_tokens - info.thinker_anchor_tokens))
         return res
 
-
-def test_steady_window_fills_to_the_middle_of_the_marks(models, tmp_path, restore_logging):
+    monkeypatch.setattr(et, "fast_forward_session", tracking_fast_forward)
     TrackedEngine.built = []
     cfg = et.TickBenchConfig("tiny", "cpu", (1,), 1, 1, steady_window=True)
-    results = et.run_benchmark(cfg, tmp_path, models=models, engine_factory=FillTrackingEngine)
+    results = et.run_benchmark(cfg, tmp_path, models=models, engine_factory=TrackedEngine)
     (eng,) = TrackedEngine.built
     w = eng.deploy.stage0.window
     mid = (w.low_tokens + w.high_tokens) // 2
-    assert eng.fills == [(eng.opened[0], mid, mid)]
+    assert fills == [(eng.opened[0], mid, mid)]
     run = results["runs"][0]
     assert run["status"] == "ok" and results["config"]["steady_window"] is True
     assert "filled to (low + high) / 2" in (tmp_path / "results.md").read_text()
@@ -330,7 +326,7 @@ def test_workload_flag_reaches_the_policy():
     assert (sp.mode, sp.reply_min_units, sp.reply_max_units) == ("reply", 2, 8)
     cfg, _ = parse_args(["--workload", "continuous"])
     sp = et.make_deploy(cfg).engine.speak_policy
-    assert sp.mode == "every_k_units" and sp.k == sp.turn_units == CONTINUOUS_K and cfg.every_unit_speaks
+    assert sp.mode == "every_k_units" and sp.k == sp.turn_units == CONTINUOUS_K   # every unit speaks
     with pytest.raises(ValueError, match="unknown workload"):
         et.TickBenchConfig(workload="chatter")
 

@@ -53,7 +53,9 @@ def test_thinker_flops_match_the_counted_dense_forward():
     with torch.no_grad():
         got = _counted(lambda: model.forward_dense(torch.randn(1, t, tk.hidden_size), torch.arange(t)[None]))
     # every row through the layers and the LM head; attention (sdpa, not counted on CPU) left out
-    assert got == fl.thinker_dense_flops(tk, t, t, 0)
+    layers = tk.num_hidden_layers * fl.decoder_layer_flops(tk.hidden_size, tk.num_attention_heads,
+                                                           tk.num_key_value_heads, tk.head_dim, tk.intermediate_size, t)
+    assert got == layers + 2 * t * tk.hidden_size * tk.vocab_size
     assert fl.attention_flops(2, 4, 16, t * t) == 4 * 2 * 4 * 16 * 144
 
 
@@ -147,15 +149,10 @@ def test_talker_turn_and_encoder_cache_lengths():
     tl, enc = preset_configs("minicpmo45")[1], preset_configs("minicpmo45")[2]
     unit = fl.talker_unit_tokens(tl)
     assert unit == 3 + 1 + 25 + 1
-    assert fl.talker_tokens_at(0, tl, 4096) == unit / 2
-    assert fl.talker_tokens_at(2, tl, 4096) == 2 * unit + unit / 2
-    per_turn = 1024 // unit
-    assert fl.talker_tokens_at(per_turn, tl, 1024) == unit / 2   # the turn restarted
     assert [fl.encoder_cache_frames_at(u, enc) for u in (0, 1, 2)] == [0, 52, 102]
     frames = [fl.encoder_cache_frames_at(u, enc) for u in range(60)]
     # 52 + 28 * 50 = 1452 frames: unit 29's chunk would pass 1500, so the cache empties; then every 30 units
     assert [u for u, f in enumerate(frames) if f == 0] == [0, 29, 59] and max(frames) + 50 <= enc.max_cache_frames
-    assert fl.encoder_mean_cache_frames(enc) == 725
 
 
 def test_floor_device_from_the_device_name():

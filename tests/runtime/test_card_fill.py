@@ -9,6 +9,7 @@ import logging
 import numpy as np
 import pytest
 
+from duplexcache.bench.fast_forward import fast_forward_session
 from duplexcache.runtime.engine_api import AdmissionError, SessionError
 from duplexcache.runtime.policy import ScriptedPolicy
 from duplexcache.runtime.memory.session_sizing import largest_unit_tokens, policy_turn_units, reserved_turn_tokens
@@ -58,7 +59,7 @@ def test_every_admitted_session_runs_a_long_turn_at_its_worst_case(tmp_path):
     while eng.prefill_pending():
         events += eng.tick()
     for sid in sids:
-        eng.fast_forward(sid, thinker_tokens=512, talker_full_turn=True, encoder_full_cache=True)
+        fast_forward_session(eng, sid, thinker_tokens=512, talker_full_turn=True, encoder_full_cache=True)
     assert eng.talker_kv.num_free >= 0
     assert eng.talker_kv.num_used == len(sids) * -(-turn // eng.block_size)
     events += _push_units(eng, sids, 4, np.random.default_rng(0))

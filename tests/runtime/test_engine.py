@@ -14,6 +14,7 @@ from engine_helpers import audio, collect, engine, tiny_models
 
 from duplexcache.models.thinker import Thinker
 from duplexcache.runtime.engine_api import EngineAPI, ServerBehindError, SessionAdmitted
+from duplexcache.server.metrics import ServerMetrics
 
 SHARING_ON = {"stage0": {"shared_anchor_blocks": True},
               "context_cache": {"duplex_context_caching": True},
@@ -342,3 +343,25 @@ def test_a_late_tick_is_logged_with_its_stage_breakdown(tmp_path, caplog):
     assert ("1.500 s > its period 1.000 s (ms: encoder 100, thinker 200, talker 300, code2wav 400, other 500; "
             "back-pressure: 1 late ticks)") in record.getMessage()
     assert eng.recorder.late_ticks == 1
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_stats_pools_list_arena_and_context_cache(tmp_path, caching):
+    window = {"mode": "basic", "high_tokens": 80, "low_tokens": 40}
+    eng = engine(tmp_path, f"pools{caching}", {"stage0": {"window": window},
+                                                "engine": {"speak_policy": {"k": 8}},   # listen units: cheap ticks
+                                                "context_cache": {"duplex_context_caching": caching}})
+    sid = eng.open_session({"voice": "default"})
+    eng.push_audio(sid, audio(0, 1))
+    assert not collect(eng.tick()).get(sid, {}).get("errors")
+    with pytest.raises(ValueError, match="unknown session"):
+        eng.session_info("nope")
+    pools = eng.stats().pools
+    assert pools["cfm_arena"].shared == eng.code2wav.arena.nbytes() > 0
+    # one cached context: its embeddings (float32) and token ids (int64), from the layout
+    hidden = eng.models.thinker.config.hidden_size
+    anchor = eng.session_info(sid).thinker_anchor_tokens
+    assert pools["context_cache"].shared == (anchor * (hidden * 4 + 8) if caching else 0)
+    assert pools["cfm_arena"].private == pools["context_cache"].private == 0
+    text, _ = (lambda m: (m.update(eng.stats()), m.render())[1])(ServerMetrics())
+    assert b'pool="cfm_arena"' in text and b'pool="context_cache"' in text

@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import FIRST as FIRST_UNIT
 from engine_helpers import audio, collect, engine, tiny_models
 
+from duplexcache.bench.fast_forward import fast_forward_session
 from duplexcache.context.tokenizer import ByteTokenizer
 from duplexcache.runtime.policy import (
     MAX_UNIT_TOKENS,
@@ -155,7 +156,7 @@ def _three_units(eng) -> list[list[bytes]]:
 def test_talker_turn_tokens_caps_the_turn_on_the_model_limit_path(tmp_path):
     """engine.talker_turn_tokens reaches the Talker stage (the turn closes at the cap exactly as
     at the model's position limit, same audio bytes), admission (blocks reserved per session),
-    the decode graphs (table widths) and fast_forward; a turn under the cap is unchanged."""
+    the decode graphs (table widths) and the bench's fast-forward; a turn under the cap is unchanged."""
     import dataclasses
 
     from duplexcache.models.talker import Talker
@@ -183,7 +184,7 @@ def test_talker_turn_tokens_caps_the_turn_on_the_model_limit_path(tmp_path):
     _, talker_graphs = device_setup.make_decode_graphs(eng.models, kv, 2, eng.sizing.talker_turn_tokens, capture=False)
     assert talker_graphs.max_width >= blocks and talker_graphs.max_width < -(-512 // eng.block_size)
     sid = eng.session_ids()[0]
-    eng.fast_forward(sid, talker_full_turn=True)
+    fast_forward_session(eng, sid, talker_full_turn=True)
     assert eng.session_info(sid).talker_blocks == blocks
 
     for bad in (MAX_UNIT_TOKENS + 25, 513):   # below one unit's worst case / above the model

@@ -10,6 +10,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import audio, deploy_from_yaml, engine, tiny_models
 from test_warmup import FakeArenaBackend
 
+from duplexcache.bench.fast_forward import fast_forward_session
 from duplexcache.cfm.prompt_cache import PlainAttCache, SharedPromptAttCache
 from duplexcache.config import ConfigError
 from duplexcache.runtime_config import SessionConfigError
@@ -434,7 +435,7 @@ def test_kv_cache_dtype_reaches_both_kv_pools_and_admission(tmp_path):
 def test_encoder_cache_dtype_reaches_the_sessions_encoder_caches_and_admission(tmp_path):
     """precision.encoder_cache_dtype: fp8_e4m3 opens every session's streaming encoder cache in
     e4m3 with per-(frame, head) scales, admission reserves its fp8 bytes (the dynamic part of a
-    footprint shrinks by exactly the difference), fast_forward grows it to those bytes, and the
+    footprint shrinks by exactly the difference), the bench's fast-forward grows it to those bytes, and the
     engine ticks and speaks; auto keeps the model dtype."""
     import torch
 
@@ -453,7 +454,7 @@ def test_encoder_cache_dtype_reaches_the_sessions_encoder_caches_and_admission(t
         assert state.quantized is fp8 and state.k.dtype == (torch.float8_e4m3fn if fp8 else eng.models.dtype)
         if fp8:
             assert (state.k_scale[:, : state.num_frames] > 0).all()   # written through the quantizing path
-        eng.fast_forward(sid, encoder_full_cache=True)
+        fast_forward_session(eng, sid, encoder_full_cache=True)
         assert state.nbytes == full == eng.stats().pools["audio_encoder"].private
         eng.shutdown()
     cfg = engines["auto"].models.audio_encoder.cfg

@@ -1,8 +1,8 @@
-"""DuplexEngine's benchmark API: fast_forward, the read-only session views, pools in stats().
+"""The benchmarks' fast-forward (duplexcache/bench/fast_forward.py) on a live tiny engine.
 
-fast_forward must go through the serving append path (so the next real unit compacts the
-window exactly as serving does), be seeded, refuse bad requests before changing anything,
-and hold a full Talker turn; stats().pools must list the Euler arena and the context cache.
+It must go through the serving append path (so the next real unit compacts the window exactly
+as serving does), be seeded, refuse bad requests before changing anything, and hold a full
+Talker turn and a full encoder cache.
 """
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "runtime"))
 from engine_helpers import audio, collect, engine
 
-from duplexcache.server.metrics import ServerMetrics
+from duplexcache.bench.fast_forward import fast_forward_session
 from duplexcache.runtime.memory.session_sizing import largest_unit_tokens
 
 HIGH, LOW = 80, 40
@@ -48,7 +48,7 @@ def test_fill_to_high_mark_then_next_unit_compacts_as_serving(tmp_path):
     assert before.opened and anchor > 0 and 0 < have < HIGH and before.talker_blocks == 0
     assert eng.session_ids() == [sid] and before.window.high_tokens == HIGH
 
-    res = eng.fast_forward(sid, thinker_tokens=HIGH, talker_full_turn=True, chunk_tokens=16)
+    res = fast_forward_session(eng, sid, thinker_tokens=HIGH, talker_full_turn=True, chunk_tokens=16)
     after = eng.session_info(sid)
     # a full turn is what admission reserved: this policy's 2-unit turn (engine.talker_turn_from_policy)
     talker_max = eng.sizing.talker_turn_tokens
@@ -57,7 +57,7 @@ def test_fill_to_high_mark_then_next_unit_compacts_as_serving(tmp_path):
     assert res.talker_blocks_added == after.talker_blocks == -(-talker_max // eng.block_size)
     assert after.talker_tokens == 0   # held, not computed
     assert eng.stage0.sessions[sid].num_compactions == 0   # the fill stops at the high mark
-    # pools are refreshed by fast_forward itself (no tick in between)
+    # pools are refreshed by the fast-forward itself (no tick in between)
     pools = eng.stats().pools
     table = eng.stage0.block_table(sid)
     assert pools["thinker_kv"].private + pools["thinker_kv"].shared == len(table) * eng.thinker_cache.bytes_per_block
@@ -78,7 +78,7 @@ def test_full_encoder_cache_is_held_not_computed(tmp_path):
     full = eng.models.audio_encoder.cfg.kv_bytes_per_session(eng.models.dtype)
     frames = state.num_frames
     assert 0 < state.nbytes < full   # the cache grows by blocks: one unit holds less than the whole
-    eng.fast_forward(sid, encoder_full_cache=True)
+    fast_forward_session(eng, sid, encoder_full_cache=True)
     assert state.nbytes == full == eng.stats().pools["audio_encoder"].private
     assert state.num_frames == frames   # held, not computed
     assert not collect(eng.tick()).get(sid, {}).get("errors")
@@ -89,7 +89,7 @@ def test_fill_is_seeded_and_chunking_changes_only_rounding(tmp_path):
     for name, chunk, seed in (("a", 7, 0), ("b", 512, 0), ("c", 512, 0), ("d", 512, 1)):
         eng, sid = _opened(tmp_path, name)
         start = eng.session_info(sid).thinker_tokens
-        eng.fast_forward(sid, thinker_tokens=HIGH, chunk_tokens=chunk, seed=seed)
+        fast_forward_session(eng, sid, thinker_tokens=HIGH, chunk_tokens=chunk, seed=seed)
         kv[name] = _thinker_kv(eng, sid, start, eng.session_info(sid).thinker_tokens)
         eng.shutdown()
     for x, y in zip(kv["b"], kv["c"]):
@@ -102,22 +102,20 @@ def test_fill_is_seeded_and_chunking_changes_only_rounding(tmp_path):
 def test_bad_requests_are_refused_before_anything_changes(tmp_path):
     eng, sid = _opened(tmp_path, "bad")
     with pytest.raises(ValueError, match="unknown session 'nope'"):
-        eng.fast_forward("nope", thinker_tokens=HIGH)
-    with pytest.raises(ValueError, match="unknown session"):
-        eng.session_info("nope")
+        fast_forward_session(eng, "nope", thinker_tokens=HIGH)
     fresh = eng.open_session({"voice": "default"})
     with pytest.raises(ValueError, match="not open in Stage 0 yet"):
-        eng.fast_forward(fresh, thinker_tokens=HIGH)
+        fast_forward_session(eng, fresh, thinker_tokens=HIGH)
     before = eng.session_info(sid)
     with pytest.raises(ValueError, match="past the window's high mark"):
-        eng.fast_forward(sid, thinker_tokens=HIGH + 1, talker_full_turn=True)
+        fast_forward_session(eng, sid, thinker_tokens=HIGH + 1, talker_full_turn=True)
     with pytest.raises(ValueError, match="chunk_tokens"):
-        eng.fast_forward(sid, thinker_tokens=HIGH, chunk_tokens=0)
+        fast_forward_session(eng, sid, thinker_tokens=HIGH, chunk_tokens=0)
     assert eng.session_info(sid) == before   # nothing grew, Talker included
-    eng.fast_forward(sid, thinker_tokens=50)
+    fast_forward_session(eng, sid, thinker_tokens=50)
     with pytest.raises(ValueError, match="below the 50 window tokens"):
-        eng.fast_forward(sid, thinker_tokens=40)
-    assert eng.fast_forward(sid, thinker_tokens=50).thinker_tokens_appended == 0
+        fast_forward_session(eng, sid, thinker_tokens=40)
+    assert fast_forward_session(eng, sid, thinker_tokens=50).thinker_tokens_appended == 0
 
 
 def test_window_off_limit_is_the_model_positions(tmp_path):
@@ -126,30 +124,15 @@ def test_window_off_limit_is_the_model_positions(tmp_path):
     info = eng.session_info(sid)
     limit = eng.models.thinker.config.max_position_embeddings - info.thinker_anchor_tokens
     with pytest.raises(ValueError, match="positions less the"):
-        eng.fast_forward(sid, thinker_tokens=limit + 1)
+        fast_forward_session(eng, sid, thinker_tokens=limit + 1)
 
 
 def test_full_talker_turn_is_used_by_the_next_speaking_units(tmp_path):
     eng, sid = _opened(tmp_path, "talk", {"engine": {"speak_policy": {"k": 100, "turn_units": 100}}}, units=3)
-    held = eng.fast_forward(sid, talker_full_turn=True).talker_blocks_added
+    held = fast_forward_session(eng, sid, talker_full_turn=True).talker_blocks_added
     assert held > 0 and eng.session_info(sid).talker_tokens == 30   # unit 1 spoke: 4 + 26 tokens
     free = eng.talker_pool.num_free
     got = collect(eng.tick())[sid]
     assert [len(a) // 2 for a in got["audio"]] == [24000] and not got["errors"]
     info = eng.session_info(sid)
     assert info.talker_tokens == 60 and eng.talker_pool.num_free == free   # computed into held blocks
-
-
-@pytest.mark.parametrize("caching", [True, False])
-def test_stats_pools_list_arena_and_context_cache(tmp_path, caching):
-    eng, sid = _opened(tmp_path, f"pools{caching}", {**WINDOW, "context_cache": {"duplex_context_caching": caching}},
-                       units=1)
-    pools = eng.stats().pools
-    assert pools["cfm_arena"].shared == eng.code2wav.arena.nbytes() > 0
-    # one cached context: its embeddings (float32) and token ids (int64), from the layout
-    hidden = eng.models.thinker.config.hidden_size
-    anchor = eng.session_info(sid).thinker_anchor_tokens
-    assert pools["context_cache"].shared == (anchor * (hidden * 4 + 8) if caching else 0)
-    assert pools["cfm_arena"].private == pools["context_cache"].private == 0
-    text, _ = (lambda m: (m.update(eng.stats()), m.render())[1])(ServerMetrics())
-    assert b'pool="cfm_arena"' in text and b'pool="context_cache"' in text

@@ -20,21 +20,25 @@ them.
 ``max_cache_frames`` (what admission reserved; it grows by blocks as audio arrives, so after a
 few units it holds a few seconds). Held, not computed: the valid rows and outputs are unchanged.
 
-The engine calls ``fast_forward`` between ticks (under its tick lock); it never runs in a tick.
+Benchmarks call ``fast_forward_session(engine, sid, **request)``: it runs between ticks
+(``DuplexEngine.between_ticks``: under the tick lock, in the engine's numerics), never in a tick.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from duplexcache.kv.talker_blocks import TalkerBlocks
+from duplexcache.runtime import engine_parts
 from duplexcache.runtime.engine_session import EndSession, EngineSession
+from duplexcache.runtime.policy import text_token_ids
 from duplexcache.runtime.stage0.runner import Stage0Runner
 
 if TYPE_CHECKING:
@@ -60,7 +64,7 @@ class FastForwardRequest:
 
 @dataclass(frozen=True)
 class FastForwardResult:
-    """What ``DuplexEngine.fast_forward`` added to one session."""
+    """What ``fast_forward_session`` added to one session."""
 
     thinker_tokens_appended: int
     talker_blocks_added: int
@@ -123,15 +127,16 @@ def fast_forward(sess: EngineSession, req: FastForwardRequest, stage0: Stage0Run
     return FastForwardResult(appended, added)
 
 
-def fast_forward_session(engine: DuplexEngine, sid: str, req: FastForwardRequest) -> FastForwardResult:
-    """``fast_forward`` of live session ``sid`` of ``engine``, between ticks (it waits for a
-    running tick), in the engine's numerics; pool stats are refreshed afterwards."""
-    with engine._tick_lock:
-        if engine._closed:
-            raise RuntimeError("engine is shut down")
-        with engine._numerics():
-            result = fast_forward(engine.table.get_live(sid), req, engine.stage0, engine.talker_kv,
-                                  engine.sizing.talker_turn_tokens, engine._text_ids, engine._embed_tokens,
-                                  engine._end)
+def fast_forward_session(engine: DuplexEngine, sid: str, **request: Any) -> FastForwardResult:
+    """``fast_forward`` of live session ``sid`` of ``engine`` with ``FastForwardRequest(**request)``,
+    between ticks (it waits for a running tick); pool stats are refreshed afterwards. Through
+    public names only: the speak policy's text ids, the Thinker's embedding, the engine's session end."""
+    req = FastForwardRequest(**request)
+    models = engine.models
+    text_ids = text_token_ids(models.tokenizer, models.thinker.config.vocab_size)   # as the engine's policy
+    with engine.between_ticks():
+        result = fast_forward(engine.table.get_live(sid), req, engine.stage0, engine.talker_kv,
+                              engine.sizing.talker_turn_tokens, text_ids, torch.no_grad()(models.thinker.embed),
+                              functools.partial(engine_parts.end_session, engine))
         engine.recorder.refresh_pools()
     return result

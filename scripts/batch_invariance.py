@@ -47,8 +47,9 @@ STAGES = ("encoder", "thinker", "talker", "code2wav", "tick")
 # speaks the probe's voice; "grid": Code2Wav graph tiers 1,4,8,16,32 (as the standalone probe
 # scripts/code2wav_invariance_probe.py runs) instead of one per batch size; "eager_vocoder": the
 # vocoder without CUDA graphs; "prompt_sharing": the voice prompt's attention cache shared;
-# "tile1": the per-sample ops (conv, SDPA, FFT) one sample per call instead of tiles of 4.
-VARIANTS = ("default", "same_voice", "grid", "eager_vocoder", "prompt_sharing", "tile1")
+# "tile1": the per-sample ops (conv, SDPA, FFT) one sample per call instead of tiles of 4;
+# "no_mean": the mode without its fixed-order last-axis mean (RMSNorm's), the A/B of that family.
+VARIANTS = ("default", "same_voice", "grid", "eager_vocoder", "prompt_sharing", "tile1", "no_mean")
 
 
 def _deploy(preset: str, device: str, batch_invariant: bool, variant: str = "default") -> DeployConfig:
@@ -67,11 +68,14 @@ def _deploy(preset: str, device: str, batch_invariant: bool, variant: str = "def
 
 
 @contextlib.contextmanager
-def _batch_tile(variant: str):
-    """"tile1": BatchInvariantMode's per-sample tile of 1 while the variant's engines run."""
+def _mode_defaults(variant: str):
+    """BatchInvariantMode's defaults while the variant's engines run: "tile1" a per-sample tile of
+    1, "no_mean" every op family but the last-axis mean."""
     defaults = BatchInvariantMode.__init__.__defaults__
     if variant == "tile1":
         BatchInvariantMode.__init__.__defaults__ = (defaults[0], 1)
+    elif variant == "no_mean":
+        BatchInvariantMode.__init__.__defaults__ = (BatchInvariantMode.FAMILIES - {"mean"}, defaults[1])
     try:
         yield
     finally:
@@ -196,7 +200,7 @@ def _pcm_diff(got: bytes, ref: bytes) -> dict | None:
 def _arm(models, args, counts: list[int], arm: bool, variant: str) -> dict:
     """The probe alone twice (the control), then beside each count of others, for one arm and variant."""
     deploy = _deploy(args.preset, args.device, arm, variant)
-    with _batch_tile(variant):
+    with _mode_defaults(variant):
         alone = probe(models, deploy, 0, args.units, trace=args.trace)
         # the control: the same lone run again. Unequal means the run is not deterministic, and a
         # difference beside others says nothing about batch invariance

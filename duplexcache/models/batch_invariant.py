@@ -18,9 +18,14 @@ other tokens. The fix is a fixed reduction order per row, whatever the batch:
 * Code2Wav's attention reduces over the arena's whole key capacity in this mode
   (``Code2WavConfig.fixed_key_length``): the key length otherwise followed the longest cache of
   the rows solved together.
+* ``mean`` over the last axis (RMSNorm's ``x.pow(2).mean(-1)``): on CUDA PyTorch's generic
+  reduction picks how it splits a row by the number of rows, so it is summed instead by a pairwise
+  tree of elementwise adds whose order is fixed by the axis length alone (zero-padded to a power
+  of two; adding 0.0 is exact).
 * The rest of the tick is already row-wise on every backend this project runs: per-sequence
-  attention (``paged_attention``'s reference path), norms, softmax and elementwise ops (measured
-  on CPU: equal at every batch size). On CUDA the paged decode kernel's
+  attention (``paged_attention``'s reference path), LayerNorm and softmax (one block per row),
+  argmax, max and elementwise ops (measured on CPU: equal at every batch size; on the H100 the
+  Code2Wav conformer and estimator, LayerNorm-only, were equal beside 7 and 31 streams). On CUDA the paged decode kernel's
   split count is fixed per pool instead of chosen by the batch (``kv/triton_kernels.py``).
 
 This is the published recipe for batch-invariant inference (fixed tiling and reduction order in
@@ -104,18 +109,52 @@ def invariant_matmul(a: torch.Tensor, b: torch.Tensor, tile: int) -> torch.Tenso
     return None
 
 
+def invariant_mean_last(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
+    """``x.mean(-1, keepdim)`` whose every row is summed in one fixed order: a pairwise tree of
+    elementwise adds over the last axis (zero-padded to a power of two), so no reduction kernel
+    chooses the order by the number of rows. Half-precision input is summed in float32, as
+    ``torch.mean`` accumulates it."""
+    d = x.shape[-1]
+    s = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    width = 1 << max(d - 1, 0).bit_length()
+    if width != d:
+        s = F.pad(s, (0, width - d))
+    while s.shape[-1] > 1:
+        half = s.shape[-1] // 2
+        s = s[..., :half] + s[..., half:]
+    out = (s / d).to(x.dtype)
+    return out if keepdim else out.squeeze(-1)
+
+
+def _last_axis_mean(x: torch.Tensor, args: tuple, kwargs: dict) -> bool | None:
+    """``keepdim`` if ``mean(x, *args, **kwargs)`` is a plain mean over x's last axis, else None."""
+    if set(kwargs) - {"dim", "keepdim"} or not torch.is_floating_point(x) or x.dim() < 1 or x.shape[-1] == 0:
+        return None
+    dim = args[0] if args else kwargs.get("dim")
+    keepdim = args[1] if len(args) > 1 else kwargs.get("keepdim", False)
+    if len(args) > 2:
+        return None
+    if isinstance(dim, (tuple, list)) and len(dim) == 1:
+        dim = dim[0]
+    if not isinstance(dim, int) or dim not in (-1, x.dim() - 1):
+        return None
+    return bool(keepdim)
+
+
 _MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm)
+_MEANS = (torch.mean, torch.Tensor.mean)
 _FFTS = (torch.fft.rfft, torch.fft.irfft, torch.stft)
 
 
 class BatchInvariantMode(TorchFunctionMode):
     """Within this mode ``F.linear``, ``F.conv1d`` / ``F.conv_transpose1d``, batched matmuls,
     ``F.scaled_dot_product_attention`` and the FFTs (``rfft``, ``irfft``, ``stft``) run in
-    fixed-shape tiles over their batch axis (module docstring). Thread-local, like every torch
+    fixed-shape tiles over their batch axis, and a mean over the last axis in a fixed order
+    (module docstring). Thread-local, like every torch
     function mode: enter it on the thread that runs the models. ``ops`` picks the families (all
     by default; the probes A/B them)."""
 
-    FAMILIES = frozenset({"linear", "conv", "matmul", "sdpa", "fft"})
+    FAMILIES = frozenset({"linear", "conv", "matmul", "sdpa", "fft", "mean"})
 
     def __init__(self, tile_rows: int, ops: frozenset[str] | None = None, batch_tile: int = BATCH_TILE) -> None:
         super().__init__()
@@ -154,6 +193,11 @@ class BatchInvariantMode(TorchFunctionMode):
             if mask is not None:
                 kwargs["attn_mask"] = mask
             return func(q, k, v, *args[4:], **kwargs)
+        if func in _MEANS and "mean" in ops and args and isinstance(args[0], torch.Tensor):
+            keepdim = _last_axis_mean(args[0], args[1:], kwargs)
+            if keepdim is not None:
+                self.calls += 1
+                return invariant_mean_last(args[0], keepdim)
         if func in _FFTS and "fft" in ops and args and args[0].dim() >= 2:
             x, rest = args[0], args[1:]
             self.calls += 1

@@ -79,6 +79,7 @@ def test_batched_matmul_sdpa_and_ffts_are_tiled_correct_and_batch_invariant():
     mask = torch.rand(9, 1, 1, 10, generator=g) > 0.3
     mask[..., 0] = True
     sig = torch.randn(9, 400, generator=g)
+    rows = torch.randn(9, 7, 24, generator=g)   # RMSNorm's mean over a last axis of 24 (not a power of two)
     spec = torch.randn(9, 30, 9, dtype=torch.complex64, generator=g)
     ops = {
         "matmul": lambda n: torch.matmul(a[:n], b[:n]),
@@ -87,6 +88,8 @@ def test_batched_matmul_sdpa_and_ffts_are_tiled_correct_and_batch_invariant():
         "bmm": lambda n: torch.bmm(a[:n].flatten(0, 1), b[:n].flatten(0, 1)),
         "matmul_2d": lambda n: a[:n] @ w,
         "sdpa": lambda n: F.scaled_dot_product_attention(q[:n], k[:n], v[:n], attn_mask=mask[:n]),
+        "mean_last": lambda n: rows[:n].pow(2).mean(-1, keepdim=True),
+        "torch_mean_last": lambda n: torch.mean(rows[:n], dim=-1),
         "irfft": lambda n: torch.fft.irfft(spec[:n], n=16, dim=-1),
         "rfft": lambda n: torch.fft.rfft(sig[:n], dim=-1),
         "stft": lambda n: torch.stft(sig[:n], 16, 4, window=torch.hann_window(16), return_complex=True),
@@ -107,3 +110,21 @@ def test_op_families_can_be_chosen_and_unknown_ones_are_refused():
     assert mode.calls == 0
     with pytest.raises(ValueError, match="unknown op families"):
         BatchInvariantMode(4, ops=frozenset({"gemm"}))
+
+
+def test_mean_over_the_last_axis_keeps_other_means_and_dtypes_as_they_were():
+    """Only a plain mean over the last axis is rerouted: other axes, whole-tensor means and a
+    dtype argument go to torch as written; bfloat16 is summed in float32 like torch.mean."""
+    from duplexcache.models.batch_invariant import invariant_mean_last
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 6, 33, generator=g)
+    mode = BatchInvariantMode(tile_rows=4, ops=frozenset({"mean"}))
+    with mode:
+        torch.testing.assert_close(x.mean(1), x.mean(1))
+        whole, typed = x.mean(), x.mean(-1, dtype=torch.float64)
+    assert mode.calls == 0 and whole.dim() == 0 and typed.dtype == torch.float64
+    xb = x.to(torch.bfloat16)
+    got = invariant_mean_last(xb, keepdim=True)
+    assert got.dtype == torch.bfloat16 and got.shape == (5, 6, 1)
+    torch.testing.assert_close(got.float(), xb.float().mean(-1, keepdim=True), atol=1e-2, rtol=1e-2)
+    assert torch.equal(invariant_mean_last(x[:1]), invariant_mean_last(x)[:1])

@@ -10,7 +10,12 @@ first unit, the same seeded audio for the probe, other voices / contexts / audio
 The probe's text and pcm16 are compared with the alone run (bytes); per-stage tick latency is the
 median over the ticks after the first two (graph captures) at the largest neighbour count.
 The window is short (2048/1536) and a Talker turn 512 tokens so 32 sessions fit an 80 GB card in
-exact mode; neither changes what is compared. Writes DIR/batch_invariance.json.
+exact mode; neither changes what is compared. Writes DIR/batch_invariance.json (after every arm).
+
+Diagnostics: ``--arms on`` skips the off arm; ``--variants`` runs the on arm once per listed change
+(VARIANTS below); ``--trace`` records the probe's Talker input and codes and its Code2Wav stages per
+step and names the first step of each that differs from the lone run (on the H100 it found the
+conformer's broadcast matmul, 2026-12-07).
 """
 from __future__ import annotations
 

@@ -7,8 +7,8 @@
   annotations): they depend on ``server/session_host.SessionHost`` only;
 * the server and the cluster call an engine through ``EngineAPI`` only: no ``getattr(`` whose
   object is an engine (``engine``, ``self.engine``, ``server.engine``);
-* ``runtime/`` imports nothing of ``bench/`` at module level (annotations included): the
-  benchmarks drive the engine, not the other way round.
+* ``runtime/`` imports nothing of ``bench/``, at module level (annotations included) or inside a
+  function: the benchmarks drive the engine, not the other way round.
 """
 
 from __future__ import annotations
@@ -136,6 +136,11 @@ def test_runtime_imports_nothing_of_the_benchmarks():
     bench = {name: sorted(m for m in _imports(name, path, mods, annotations=True) if m.startswith("duplexcache.bench"))
              for name, path in mods.items() if name.startswith("duplexcache.runtime")}
     assert {name: found for name, found in bench.items() if found} == {}
+    # nor inside a function (a lazy import is still the engine depending on the benchmarks)
+    lazy = {name: [node.lineno for node in ast.walk(ast.parse(path.read_text()))
+                   if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("duplexcache.bench")]
+            for name, path in mods.items() if name.startswith("duplexcache.runtime")}
+    assert {name: lines for name, lines in lazy.items() if lines} == {}
     target = "duplexcache.bench.engine_target"   # the walk sees an import of bench/ where there is one
     assert "duplexcache.bench.fast_forward" in _imports(target, mods[target], mods)
 

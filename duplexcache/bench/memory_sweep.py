@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from duplexcache.bench.common import usage_error
-from duplexcache.bench.floor import SessionFloor, session_floor
+from duplexcache.runtime.memory.floor import SessionFloor, session_floor
 from duplexcache.bench.matrix import config_matrix
 from duplexcache.bench.report import RunMeta, build_report, format_table, write_report
 from duplexcache.bench.runner import run_sweep
@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     wf = None
     if args.waterfall:
-        from duplexcache.runtime.memory.waterfall import plot_waterfall
+        from duplexcache.bench.plot import plot_waterfall
 
         wf = card_waterfall(setup.models, deploy)
         report["waterfall"] = wf.to_json()

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from duplexcache.bench.common import hardware_info, write_results
-from duplexcache.bench.floor import SessionFloor
+from duplexcache.runtime.memory.floor import SessionFloor
 from duplexcache.bench.memory import (
     MIB,
     SlopeFit,

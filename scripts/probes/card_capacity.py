@@ -94,7 +94,7 @@ def main() -> None:
     for after in (False, True):
         plan, reserve, eng = plan_on_card(models, a.config, a.policy, after, free_after_weights,
                                           int(a.activation_gib * GIB))
-        from duplexcache.bench.floor import session_floor
+        from duplexcache.runtime.memory.floor import session_floor
         from duplexcache.cfm.config import Code2WavShape
         from duplexcache.kv.kv_quant import kv_storage_dtype
 

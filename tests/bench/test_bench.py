@@ -14,7 +14,7 @@ import torch
 
 from duplexcache.bench import memory_sweep as bench_cli
 from duplexcache.cli import main as cli_main
-from duplexcache.bench.floor import session_floor
+from duplexcache.runtime.memory.floor import session_floor
 from duplexcache.bench.matrix import (
     SWITCHES,
     config_matrix,

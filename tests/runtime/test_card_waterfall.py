@@ -46,7 +46,7 @@ def test_waterfall_sums_to_the_host_total_and_each_part_is_its_tensors(tmp_path)
 
 
 def test_waterfall_png(tmp_path):
-    from duplexcache.runtime.memory.waterfall import plot_waterfall
+    from duplexcache.bench.plot import plot_waterfall
 
     eng = engine(tmp_path, "png")
     path = plot_waterfall(eng.waterfall(), tmp_path / "waterfall.png")

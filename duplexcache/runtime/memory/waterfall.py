@@ -28,7 +28,7 @@ remainder as ``unplanned``.
 
 ``admitted / floor-limited``: admitted is what admission takes of the reference session (the
 plan's count, which the ledger admits exactly: tests/runtime/test_card_fill.py);
-floor-limited = (total - weights) / the floor bytes of one session (bench/floor.py).
+floor-limited = (total - weights) / the floor bytes of one session (runtime/memory/floor.py).
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+from duplexcache.runtime.memory.floor import session_floor
 
 if TYPE_CHECKING:
     from duplexcache.runtime.engine import DuplexEngine
@@ -124,8 +126,7 @@ class Waterfall:
 
 
 def session_floor_bytes(engine: DuplexEngine) -> int:
-    """The floor of one session of ``engine``'s deploy config (bench/floor.py, shapes only)."""
-    from duplexcache.bench.floor import session_floor
+    """The floor of one session of ``engine``'s deploy config (runtime/memory/floor.py, shapes only)."""
     from duplexcache.cfm.config import Code2WavShape
     from duplexcache.kv.kv_quant import kv_storage_dtype
 
@@ -207,34 +208,3 @@ def engine_waterfall(engine: DuplexEngine) -> Waterfall:
 def log_waterfall(wf: Waterfall, log: logging.Logger = logger) -> None:
     for line in wf.lines():
         log.info("%s", line)
-
-
-def plot_waterfall(wf: Waterfall | dict, path) -> object:
-    """waterfall.png: one bar per part, each starting where the previous ended (matplotlib, as
-    bench/plot.py does), the device total as a line."""
-    from duplexcache.bench.plot import pyplot
-
-    data = wf.to_json() if isinstance(wf, Waterfall) else wf
-    plt = pyplot()
-    parts = data["parts"]
-    colours = dict(zip(GROUPS, ("#4c72b0", "#dd8452", "#8172b3", "#c44e52", "#55a868", "#937860", "#8c8c8c",
-                                "#cccccc")))
-    fig, ax = plt.subplots(figsize=(10, 5))
-    bottom = 0.0
-    for i, p in enumerate(parts):
-        height = p["bytes"] / GIB
-        ax.bar(i, height, bottom=bottom, color=colours.get(p["group"], "#333333"))
-        bottom += height
-    ax.axhline(data["total_bytes"] / GIB, color="black", linewidth=0.8, linestyle=":", label="device total")
-    ax.set_xticks(range(len(parts)))
-    ax.set_xticklabels([p["name"] for p in parts], rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("GiB (cumulative)")
-    ratio = data.get("admitted_over_floor_limited")
-    ax.set_title(f"card waterfall on {data['device']}: {data['total_bytes'] / GIB:.2f} GiB; admitted "
-                 f"{data['admitted']}" + (f", admitted / floor-limited {ratio:.3f}" if ratio is not None else ""))
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path

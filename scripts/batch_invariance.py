@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import logging
 import os
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 # before torch: cuBLAS reads its workspace setting at its first use, and without a fixed workspace
 # its reductions may differ run to run across streams (the `duplexcache` CLI sets the same)
@@ -39,6 +42,7 @@ import torch
 from duplexcache.config import DeployConfig
 from duplexcache.models.batch_invariant import BatchInvariantMode
 from duplexcache.runtime.bundle import build_models
+from duplexcache.runtime import engine as engine_module
 from duplexcache.runtime.engine import DuplexEngine
 from duplexcache.runtime.engine_api import AudioDelta, TextDelta
 from duplexcache.runtime.stages import talker_stage as talker_stage_module
@@ -72,23 +76,20 @@ def _deploy(preset: str, device: str, batch_invariant: bool, variant: str = "def
     return DeployConfig.from_dict(data, environ={})
 
 
-@contextlib.contextmanager
 def _mode_defaults(variant: str):
-    """BatchInvariantMode's defaults while the variant's engines run: "tile1" a per-sample tile of
-    1, "no_mean" every op family but the last-axis mean."""
-    defaults = BatchInvariantMode.__init__.__defaults__
+    """The engine's BatchInvariantMode while the variant's engines run: "tile1" a per-sample tile of
+    1, "no_mean" every op family but the last-axis mean; the mode as built otherwise."""
     if variant == "tile1":
-        BatchInvariantMode.__init__.__defaults__ = (defaults[0], 1)
-    elif variant == "no_mean":
-        BatchInvariantMode.__init__.__defaults__ = (BatchInvariantMode.FAMILIES - {"mean"}, defaults[1])
-    try:
-        yield
-    finally:
-        BatchInvariantMode.__init__.__defaults__ = defaults
+        return mock.patch.object(engine_module, "BatchInvariantMode", functools.partial(BatchInvariantMode, batch_tile=1))
+    if variant == "no_mean":
+        return mock.patch.object(engine_module, "BatchInvariantMode", functools.partial(
+            BatchInvariantMode, ops=BatchInvariantMode.FAMILIES - {"mean"}))
+    return contextlib.nullcontext()
 
 
-def _trace(eng: DuplexEngine, sid: str) -> dict[str, list]:
-    """Record session ``sid``'s Talker inputs and codes per unit (text ids, the Thinker's hidden rows)
+@contextlib.contextmanager
+def _trace(eng: DuplexEngine, sid: str) -> Iterator[dict[str, list]]:
+    """While open, record session ``sid``'s Talker inputs and codes per unit (text ids, the Thinker's hidden rows)
     and its Code2Wav inputs and outputs per step: the codes of its chunk, the conformer output (mu),
     the solved mel and the float PCM (host copies: numerics unchanged)."""
     c2w, stage = eng.code2wav, eng.code2wav_stage
@@ -110,8 +111,6 @@ def _trace(eng: DuplexEngine, sid: str) -> dict[str, list]:
                     rec["talker_hidden"].append(hidden.detach().float().cpu().clone())
                     rec["talker_codes"].append(res.codes.detach().cpu().clone())
         return results
-    talker_stage_module.generate_unit = generate_hook
-    eng._trace_restore = lambda: setattr(talker_stage_module, "generate_unit", generate_unit)
     streams: set[str] = set()    # Code2Wav's stream ids of the session (a new one per audio turn)
     stage_step, run_rows, vocode = stage._step, c2w._run_rows, c2w._vocode_group
 
@@ -135,7 +134,9 @@ def _trace(eng: DuplexEngine, sid: str) -> dict[str, list]:
             rec["pcm"].append(out[csid].detach().cpu().clone())
         return out
     stage._step, c2w._run_rows, c2w._vocode_group = step_hook, rows_hook, vocode_hook
-    return rec
+    # the Talker stage calls its module's generate_unit: patched only while this engine runs
+    with mock.patch.object(talker_stage_module, "generate_unit", generate_hook):
+        yield rec
 
 
 def _first_difference(got: dict[str, list], ref: dict[str, list]) -> dict:
@@ -166,23 +167,21 @@ def probe(models, deploy: DeployConfig, others: int, units: int, same_voice: boo
     sids = [first] + [eng.open_session({"voice": voices[0 if same_voice else (i + 1) % len(voices)],
                                         "instructions": f"other {i % 3}"})
                       for i in range(others)]
-    rec = _trace(eng, first) if trace else None
-    while eng.prefill_pending():
-        eng.prefill_step()
-    for i, sid in enumerate(sids):
-        eng.push_audio(sid, _audio(77 if sid == first else i, units))
-    pcm, text, lat = bytearray(), [], {s: [] for s in STAGES}
-    for k in range(units + 1):
-        for e in eng.tick():
-            if e.sid == first and isinstance(e, AudioDelta):
-                pcm += e.pcm16
-            elif e.sid == first and isinstance(e, TextDelta):
-                text.append(e.text)
-        if k >= 2:   # past the first ticks' graph captures
-            for s in STAGES:
-                lat[s].append(eng.latency_history[s][-1] * 1000)
-    if trace:
-        eng._trace_restore()   # the Talker stage's module-level hook goes with its engine
+    with _trace(eng, first) if trace else contextlib.nullcontext() as rec:
+        while eng.prefill_pending():
+            eng.prefill_step()
+        for i, sid in enumerate(sids):
+            eng.push_audio(sid, _audio(77 if sid == first else i, units))
+        pcm, text, lat = bytearray(), [], {s: [] for s in STAGES}
+        for k in range(units + 1):
+            for e in eng.tick():
+                if e.sid == first and isinstance(e, AudioDelta):
+                    pcm += e.pcm16
+                elif e.sid == first and isinstance(e, TextDelta):
+                    text.append(e.text)
+            if k >= 2:   # past the first ticks' graph captures
+                for s in STAGES:
+                    lat[s].append(eng.latency_history[s][-1] * 1000)
     eng.shutdown()
     del eng
     gc.collect()
@@ -250,7 +249,8 @@ def main() -> None:
     if set(arms) - {"on", "off"} or set(variants) - set(VARIANTS):
         ap.error(f"--arms takes on/off, --variants {', '.join(VARIANTS)}")
     models = build_models(_deploy(args.preset, args.device, True))
-    result = {"preset": args.preset, "device": args.device, "units": args.units, "arms": {},
+    # --trace copies tensors to the host inside the ticks: its per-stage ms are not the switch's cost
+    result = {"preset": args.preset, "device": args.device, "units": args.units, "traced": args.trace, "arms": {},
               "hardware": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "date": time.strftime("%Y-%m-%d")}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -57,8 +57,9 @@ STAGES = ("encoder", "thinker", "talker", "code2wav", "tick")
 # scripts/code2wav_invariance_probe.py runs) instead of one per batch size; "eager_vocoder": the
 # vocoder without CUDA graphs; "prompt_sharing": the voice prompt's attention cache shared;
 # "tile1": the per-sample ops (conv, SDPA, FFT) one sample per call instead of tiles of 4;
-# "no_mean": the mode without its fixed-order last-axis mean (RMSNorm's), the A/B of that family.
-VARIANTS = ("default", "same_voice", "grid", "eager_vocoder", "prompt_sharing", "tile1", "no_mean")
+# "no_mean": the mode without its fixed-order last-axis mean (RMSNorm's), the A/B of that family;
+# "eager_llm": the Thinker, Talker and encoder without CUDA graphs (decode, ragged step, encoder pieces).
+VARIANTS = ("default", "same_voice", "grid", "eager_vocoder", "prompt_sharing", "tile1", "no_mean", "eager_llm")
 
 
 def _deploy(preset: str, device: str, batch_invariant: bool, variant: str = "default") -> DeployConfig:
@@ -73,6 +74,8 @@ def _deploy(preset: str, device: str, batch_invariant: bool, variant: str = "def
         data["code2wav"]["vocoder_cuda_graphs"] = False
     elif variant == "prompt_sharing":
         data["code2wav"]["cfm_prompt_att_sharing"] = True
+    elif variant == "eager_llm":
+        data["engine"].update(decode_cuda_graphs=False, ragged_step_graphs=False, encoder_cuda_graphs=False)
     return DeployConfig.from_dict(data, environ={})
 
 

@@ -215,16 +215,13 @@ class SpeakPolicy(_Strict):
 class EngineConfig(_Strict):
     """Admission and ticking."""
 
-    # "auto": memory_fraction of the device memory still free after the weights and the fixed
-    # allocations (runtime/memory/memory_budget.py; on CPU a fixed 512 MiB, capped by available RAM), or a
-    # byte size, refused at start-up when it exceeds what is free.
+    # "auto": 0.9 of the device memory still free after the weights and the fixed allocations
+    # (runtime/memory/memory_budget.py AUTO_FREE_SHARE; on CPU a fixed 512 MiB, capped by available
+    # RAM), or a byte size, refused at start-up when it exceeds what is free.
     memory_budget: BudgetSize = AUTO
-    # Share of the free device memory an "auto" budget takes; the rest stays for the CUDA
-    # context's growth, cuBLAS/cuDNN workspaces, Triton and the allocator's fragmentation.
-    memory_fraction: float = Field(0.9, gt=0, le=1)
     # Kept free for activations/scratch; admission only hands out memory_budget - this. With
     # activation_from_warmup on CUDA, an upper bound for the first plan only: the re-plan keeps
-    # the peak the warm-up measured + activation_margin instead.
+    # the peak the warm-up measured + 1 GiB (runtime/memory/replan.py ACTIVATION_MARGIN) instead.
     activation_reserve: ByteSize = parse_bytes("64MiB")
     tick_seconds: float = Field(1.0, gt=0)
     # Admission by time: admit while the measured per-session cost predicts a tick under
@@ -257,6 +254,9 @@ class EngineConfig(_Strict):
     # sequence by its own length only (models/batch_invariant.py). Off: kernels pick their
     # reduction by the batch's shape, so a session alone and beside others can differ in the
     # last bits (and then in tokens). The sharing switches stay bit-exact either way. Off by
+    # A speak policy that bounds a turn (every_k_units with turn_units < k, reply) reserves and caps
+    # its longest turn instead when that is smaller (runtime/memory/session_sizing.py
+    # reserved_turn_tokens, docs/engine.md "Talker turns").
     # default, as measured: the tiny CPU tick ~5x slower; on an H100 at 32 minicpmo45 sessions
     # 550 -> 1269 ms per tick, with 3-4 samples of 1 LSB still differing on CUDA
     # (docs/benchmarks.md, "Batch invariance" and "Batch invariance on the GPU").
@@ -272,26 +272,16 @@ class EngineConfig(_Strict):
     # each costs a Code2Wav prompt state and a prompt pass when first seen; sessions sending the
     # same recording share it. 0: clients may only name the server's voices.
     max_reference_voices: int = Field(8, ge=0)
-    # Reserve per session the speak policy's longest audio turn instead of talker_turn_tokens when
-    # the policy bounds it (every_k_units with turn_units < k: turn_units units; reply:
-    # reply_max_units units; model: no bound, the whole talker_turn_tokens). The Talker stage caps
-    # the turn at the same number, so a turn can never outgrow its reservation
-    # (runtime/memory/session_sizing.py reserved_turn_tokens, docs/engine.md "Talker turns").
-    talker_turn_from_policy: bool = True
     # Size the activation reserve from the device memory the warm-up measured (its peak above the
-    # pools, graph pools included) plus activation_margin, and an auto budget from what is free
-    # then less memory_headroom: the engine plans, warms up, re-plans once and warms up again
-    # (runtime/warmup.py measured_replan). CUDA only; elsewhere activation_reserve as written.
+    # pools, graph pools included) plus a 1 GiB margin (runtime/memory/replan.py ACTIVATION_MARGIN),
+    # and an auto budget from what is free then less memory_headroom: the engine plans, warms up,
+    # re-plans once and warms up again (runtime/memory/replan.py replan_after_warmup). CUDA only;
+    # elsewhere activation_reserve as written.
     activation_from_warmup: bool = False
-    activation_margin: ByteSize = parse_bytes("1GiB")
     # What an auto budget re-planned after the warm-up leaves free on the device: the CUDA
-    # context's lazy growth, cuBLAS/cuDNN workspaces, Triton and NCCL (replaces memory_fraction's
+    # context's lazy growth, cuBLAS/cuDNN workspaces, Triton and NCCL (replaces the first plan's
     # 10 % of free when activation_from_warmup is on).
     memory_headroom: ByteSize = parse_bytes("1GiB")
-    # CUDA: `duplexcache serve` sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before CUDA
-    # starts (unless the environment already sets PYTORCH_CUDA_ALLOC_CONF), so freed memory is
-    # given back in pages instead of staying cached in whole segments (allocator slack).
-    cuda_expandable_segments: bool = True
 
     @model_validator(mode="after")
     def _reserve_fits(self) -> "EngineConfig":
@@ -519,7 +509,7 @@ class DeployConfig(_Strict):
     def to_dict(self) -> dict[str, Any]:
         """Plain YAML-able dict; ``DeployConfig.from_dict(c.to_dict()) == c``."""
         data = self.model_dump(mode="json")
-        for key in ("memory_budget", "activation_reserve", "activation_margin", "memory_headroom"):
+        for key in ("memory_budget", "activation_reserve", "memory_headroom"):
             if data["engine"][key] != AUTO:
                 data["engine"][key] = format_bytes(data["engine"][key])
         data["server"]["max_frame_bytes"] = format_bytes(data["server"]["max_frame_bytes"])

@@ -59,6 +59,15 @@ def apply_env_overrides(raw: Mapping[str, Any], environ: Mapping[str, str]) -> d
 # warning, for one release.
 RETIRED_KEYS = (
     (("server",), "switch_interval_ms", "Python's 5 ms was kept: 0.5 ms gave no gain (32 callers, H200)"),
+    (("engine",), "memory_fraction", "an auto budget's first plan keeps 0.9 of the free memory "
+                                     "(runtime/memory/memory_budget.py AUTO_FREE_SHARE); the re-plan after the "
+                                     "warm-up uses engine.memory_headroom"),
+    (("engine",), "cuda_expandable_segments", "serve always sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+                                              "unless the environment sets PYTORCH_CUDA_ALLOC_CONF"),
+    (("engine",), "talker_turn_from_policy", "the Talker reserve is always the speak policy's longest turn when "
+                                             "the policy bounds it (issue 43's card fill)"),
+    (("engine",), "activation_margin", "the re-plan after the warm-up adds a fixed 1 GiB to the measured peak "
+                                       "(runtime/memory/replan.py ACTIVATION_MARGIN)"),
     (("engine", "speak_policy"), "end_quiet_lookahead", "the reply policy always hears the quiet after the unit "
                                                         "(32 callers, H200: reply p95 2.74 -> 1.88 s)"),
 )

@@ -35,11 +35,11 @@ NON_DEFAULT = {
     "code2wav": {"cfm_prompt_att_sharing": True, "cfm_arena_rows_from_graph_grid": True,
                  "max_num_seqs": 24, "graph_grid": [1, 4, 8], "vocoder_cuda_graphs": False},
     "precision": {"code2wav_dtype": "bfloat16", "kv_cache_dtype": "fp8_e4m3", "encoder_cache_dtype": "fp8_e4m3"},
-    "engine": {"memory_budget": "80GiB", "memory_fraction": 0.8, "activation_reserve": "3GiB", "tick_seconds": 0.5, "decode_cuda_graphs": False, "ragged_step_graphs": False,
+    "engine": {"memory_budget": "80GiB", "activation_reserve": "3GiB", "tick_seconds": 0.5, "decode_cuda_graphs": False, "ragged_step_graphs": False,
                "encoder_cuda_graphs": False, "batch_invariant": True,
-               "talker_turn_tokens": 1024, "max_reference_voices": 2, "talker_turn_from_policy": False,
+               "talker_turn_tokens": 1024, "max_reference_voices": 2,
                "activation_from_warmup": True,
-               "activation_margin": "256MiB", "memory_headroom": "2GiB", "cuda_expandable_segments": False,
+               "memory_headroom": "2GiB",
                "tick_headroom": 0.5, "prefill_chunk_tokens": 256,
                "speak_policy": {"mode": "model", "k": 3, "turn_units": 1, "speech_rms": 0.02,
                                 "reply_min_units": 3, "reply_max_units": 5, "end_quiet_ms": 300}},
@@ -83,7 +83,7 @@ def test_shipped_yaml_writes_out_every_switch_with_its_default(preset):
     assert default.code2wav.cfm_arena_rows_from_graph_grid is False
     # the speed switches and the budget default on: the fast path, sized from the free memory
     assert default.stage0.ragged_kernel is True and default.engine.decode_cuda_graphs is True
-    assert default.engine.memory_budget == "auto" and default.engine.memory_fraction == 0.9
+    assert default.engine.memory_budget == "auto"
 
 
 def test_memory_budget_auto_or_bytes():
@@ -96,9 +96,6 @@ def test_memory_budget_auto_or_bytes():
     DeployConfig.from_dict({"engine": {"memory_budget": "auto", "activation_reserve": "1TiB"}}, environ=NO_ENV)
     with pytest.raises(ConfigError, match="activation_reserve"):
         DeployConfig.from_dict({"engine": {"memory_budget": "1GiB", "activation_reserve": "1TiB"}}, environ=NO_ENV)
-    for bad in (0, 1.5, -0.1):
-        with pytest.raises(ConfigError, match="engine.memory_fraction"):
-            DeployConfig.from_dict({"engine": {"memory_fraction": bad}}, environ=NO_ENV)
     with pytest.raises(ConfigError, match="engine.memory_budget"):
         DeployConfig.from_dict({"engine": {"memory_budget": "automatic"}}, environ=NO_ENV)
 
@@ -376,6 +373,22 @@ def test_an_old_yaml_still_loads_its_scheduler_keys(tmp_path):
         warnings.simplefilter("ignore", DeprecationWarning)
         d = DeployConfig.from_yaml(path, environ={})
     assert (d.scheduler.tick_phases, d.scheduler.align_units_to_ticks, d.scheduler.phase_units) == (4, False, "spread")
+
+
+# ----------------------------------------------------------------------------- engine keys retired in issue 44
+
+@pytest.mark.parametrize("key, value", [
+    ("memory_fraction", 0.5), ("cuda_expandable_segments", False), ("talker_turn_from_policy", False),
+    ("activation_margin", "256MiB"),
+])
+def test_an_engine_key_retired_in_issue_44_is_ignored_with_a_warning(key, value, caplog):
+    """Retired with their code path (docs/engine.md, "Retired switches"): an old YAML that sets one
+    loads as the defaults do (what each did at its default is what the code now always does)."""
+    with pytest.warns(DeprecationWarning, match=rf"engine\.{key} was retired"):
+        d = DeployConfig.from_dict({"engine": {key: value, "tick_seconds": 0.5}}, environ=NO_ENV)
+    assert f"engine.{key}" in caplog.text
+    assert d == DeployConfig.from_dict({"engine": {"tick_seconds": 0.5}}, environ=NO_ENV)
+    assert key not in d.to_dict()["engine"] and not hasattr(d.engine, key)
 
 
 @pytest.mark.parametrize("raw, key", [

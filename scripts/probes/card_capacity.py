@@ -6,9 +6,9 @@
 The engine itself plans on the ``meta`` device (the models' shapes, no weights, nothing
 allocated; as tests/runtime/test_memory_budget.py does): the same footprints, fixed buffers and
 ``plan_memory`` that serve uses, with the device's free memory injected. Two plans: before issue
-43 (the config's fixed activation_reserve, ``fixed + 0.9 x free``, whole Talker turns) and after
-(``engine.activation_from_warmup``: the measured peak + activation_margin, ``free -
-memory_headroom``, the policy's Talker turn). What shapes cannot give is an argument, defaulting
+43 (the config's fixed activation_reserve, ``fixed + 0.9 x free``, whole Talker turns: the
+``model`` policy's reservation) and after (``engine.activation_from_warmup``: the measured peak +
+the re-plan's 1 GiB margin, ``free - memory_headroom``, the policy's Talker turn). What shapes cannot give is an argument, defaulting
 to issue 43's H100 measurement: the device total (79.6 GiB), what lives outside PyTorch (CUDA
 context, cuBLAS, Triton: 79.6 - 10.96 free - 66.33 reserved = 2.31 GiB) and the warm-up's peak
 above the pools (assumed 3 GiB: the graph pools measured 1.4 GiB, plus the prefill and encoder
@@ -44,13 +44,15 @@ def plan_on_card(models, config: Path, policy: str | None, after: bool, free_aft
     """The engine's plan on ``meta`` with ``free_after_weights`` bytes free on the device."""
     from duplexcache.config import DeployConfig
     from duplexcache.runtime.memory import memory_budget as MB
+    from duplexcache.runtime.memory.replan import ACTIVATION_MARGIN
     from duplexcache.runtime.engine import DuplexEngine
 
     raw = DeployConfig.from_yaml(config, environ={}).to_dict()
     raw["model"]["device"] = "meta"
     if policy:
         raw["engine"]["speak_policy"]["mode"] = policy
-    raw["engine"]["talker_turn_from_policy"] = after
+    if not after:   # whole Talker turns, as before issue 43: a policy with no bound reserves them
+        raw["engine"]["speak_policy"]["mode"] = "model"
     deploy = DeployConfig.from_dict(raw, environ={})
     # mem_get_info after the fixed buffers are allocated: the engine asks once they are
     fixed_box: list[int] = []
@@ -68,7 +70,7 @@ def plan_on_card(models, config: Path, policy: str | None, after: bool, free_aft
         e = deploy.engine
         fixed_box.append(eng.sizing.fixed_bytes())
         # plan 2, as replan_after_warmup makes it: measured peak + margin, free - headroom
-        reserve = activation + e.activation_margin
+        reserve = activation + ACTIVATION_MARGIN
         return eng.sizing.plan(activation_reserve=reserve, headroom=e.memory_headroom), reserve, eng
     finally:
         MB.resolve_memory_budget = resolve
@@ -111,7 +113,7 @@ def main() -> None:
         logger.info("%s, %s policy: fixed %.2f GiB, activation reserve %.2f GiB, budget %.2f GiB; per session "
                     "%.1f MiB (Thinker %d blocks, Talker %d blocks = %.1f MiB, Code2Wav+encoder %.1f MiB); "
                     "%d admitted; floor %.1f MiB, floor-limited %.2f; admitted / floor-limited = %.3f",
-                    "after" if after else "before", a.policy, plan.fixed_bytes / GIB, reserve / GIB,
+                    "after" if after else "before", d.engine.speak_policy.mode, plan.fixed_bytes / GIB, reserve / GIB,
                     (plan.budget_bytes + reserve) / GIB, per / MIB, fp.thinker_private_blocks, fp.talker_blocks,
                     fp.talker_blocks * plan.talker_block_bytes / MIB, fp.dynamic_private_bytes / MIB,
                     plan.planned_sessions, floor / MIB, floor_limited, plan.planned_sessions / floor_limited)

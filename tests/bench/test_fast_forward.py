@@ -50,7 +50,7 @@ def test_fill_to_high_mark_then_next_unit_compacts_as_serving(tmp_path):
 
     res = fast_forward_session(eng, sid, thinker_tokens=HIGH, talker_full_turn=True, chunk_tokens=16)
     after = eng.session_info(sid)
-    # a full turn is what admission reserved: this policy's 2-unit turn (engine.talker_turn_from_policy)
+    # a full turn is what admission reserved: this policy's 2-unit turn (session_sizing.reserved_turn_tokens)
     talker_max = eng.sizing.talker_turn_tokens
     assert talker_max == 2 * largest_unit_tokens(eng.models.talker.config)
     assert res.thinker_tokens_appended == HIGH - have and after.thinker_tokens == anchor + HIGH

@@ -89,13 +89,15 @@ def test_talker_reserve_is_the_policys_turn_and_wired_from_the_yaml(tmp_path):
     assert on.talker_stage.turn_tokens == on.sizing.talker_turn_tokens   # the stage caps at what the ledger holds
     fp = on.sizing.footprint(on.sizing.default_config("default"), on.voices.get("default"))
     assert fp.talker_blocks == -(-2 * unit // on.block_size)
-    sections = _sections(bounded, 512)
-    sections["engine"]["talker_turn_from_policy"] = False
-    off = engine(tmp_path, "off", sections)
-    assert off.sizing.talker_turn_tokens == 512
-    assert off.plan.talker_blocks > on.plan.talker_blocks   # the Talker pool holds whole turns again
-    on.shutdown()
-    off.shutdown()
+    # a policy with no bound (every unit speaks: one endless turn) reserves the whole talker_turn_tokens
+    unbounded = engine(tmp_path, "unbounded", _sections(ALWAYS_SPEAK, 512))
+    assert unbounded.sizing.talker_turn_tokens == unbounded.talker_stage.turn_tokens == 512
+    assert unbounded.plan.talker_blocks > on.plan.talker_blocks   # the Talker pool holds whole turns
+    # a bound above talker_turn_tokens: the configured cap stays the smaller reservation
+    capped = engine(tmp_path, "capped", _sections({"mode": "reply", "reply_min_units": 2, "reply_max_units": 8}, 2 * unit))
+    assert capped.sizing.talker_turn_tokens == 2 * unit < 8 * unit
+    for eng in (on, unbounded, capped):
+        eng.shutdown()
 
 
 def test_a_policy_that_outruns_the_reserved_turn_is_cut_at_it(tmp_path, caplog):

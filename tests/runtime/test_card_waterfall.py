@@ -1,6 +1,6 @@
 """Issue 43: the card waterfall adds up to the device total, each part the bytes it names; the
 measured re-plan after the warm-up and its switches (engine.activation_from_warmup,
-activation_margin, memory_headroom) are wired from the deploy YAML."""
+memory_headroom) are wired from the deploy YAML, its margin is replan.ACTIVATION_MARGIN."""
 from __future__ import annotations
 
 import pytest
@@ -55,15 +55,15 @@ def test_waterfall_png(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_waterfall_sums_to_the_card_on_cuda(tmp_path):
+def test_waterfall_sums_to_the_card_on_cuda(tmp_path, monkeypatch):
     """On the GPU: the parts add up to mem_get_info's total exactly, the remainders are small,
     and the allocator's slack after the warm-up is at most 1 GiB (run with
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as serve sets it)."""
     # a fixed budget: tiny under an auto budget would plan thousands of sessions on an 80 GB card
     # (the minicpmo45 auto path runs in scripts/gpu_bench.sh card_waterfall)
+    monkeypatch.setattr(replan, "ACTIVATION_MARGIN", 256 * MIB)   # a margin in scale with the 4 GiB budget
     deploy = deploy_from_yaml(tmp_path, "cuda", {"model": {"device": "cuda"},
-                                                 "engine": {"memory_budget": "4GiB", "activation_from_warmup": True,
-                                                            "activation_margin": "256MiB"}})
+                                                 "engine": {"memory_budget": "4GiB", "activation_from_warmup": True}})
     eng = DuplexEngine(deploy, build_models(deploy, seed=0))
     eng.warmup()
     wf = eng.waterfall()
@@ -77,8 +77,15 @@ def test_waterfall_sums_to_the_card_on_cuda(tmp_path):
     eng.shutdown()
 
 
+def _small_margin(monkeypatch) -> None:
+    """The re-plan's margin (1 GiB on a card) scaled to these CPU budgets of a few hundred MiB."""
+    assert replan.ACTIVATION_MARGIN == 2**30
+    monkeypatch.setattr(replan, "ACTIVATION_MARGIN", 4 * MIB)
+
+
 def _measured(monkeypatch, peak: int, free: int | None = None) -> None:
     """A device that measures (as CUDA does): the warm-up reports ``peak``; ``free`` device memory."""
+    _small_margin(monkeypatch)
     monkeypatch.setattr(replan, "activation_peak", lambda engine: peak)
     if free is not None:
         monkeypatch.setattr(memory_budget, "device_free_bytes", lambda device: free)
@@ -86,7 +93,7 @@ def _measured(monkeypatch, peak: int, free: int | None = None) -> None:
 
 def test_activation_from_warmup_replans_from_the_measured_peak(tmp_path, monkeypatch):
     sections = {"engine": {"memory_budget": "256MiB", "activation_reserve": "64MiB",
-                           "activation_from_warmup": True, "activation_margin": "4MiB"}}
+                           "activation_from_warmup": True}}
     eng = engine(tmp_path, "replan", sections)
     first = eng.plan
     _measured(monkeypatch, 12 * MIB)
@@ -113,7 +120,7 @@ def test_activation_from_warmup_off_keeps_the_plan(tmp_path, monkeypatch):
 
 def test_auto_budget_after_warmup_is_free_less_the_headroom(tmp_path, monkeypatch):
     sections = {"engine": {"memory_budget": "auto", "activation_reserve": "64MiB", "activation_from_warmup": True,
-                           "activation_margin": "4MiB", "memory_headroom": "32MiB"}}
+                           "memory_headroom": "32MiB"}}
     deploy = deploy_from_yaml(tmp_path, "auto", sections)
     eng = DuplexEngine(deploy, tiny_models())
     _measured(monkeypatch, 12 * MIB, free=300 * MIB)
@@ -131,7 +138,7 @@ def test_a_peak_the_budget_cannot_hold_is_scaled_to_the_batch_and_checked(tmp_pa
     exceeds the budget. The re-plan reserves the peak in proportion to the sessions it can still
     hold, and the next warm-up, measuring at that plan's batches, confirms the estimate."""
     sections = {"engine": {"memory_budget": "256MiB", "activation_reserve": "64MiB",
-                           "activation_from_warmup": True, "activation_margin": "4MiB"}}
+                           "activation_from_warmup": True}}
     eng = engine(tmp_path, "scaled", sections)
     first = eng.plan.planned_sessions
     per_session = 2 * 256 * MIB // first          # activations in proportion to the graph batches
@@ -141,6 +148,7 @@ def test_a_peak_the_budget_cannot_hold_is_scaled_to_the_batch_and_checked(tmp_pa
         peaks.append(per_session * engine.plan.planned_sessions)
         return peaks[-1]
 
+    _small_margin(monkeypatch)
     monkeypatch.setattr(replan, "activation_peak", peak)
     with pytest.raises(BudgetTooSmall):              # the measured peak as such leaves no session
         eng.sizing.plan(activation_reserve=per_session * first + 4 * MIB)
@@ -160,7 +168,7 @@ def test_an_estimate_the_next_warmup_exceeds_is_replanned_from_that_peak(tmp_pat
     the engine re-plans from the line through the two measurements, and stops re-planning once a
     warm-up measures under its reserve (at most MAX_ESTIMATED_REPLANS times)."""
     sections = {"engine": {"memory_budget": "256MiB", "activation_reserve": "64MiB",
-                           "activation_from_warmup": True, "activation_margin": "4MiB"}}
+                           "activation_from_warmup": True}}
     eng = engine(tmp_path, "rechecked", sections)
     peaks, reserves = [], []
 
@@ -174,6 +182,7 @@ def test_an_estimate_the_next_warmup_exceeds_is_replanned_from_that_peak(tmp_pat
             peaks.append(MIB)                                    # under any reserve
         return peaks[-1]
 
+    _small_margin(monkeypatch)
     monkeypatch.setattr(replan, "activation_peak", peak)
     eng.warmup()
     assert len(peaks) == 3
@@ -185,7 +194,7 @@ def test_estimated_replans_are_bounded(tmp_path, monkeypatch, caplog):
     """Each estimated re-plan costs a whole warm-up: after MAX_ESTIMATED_REPLANS the engine serves
     with the last plan and says the reserve ran short."""
     sections = {"engine": {"memory_budget": "256MiB", "activation_reserve": "64MiB",
-                           "activation_from_warmup": True, "activation_margin": "4MiB"}}
+                           "activation_from_warmup": True}}
     eng = engine(tmp_path, "bounded", sections)
     peaks = []
 
@@ -193,6 +202,7 @@ def test_estimated_replans_are_bounded(tmp_path, monkeypatch, caplog):
         peaks.append(512 * MIB if not peaks else engine.activation_reserve + 8 * MIB)
         return peaks[-1]
 
+    _small_margin(monkeypatch)
     monkeypatch.setattr(replan, "activation_peak", peak)
     monkeypatch.setattr(replan, "MAX_ESTIMATED_REPLANS", 1)
     eng.warmup()

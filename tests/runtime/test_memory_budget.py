@@ -37,11 +37,12 @@ def _engine_cfg(**engine):
     return DeployConfig.from_dict({"engine": engine}, environ={}).engine
 
 
-def test_auto_takes_the_fraction_of_what_is_free():
-    cfg = _engine_cfg(memory_budget="auto", memory_fraction=0.9, activation_reserve="8GiB")
+def test_auto_takes_the_share_of_what_is_free(monkeypatch):
+    cfg = _engine_cfg(memory_budget="auto", activation_reserve="8GiB")
+    assert MB.AUTO_FREE_SHARE == 0.9
     assert MB.resolve_memory_budget(cfg, 10 * GB, 100 * GB) == 10 * GB + 90 * GB
-    half = _engine_cfg(memory_budget="auto", memory_fraction=0.5, activation_reserve="8GiB")
-    assert MB.resolve_memory_budget(half, 10 * GB, 100 * GB) == 60 * GB
+    monkeypatch.setattr(MB, "AUTO_FREE_SHARE", 0.5)   # the constant, not a literal, sizes the budget
+    assert MB.resolve_memory_budget(cfg, 10 * GB, 100 * GB) == 60 * GB
     with pytest.raises(ValueError, match="activation_reserve"):   # nothing left for sessions
         MB.resolve_memory_budget(cfg, 10 * GB, 2 * GB)
 
@@ -151,7 +152,7 @@ def test_packaged_minicpmo45_configs_start_on_h200_and_80gb(monkeypatch, caplog,
     available = CARDS[card]
     eng = _meta_engine(monkeypatch, meta_models, CONFIGS[config], available=available)
     plan, e = eng.plan, eng.deploy.engine
-    assert e.memory_budget == "auto" and e.memory_fraction == 0.9
+    assert e.memory_budget == "auto" and MB.AUTO_FREE_SHARE == 0.9
     budget = plan.budget_bytes + e.activation_reserve
     assert budget == plan.fixed_bytes + int(0.9 * (available - plan.fixed_bytes))
     assert available - budget >= 0.1 * (available - plan.fixed_bytes) - 1   # the headroom stays free

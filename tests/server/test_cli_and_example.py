@@ -443,7 +443,7 @@ def test_example_sends_the_key_from_the_environment(tmp_path, monkeypatch):
 
 
 def test_serve_sets_the_allocator_conf_before_cuda_starts(monkeypatch):
-    """engine.cuda_expandable_segments reaches `serve`: PYTORCH_CUDA_ALLOC_CONF is set before the
+    """`serve` on a CUDA deploy sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before the
     device check and the engine build (here the device check fails: no CUDA)."""
     import torch
 

@@ -1,5 +1,5 @@
-"""Issue 43: the card waterfall on /metrics (a gauge per part) and the serve switch that sets
-the CUDA allocator's expandable segments before CUDA starts."""
+"""Issue 43: the card waterfall on /metrics (a gauge per part) and serve setting the CUDA
+allocator's expandable segments before CUDA starts."""
 from __future__ import annotations
 
 from duplexcache.config import DeployConfig
@@ -20,19 +20,13 @@ def test_waterfall_parts_are_a_gauge_with_a_part_label():
     assert "duplexcache_admitted_over_floor_limited 0.75" in text   # 3 / ((100 - 60) / 10)
 
 
-def _cuda_deploy(on: bool) -> DeployConfig:
-    return DeployConfig.from_dict({"model": {"device": "cuda"}, "engine": {"cuda_expandable_segments": on}},
-                                  environ={})
-
-
-def test_expandable_segments_switch_sets_the_allocator_conf():
+def test_serve_sets_expandable_segments_unless_the_environment_sets_the_allocator_conf():
+    cuda = DeployConfig.from_dict({"model": {"device": "cuda:1"}}, environ={})
     env: dict[str, str] = {}
-    assert configure_cuda_allocator(_cuda_deploy(True), env) == EXPANDABLE
-    assert env[ALLOC_CONF] == EXPANDABLE
-    env = {}
-    assert configure_cuda_allocator(_cuda_deploy(False), env) is None and ALLOC_CONF not in env
-    env = {ALLOC_CONF: "max_split_size_mb:128"}   # the operator's setting wins
-    assert configure_cuda_allocator(_cuda_deploy(True), env) == "max_split_size_mb:128"
+    assert configure_cuda_allocator(cuda, env) == EXPANDABLE
+    assert env[ALLOC_CONF] == EXPANDABLE == "expandable_segments:True"
+    for operators in ("max_split_size_mb:128", "expandable_segments:False"):   # the operator's setting wins
+        env = {ALLOC_CONF: operators}
+        assert configure_cuda_allocator(cuda, env) == operators and env == {ALLOC_CONF: operators}
     env = {}   # a CPU deploy leaves CUDA alone
-    configure_cuda_allocator(DeployConfig.from_dict({"engine": {"cuda_expandable_segments": True}}, environ={}), env)
-    assert ALLOC_CONF not in env
+    assert configure_cuda_allocator(DeployConfig.from_dict({}, environ={}), env) is None and ALLOC_CONF not in env

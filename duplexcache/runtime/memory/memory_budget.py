@@ -4,17 +4,17 @@
 after the weights and the engine's fixed allocations (the Code2Wav arena, the voices and the
 vocoder copy) are already on the device::
 
-    budget = fixed + floor(memory_fraction * free)        (CUDA: free from torch.cuda.mem_get_info)
+    budget = fixed + floor(AUTO_FREE_SHARE * free)        (CUDA: free from torch.cuda.mem_get_info)
 
-like vLLM's ``--gpu-memory-utilization``, except that the fraction applies to the memory left
-after the weights, so the same config fits an 80 GB and a 141 GB card. ``memory_fraction``
-defaults to 0.9: the remaining 10 % (about 11 GB on an H200, 4 GB on an 80 GB card) is what the
-process still allocates outside the budget after start-up -- the CUDA context's lazy growth,
+like vLLM's ``--gpu-memory-utilization``, except that the share applies to the memory left
+after the weights, so the same config fits an 80 GB and a 141 GB card. ``AUTO_FREE_SHARE`` is
+0.9: the remaining 10 % (about 11 GB on an H200, 4 GB on an 80 GB card) is what the process
+still allocates outside the budget after start-up -- the CUDA context's lazy growth,
 cuBLAS/cuDNN workspaces, Triton's compiled kernels, NCCL if any, and the caching allocator's
 fragmentation. Activations and graph pools live in ``activation_reserve``, inside the budget.
 
 On a host device (CPU) ``auto`` means ``CPU_AUTO_BUDGET`` (512 MiB, what the tiny preset always
-had), capped at ``memory_fraction`` of the RAM available now: the pools are preallocated, so a
+had), capped at ``AUTO_FREE_SHARE`` of the RAM available now: the pools are preallocated, so a
 fraction of a shared machine's RAM would be far too much for a demo.
 
 With ``engine.activation_from_warmup`` (the minicpmo45 configs) this is the first plan's budget
@@ -38,6 +38,12 @@ from duplexcache.config import AUTO, BudgetError, EngineConfig, format_bytes
 logger = logging.getLogger(__name__)
 
 CPU_AUTO_BUDGET = 512 * 2**20
+# Share of the free memory an auto budget's first plan takes (engine.memory_fraction until issue
+# 44 retired it: no config ever set another value). The 10 % left covers what the process still
+# allocates outside the budget before anything measured it: the CUDA context's growth, cuBLAS/cuDNN
+# workspaces, Triton, NCCL, fragmentation. With engine.activation_from_warmup the re-plan replaces
+# it by what the warm-up measured and engine.memory_headroom (runtime/memory/replan.py).
+AUTO_FREE_SHARE = 0.9
 
 
 class BudgetExceedsDevice(BudgetError):
@@ -93,13 +99,13 @@ def resolve_memory_budget(engine: EngineConfig, fixed_bytes: int, free_bytes: in
     if engine.memory_budget == AUTO:
         if free_bytes is None:
             ram = host_available_bytes()
-            cap = CPU_AUTO_BUDGET if ram is None else int(engine.memory_fraction * ram)
+            cap = CPU_AUTO_BUDGET if ram is None else int(AUTO_FREE_SHARE * ram)
             budget = min(CPU_AUTO_BUDGET, cap)
-            how = (f"auto on a host device: {format_bytes(CPU_AUTO_BUDGET)} capped by {engine.memory_fraction} x "
+            how = (f"auto on a host device: {format_bytes(CPU_AUTO_BUDGET)} capped by {AUTO_FREE_SHARE} x "
                    f"{'unknown' if ram is None else f'{ram / 2**30:.1f} GiB'} RAM available")
         else:
-            budget = fixed_bytes + int(engine.memory_fraction * free_bytes)
-            how = (f"auto: fixed {fixed_bytes / 2**30:.2f} GiB + {engine.memory_fraction} x "
+            budget = fixed_bytes + int(AUTO_FREE_SHARE * free_bytes)
+            how = (f"auto: fixed {fixed_bytes / 2**30:.2f} GiB + {AUTO_FREE_SHARE} x "
                    f"{free_bytes / 2**30:.2f} GiB free on {where}")
         if budget <= engine.activation_reserve + fixed_bytes:
             raise BudgetError(

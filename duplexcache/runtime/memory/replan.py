@@ -25,6 +25,14 @@ logger = logging.getLogger(__name__)
 # what it has: each is a whole warm-up, and the second is already measured at a batch the budget holds.
 MAX_ESTIMATED_REPLANS = 3
 
+# Added to the measured activation peak to make the re-planned reserve (engine.activation_margin
+# until issue 44 retired it: no config ever set another value). Plan 2 holds more sessions than
+# warm-up 1 measured, so its graph buckets and encoder batch are larger: the margin covers that
+# difference, and warm-up 2 logs its own peak against the reserve so a short margin shows. The H100
+# card runs of issue 43 served with 1 GiB (docs/results/HISTORY.md, "The whole card on an H100 before
+# the arena change"); docs/engine.md, "Memory: the order of start-up".
+ACTIVATION_MARGIN = 2**30
+
 
 def activation_peak(engine: DuplexEngine) -> int | None:
     """Device memory reserved at the peak since the pools were built, less the pools: what the
@@ -51,7 +59,7 @@ def replan_after_warmup(engine: DuplexEngine, report: WarmupReport,
         pools 1, warm-up 1              measures the peak P above the pools
         release pools 1 and graphs      what stays held (Code2Wav/vocoder graph pools captured
                                         once, workspaces) is H: it is out of "free" now
-        plan 2                          reserve = P - H + activation_margin; an auto budget =
+        plan 2                          reserve = P - H + ACTIVATION_MARGIN; an auto budget =
                                         fixed + free - memory_headroom
         pools 2, warm-up 2              captures again at plan 2's batch buckets; its own peak is
                                         logged against the reserve
@@ -79,9 +87,9 @@ def replan_after_warmup(engine: DuplexEngine, report: WarmupReport,
     headroom = e.memory_headroom if e.memory_budget == "auto" else 0
     plan_headroom = headroom if e.memory_budget == "auto" else None
     logger.info("re-plan after warm-up: peak %.2f GiB above the pools, %.2f GiB of it still held after releasing "
-                "them; activation reserve %.2f GiB (+ engine.activation_margin %.2f GiB) instead of "
+                "them; activation reserve %.2f GiB (+ a margin of %.2f GiB) instead of "
                 "engine.activation_reserve %.2f GiB", report.activation_peak_bytes / 2**30, held / 2**30,
-                peak / 2**30, e.activation_margin / 2**30, e.activation_reserve / 2**30)
+                peak / 2**30, ACTIVATION_MARGIN / 2**30, e.activation_reserve / 2**30)
     measured = [] if measured is None else measured
     measured.append((measured_at, peak))
     # the peak's line in the planned sessions: (n0, p0) = (0, 0) until a second measurement
@@ -92,7 +100,7 @@ def replan_after_warmup(engine: DuplexEngine, report: WarmupReport,
     def plan_for(sessions: int) -> tuple[int, MemoryPlan | None]:
         """The reserve for graph batches of ``sessions`` (on the peak's line), and its plan."""
         on_line = p1 + -(-(p1 - p0) * (sessions - n1) // (n1 - n0))    # rounded up
-        reserve = max(0, min(on_line, max(p0, p1)) if sessions <= max(n0, n1) else on_line) + e.activation_margin
+        reserve = max(0, min(on_line, max(p0, p1)) if sessions <= max(n0, n1) else on_line) + ACTIVATION_MARGIN
         try:
             return reserve, engine.sizing.plan(activation_reserve=reserve, headroom=plan_headroom)
         except BudgetTooSmall:
@@ -147,7 +155,6 @@ def replan_until_covered(engine: DuplexEngine, report: WarmupReport,
                 or report.activation_peak_bytes <= engine.activation_reserve):
             return report
     logger.warning("warm-up: after %d estimated re-plans the last warm-up's peak (%.2f GiB) still exceeds the "
-                   "reserve (%.2f GiB); serving with that plan: raise engine.activation_margin or "
-                   "engine.memory_budget", MAX_ESTIMATED_REPLANS, report.activation_peak_bytes / 2**30,
+                   "reserve (%.2f GiB); serving with that plan: raise engine.memory_budget", MAX_ESTIMATED_REPLANS, report.activation_peak_bytes / 2**30,
                    engine.activation_reserve / 2**30)
     return report

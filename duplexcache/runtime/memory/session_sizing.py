@@ -129,12 +129,11 @@ def policy_turn_units(policy: SpeakPolicy) -> int | None:
 
 def reserved_turn_tokens(deploy: DeployConfig, config: TalkerConfig) -> int:
     """Talker KV tokens admission reserves per session, and the cap the Talker stage holds an
-    audio turn to: ``engine.talker_turn_tokens`` (checked), or with
-    ``engine.talker_turn_from_policy`` the speak policy's longest turn at the largest unit's
-    tokens when that is smaller. Both the ledger and the stage read this one number, so no turn
+    audio turn to: ``engine.talker_turn_tokens`` (checked), or the speak policy's longest turn
+    at the largest unit's tokens when the policy bounds it and that is smaller. Both the ledger and the stage read this one number, so no turn
     can outgrow its reservation whatever the policy does (docs/engine.md, "Talker turns")."""
     turn = resolve_turn_tokens(deploy.engine.talker_turn_tokens, config)
-    units = policy_turn_units(deploy.engine.speak_policy) if deploy.engine.talker_turn_from_policy else None
+    units = policy_turn_units(deploy.engine.speak_policy)
     if units is None:
         return turn
     return min(turn, units * largest_unit_tokens(config))
@@ -275,7 +274,7 @@ class SessionSizing:
         ``activation_reserve`` (default ``engine.activation_reserve``) and ``headroom``: a re-plan
         after a measured warm-up (runtime/memory/replan.py ``replan_after_warmup``) passes the measured
         reserve and, for an auto budget, ``engine.memory_headroom``: the budget is then what is
-        free less the headroom, not ``memory_fraction`` of it."""
+        free less the headroom, not ``memory_budget.AUTO_FREE_SHARE`` of it."""
         e = self.deploy.engine
         reserve = e.activation_reserve if activation_reserve is None else activation_reserve
         if reserve != e.activation_reserve or headroom is not None:

@@ -26,7 +26,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 # Re-exported: the value parsers and the loading helpers are part of this module's public surface.
 from duplexcache.config_loading import (  # noqa: F401
-    API_KEY_ENV, RETIRED_KEYS, ConfigError, apply_env_overrides, describe_validation_error, drop_retired_keys, move_keys,
+    API_KEY_ENV, MERGED_SWITCHES, RETIRED_KEYS, ConfigError, apply_env_overrides, describe_validation_error,
+    drop_retired_keys, merge_switches, move_keys,
 )
 from duplexcache.config_values import (  # noqa: F401
     AUTO, GRAPH_GRID_ENV, format_bytes, parse_budget, parse_bytes, parse_graph_grid,
@@ -119,12 +120,6 @@ class Code2WavConfig(_Strict):
     max_num_seqs: int = Field(16, gt=0)
     # Graph tiers (batch sizes captured as graphs). Overridden by DUPLEXCACHE_CFM_GRAPH_GRID.
     graph_grid: tuple[int, ...] | None = None
-    # CUDA: the vocoder (HiFT) replays CUDA graphs of the engine's chunk shapes, like the
-    # estimator's solves: ~100 ms shorter ticks at 32-40 sessions (docs/results/HISTORY.md,
-    # "The vocoder as CUDA graphs"). Two captures
-    # give the same PCM once cuDNN is limited to deterministic algorithms without TF32 (as the engine
-    # pins it); False is the eager A/B reference.
-    vocoder_cuda_graphs: bool = True
 
     @model_validator(mode="before")
     @classmethod
@@ -231,32 +226,24 @@ class EngineConfig(_Strict):
     # sessions together), so a long context never stalls the other sessions' tick.
     prefill_chunk_tokens: int = Field(512, gt=0)
     speak_policy: SpeakPolicy = Field(default_factory=SpeakPolicy)
-    # CUDA devices: the Thinker's and the Talker's one-token decode steps replay CUDA graphs
-    # (kv/decode_graphs.py); ignored on CPU. Off: every step is launched eagerly (A/B reference).
-    decode_cuda_graphs: bool = True
-    # With decode graphs and stage0.ragged_kernel: short ragged steps (a unit's append to the
-    # Thinker, the Talker's condition) replay the same graphs as one row per token when their
-    # tokens fit a batch bucket (kv/decode_graphs.py run_ragged), instead of ~900 eager
-    # launches each. Off: those steps launch eagerly (A/B reference). Measured (H200): the Thinker
-    # stage 111.5 -> 43.9 ms at one session; over the wire (H100, 19 callers) 0 late ticks
-    # instead of 32 together with encoder_cuda_graphs (docs/results/HISTORY.md, "The graph switches on
-    # the H200"). CUDA only.
-    ragged_step_graphs: bool = True
-    # CUDA devices: the streaming audio encoder's layers replay as piecewise CUDA graphs, with
-    # each layer's cache store and gather as the eager piece between them (models/
-    # audio_encoder_graphs.py): 25 replays and 48 multi-tensor copies per tick at minicpmo45
-    # shapes instead of ~650 launches. Off: the eager layers (A/B reference). Measured (H200): the
-    # encoder stage 50.7 -> 4.5 ms at one session (docs/results/HISTORY.md, "The graph switches on the
-    # H200"). CUDA only.
-    encoder_cuda_graphs: bool = True
+    # CUDA devices (ignored elsewhere): replay CUDA graphs instead of launching kernel by kernel,
+    # for the Thinker's and the Talker's one-token decode steps (kv/decode_graphs.py), their short
+    # ragged steps as one row per token (a unit's append, the Talker's condition; with
+    # stage0.ragged_kernel), the streaming audio encoder's layers as piecewise graphs
+    # (models/audio_encoder_graphs.py) and the vocoder (cfm/vocoder_graphs.py). Off: every step,
+    # the encoder and the vocoder launched eagerly: the reference the equality checks compare
+    # with. Measured (H200): tick 1089 -> 390 ms at one session with the decode graphs; the
+    # Thinker stage 111.5 -> 43.9 ms and the encoder 50.7 -> 4.5 ms with the other two; the
+    # vocoder ~100 ms shorter ticks at 32-40 sessions (docs/results/HISTORY.md, "The graph
+    # switches on the H200"). Until 2026-12-07 four switches (decode_cuda_graphs,
+    # ragged_step_graphs, encoder_cuda_graphs, code2wav.vocoder_cuda_graphs); those still load,
+    # with a warning (config_loading.MERGED_SWITCHES).
+    cuda_graphs: bool = True
     # A session's text and audio bits do not depend on which other sessions share its ticks:
     # every GEMM and conv runs in fixed-shape row tiles and the paged decode kernel splits a
     # sequence by its own length only (models/batch_invariant.py). Off: kernels pick their
     # reduction by the batch's shape, so a session alone and beside others can differ in the
     # last bits (and then in tokens). The sharing switches stay bit-exact either way. Off by
-    # A speak policy that bounds a turn (every_k_units with turn_units < k, reply) reserves and caps
-    # its longest turn instead when that is smaller (runtime/memory/session_sizing.py
-    # reserved_turn_tokens, docs/engine.md "Talker turns").
     # default, as measured: the tiny CPU tick ~5x slower; on an H100 at 32 minicpmo45 sessions
     # 550 -> 1269 ms per tick, with 3-4 samples of 1 LSB still differing on CUDA
     # (docs/benchmarks.md, "Batch invariance" and "Batch invariance on the GPU").
@@ -267,6 +254,9 @@ class EngineConfig(_Strict):
     # unit that would pass it closes the audio turn and starts a new one with an empty Talker KV
     # while the Thinker's turn goes on (the path taken at the model's limit), so replies shorter
     # than the cap are bit-identical; at least one unit's worst case (runtime/stages/talker_stage.py).
+    # A speak policy that bounds a turn (every_k_units with turn_units < k, reply) reserves and caps
+    # its longest turn instead when that is smaller (runtime/memory/session_sizing.py
+    # reserved_turn_tokens, docs/engine.md "Talker turns").
     talker_turn_tokens: int | None = Field(None, gt=0)
     # Voices made from clients' reference recordings (runtime/reference_voices.py) held at once:
     # each costs a Code2Wav prompt state and a prompt pass when first seen; sessions sending the
@@ -463,11 +453,12 @@ class DeployConfig(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _old_spellings(cls, data: Any) -> Any:
-        """Retired keys dropped and ``server.<key>`` of a scheduler key read as ``scheduler.<key>``
-        (moved 2026-12-07), each with a deprecation warning (config_loading.py)."""
+        """Retired keys dropped, merged switches read as their one switch and ``server.<key>`` of a
+        scheduler key read as ``scheduler.<key>`` (moved 2026-12-07), each with a deprecation
+        warning (config_loading.py)."""
         if not isinstance(data, Mapping):
             return data
-        return move_keys(drop_retired_keys(data), "server", "scheduler", SCHEDULER_KEYS)
+        return move_keys(merge_switches(drop_retired_keys(data)), "server", "scheduler", SCHEDULER_KEYS)
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> "DeployConfig":

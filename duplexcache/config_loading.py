@@ -14,7 +14,7 @@ import logging
 import warnings
 from typing import Any, Mapping
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from duplexcache.config_values import GRAPH_GRID_ENV, parse_graph_grid
 
@@ -72,24 +72,88 @@ RETIRED_KEYS = (
                                                         "(32 callers, H200: reply p95 2.74 -> 1.88 s)"),
 )
 
+# Switches merged into one (issue 44): (new section path, new key, old spellings as (section path,
+# key)). An old spelling still loads, with a warning, for one release: the new switch is off when
+# any old one was off (each old off arm was an eager reference; the merged switch has one).
+MERGED_SWITCHES = (
+    (("engine",), "cuda_graphs", ((("engine",), "decode_cuda_graphs"), (("engine",), "ragged_step_graphs"),
+                                  (("engine",), "encoder_cuda_graphs"), (("code2wav",), "vocoder_cuda_graphs"))),
+)
+
+
+def _node(data: Mapping[str, Any], path: tuple[str, ...]) -> Any:
+    """The mapping at ``path`` in ``data`` (None when a part is missing or not a mapping)."""
+    node: Any = data
+    for part in path:
+        node = node.get(part) if isinstance(node, Mapping) else None
+    return node
+
+
+def _has(data: Mapping[str, Any], path: tuple[str, ...], key: str) -> bool:
+    node = _node(data, path)
+    return isinstance(node, Mapping) and key in node
+
+
+def _copy_to(data: Mapping[str, Any], path: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A copy of ``data`` whose mappings along ``path`` are copies too (made where missing), and
+    the copy at ``path``: a change there leaves the caller's dict as it was."""
+    data = dict(data)
+    node = data
+    for depth, part in enumerate(path):
+        child = node.get(part)
+        if child is not None and not isinstance(child, Mapping):
+            raise ValueError(f"{'.'.join(path[:depth + 1])}: expected a mapping, got {child!r}")
+        node[part] = dict(child or {})
+        node = node[part]
+    return data, node
+
+
+def _deprecated(message: str) -> None:
+    """One old spelling read: a DeprecationWarning (for tests and -W error) and a log line (for operators)."""
+    warnings.warn(message, DeprecationWarning, stacklevel=4)
+    logger.warning("%s", message)
+
 
 def drop_retired_keys(data: Mapping[str, Any]) -> Mapping[str, Any]:
     """``data`` without the keys of RETIRED_KEYS, each dropped with a deprecation warning."""
     for path, key, why in RETIRED_KEYS:
-        node: Any = data
-        for part in path:
-            node = node.get(part) if isinstance(node, Mapping) else None
-        if not isinstance(node, Mapping) or key not in node:
+        if not _has(data, path, key):
             continue
-        data = copy.deepcopy(dict(data))
-        node = data
-        for part in path:
-            node[part] = dict(node[part])
-            node = node[part]
+        data, node = _copy_to(data, path)
         del node[key]
-        message = f"deploy config: {'.'.join(path)}.{key} was retired and is ignored ({why}; docs/engine.md)"
-        warnings.warn(message, DeprecationWarning, stacklevel=3)
-        logger.warning("%s", message)
+        _deprecated(f"deploy config: {'.'.join(path)}.{key} was retired and is ignored ({why}; docs/engine.md)")
+    return data
+
+
+_BOOL = TypeAdapter(bool)
+
+
+def merge_switches(data: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``data`` with the old spellings of MERGED_SWITCHES read as their one new switch, each with a
+    deprecation warning: the new switch is off when any old one is off. ValueError when an old and
+    the new spelling are both set, or an old one is not a bool."""
+    for path, key, olds in MERGED_SWITCHES:
+        new = ".".join((*path, key))
+        found: dict[str, bool] = {}
+        for old_path, old_key in olds:
+            if not _has(data, old_path, old_key):
+                continue
+            old = ".".join((*old_path, old_key))
+            data, node = _copy_to(data, old_path)
+            value = node.pop(old_key)
+            try:
+                found[old] = _BOOL.validate_python(value)
+            except ValidationError:
+                raise ValueError(f"{old}: expected a bool, got {value!r} (the switch is now {new})") from None
+        if not found:
+            continue
+        if _has(data, path, key):
+            raise ValueError(f"{', '.join(found)} and {new} are both set: the old switches were merged into {new} "
+                             f"(write {new} only)")
+        data, node = _copy_to(data, path)
+        node[key] = all(found.values())
+        _deprecated(f"deploy config: {', '.join(found)} merged into {new} (read as {new}: {node[key]}); the old "
+                    "spelling is read for one more release (docs/engine.md, \"Retired switches\")")
     return data
 
 
@@ -111,8 +175,7 @@ def move_keys(data: Mapping[str, Any], source: str, target: str, keys: tuple[str
         new[key] = old.pop(key)
     message = (f"deploy config: {', '.join(f'{source}.{k}' for k in moved)} moved to the {target} section "
                f"({', '.join(f'{target}.{k}' for k in moved)}); the old spelling is read for one more release")
-    warnings.warn(message, DeprecationWarning, stacklevel=3)
-    logger.warning("%s", message)
+    _deprecated(message)
     data[source], data[target] = old, new
     return data
 

@@ -36,7 +36,7 @@ PRIVATE_RUNTIME_CONFIG_KEYS: frozenset[str] = frozenset({
     "cfm_prompt_att_sharing", "cfm_arena_rows_from_graph_grid", "max_num_seqs", "graph_grid",
     "shared_anchor_blocks", "block_size", "window_mode", "mode", "client_window_override",
     "memory_budget", "activation_reserve", "activation_from_warmup",
-    "memory_headroom", "tick_seconds", "speak_policy", "tick_headroom",
+    "memory_headroom", "cuda_graphs", "tick_seconds", "speak_policy", "tick_headroom",
     "prefill_chunk_tokens", "max_context_tokens",
     "preset", "checkpoint_dir", "revision", "model_revision", "dtype", "device",
     "max_frame_bytes", "code2wav_dtype", "kv_cache_dtype", "encoder_cache_dtype", "vision",

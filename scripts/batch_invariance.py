@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import gc
 import json
@@ -45,6 +46,7 @@ from duplexcache.runtime.bundle import build_models
 from duplexcache.runtime import engine as engine_module
 from duplexcache.runtime.engine import DuplexEngine
 from duplexcache.runtime.engine_api import AudioDelta, TextDelta
+from duplexcache.runtime.stages import code2wav_stage as code2wav_stage_module
 from duplexcache.runtime.stages import talker_stage as talker_stage_module
 
 logger = logging.getLogger("batch_invariance")
@@ -70,18 +72,29 @@ def _deploy(preset: str, device: str, batch_invariant: bool, variant: str = "def
                           speak_policy={"mode": "every_k_units", "k": 3, "turn_units": 3})
     if variant == "grid":
         data["code2wav"].update(graph_grid=[1, 4, 8, 16, 32], max_num_seqs=32)
-    elif variant == "eager_vocoder":
-        data["code2wav"]["vocoder_cuda_graphs"] = False
     elif variant == "prompt_sharing":
         data["code2wav"]["cfm_prompt_att_sharing"] = True
     elif variant == "eager_llm":
-        data["engine"].update(decode_cuda_graphs=False, ragged_step_graphs=False, encoder_cuda_graphs=False)
+        data["engine"]["cuda_graphs"] = False   # the vocoder's graphs stay on (_mode_defaults)
     return DeployConfig.from_dict(data, environ={})
+
+
+def _vocoder_graphs(on: bool):
+    """The engines built inside with the vocoder's CUDA graphs ``on`` whatever engine.cuda_graphs
+    says (one switch for every graph in the deploy config; the variants part them)."""
+    build = code2wav_stage_module.code2wav_config
+    return mock.patch.object(code2wav_stage_module, "code2wav_config", lambda deploy, models: dataclasses.replace(
+        build(deploy, models), vocoder_cuda_graphs=on))
 
 
 def _mode_defaults(variant: str):
     """The engine's BatchInvariantMode while the variant's engines run: "tile1" a per-sample tile of
-    1, "no_mean" every op family but the last-axis mean; the mode as built otherwise."""
+    1, "no_mean" every op family but the last-axis mean; the mode as built otherwise. "eager_vocoder"
+    and "eager_llm" part engine.cuda_graphs: the vocoder eager, the rest as graphs, and the reverse."""
+    if variant == "eager_vocoder":
+        return _vocoder_graphs(False)
+    if variant == "eager_llm":
+        return _vocoder_graphs(True)
     if variant == "tile1":
         return mock.patch.object(engine_module, "BatchInvariantMode", functools.partial(BatchInvariantMode, batch_tile=1))
     if variant == "no_mean":

@@ -23,8 +23,8 @@ case "$mode" in
     step smoke_ticks 120 python3 -m duplexcache.cli bench ticks --preset tiny --device cuda --sessions 1,2 --ticks 2 $small --out "$out/smoke_ticks"
     # the fp8 KV pools through warm-up, the decode graphs and the in-kernel dequantization
     step smoke_ticks_fp8 120 python3 -m duplexcache.cli bench ticks --preset tiny --device cuda --sessions 1,2 --ticks 2 --kv-cache-dtype fp8_e4m3 $small --out "$out/smoke_ticks_fp8"
-    # the A/B reference of the graph switches that are on by default (eager ragged steps and encoder)
-    step smoke_ticks_eager 120 python3 -m duplexcache.cli bench ticks --preset tiny --device cuda --sessions 1,2 --ticks 2 --ragged-step-graphs off --encoder-cuda-graphs off $small --out "$out/smoke_ticks_eager"
+    # the eager reference of engine.cuda_graphs (on by default): decode and ragged steps, encoder and vocoder eager
+    step smoke_ticks_eager 120 python3 -m duplexcache.cli bench ticks --preset tiny --device cuda --sessions 1,2 --ticks 2 --cuda-graphs off $small --out "$out/smoke_ticks_eager"
     # camera frames (issue 47): every session a video session, the vision stage on the device
     step smoke_ticks_video 120 python3 -m duplexcache.cli bench ticks --preset tiny --device cuda --sessions 1,2 --ticks 2 --video-share 1 $small --out "$out/smoke_ticks_video"
     step smoke_setup 120 python3 -m duplexcache.cli bench setup --preset tiny --device cuda --sessions 3 --repeats 1 --out "$out/smoke_setup"
@@ -74,14 +74,14 @@ case "$mode" in
   card_bench)  # issue 43: `bench memory` on the exact shared config writes report.json's waterfall and waterfall.png
     step card_bench 560 python3 -m duplexcache.cli bench memory --config examples/minicpmo45-shared.yaml --device cuda \
       --sessions 1,2 --out "$out/card_bench" ;;
-  serve_ragged_graphs)  # A/B of the graph switches over the wire (issue 10): serve_conversation, a fresh server per
+  serve_ragged_graphs)  # A/B of engine.cuda_graphs over the wire (issue 10): serve_conversation, a fresh server per
     # arm (off first); SERVE_BASE / SERVE_SESSIONS / SERVE_DURATION as for serve_catch_up, SERVE_OVERRIDES for both arms
     # (e.g. "scheduler.tick_phases=2 scheduler.phase_units=home": the ticks between are where the fixed part matters)
-    # SERVE_RAGGED_ARMS: "false encoder" (the default: both off vs both on, the packaged default); "true": ragged
-    # steps only. H100, 19 admitted callers (2026-12-06): ~2.5 min per arm
-    for arm in ${SERVE_RAGGED_ARMS:-false encoder}; do
-      case $arm in encoder) flags="engine.ragged_step_graphs=true engine.encoder_cuda_graphs=true" ;;
-                   *) flags="engine.ragged_step_graphs=$arm engine.encoder_cuda_graphs=false" ;; esac
+    # SERVE_RAGGED_ARMS: "false true" (the default: all eager vs the packaged default); "encoder", the arm's name
+    # before issue 44 merged the graph switches, is "true". H100, 19 admitted callers (2026-12-06): ~2.5 min per arm
+    for arm in ${SERVE_RAGGED_ARMS:-false true}; do
+      case $arm in encoder|true) flags="engine.cuda_graphs=true" ;;
+                   *) flags="engine.cuda_graphs=false" ;; esac
       serve_conversation "serve_ragged_graphs_$arm" "${SERVE_BASE:-examples/minicpmo45-shared.yaml}" "${SERVE_SESSIONS:-32}" \
         "${SERVE_DURATION:-45}" "$flags"
     done ;;

@@ -33,10 +33,10 @@ NON_DEFAULT = {
                "shared_anchor_blocks": True, "client_window_override": False, "ragged_kernel": False},
     "context_cache": {"duplex_context_caching": True, "capacity": 7},
     "code2wav": {"cfm_prompt_att_sharing": True, "cfm_arena_rows_from_graph_grid": True,
-                 "max_num_seqs": 24, "graph_grid": [1, 4, 8], "vocoder_cuda_graphs": False},
+                 "max_num_seqs": 24, "graph_grid": [1, 4, 8]},
     "precision": {"code2wav_dtype": "bfloat16", "kv_cache_dtype": "fp8_e4m3", "encoder_cache_dtype": "fp8_e4m3"},
-    "engine": {"memory_budget": "80GiB", "activation_reserve": "3GiB", "tick_seconds": 0.5, "decode_cuda_graphs": False, "ragged_step_graphs": False,
-               "encoder_cuda_graphs": False, "batch_invariant": True,
+    "engine": {"memory_budget": "80GiB", "activation_reserve": "3GiB", "tick_seconds": 0.5, "cuda_graphs": False,
+               "batch_invariant": True,
                "talker_turn_tokens": 1024, "max_reference_voices": 2,
                "activation_from_warmup": True,
                "memory_headroom": "2GiB",
@@ -82,7 +82,7 @@ def test_shipped_yaml_writes_out_every_switch_with_its_default(preset):
     assert default.code2wav.cfm_prompt_att_sharing is False
     assert default.code2wav.cfm_arena_rows_from_graph_grid is False
     # the speed switches and the budget default on: the fast path, sized from the free memory
-    assert default.stage0.ragged_kernel is True and default.engine.decode_cuda_graphs is True
+    assert default.stage0.ragged_kernel is True and default.engine.cuda_graphs is True
     assert default.engine.memory_budget == "auto"
 
 
@@ -316,7 +316,7 @@ def test_example_serving_config_turns_every_sharing_switch_on():
     assert d.code2wav.cfm_prompt_att_sharing and d.code2wav.cfm_arena_rows_from_graph_grid
     assert d.code2wav.graph_grid == (1, 4, 8, 16) and d.code2wav.arena_rows == 16
     assert d.stage0.window.mode == "basic"
-    assert d.stage0.ragged_kernel and d.engine.decode_cuda_graphs and d.engine.memory_budget == "auto"
+    assert d.stage0.ragged_kernel and d.engine.cuda_graphs and d.engine.memory_budget == "auto"
     # The preset's prefill chunk and context limit, written out (a missing key would fall back
     # to the field default, not the preset's).
     preset = DeployConfig.default("minicpmo45", environ={})
@@ -376,6 +376,66 @@ def test_an_old_yaml_still_loads_its_scheduler_keys(tmp_path):
 
 
 # ----------------------------------------------------------------------------- engine keys retired in issue 44
+
+OLD_GRAPH_SWITCHES = ("engine.decode_cuda_graphs", "engine.ragged_step_graphs", "engine.encoder_cuda_graphs",
+                      "code2wav.vocoder_cuda_graphs")
+
+
+def _nested(dotted: str, value: object) -> dict:
+    section, key = dotted.split(".")
+    return {section: {key: value}}
+
+
+@pytest.mark.parametrize("old", OLD_GRAPH_SWITCHES)
+@pytest.mark.parametrize("value", [False, True])
+def test_an_old_graph_switch_is_read_as_cuda_graphs_with_a_warning(old, value, caplog):
+    """The four graph switches merged into ``engine.cuda_graphs``: an old YAML still loads for one
+    release, each old key with a warning naming the new one; one off turns the new switch off."""
+    with pytest.warns(DeprecationWarning, match=old.replace(".", r"\.") + r" merged into engine\.cuda_graphs"):
+        d = DeployConfig.from_dict(_nested(old, value), environ=NO_ENV)
+    assert d.engine.cuda_graphs is value
+    assert old in caplog.text and "engine.cuda_graphs" in caplog.text
+    assert d == DeployConfig.from_dict({"engine": {"cuda_graphs": value}}, environ=NO_ENV)
+    assert old.rpartition(".")[2] not in str(d.to_dict())
+
+
+def test_any_old_graph_switch_off_turns_cuda_graphs_off():
+    import warnings
+
+    raw = {"engine": {"decode_cuda_graphs": True, "ragged_step_graphs": "true", "encoder_cuda_graphs": True},
+           "code2wav": {"vocoder_cuda_graphs": False, "max_num_seqs": 8}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        d = DeployConfig.from_dict(raw, environ=NO_ENV)
+    assert d.engine.cuda_graphs is False and d.code2wav.max_num_seqs == 8
+    assert raw["code2wav"] == {"vocoder_cuda_graphs": False, "max_num_seqs": 8}   # the caller's dict untouched
+    messages = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
+    assert len(messages) == 1 and all(old in messages[0] for old in OLD_GRAPH_SWITCHES)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        on = DeployConfig.from_dict({"engine": {"decode_cuda_graphs": True, "encoder_cuda_graphs": True}},
+                                    environ=NO_ENV)
+        assert on.engine.cuda_graphs is True
+        with pytest.raises(ConfigError, match=r"engine\.encoder_cuda_graphs: expected a bool"):
+            DeployConfig.from_dict({"engine": {"encoder_cuda_graphs": "sometimes"}}, environ=NO_ENV)
+
+
+@pytest.mark.parametrize("old", OLD_GRAPH_SWITCHES)
+def test_an_old_graph_switch_beside_cuda_graphs_is_an_error_naming_both(old):
+    raw = _nested(old, False)
+    raw.setdefault("engine", {})["cuda_graphs"] = True
+    with pytest.raises(ConfigError, match=old.replace(".", r"\.") + r" and engine\.cuda_graphs are both set"):
+        DeployConfig.from_dict(raw, environ=NO_ENV)
+
+
+def test_an_old_yaml_with_the_graph_switches_loads(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text("engine:\n  decode_cuda_graphs: true\n  ragged_step_graphs: false\n"
+                    "code2wav:\n  vocoder_cuda_graphs: true\n")
+    with pytest.warns(DeprecationWarning, match=r"engine\.cuda_graphs"):
+        d = DeployConfig.from_yaml(path, environ=NO_ENV)
+    assert d.engine.cuda_graphs is False
+
 
 @pytest.mark.parametrize("key, value", [
     ("memory_fraction", 0.5), ("cuda_expandable_segments", False), ("talker_turn_from_policy", False),

@@ -43,7 +43,7 @@ class TickBenchConfig:
     speak_k: int = 2
     seed: int = 0
     steady_window: bool = False   # fill each Thinker window to (low + high) // 2 after the warm-up
-    decode_cuda_graphs: bool = True   # engine.decode_cuda_graphs (CUDA only)
+    cuda_graphs: bool = True   # engine.cuda_graphs (CUDA only; off: every step, the encoder and the vocoder eager)
     turn_units: int = 2   # scripted policy: the last min(turn_units, k) units of every k speak, as one turn
     ragged_kernel: bool = True    # stage0.ragged_kernel (CUDA only; off is the A/B reference)
     workload: str = "turns"   # turns | continuous | conversation (bench/workload.py)
@@ -54,9 +54,6 @@ class TickBenchConfig:
     encoder_cache_dtype: str = "auto"   # precision.encoder_cache_dtype (fp8_e4m3: capacity mode)
     talker_turn_tokens: int | None = None   # engine.talker_turn_tokens (None: the Talker's limit)
     profile_ticks: int = 0   # ticks run under torch.profiler after the recorded ones (bench/tick_profile.py)
-    vocoder_cuda_graphs: bool = True   # code2wav.vocoder_cuda_graphs (CUDA only; on is the default)
-    ragged_step_graphs: bool | None = None   # engine.ragged_step_graphs (CUDA only); None: the preset's default
-    encoder_cuda_graphs: bool | None = None  # engine.encoder_cuda_graphs (CUDA only); None: the preset's default
     video_share: float = 0.0   # share of video sessions, a frame each unit (bench/video.py; model.vision on when > 0)
 
     def __post_init__(self) -> None:
@@ -137,13 +134,8 @@ def make_deploy(cfg: TickBenchConfig) -> DeployConfig:
         for key in keys:
             raw[section][key] = cfg.all_switches
     raw["engine"]["speak_policy"] = cfg.speak_policy()
-    raw["engine"]["decode_cuda_graphs"] = cfg.decode_cuda_graphs
+    raw["engine"]["cuda_graphs"] = cfg.cuda_graphs
     raw["stage0"]["ragged_kernel"] = cfg.ragged_kernel
-    raw["code2wav"]["vocoder_cuda_graphs"] = cfg.vocoder_cuda_graphs
-    if cfg.ragged_step_graphs is not None:
-        raw["engine"]["ragged_step_graphs"] = cfg.ragged_step_graphs
-    if cfg.encoder_cuda_graphs is not None:
-        raw["engine"]["encoder_cuda_graphs"] = cfg.encoder_cuda_graphs
     raw["precision"]["code2wav_dtype"] = cfg.code2wav_dtype
     raw["precision"]["kv_cache_dtype"] = cfg.kv_cache_dtype
     raw["precision"]["encoder_cache_dtype"] = cfg.encoder_cache_dtype
@@ -175,18 +167,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "user turns and replies (reply policy, >= 3 voices; implies --steady-window on minicpmo45)")
     p.add_argument("--steady-window", action="store_true",
                    help="before the recorded ticks, fill each Thinker window to (low + high) / 2 tokens")
-    p.add_argument("--decode-cuda-graphs", choices=("on", "off"), default="on",
-                   help="engine.decode_cuda_graphs: replay the Thinker/Talker decode steps from CUDA graphs")
+    p.add_argument("--cuda-graphs", choices=("on", "off"), default="on",
+                   help="engine.cuda_graphs: the Thinker/Talker decode and short ragged steps, the audio encoder "
+                        "and the vocoder replay CUDA graphs (off: all eager, the reference)")
     p.add_argument("--ragged-kernel", choices=("on", "off"), default="on",
                    help="stage0.ragged_kernel: short ragged steps through the in-place paged kernel")
-    p.add_argument("--vocoder-cuda-graphs", choices=("on", "off"), default="on",
-                   help="code2wav.vocoder_cuda_graphs: the vocoder as CUDA graphs (the default; off: eager)")
-    p.add_argument("--ragged-step-graphs", choices=("on", "off"), default=None,
-                   help="engine.ragged_step_graphs: short ragged steps (unit appends, Talker conditions) replay the "
-                        "decode graphs as token rows (default: the preset's)")
-    p.add_argument("--encoder-cuda-graphs", choices=("on", "off"), default=None,
-                   help="engine.encoder_cuda_graphs: the audio encoder's layers as piecewise CUDA graphs "
-                        "(default: the preset's)")
     p.add_argument("--video-share", type=float, default=0.0,
                    help="share of the sessions that are video sessions, spread evenly: a 640x480 JPEG frame with "
                         "each unit (1 fps, bench/video.py); builds the vision model (model.vision) when above 0")
@@ -215,10 +200,6 @@ def config_from_args(a: argparse.Namespace) -> TickBenchConfig:
     """The settings the options name; ValueError for a bad combination."""
     return TickBenchConfig(a.preset, default_device(a.preset, a.device), a.sessions, a.ticks, a.warmup_ticks,
                            a.memory_budget, a.all_switches == "on", a.max_seconds, a.speak_k, a.seed, a.steady_window,
-                           a.decode_cuda_graphs == "on", a.turn_units, a.ragged_kernel == "on", a.workload,
+                           a.cuda_graphs == "on", a.turn_units, a.ragged_kernel == "on", a.workload,
                            a.warm_up == "on", a.graph_grid, a.code2wav_dtype, a.kv_cache_dtype,
-                           a.encoder_cache_dtype, a.talker_turn_tokens, a.profile_ticks,
-                           a.vocoder_cuda_graphs == "on",
-                           None if a.ragged_step_graphs is None else a.ragged_step_graphs == "on",
-                           None if a.encoder_cuda_graphs is None else a.encoder_cuda_graphs == "on",
-                           a.video_share)
+                           a.encoder_cache_dtype, a.talker_turn_tokens, a.profile_ticks, a.video_share)

@@ -14,9 +14,10 @@ session's NSF noise from its own generator). `batch_stats` counts the batched ca
 CUDA graphs: on a CUDA device every estimator solve (setup passes included) goes through the
 arena's graph path: the first solve of a (tier, width, cache bucket) key captures it, later ones
 replay it (`graph_stats` counts captures, replays and eager runs). On CPU the same solve runs
-eagerly. The vocoder replays graphs too (`config.vocoder_cuda_graphs`, the shapes of the engine's
-chunks; `cfm.vocoder_graphs`, `vocoder_graph_stats`). The conformer runs eagerly, one call per
-shape group (at steady state one group each).
+eagerly. The vocoder replays graphs too (`config.vocoder_cuda_graphs`, set from the deploy's
+`engine.cuda_graphs`; the shapes of the engine's chunks; `cfm.vocoder_graphs`,
+`vocoder_graph_stats`). The conformer runs eagerly, one call per shape group (at steady state one
+group each).
 
 Voices and streams: `register_voice` runs the voice's prompt setup pass (conformer + estimator
 over the prompt, one row at tier 1) once, and the registry keeps its `PromptState` as long as the

@@ -94,7 +94,7 @@ class Code2WavConfig:
     mel_cache_len: int = 8           # vocoder: 160 ms of mel kept between chunks
     samples_per_frame: int = 480     # 24 kHz / 50 Hz
     use_cuda_graphs: bool = True     # only used on CUDA devices
-    # The vocoder as CUDA graphs too (code2wav.vocoder_cuda_graphs; with the arena's graph
+    # The vocoder as CUDA graphs too (deploy engine.cuda_graphs; with the arena's graph
     # backend, so CUDA only), for calls of these (mel frames with the cache, source-cache
     # samples) shapes: the engine's chunks (runtime/code2wav_stage.vocoder_graph_shapes).
     vocoder_cuda_graphs: bool = True

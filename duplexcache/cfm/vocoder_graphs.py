@@ -1,4 +1,4 @@
-"""CUDA graphs of the vocoder forward (`code2wav.vocoder_cuda_graphs`).
+"""CUDA graphs of the vocoder forward (deploy key `engine.cuda_graphs`).
 
 Why: the HiFT generator is ~1400 small kernels per call (convolutions, Snake activations, the
 source STFT and the iSTFT), so eagerly its time is the host issuing them. On an H200 at 40

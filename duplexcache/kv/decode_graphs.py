@@ -30,7 +30,7 @@ run the same sessions in the same ticks (sharing on vs off) still agree bit for 
 ``capture=False`` runs the same padded static-buffer step eagerly; that is how the CPU tests
 exercise the buffer filling, padding and bucketing without a GPU.
 
-Short ragged steps (``run_ragged``, deploy key ``engine.ragged_step_graphs``): the in-place
+Short ragged steps (``run_ragged``, deploy key ``engine.cuda_graphs``): the in-place
 kernel already runs a ragged step as one decode row per new token (its sequence's table, its
 causal length; ``PagedBatch.token_rows``), and every other operation is row-wise, so a step of
 a few tokens per sequence (a unit's append, the Talker's condition) is a decode step over its

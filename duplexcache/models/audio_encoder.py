@@ -678,7 +678,7 @@ class AudioEncoder(nn.Module):
     def stream_step(self, states: list[StreamingAudioEncoderState], chunks: list,
                     sample_rate: int = SAMPLE_RATE, graphs: EncoderGraphs | None = None) -> list[torch.Tensor]:
         """One tick for several sessions: PCM chunk per session -> (chunk_frames // 5, out_dim) each.
-        ``graphs`` (``engine.encoder_cuda_graphs``): the layers as piecewise graphs when it
+        ``graphs`` (``engine.cuda_graphs``): the layers as piecewise graphs when it
         accepts the tick (models/audio_encoder_graphs.py)."""
         if len(states) != len(chunks):
             raise ValueError(f"{len(states)} states but {len(chunks)} chunks")

@@ -1,4 +1,4 @@
-"""Piecewise CUDA graphs of the streaming audio encoder (deploy key ``engine.encoder_cuda_graphs``).
+"""Piecewise CUDA graphs of the streaming audio encoder (deploy key ``engine.cuda_graphs``).
 
 Why: the encoder runs every tick for every session with audio, eagerly: on the H200 at 40
 sessions its stage launched 652 kernels for 11 ms of kernel time in a ~96 ms span (profile of

@@ -288,7 +288,7 @@ def generate_unit(talker: Talker, cache: PagedKVCache, requests: list[TalkerUnit
     ``graphs``: when the batch fits them, the 24 one-token steps and the closing step (as two
     one-token steps) replay these CUDA graphs (``kv/decode_graphs.py``); the condition step
     (several tokens per request) runs eagerly, or with ``ragged_graphs``
-    (``engine.ragged_step_graphs``) through the same graphs as one row per token when its rows
+    (``engine.cuda_graphs``) through the same graphs as one row per token when its rows
     fit (``PagedDecodeGraphs.accepts_ragged``)."""
     if not requests:
         return []

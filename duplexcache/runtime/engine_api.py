@@ -203,9 +203,9 @@ class EngineStats:
     # Decode steps run through CUDA graphs, per model ("thinker", "talker"); empty when off.
     decode_graph_steps: Mapping[str, int] = field(default_factory=dict)
     # Short ragged steps (unit appends, Talker conditions) run through the same graphs as token
-    # rows (engine.ragged_step_graphs), per model; not counted in decode_graph_steps.
+    # rows (engine.cuda_graphs), per model; not counted in decode_graph_steps.
     ragged_graph_steps: Mapping[str, int] = field(default_factory=dict)
-    # Encoder ticks run through its piecewise graphs (engine.encoder_cuda_graphs); 0 when off.
+    # Encoder ticks run through its piecewise graphs (engine.cuda_graphs); 0 when off.
     encoder_graph_ticks: int = 0
     # Graphs captured (decode + Code2Wav), by where: "warmup" (before serving) or "tick" (lazily,
     # inside a tick: a warm engine keeps this at 0). Empty for an engine that does not count them.

@@ -69,7 +69,7 @@ def build_session_side(engine: DuplexEngine, plan: MemoryPlan, policy: Any,
                                           engine.recorder.note_code2wav_peak)
     engine.talker_stage = TalkerStage(models.talker, engine.talker_cache, engine.talker_kv, engine.talker_graphs,
                                       engine.control, engine.code2wav_stage, engine._end,
-                                      engine.sizing.talker_turn_tokens, ragged_graphs=deploy.engine.ragged_step_graphs)
+                                      engine.sizing.talker_turn_tokens, ragged_graphs=engine.stage0.ragged_graphs)
     engine.thinker_stage = ThinkerStage(engine.stage0, models.audio_encoder, engine.builder, models.tokenizer,
                                         engine.control, policy, engine._embed_tokens, engine.table, engine._end,
                                         kv_storage_dtype(deploy.precision.encoder_cache_dtype), engine.encoder_graphs)
@@ -118,21 +118,23 @@ def build_pools(engine: DuplexEngine) -> None:
     engine.talker_pool = engine.talker_kv.pool   # read by tests and stats; only talker_kv mutates it
     engine.thinker_graphs: PagedDecodeGraphs | None = None
     engine.talker_graphs: PagedDecodeGraphs | None = None
-    # CUDA graphs for the one-token steps (``engine.decode_cuda_graphs``).
-    if engine.deploy.engine.decode_cuda_graphs and engine._can_capture_decode():
+    # ``engine.cuda_graphs``: the one-token steps replay CUDA graphs, and the short ragged steps
+    # (a unit's append, the Talker's condition) the same graphs as token rows when the in-place
+    # kernel runs them (``stage0.ragged_kernel``; off, its reference attention runs them eagerly).
+    graphs_on = engine.deploy.engine.cuda_graphs
+    ragged_steps = graphs_on and engine.deploy.stage0.ragged_kernel
+    if graphs_on and engine._can_capture_decode():
         engine.thinker_graphs, engine.talker_graphs = device_setup.make_decode_graphs(
             engine.models, kv, engine.plan.planned_sessions, engine.sizing.talker_turn_tokens,
-            capture=engine.models.device.type == "cuda", ragged_steps=engine.deploy.engine.ragged_step_graphs)
-    engine.stage0.use_decode_graphs(engine.thinker_graphs, ragged_steps=engine.deploy.engine.ragged_step_graphs)
-    # The graph switches are CUDA-only and on by default: off CUDA that is expected (info), on
-    # CUDA a switch that cannot act is a misconfiguration (warning).
+            capture=engine.models.device.type == "cuda", ragged_steps=ragged_steps)
+    engine.stage0.use_decode_graphs(engine.thinker_graphs, ragged_steps=ragged_steps)
+    # The switch is CUDA-only and on by default: off CUDA that it cannot act is expected (info),
+    # on CUDA a misconfiguration (warning, from device_setup.decode_graphs_supported).
     cannot_act = logger.warning if engine.models.device.type == "cuda" else logger.info
-    if engine.deploy.engine.ragged_step_graphs and (engine.thinker_graphs is None
-                                                    or not engine.deploy.stage0.ragged_kernel):
-        cannot_act("engine.ragged_step_graphs needs decode graphs (engine.decode_cuda_graphs on a CUDA "
-                   "device) and stage0.ragged_kernel; short ragged steps run eagerly")
+    if graphs_on and engine.thinker_graphs is not None and not ragged_steps:
+        logger.info("engine.cuda_graphs with stage0.ragged_kernel off: short ragged steps run eagerly")
     engine.encoder_graphs: EncoderGraphs | None = None
-    if engine.deploy.engine.encoder_cuda_graphs:
+    if graphs_on:
         if engine._can_capture_encoder():
             engine.encoder_graphs = EncoderGraphs(
                 engine.models.audio_encoder, max_batch=device_setup.graph_batch(engine.plan.planned_sessions),
@@ -142,7 +144,7 @@ def build_pools(engine: DuplexEngine) -> None:
             # gather buffer at its largest, held for good
             logger.info("encoder graphs: %.1f MiB of static buffers", engine.encoder_graphs.nbytes() / 2**20)
         else:
-            cannot_act("engine.encoder_cuda_graphs needs a CUDA device; the encoder runs eagerly")
+            cannot_act("engine.cuda_graphs needs a CUDA device; the audio encoder runs eagerly")
 
 
 def run_units(engine: DuplexEngine, units: list[Unit], lat: dict[str, float]) -> list[EngineEvent]:

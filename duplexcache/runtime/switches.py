@@ -15,8 +15,7 @@ SHARING_SWITCHES = (
     "code2wav.cfm_prompt_att_sharing",
     "code2wav.cfm_arena_rows_from_graph_grid",
 )
-SPEED_SWITCHES = ("engine.decode_cuda_graphs", "engine.ragged_step_graphs",
-                  "engine.encoder_cuda_graphs", "stage0.ragged_kernel", "code2wav.vocoder_cuda_graphs")  # CUDA only
+SPEED_SWITCHES = ("engine.cuda_graphs", "stage0.ragged_kernel")  # CUDA only
 
 
 def switch_value(deploy: DeployConfig, dotted: str) -> bool:

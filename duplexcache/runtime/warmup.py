@@ -21,12 +21,12 @@ the first seconds saw first audio after 13-16 s, and 11 of them none within 16 s
 * Triton kernels, once each, on the null block: paged decode (also inside every decode capture),
   the short ragged step (when ``stage0.ragged_kernel``; every split count it can pick, since the
   split count is a compile-time constant) and the fused key re-rotation (window ``basic``).
-  Graphs off (``engine.decode_cuda_graphs: false``, the A/B reference): eager decode steps of
+  Graphs off (``engine.cuda_graphs: false``, the eager reference): eager decode steps of
   arbitrary batch sizes may still compile split variants inside ticks.
 * a context prefill of three ``engine.prefill_chunk_tokens`` chunks through Stage 0
   (``run_prefill_once``): the first chunk of the first long context otherwise pays ~600 ms of
   first-use costs inside a tick, and the third gives the server's pacing a chunk time.
-* the audio encoder's piecewise graphs (``engine.encoder_cuda_graphs``): every batch bucket x
+* the audio encoder's piecewise graphs (``engine.cuda_graphs``): every batch bucket x
   chunk width (a first chunk's 52 frames and a later one's 50 at minicpmo45 shapes).
 * the audio encoder (its conv front eager in every tick, its layers too without graphs), over a first unit and a second unit of the planned
   session count on throwaway states (``run_encoder_once``): its first batch otherwise paid its
@@ -80,7 +80,7 @@ class WarmupReport:
     kernels: tuple[str, ...] = ()                                 # Triton kernels run once
     cancelled: bool = False                                       # stopped early (server shutting down)
     vocoder_graphs: int = 0
-    encoder_graphs: int = 0   # audio-encoder keys (each its layers' pieces), engine.encoder_cuda_graphs
+    encoder_graphs: int = 0   # audio-encoder keys (each its layers' pieces), engine.cuda_graphs
     # CUDA: the device memory the warm-up needed above the pools, from the pools' build to its
     # peak (graph pools and static buffers, transient activations, library workspaces), the
     # dynamic region's reservation excluded; None where nothing measures it (CPU).
@@ -311,7 +311,7 @@ def run_prefill_once(engine: DuplexEngine) -> int:
 def run_encoder_once(engine: DuplexEngine) -> int:
     """A first unit, then a second, through the audio encoder for the planned session count on
     throwaway states (CUDA only; no session or pool is touched), through its piecewise graphs
-    when the engine has them (``engine.encoder_cuda_graphs``). Returns the batch size."""
+    when the engine has them (``engine.cuda_graphs``). Returns the batch size."""
     m = engine.models
     if m.device.type != "cuda":
         return 0

@@ -23,8 +23,9 @@ case "$mode" in
     step engine_ticks_steady 220 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 1,8,16,32 --ticks 4 --warmup-ticks 8 --max-seconds 180 --memory-budget 100GiB --speak-k 1000 --turn-units 1000 --steady-window --out "$out/engine_ticks_steady" ;;
   ticks_ragged)  # A/B of stage0.ragged_kernel (default on): ticks_steady with the short ragged steps off the paged kernel
     step engine_ticks_ragged 220 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 1,8,16,32 --ticks 4 --warmup-ticks 8 --max-seconds 180 --memory-budget 100GiB --speak-k 1000 --turn-units 1000 --steady-window --ragged-kernel off --out "$out/engine_ticks_ragged" ;;
-  ticks_eager)  # A/B of engine.decode_cuda_graphs: the ticks sweep with eager decode steps
-    step engine_ticks_eager 140 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 1,8 --ticks 4 --max-seconds 100 --memory-budget 100GiB --decode-cuda-graphs off --out "$out/engine_ticks_eager" ;;
+  ticks_eager)  # A/B of engine.cuda_graphs: the ticks sweep all eager (until issue 44, --decode-cuda-graphs off: the
+    # decode steps only)
+    step engine_ticks_eager 140 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 1,8 --ticks 4 --max-seconds 100 --memory-budget 100GiB --cuda-graphs off --out "$out/engine_ticks_eager" ;;
   ticks_conversation)  # issue 10: conversation workload (reply policy, user turns 2-6 s, replies 2-8 s, random phases,
     # 3 voices), every sharing switch on, Thinker windows filled to 7000 tokens; the auto budget (0.9 x free) admits 40-48 sessions if they
     # fit at all (a refusal is recorded and larger counts skipped). Expected wall time ~6-8 min (build ~1 min, then per
@@ -77,24 +78,25 @@ case "$mode" in
       serve_conversation "serve_catch_up_$arm" "${SERVE_BASE:-examples/minicpmo45-shared.yaml}" "${SERVE_SESSIONS:-32}" \
         "${SERVE_DURATION:-60}" "scheduler.catch_up_ticks=$arm"
     done ;;
-  ticks_vocoder)  # A/B of code2wav.vocoder_cuda_graphs (issue 15): ticks_profile's exact-mode 40 sessions with the
-    # vocoder eager, then as graphs, each with 2 profiled ticks (launches and span of the vocoder), plus the vocoder's
-    # CUDA tests (~6 min)
+  ticks_vocoder)  # A/B of the vocoder's graphs (issue 15): ticks_profile's exact-mode 40 sessions with the vocoder
+    # eager, then as graphs, each with 2 profiled ticks (launches and span of the vocoder), plus the vocoder's CUDA
+    # tests (~6 min). Since issue 44 the switch is engine.cuda_graphs: the off arm has every graph off, not the vocoder's alone
     step vocoder_gpu_tests 120 python3 -m pytest -q -rs tests/cfm/test_vocoder_graphs.py tests/cfm/test_graphs.py tests/runtime/test_warmup.py -p no:cacheprovider
-    step engine_ticks_vocoder_off 200 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 40 --workload conversation --steady-window --all-switches on --ticks 6 --warmup-ticks 8 --profile-ticks 2 --max-seconds 190 --memory-budget auto --graph-grid 1,4,8,16 --vocoder-cuda-graphs off --out "$out/engine_ticks_vocoder_off"
-    step engine_ticks_vocoder_on 200 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 40 --workload conversation --steady-window --all-switches on --ticks 6 --warmup-ticks 8 --profile-ticks 2 --max-seconds 190 --memory-budget auto --graph-grid 1,4,8,16 --vocoder-cuda-graphs on --out "$out/engine_ticks_vocoder_on" ;;
-  vocoder_exact)  # is code2wav.vocoder_cuda_graphs bit-exact? The vocoder's CUDA tests (two graphed stages give the same
+    step engine_ticks_vocoder_off 200 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 40 --workload conversation --steady-window --all-switches on --ticks 6 --warmup-ticks 8 --profile-ticks 2 --max-seconds 190 --memory-budget auto --graph-grid 1,4,8,16 --cuda-graphs off --out "$out/engine_ticks_vocoder_off"
+    step engine_ticks_vocoder_on 200 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 40 --workload conversation --steady-window --all-switches on --ticks 6 --warmup-ticks 8 --profile-ticks 2 --max-seconds 190 --memory-budget auto --graph-grid 1,4,8,16 --cuda-graphs on --out "$out/engine_ticks_vocoder_on" ;;
+  vocoder_exact)  # are the vocoder's graphs (engine.cuda_graphs) bit-exact? The vocoder's CUDA tests (two graphed stages give the same
     # bits; VOCODER_EXACT_TESTS=0 skips them), then the `duplexcache bench memory` equality check (every sharing
     # switch vs all_off) with the switch on
     [ "${VOCODER_EXACT_TESTS:-1}" = 0 ] || step vocoder_gpu_tests 150 python3 -m pytest -q -rs tests/cfm/test_vocoder_graphs.py tests/cfm/test_graphs.py tests/runtime/test_warmup.py -p no:cacheprovider
     python3 -c 'import sys; from duplexcache.config import DeployConfig
-d = DeployConfig.from_packaged_yaml("minicpmo45"); d.code2wav.vocoder_cuda_graphs = True; open(sys.argv[1], "w").write(d.to_yaml())' "$out/vocoder_on.yaml"
+d = DeployConfig.from_packaged_yaml("minicpmo45"); d.engine.cuda_graphs = True; open(sys.argv[1], "w").write(d.to_yaml())' "$out/vocoder_on.yaml"
     step bench_vocoder_on 330 python3 -m duplexcache.cli bench memory --config "$out/vocoder_on.yaml" --preset minicpmo45 --device cuda --sessions ${BENCH_SESSIONS:-1,2,4} --memory-budget 80GiB --talker-turn-tokens 1024 --out "$out/bench_vocoder_on" ;;
-  serve_vocoder)  # A/B of code2wav.vocoder_cuda_graphs over the wire: serve_conversation, a fresh server per arm (off
-    # first); SERVE_BASE / SERVE_SESSIONS / SERVE_DURATION as for serve_catch_up
+  serve_vocoder)  # A/B of the vocoder's graphs over the wire: serve_conversation, a fresh server per arm (off first);
+    # SERVE_BASE / SERVE_SESSIONS / SERVE_DURATION as for serve_catch_up. Since issue 44 the switch is engine.cuda_graphs
+    # (the off arm: every graph off)
     for arm in false true; do
       serve_conversation "serve_vocoder_$arm" "${SERVE_BASE:-examples/minicpmo45-shared.yaml}" "${SERVE_SESSIONS:-32}" \
-        "${SERVE_DURATION:-45}" "code2wav.vocoder_cuda_graphs=$arm"
+        "${SERVE_DURATION:-45}" "engine.cuda_graphs=$arm"
     done ;;
   serve_phases)  # A/B of scheduler.tick_phases (issue 10): serve_conversation with one tick per unit, then two (a
     # turn's unit closed with silence at the next half-unit tick), a fresh server per arm; SERVE_BASE /
@@ -135,13 +137,12 @@ d = DeployConfig.from_packaged_yaml("minicpmo45"); d.code2wav.vocoder_cuda_graph
     step engine_ticks_profile_small 230 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 1,2,4 --workload continuous --steady-window --all-switches on --ticks 6 --warmup-ticks 8 --profile-ticks 2 --max-seconds 220 --memory-budget auto --graph-grid 1,4,8,16 --out "$out/engine_ticks_profile_small"
     step engine_ticks_profile_small_turns 160 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 1,2 --workload turns --speak-k 2 --turn-units 1 --steady-window --all-switches on --ticks 8 --warmup-ticks 8 --profile-ticks 2 --max-seconds 150 --memory-budget auto --graph-grid 1,4,8,16 --out "$out/engine_ticks_profile_small_turns" ;;
   ticks_ragged_graphs)  # cumulative A/B of the launch-bound stages' graphs (issue 10): ticks of 1 and 2 sessions, every
-    # session speaking every tick (continuous); arms: off; on = engine.ragged_step_graphs; encoder = also
-    # engine.encoder_cuda_graphs. One process per arm, 2 profiled ticks each (launches per stage); ~2.5 min per arm.
-    # RAGGED_ARMS picks arms (default "off on encoder": one device call)
-    for arm in ${RAGGED_ARMS:-off on encoder}; do
-      case $arm in off) flags="--ragged-step-graphs off --encoder-cuda-graphs off" ;;
-                   on) flags="--ragged-step-graphs on --encoder-cuda-graphs off" ;;
-                   encoder) flags="--ragged-step-graphs on --encoder-cuda-graphs on" ;; esac
+    # session speaking every tick (continuous); arms: off (engine.cuda_graphs off: all eager), on (the default). Until
+    # issue 44 merged the graph switches, "on" was the ragged steps alone and "encoder" both (now "encoder" = "on").
+    # One process per arm, 2 profiled ticks each (launches per stage); ~2.5 min per arm. RAGGED_ARMS picks arms
+    for arm in ${RAGGED_ARMS:-off on}; do
+      case $arm in off) flags="--cuda-graphs off" ;;
+                   *) flags="--cuda-graphs on" ;; esac
       # shellcheck disable=SC2086
       step "engine_ticks_ragged_graphs_$arm" 170 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 1,2 --workload continuous --steady-window --all-switches on --ticks 6 --warmup-ticks 8 --profile-ticks 2 --max-seconds 160 --memory-budget auto --graph-grid 1,4,8,16 $flags --out "$out/engine_ticks_ragged_graphs_$arm"
     done ;;

@@ -220,19 +220,20 @@ def test_deploy_switches_policy_and_bad_input():
     assert on.engine.memory_budget == 256 * 2**20 and on.model.dtype == "float32"
     assert off.engine.speak_policy.mode == "every_k_units" and off.engine.speak_policy.k == 3
     # the speed switches and the turn length reach the deploy config from the command line
-    cfg, _ = parse_args(["--decode-cuda-graphs", "off", "--ragged-kernel", "off", "--speak-k", "9",
+    cfg, _ = parse_args(["--cuda-graphs", "off", "--ragged-kernel", "off", "--speak-k", "9",
                             "--turn-units", "9", "--code2wav-dtype", "bfloat16", "--kv-cache-dtype", "fp8_e4m3",
-                            "--encoder-cache-dtype", "fp8_e4m3", "--talker-turn-tokens", "1024",
-                            "--vocoder-cuda-graphs", "off"])
+                            "--encoder-cache-dtype", "fp8_e4m3", "--talker-turn-tokens", "1024"])
     fast = et.make_deploy(cfg)
-    assert fast.engine.decode_cuda_graphs is False and fast.stage0.ragged_kernel is False
-    assert fast.code2wav.vocoder_cuda_graphs is False and on.code2wav.vocoder_cuda_graphs is True   # on: the default
+    assert fast.engine.cuda_graphs is False and fast.stage0.ragged_kernel is False
+    for gone in ("--decode-cuda-graphs", "--ragged-step-graphs", "--encoder-cuda-graphs", "--vocoder-cuda-graphs"):
+        with pytest.raises(SystemExit):   # one flag for every graph since issue 44
+            parse_args([gone, "off"])
     assert fast.precision.code2wav_dtype == "bfloat16" and on.precision.code2wav_dtype == "float32"
     assert fast.precision.kv_cache_dtype == "fp8_e4m3" and on.precision.kv_cache_dtype == "auto"
     assert fast.precision.encoder_cache_dtype == "fp8_e4m3" and on.precision.encoder_cache_dtype == "auto"
     assert fast.engine.talker_turn_tokens == 1024 and on.engine.talker_turn_tokens is None
     assert fast.engine.speak_policy.turn_units == fast.engine.speak_policy.k == 9   # every unit speaks
-    assert on.engine.decode_cuda_graphs is True and on.stage0.ragged_kernel is True   # the default
+    assert on.engine.cuda_graphs is True and on.stage0.ragged_kernel is True   # the default
     with pytest.raises(ValueError, match="turn_units"):
         et.TickBenchConfig(turn_units=0)
     with pytest.raises(ValueError, match="needs --device cuda"):

@@ -193,7 +193,7 @@ def test_generate_unit_with_graphs_gives_the_same_codes():
 
 @pytest.mark.parametrize("storage", [None, torch.float8_e4m3fn], ids=["model_dtype", "fp8"])
 def test_ragged_step_as_token_rows_matches_the_eager_ragged_step(storage):
-    """``run_ragged`` (engine.ragged_step_graphs): a unit-sized append of 12, 11 and 1 tokens to
+    """``run_ragged`` (engine.cuda_graphs): a unit-sized append of 12, 11 and 1 tokens to
     three sequences of different lengths, run as 24 token rows (bucket 24 of max_batch 30),
     gives the eager ragged step's hidden states and writes the same K/V; a second ragged step
     then reads what the first wrote. Padding rows touch only the null block."""

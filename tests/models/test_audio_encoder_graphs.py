@@ -1,4 +1,4 @@
-"""EncoderGraphs (engine.encoder_cuda_graphs): the streaming encoder's layers as piecewise graphs.
+"""EncoderGraphs (engine.cuda_graphs): the streaming encoder's layers as piecewise graphs.
 
 On CPU the runner runs its pieces eagerly over the static buffers (``capture=False``): the same
 buffer filling, padding rows, masked keys and eager cache traffic the CUDA graphs replay. The

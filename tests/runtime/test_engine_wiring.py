@@ -146,8 +146,10 @@ def test_arena_rows_from_graph_grid_and_max_num_seqs(tmp_path, on):
 
 
 @pytest.mark.parametrize("on", [True, False])
-def test_vocoder_cuda_graphs_reach_the_vocoder(tmp_path, on):
-    eng = engine(tmp_path, "vocoder", {"code2wav": {"vocoder_cuda_graphs": on, "graph_grid": [1, 4]}})
+def test_cuda_graphs_reach_the_vocoder(tmp_path, on):
+    """``engine.cuda_graphs`` -> ``code2wav_config`` -> the vocoder's graphs (with the arena's graph
+    backend, which only CUDA gives: a fake one here) replay its calls; off, the vocoder is eager."""
+    eng = engine(tmp_path, "vocoder", {"engine": {"cuda_graphs": on}, "code2wav": {"graph_grid": [1, 4]}})
     cfg = eng.code2wav.config
     assert cfg.vocoder_cuda_graphs is on
     per_unit = eng.models.talker.config.tokens_per_unit
@@ -187,21 +189,22 @@ def test_speak_policy_block_size_and_budget_reach_the_engine(tmp_path):
 
 
 @pytest.mark.parametrize("on", [True, False])
-def test_decode_cuda_graphs_reach_the_thinker_and_the_talker(tmp_path, monkeypatch, on):
-    """``engine.decode_cuda_graphs`` builds one runner per model and the decode steps of both go
-    through them. This CPU cannot capture, so the test lets the engine treat it as capable: the
-    runners then run their padded static-buffer steps eagerly (``capture=False``)."""
+def test_cuda_graphs_reach_the_decode_steps_of_the_thinker_and_the_talker(tmp_path, monkeypatch, on):
+    """``engine.cuda_graphs`` builds one runner per model and the decode steps of both go through
+    them. This CPU cannot capture, so the test lets the engine treat it as capable: the runners
+    then run their padded static-buffer steps eagerly (``capture=False``)."""
     from duplexcache.runtime.engine import DuplexEngine
 
-    sections = {"engine": {"decode_cuda_graphs": on, "speak_policy": {"k": 100, "turn_units": 100}}}
+    sections = {"engine": {"cuda_graphs": on, "speak_policy": {"k": 100, "turn_units": 100}}}
     plain = engine(tmp_path, "graphs_cpu", sections)   # on CPU as configured: eager, and says so
     assert plain.thinker_graphs is None and plain.talker_graphs is None and plain.stats().decode_graph_steps == {}
     monkeypatch.setattr(DuplexEngine, "_can_capture_decode", lambda self: True)
     eng = engine(tmp_path, "graphs", sections)
     if not on:
-        assert eng.thinker_graphs is None and eng.stage0.decode_graphs is None
+        assert eng.thinker_graphs is None and eng.stage0.decode_graphs is None and eng.talker_stage.graphs is None
         return
     assert eng.stage0.decode_graphs is eng.thinker_graphs and not eng.thinker_graphs.capture
+    assert eng.talker_stage.graphs is eng.talker_graphs
     assert eng.thinker_graphs.max_batch >= eng.plan.planned_sessions
     sids = [eng.open_session({"voice": v}) for v in ("default", "alt")]
     for i, sid in enumerate(sids):
@@ -216,24 +219,40 @@ def test_decode_cuda_graphs_reach_the_thinker_and_the_talker(tmp_path, monkeypat
     assert eng.thinker_graphs is None and eng.stage0.decode_graphs is None
 
 
-@pytest.mark.parametrize("on", [True, False])
-def test_ragged_step_graphs_reach_the_unit_append_and_the_talker_condition(tmp_path, monkeypatch, on):
-    """``engine.ragged_step_graphs``: each unit's append to the Thinker and each speaking unit's
-    Talker condition step go through the decode runners as token rows (on), or stay eager (off,
-    the A/B reference); the text and audio agree either way. As the decode-graph test above, the
-    CPU engine is let treat itself as capable (runners with ``capture=False``)."""
+def _text_and_pcm(eng, sids, events) -> tuple[list, dict]:
+    return ([(e.sid, e.text) for e in events if isinstance(e, TextDelta)],
+            {sid: b"".join(e.pcm16 for e in events if isinstance(e, AudioDelta) and e.sid == sid) for sid in sids})
+
+
+def _assert_same_replies(on: tuple[list, dict], off: tuple[list, dict]) -> None:
+    """The graphs' replies against the eager reference's: the same text, PCM within float32
+    rounding of padded rows (a GEMM over a bucket's rows may round apart by an LSB or two)."""
     import numpy as np
 
+    (text_on, pcm_on), (text_off, pcm_off) = on, off
+    assert text_on == text_off and len(text_on) == 6
+    for sid in pcm_on:
+        a = np.frombuffer(pcm_on[sid], dtype=np.int16).astype(np.int32)
+        b = np.frombuffer(pcm_off[sid], dtype=np.int16).astype(np.int32)
+        assert a.size == b.size > 0 and np.abs(a - b).max() <= 2
+
+
+def test_cuda_graphs_reach_the_unit_append_and_the_talker_condition(tmp_path, monkeypatch):
+    """``engine.cuda_graphs``: each unit's append to the Thinker and each speaking unit's Talker
+    condition step go through the decode runners as token rows (on), or stay eager (off, the
+    reference); the text and audio agree. As the decode-step test above, the CPU engine is let
+    treat itself as capable (runners with ``capture=False``)."""
     from duplexcache.runtime.engine import DuplexEngine
 
     monkeypatch.setattr(DuplexEngine, "_can_capture_decode", lambda self: True)
     outputs = {}
-    for arm in (on, not on):
-        sections = {"engine": {"ragged_step_graphs": arm, "speak_policy": {"k": 100, "turn_units": 100}}}
+    for arm in (True, False):
+        sections = {"engine": {"cuda_graphs": arm, "speak_policy": {"k": 100, "turn_units": 100}}}
         eng = engine(tmp_path, f"ragged_graphs_{arm}", sections)
-        assert eng.stage0.ragged_step_graphs is arm and eng.talker_stage.ragged_graphs is arm
-        for graphs in (eng.thinker_graphs, eng.talker_graphs):   # row buckets for a tick of every session's unit
-            assert (graphs.max_rows >= 16 * eng.plan.planned_sessions) is arm and graphs.max_batch >= eng.plan.planned_sessions
+        assert eng.stage0.ragged_graphs is arm and eng.talker_stage.ragged_graphs is arm
+        if arm:   # row buckets for a tick of every session's unit
+            for graphs in (eng.thinker_graphs, eng.talker_graphs):
+                assert graphs.max_rows >= 16 * eng.plan.planned_sessions and graphs.max_batch >= eng.plan.planned_sessions
         sids = [eng.open_session({"voice": v}) for v in ("default", "alt")]
         for i, sid in enumerate(sids):
             eng.push_audio(sid, audio(i, 3))
@@ -242,65 +261,66 @@ def test_ragged_step_graphs_reach_the_unit_append_and_the_talker_condition(tmp_p
         if arm:
             assert ragged["thinker"] >= 3 and ragged["talker"] >= 3   # a unit append and a condition per tick
         else:
-            assert ragged == {"thinker": 0, "talker": 0}
-        outputs[arm] = ([(e.sid, e.text) for e in events if isinstance(e, TextDelta)],
-                        {sid: b"".join(e.pcm16 for e in events if isinstance(e, AudioDelta) and e.sid == sid)
-                         for sid in sids})
+            assert not any(ragged.values())
+        outputs[arm] = _text_and_pcm(eng, sids, events)
         eng.shutdown()
-    (text_on, pcm_on), (text_off, pcm_off) = outputs[True], outputs[False]
-    assert text_on == text_off and len(text_on) == 6
-    for sid in pcm_on:
-        a = np.frombuffer(pcm_on[sid], dtype=np.int16).astype(np.int32)
-        b = np.frombuffer(pcm_off[sid], dtype=np.int16).astype(np.int32)
-        assert a.size == b.size > 0 and np.abs(a - b).max() <= 2   # padded rows: float32 GEMMs may round apart
+    _assert_same_replies(outputs[True], outputs[False])
 
 
-@pytest.mark.parametrize("on", [True, False])
-def test_encoder_cuda_graphs_reach_the_encoder_step(tmp_path, monkeypatch, on):
-    """``engine.encoder_cuda_graphs``: the Thinker stage's encoder step runs the piecewise runner
-    (on; CPU: its pieces eagerly over the static buffers) or the eager layers (off); the text
-    and audio agree either way (float32 rounding may move PCM by an LSB)."""
-    import numpy as np
+def test_ragged_kernel_off_keeps_the_ragged_steps_eager_under_cuda_graphs(tmp_path, monkeypatch):
+    """The short ragged steps replay graphs only through the in-place kernel: with
+    ``stage0.ragged_kernel`` off (its reference attention) they stay eager under ``engine.cuda_graphs``
+    and no row bucket is captured for them, while the decode steps still replay."""
+    from duplexcache.runtime.engine import DuplexEngine
 
+    monkeypatch.setattr(DuplexEngine, "_can_capture_decode", lambda self: True)
+    eng = engine(tmp_path, "ragged_kernel_off", {"stage0": {"ragged_kernel": False},
+                                                 "engine": {"speak_policy": {"k": 100, "turn_units": 100}}})
+    assert eng.thinker_graphs is not None and eng.thinker_graphs.max_rows == eng.thinker_graphs.max_batch   # no row bucket
+    assert not eng.stage0.ragged_graphs and not eng.talker_stage.ragged_graphs
+    sid = eng.open_session({"voice": "default"})
+    eng.push_audio(sid, audio(0, 2))
+    for _ in range(2):
+        eng.tick()
+    stats = eng.stats()
+    assert not any(stats.ragged_graph_steps.values()) and stats.decode_graph_steps["thinker"] > 0
+    eng.shutdown()
+
+
+def test_cuda_graphs_reach_the_encoder_step(tmp_path, monkeypatch):
+    """``engine.cuda_graphs``: the Thinker stage's encoder step runs the piecewise runner (on; CPU:
+    its pieces eagerly over the static buffers) or the eager layers (off); the text and audio
+    agree (float32 rounding may move PCM by an LSB)."""
     from duplexcache.runtime.engine import DuplexEngine
 
     monkeypatch.setattr(DuplexEngine, "_can_capture_encoder", lambda self: True)
     outputs = {}
-    for arm in (on, not on):
-        sections = {"engine": {"encoder_cuda_graphs": arm, "speak_policy": {"k": 100, "turn_units": 100}}}
+    for arm in (True, False):
+        sections = {"engine": {"cuda_graphs": arm, "speak_policy": {"k": 100, "turn_units": 100}}}
         eng = engine(tmp_path, f"encoder_graphs_{arm}", sections)
         assert (eng.thinker_stage.encoder_graphs is not None) is arm
+        assert eng.thinker_stage.encoder_graphs is eng.encoder_graphs
         sids = [eng.open_session({"voice": v}) for v in ("default", "alt")]
         for i, sid in enumerate(sids):
             eng.push_audio(sid, audio(i, 3))
         events = [e for _ in range(3) for e in eng.tick()]
         assert eng.stats().encoder_graph_ticks == (3 if arm else 0)
-        outputs[arm] = ([(e.sid, e.text) for e in events if isinstance(e, TextDelta)],
-                        {sid: b"".join(e.pcm16 for e in events if isinstance(e, AudioDelta) and e.sid == sid)
-                         for sid in sids})
+        outputs[arm] = _text_and_pcm(eng, sids, events)
         eng.shutdown()
         assert eng.encoder_graphs is None
-    (text_on, pcm_on), (text_off, pcm_off) = outputs[True], outputs[False]
-    assert text_on == text_off and len(text_on) == 6
-    for sid in pcm_on:
-        a = np.frombuffer(pcm_on[sid], dtype=np.int16).astype(np.int32)
-        b = np.frombuffer(pcm_off[sid], dtype=np.int16).astype(np.int32)
-        assert a.size == b.size > 0 and np.abs(a - b).max() <= 2
+    _assert_same_replies(outputs[True], outputs[False])
 
 
-def test_ragged_step_graphs_that_cannot_act_say_so(tmp_path, caplog):
-    """On this CPU there are no decode graphs, so the switch cannot act: the engine says so (at
-    info level: the switches are on by default and CUDA-only) and the Thinker's appends stay
-    eager (a switch that silently does nothing is a bug)."""
-    with caplog.at_level("INFO", logger="duplexcache.runtime.engine"):
-        eng = engine(tmp_path, "ragged_graphs_cpu", {"engine": {"ragged_step_graphs": True}})
-    assert eng.thinker_graphs is None and eng.stage0.ragged_step_graphs is False
-    assert any("ragged_step_graphs needs decode graphs" in r.getMessage() for r in caplog.records)
-    eng.shutdown()
-    with caplog.at_level("INFO", logger="duplexcache.runtime.engine"):
-        eng = engine(tmp_path, "encoder_graphs_cpu", {"engine": {"encoder_cuda_graphs": True}})
-    assert eng.encoder_graphs is None
-    assert any("encoder_cuda_graphs needs a CUDA device" in r.getMessage() for r in caplog.records)
+def test_cuda_graphs_that_cannot_act_say_so(tmp_path, caplog):
+    """On this CPU nothing can be captured, so the switch (on by default, CUDA-only) cannot act:
+    the engine says so at info level and the decode steps, the Thinker's appends and the encoder
+    stay eager (a switch that silently does nothing is a bug)."""
+    with caplog.at_level("INFO", logger="duplexcache"):
+        eng = engine(tmp_path, "graphs_on_cpu", {"engine": {"cuda_graphs": True}})
+    assert eng.thinker_graphs is None and eng.stage0.ragged_graphs is False and eng.encoder_graphs is None
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("engine.cuda_graphs applies to CUDA devices" in m for m in messages)
+    assert any("engine.cuda_graphs needs a CUDA device; the audio encoder runs eagerly" in m for m in messages)
     eng.shutdown()
 
 

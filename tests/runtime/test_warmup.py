@@ -41,7 +41,7 @@ class FakeArenaBackend:
 
 def graphed_engine(tmp_path, monkeypatch, name: str, sections: dict | None = None) -> DuplexEngine:
     monkeypatch.setattr(DuplexEngine, "_can_capture_decode", lambda self: True)
-    eng = engine(tmp_path, name, {**(sections or SMALL), "code2wav": {"vocoder_cuda_graphs": True}})
+    eng = engine(tmp_path, name, sections or SMALL)   # engine.cuda_graphs at its default: on
     eng.code2wav.set_graph_backend(FakeArenaBackend())
     return eng
 
@@ -81,12 +81,11 @@ def test_after_warmup_ticks_capture_nothing(tmp_path, monkeypatch):
 
 
 def test_warmup_prepares_every_encoder_key(tmp_path, monkeypatch):
-    """``engine.encoder_cuda_graphs``: the warm-up prepares every (bucket, chunk width) of the
+    """``engine.cuda_graphs``: the warm-up prepares every (bucket, chunk width) of the
     encoder's pieces, and the ticks (sessions joining with their longer first chunk) then
     prepare nothing."""
     monkeypatch.setattr(DuplexEngine, "_can_capture_encoder", lambda self: True)
-    eng = graphed_engine(tmp_path, monkeypatch, "warm_encoder",
-                         {**SMALL, "engine": {**SMALL["engine"], "encoder_cuda_graphs": True}})
+    eng = graphed_engine(tmp_path, monkeypatch, "warm_encoder")
     report = eng.warmup()
     assert report.encoder_graphs == len(eng.encoder_graphs.keys()) > 0
     serve_units(eng)
@@ -203,7 +202,7 @@ def test_cuda_warmup_captures_and_ticks_capture_nothing(tmp_path):
     from engine_helpers import deploy_from_yaml
 
     deploy = deploy_from_yaml(tmp_path, "cuda", {**SMALL, "model": {"device": "cuda"},
-                                                 "code2wav": {"vocoder_cuda_graphs": True, "max_num_seqs": 4}})
+                                                 "code2wav": {"max_num_seqs": 4}})
     eng = DuplexEngine(deploy, build_models(deploy))
     # The voices' Code2Wav prompt passes captured their graph at construction (before serving).
     at_start = eng.code2wav.graph_stats.captures
@@ -265,7 +264,7 @@ def test_graph_buckets_stop_at_the_caps_however_large_the_plan(tmp_path, monkeyp
 
 
 def test_the_graph_switches_default_on_and_the_engine_caps_their_buckets(tmp_path, monkeypatch):
-    """A deploy YAML naming no graph switch: the defaults (which the packaged YAMLs write out,
+    """A deploy YAML not naming engine.cuda_graphs: the defaults (which the packaged YAMLs write out,
     tests/test_config.py) build the ragged-step rows and the encoder pieces, and every runner the engine builds is sized by ``graph_batch`` (a plan of more
     sessions than the cap gets buckets up to the cap, not up to the plan)."""
     monkeypatch.setattr(device_setup, "MAX_GRAPH_BATCH", 2)
@@ -273,7 +272,7 @@ def test_the_graph_switches_default_on_and_the_engine_caps_their_buckets(tmp_pat
     eng = graphed_engine(tmp_path, monkeypatch, "defaults")
     assert eng.plan.planned_sessions > 2
     assert eng.thinker_graphs.max_batch == eng.talker_graphs.max_batch == eng.encoder_graphs.max_batch == 2
-    assert eng.stage0.ragged_step_graphs and eng.thinker_graphs.row_buckets[-1] > 2
+    assert eng.stage0.ragged_graphs and eng.thinker_graphs.row_buckets[-1] > 2
     eng.shutdown()
 
 

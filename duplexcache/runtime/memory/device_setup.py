@@ -128,15 +128,15 @@ def build_kv_pools(models: ModelBundle, plan: MemoryPlan, stage0_cfg: Stage0Conf
 def decode_graphs_supported(device: torch.device, caches: tuple[PagedKVCache, ...]) -> bool:
     """Whether one-token steps can be captured as CUDA graphs here (logged when not)."""
     if device.type != "cuda":
-        logger.info("engine.decode_cuda_graphs applies to CUDA devices; decode on %s runs eagerly", device)
+        logger.info("engine.cuda_graphs applies to CUDA devices; decode on %s runs eagerly", device)
         return False
     if any(c.decode_backend != "triton" for c in caches):
-        logger.warning("engine.decode_cuda_graphs needs the Triton decode kernel; decode runs eagerly")
+        logger.warning("engine.cuda_graphs needs the Triton decode kernel; decode runs eagerly")
         return False
     return True
 
 
-# Token rows per session that the ragged-step graphs cover (engine.ragged_step_graphs): a unit's
+# Token rows per session that the ragged-step graphs cover (engine.cuda_graphs): a unit's
 # append is 12 rows (</unit>, <unit>, 10 audio embeddings), a speaking unit's Talker condition
 # ~5 (its text and end token, a boundary); steps with more rows than this per session run eagerly.
 RAGGED_ROWS_PER_SESSION = 16
@@ -163,7 +163,7 @@ def make_decode_graphs(models: ModelBundle, kv: KVPools, max_batch: int, talker_
     """CUDA graphs for the one-token steps of the Thinker and the Talker: batch buckets up to
     ``max_batch``, block-table widths up to the longest table a session can hold (the
     Thinker's model positions, the Talker's turn: ``talker_turn_tokens``). ``ragged_steps``
-    (``engine.ragged_step_graphs``): row buckets up to ``RAGGED_ROWS_PER_SESSION`` rows per
+    (``engine.cuda_graphs`` with ``stage0.ragged_kernel``): row buckets up to ``RAGGED_ROWS_PER_SESSION`` rows per
     session too, for the short ragged steps run as token rows. Both capped (``MAX_GRAPH_BATCH``,
     ``MAX_GRAPH_ROWS``)."""
     bs = kv.stage0.block_size

@@ -164,7 +164,7 @@ class Stage0Runner:
         self.compactions = 0   # window compactions applied since start, every session (/metrics)
         # One-token steps replay CUDA graphs when the engine installs them (use_decode_graphs).
         self.decode_graphs: PagedDecodeGraphs | None = None
-        self.ragged_step_graphs = False
+        self.ragged_graphs = False
         # Chunked opens (enqueue_open / prefill), FIFO; only the head holds blocks.
         self._prefills: OrderedDict[str, _Prefill] = OrderedDict()
         # Test hook (runtime/isolation.py): None when serving.
@@ -172,12 +172,12 @@ class Stage0Runner:
 
     def use_decode_graphs(self, graphs: PagedDecodeGraphs | None, ragged_steps: bool = False) -> None:
         """Run decode steps (one new token per session) through ``graphs``; None: eager.
-        ``ragged_steps`` (``engine.ragged_step_graphs``): short ragged steps (a unit's append)
+        ``ragged_steps`` (``engine.cuda_graphs`` with ``stage0.ragged_kernel``): short ragged steps (a unit's append)
         too, as one row per token, when they fit (``PagedDecodeGraphs.accepts_ragged``)."""
         if graphs is not None and graphs.cache is not self.cache:
             raise ValueError("decode graphs were built over another KV cache")
         self.decode_graphs = graphs
-        self.ragged_step_graphs = graphs is not None and ragged_steps
+        self.ragged_graphs = graphs is not None and ragged_steps
 
     # ------------------------------------------------------------------ admission
 
@@ -537,7 +537,7 @@ class Stage0Runner:
             if graphs is not None and all(n == 1 for n in num_new) and graphs.accepts(tables):
                 hidden = graphs.run(embeds, tables, computed)
                 last: list[int | None] = list(range(len(work)))
-            elif graphs is not None and self.ragged_step_graphs and graphs.accepts_ragged(tables, num_new):
+            elif graphs is not None and self.ragged_graphs and graphs.accepts_ragged(tables, num_new):
                 hidden = graphs.run_ragged(embeds, tables, computed, num_new)
                 last = last_token_rows(num_new)
             else:

@@ -75,7 +75,8 @@ def code2wav_config(deploy: DeployConfig, models: ModelBundle) -> CfmConfig:
                        arena_rows_from_graph_grid=c.cfm_arena_rows_from_graph_grid,
                        graph_grid=c.graph_grid or (), max_prompt_frames=max(prompt, 100),
                        prompt_bank_frames=1 + sum(frames),   # every voice's prompt, stored once
-                       use_cuda_graphs=models.device.type == "cuda", vocoder_cuda_graphs=c.vocoder_cuda_graphs,
+                       use_cuda_graphs=models.device.type == "cuda",
+                       vocoder_cuda_graphs=deploy.engine.cuda_graphs,   # the vocoder's graphs: CUDA only
                        fixed_key_length=deploy.engine.batch_invariant)
     return dataclasses.replace(
         config, vocoder_graph_shapes=vocoder_graph_shapes(config, models.talker.config.tokens_per_unit))

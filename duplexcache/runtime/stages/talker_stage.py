@@ -43,7 +43,7 @@ class TalkerStage:
         self.cache = cache
         self.kv = kv
         self.graphs = graphs
-        self.ragged_graphs = ragged_graphs   # engine.ragged_step_graphs: the condition step through the graphs too
+        self.ragged_graphs = ragged_graphs   # engine.cuda_graphs: the condition step through the graphs too
         self.control = control
         self.audio = audio              # ends audio turns (the turn's stream and Talker KV go together)
         self.end = end

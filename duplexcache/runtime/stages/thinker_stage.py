@@ -47,7 +47,7 @@ class ThinkerStage:
                  encoder_graphs: EncoderGraphs | None = None) -> None:
         self.stage0 = stage0
         self.encoder = encoder
-        self.encoder_graphs = encoder_graphs   # engine.encoder_cuda_graphs (None: the eager layers)
+        self.encoder_graphs = encoder_graphs   # engine.cuda_graphs (None: the eager layers)
         self.encoder_storage = encoder_storage   # precision.encoder_cache_dtype (None: the weights' dtype)
         self.builder = builder
         self.tokenizer = tokenizer

@@ -1,6 +1,6 @@
 """How a raw deploy dict (one YAML file) becomes what ``DeployConfig`` validates, and how a
-failure reads: environment overrides (the one place they apply), keys retired or moved (read
-with a deprecation warning for one release), and validation errors named by key path.
+failure reads: environment overrides (the one place they apply), keys retired, merged or moved
+(read with a deprecation warning for one release), and validation errors named by key path.
 
 Needs pydantic and the standard library; imports nothing of ``duplexcache.config`` (which
 imports this).
@@ -54,9 +54,9 @@ def apply_env_overrides(raw: Mapping[str, Any], environ: Mapping[str, str]) -> d
     return data
 
 
-# Speed switches retired with their code path once their A/B was settled (docs/engine.md,
-# "Retired switches"): (section path, key, why). A YAML that still names one loads, with a
-# warning, for one release.
+# Switches retired with their code path: a speed switch once its A/B was settled, a setting no
+# config changed from its default (docs/engine.md, "Retired switches"): (section path, key, why).
+# A YAML that still names one loads, with a warning, for one release.
 RETIRED_KEYS = (
     (("server",), "switch_interval_ms", "Python's 5 ms was kept: 0.5 ms gave no gain (32 callers, H200)"),
     (("engine",), "memory_fraction", "an auto budget's first plan keeps 0.9 of the free memory "

@@ -54,9 +54,9 @@ def apply_env_overrides(raw: Mapping[str, Any], environ: Mapping[str, str]) -> d
     return data
 
 
-# Switches retired with their code path: a speed switch once its A/B was settled, a setting no
-# config changed from its default (docs/engine.md, "Retired switches"): (section path, key, why).
-# A YAML that still names one loads, with a warning, for one release.
+# Speed switches retired with their code path once their A/B was settled (docs/engine.md,
+# "Retired switches"): (section path, key, why). A YAML that still names one loads, with a
+# warning, for one release.
 RETIRED_KEYS = (
     (("server",), "switch_interval_ms", "Python's 5 ms was kept: 0.5 ms gave no gain (32 callers, H200)"),
     (("engine",), "memory_fraction", "an auto budget's first plan keeps 0.9 of the free memory "
@@ -71,6 +71,27 @@ RETIRED_KEYS = (
     (("engine", "speak_policy"), "end_quiet_lookahead", "the reply policy always hears the quiet after the unit "
                                                         "(32 callers, H200: reply p95 2.74 -> 1.88 s)"),
 )
+
+
+def drop_retired_keys(data: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``data`` without the keys of RETIRED_KEYS, each dropped with a deprecation warning."""
+    for path, key, why in RETIRED_KEYS:
+        node: Any = data
+        for part in path:
+            node = node.get(part) if isinstance(node, Mapping) else None
+        if not isinstance(node, Mapping) or key not in node:
+            continue
+        data = copy.deepcopy(dict(data))
+        node = data
+        for part in path:
+            node[part] = dict(node[part])
+            node = node[part]
+        del node[key]
+        message = f"deploy config: {'.'.join(path)}.{key} was retired and is ignored ({why}; docs/engine.md)"
+        warnings.warn(message, DeprecationWarning, stacklevel=3)
+        logger.warning("%s", message)
+    return data
+
 
 # Switches merged into one (issue 44): (new section path, new key, old spellings as (section path,
 # key)). An old spelling still loads, with a warning, for one release: the new switch is off when
@@ -112,17 +133,6 @@ def _deprecated(message: str) -> None:
     """One old spelling read: a DeprecationWarning (for tests and -W error) and a log line (for operators)."""
     warnings.warn(message, DeprecationWarning, stacklevel=4)
     logger.warning("%s", message)
-
-
-def drop_retired_keys(data: Mapping[str, Any]) -> Mapping[str, Any]:
-    """``data`` without the keys of RETIRED_KEYS, each dropped with a deprecation warning."""
-    for path, key, why in RETIRED_KEYS:
-        if not _has(data, path, key):
-            continue
-        data, node = _copy_to(data, path)
-        del node[key]
-        _deprecated(f"deploy config: {'.'.join(path)}.{key} was retired and is ignored ({why}; docs/engine.md)")
-    return data
 
 
 _BOOL = TypeAdapter(bool)

@@ -66,7 +66,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"{c.get('workload', 'turns')}, speak policy {c['speak_policy']}; sharing switches {'on' if c['all_switches'] else 'off'}; "
         f"budget {c['memory_budget']} (reserve {c['activation_reserve']}); Thinker windows "
         f"{'filled to (low + high) / 2 before the recorded ticks' if c.get('steady_window') else 'as the units left them'}; "
-        f"CUDA graphs {'on' if c.get('cuda_graphs', c.get('decode_cuda_graphs')) else 'off'}; "   # (old reports: decode's)
+        # reports written before issue 44 name the decode graphs' switch
+        f"CUDA graphs {'on' if c.get('cuda_graphs', c.get('decode_cuda_graphs')) else 'off'}; "
         f"ragged kernel {'on' if c.get('ragged_kernel') else 'off'}; "
         f"Code2Wav graph grid {c.get('graph_grid') or 'none (every tier)'}, "
         f"{c.get('code2wav_dtype', 'float32')}; KV {c.get('kv_cache_dtype', 'auto')}; encoder cache {c.get('encoder_cache_dtype', 'auto')}; "

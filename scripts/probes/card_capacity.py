@@ -7,9 +7,9 @@ The engine itself plans on the ``meta`` device (the models' shapes, no weights, 
 allocated; as tests/runtime/test_memory_budget.py does): the same footprints, fixed buffers and
 ``plan_memory`` that serve uses, with the device's free memory injected. Two plans: before issue
 43 (the config's fixed activation_reserve, ``fixed + 0.9 x free``, whole Talker turns: the
-``model`` policy's reservation) and after (``engine.activation_from_warmup``: the measured peak +
-the re-plan's 1 GiB margin, ``free - memory_headroom``, the policy's Talker turn). What shapes cannot give is an argument, defaulting
-to issue 43's H100 measurement: the device total (79.6 GiB), what lives outside PyTorch (CUDA
+``model`` policy's reservation) and after (``engine.activation_from_warmup``: the measured peak
+plus the re-plan's 1 GiB margin, ``free - memory_headroom``, the policy's Talker turn). What
+shapes cannot give is an argument, defaulting to issue 43's H100 measurement: the device total (79.6 GiB), what lives outside PyTorch (CUDA
 context, cuBLAS, Triton: 79.6 - 10.96 free - 66.33 reserved = 2.31 GiB) and the warm-up's peak
 above the pools (assumed 3 GiB: the graph pools measured 1.4 GiB, plus the prefill and encoder
 transients; the GPU run measures it). ``--policy reply`` is what ``gpu_bench.sh`` serves with.

@@ -163,8 +163,8 @@ def make_decode_graphs(models: ModelBundle, kv: KVPools, max_batch: int, talker_
     """CUDA graphs for the one-token steps of the Thinker and the Talker: batch buckets up to
     ``max_batch``, block-table widths up to the longest table a session can hold (the
     Thinker's model positions, the Talker's turn: ``talker_turn_tokens``). ``ragged_steps``
-    (``engine.cuda_graphs`` with ``stage0.ragged_kernel``): row buckets up to ``RAGGED_ROWS_PER_SESSION`` rows per
-    session too, for the short ragged steps run as token rows. Both capped (``MAX_GRAPH_BATCH``,
+    (``engine.cuda_graphs`` with ``stage0.ragged_kernel``): row buckets up to
+    ``RAGGED_ROWS_PER_SESSION`` rows per session too, for the short ragged steps run as token rows. Both capped (``MAX_GRAPH_BATCH``,
     ``MAX_GRAPH_ROWS``)."""
     bs = kv.stage0.block_size
     max_batch = graph_batch(max_batch)

@@ -155,6 +155,6 @@ def replan_until_covered(engine: DuplexEngine, report: WarmupReport,
                 or report.activation_peak_bytes <= engine.activation_reserve):
             return report
     logger.warning("warm-up: after %d estimated re-plans the last warm-up's peak (%.2f GiB) still exceeds the "
-                   "reserve (%.2f GiB); serving with that plan: raise engine.memory_budget", MAX_ESTIMATED_REPLANS, report.activation_peak_bytes / 2**30,
-                   engine.activation_reserve / 2**30)
+                   "reserve (%.2f GiB); serving with that plan: raise engine.memory_budget", MAX_ESTIMATED_REPLANS,
+                   report.activation_peak_bytes / 2**30, engine.activation_reserve / 2**30)
     return report

@@ -130,8 +130,9 @@ def policy_turn_units(policy: SpeakPolicy) -> int | None:
 def reserved_turn_tokens(deploy: DeployConfig, config: TalkerConfig) -> int:
     """Talker KV tokens admission reserves per session, and the cap the Talker stage holds an
     audio turn to: ``engine.talker_turn_tokens`` (checked), or the speak policy's longest turn
-    at the largest unit's tokens when the policy bounds it and that is smaller. Both the ledger and the stage read this one number, so no turn
-    can outgrow its reservation whatever the policy does (docs/engine.md, "Talker turns")."""
+    at the largest unit's tokens when the policy bounds it and that is smaller. Both the ledger
+    and the stage read this one number, so no turn can outgrow its reservation whatever the
+    policy does (docs/engine.md, "Talker turns")."""
     turn = resolve_turn_tokens(deploy.engine.talker_turn_tokens, config)
     units = policy_turn_units(deploy.engine.speak_policy)
     if units is None:

@@ -342,8 +342,6 @@ class ServerConfig(_Strict):
     max_session_text_chars: int = Field(65536, gt=0)
     max_connections_per_client: int = Field(16, ge=1)  # open WebSockets per client address
     max_sessions_per_client: int = Field(8, ge=1)      # engine sessions (admitted or queued) per client address
-    queue_notice_s: float = Field(2.0, gt=0)           # period of session.queued events while waiting, and of
-                                                       # the error a refused client's audio appends hear
     # Longest session context (instructions + reference audio + initial text, in tokens) that
     # open_session accepts; longer ones are refused with context_length_exceeded.
     max_context_tokens: int = Field(8192, gt=0)

@@ -61,6 +61,7 @@ RETIRED_KEYS = (
     (("server",), "switch_interval_ms", "Python's 5 ms was kept: 0.5 ms gave no gain (32 callers, H200)"),
     (("engine", "speak_policy"), "end_quiet_lookahead", "the reply policy always hears the quiet after the unit "
                                                         "(32 callers, H200: reply p95 2.74 -> 1.88 s)"),
+    (("server",), "queue_notice_s", "queued sessions are told every 2 s (server/realtime_session.py QUEUE_NOTICE_S)"),
 )
 
 

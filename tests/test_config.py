@@ -47,7 +47,7 @@ NON_DEFAULT = {
                "allowed_origins": ["https://app.example"], "idle_timeout_s": 30.0, "max_session_s": 600.0,
                "max_outbox_bytes": 2**20, "close_timeout_s": 2.0, "header_timeout_s": 3.0, "keep_alive_timeout_s": 2.0,
                "trusted_proxies": ["10.0.0.0/8"], "max_session_text_chars": 1000,
-               "max_connections_per_client": 3, "max_sessions_per_client": 2, "queue_notice_s": 0.5, "max_context_tokens": 4096,
+               "max_connections_per_client": 3, "max_sessions_per_client": 2, "max_context_tokens": 4096,
                "compute_threads": 3, "voice_aliases": {"alloy": "alt"},
                "resume_window_s": 7.5},
     "scheduler": {"catch_up_ticks": False, "prefill_between_ticks": False, "align_units_to_ticks": False,
@@ -381,6 +381,7 @@ def test_an_old_yaml_still_loads_its_scheduler_keys(tmp_path):
 @pytest.mark.parametrize("raw, key", [
     ({"server": {"switch_interval_ms": 0.5}}, "server.switch_interval_ms"),
     ({"engine": {"speak_policy": {"mode": "reply", "end_quiet_lookahead": False}}}, "engine.speak_policy.end_quiet_lookahead"),
+    ({"server": {"queue_notice_s": 0.5}}, "server.queue_notice_s"),
 ])
 def test_a_retired_switch_is_ignored_with_a_warning_naming_it(raw, key, caplog):
     """Speed switches retired once their A/B was settled (docs/engine.md, "Retired switches"): an

@@ -12,7 +12,7 @@ Life cycle on the wire:
 * on connect: ``session.queue_done`` (the SDK sends ``session.init`` only after it). Admission
   is decided at ``session.init``, because the session's size depends on it (system prompt,
   reference voice, window, ``tts_enabled``): a session that does not fit is queued
-  (``session.queued``, then ``session.queue_update`` every ``server.queue_notice_s``, with
+  (``session.queued``, then ``session.queue_update`` every ``realtime_session.QUEUE_NOTICE_S``, with
   ``position``, ``queue_length`` and ``estimated_wait_s`` from server/queue_wait.py) and gets
   ``session.queue_done`` again when admitted;
 * ``session.created`` {session_id} once the engine session is live;

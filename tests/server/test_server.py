@@ -290,7 +290,7 @@ def test_admission_refuses_then_admits_and_queue_gets_notices(serve, caplog):
             await send(d, silence)
             queued = await recv(d)
             assert queued["type"] == "session.queued" and queued["position"] == 1
-            queued = await recv(d)  # periodic notices (server.queue_notice_s)
+            queued = await recv(d)  # periodic notices (QUEUE_NOTICE_S)
             assert queued["type"] == "session.queued"
             assert engine.stats().queued_sessions == 1
             await send(d, silence)  # discarded while queued, no error
@@ -712,9 +712,12 @@ def test_a_refusal_that_only_the_settings_decide_is_not_asked_again_until_they_c
 
 
 @pytest.mark.parametrize("code", ["capacity_compute", "context_length_exceeded"])
-def test_a_refused_stream_hears_its_refusal_once_per_queue_notice_period(serve, code):
-    """A client streaming audio into a refused session is told once per server.queue_notice_s, not
+def test_a_refused_stream_hears_its_refusal_once_per_queue_notice_period(serve, monkeypatch, code):
+    """A client streaming audio into a refused session is told once per QUEUE_NOTICE_S, not
     at every append (50 errors a second at 20 ms chunks); response.create still gets its answer."""
+    import duplexcache.server.realtime_session as realtime_session_module
+
+    assert realtime_session_module.QUEUE_NOTICE_S == 2.0   # server.queue_notice_s's default, kept
     silence = {"type": "input_audio_buffer.append", "audio": pcm16_b64(np.zeros(320, np.int16))}
 
     async def burst(srv, engine):
@@ -738,10 +741,12 @@ def test_a_refused_stream_hears_its_refusal_once_per_queue_notice_period(serve, 
                 await asyncio.sleep(0.1)   # twice the period: told again
             return len(errors)
 
-    engine, srv = serve(server={"queue_notice_s": 30.0})
+    monkeypatch.setattr(realtime_session_module, "QUEUE_NOTICE_S", 30.0)
+    engine, srv = serve()
     asked = asyncio.run(burst(srv, engine))
     assert asked == (12 if code == "capacity_compute" else 2)  # capacity is asked at every append
-    engine, srv = serve(server={"queue_notice_s": 0.05})
+    monkeypatch.setattr(realtime_session_module, "QUEUE_NOTICE_S", 0.05)
+    engine, srv = serve()
     assert asyncio.run(spaced(srv, engine)) == 3
 
 

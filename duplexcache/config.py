@@ -330,7 +330,6 @@ class ServerConfig(_Strict):
     # An HTTP request (a WebSocket handshake too) whose headers have not all arrived this long after
     # the connection opened is dropped; uvicorn has no such timeout of its own.
     header_timeout_s: float = Field(10.0, gt=0)
-    keep_alive_timeout_s: float = Field(5.0, gt=0)   # an idle HTTP keep-alive connection is closed after this
     # Addresses (or CIDR networks) of reverse proxies whose X-Forwarded-For / X-Forwarded-Proto are
     # believed: the per-address caps then count the client they name. Empty: no proxy is trusted and
     # the caps count the TCP peer (uvicorn's own default trusts 127.0.0.1, so any local process could

@@ -62,6 +62,8 @@ RETIRED_KEYS = (
     (("engine", "speak_policy"), "end_quiet_lookahead", "the reply policy always hears the quiet after the unit "
                                                         "(32 callers, H200: reply p95 2.74 -> 1.88 s)"),
     (("server",), "queue_notice_s", "queued sessions are told every 2 s (server/realtime_session.py QUEUE_NOTICE_S)"),
+    (("server",), "keep_alive_timeout_s", "an idle keep-alive connection is closed after 5 s, uvicorn's own "
+                                          "default (server/loopback.py KEEP_ALIVE_TIMEOUT_S)"),
 )
 
 

@@ -45,7 +45,7 @@ NON_DEFAULT = {
                                 "reply_min_units": 3, "reply_max_units": 5, "end_quiet_ms": 300}},
     "server": {"host": "0.0.0.0", "port": 9001, "max_frame_bytes": "1MiB", "api_key": "sk-test",
                "allowed_origins": ["https://app.example"], "idle_timeout_s": 30.0, "max_session_s": 600.0,
-               "max_outbox_bytes": 2**20, "close_timeout_s": 2.0, "header_timeout_s": 3.0, "keep_alive_timeout_s": 2.0,
+               "max_outbox_bytes": 2**20, "close_timeout_s": 2.0, "header_timeout_s": 3.0,
                "trusted_proxies": ["10.0.0.0/8"], "max_session_text_chars": 1000,
                "max_connections_per_client": 3, "max_sessions_per_client": 2, "max_context_tokens": 4096,
                "compute_threads": 3, "voice_aliases": {"alloy": "alt"},
@@ -382,6 +382,7 @@ def test_an_old_yaml_still_loads_its_scheduler_keys(tmp_path):
     ({"server": {"switch_interval_ms": 0.5}}, "server.switch_interval_ms"),
     ({"engine": {"speak_policy": {"mode": "reply", "end_quiet_lookahead": False}}}, "engine.speak_policy.end_quiet_lookahead"),
     ({"server": {"queue_notice_s": 0.5}}, "server.queue_notice_s"),
+    ({"server": {"keep_alive_timeout_s": 2.0}}, "server.keep_alive_timeout_s"),
 ])
 def test_a_retired_switch_is_ignored_with_a_warning_naming_it(raw, key, caplog):
     """Speed switches retired once their A/B was settled (docs/engine.md, "Retired switches"): an

@@ -304,6 +304,13 @@ class EngineConfig(_Strict):
         return self
 
 
+# Characters of session text (instructions, initial_user_text) allowed per context token before
+# the text is tokenized: a text longer than this many per token of server.max_context_tokens is
+# refused on its length alone. A BPE token of ordinary text averages about 4 characters of
+# English and fewer of most other languages, so text that could fit the context passes and a
+# multi-megabyte string is never tokenized only to be refused.
+TEXT_CHARS_PER_CONTEXT_TOKEN = 4
+
 # OpenAI's Realtime voices (openai.types.realtime), which stock clients ask for.
 OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "sage", "shimmer", "verse", "marin", "cedar")
 
@@ -335,14 +342,11 @@ class ServerConfig(_Strict):
     # the caps count the TCP peer (uvicorn's own default trusts 127.0.0.1, so any local process could
     # name itself a new address per connection).
     trusted_proxies: list[str] = Field(default_factory=list)
-    # Longest instructions / initial_user_text (characters, each) a session.update may set; longer is
-    # refused there, before any tokenizing. A token is rarely under 2 characters, so the default
-    # leaves room for max_context_tokens of ordinary text; a cap on work, not the context limit.
-    max_session_text_chars: int = Field(65536, gt=0)
     max_connections_per_client: int = Field(16, ge=1)  # open WebSockets per client address
     max_sessions_per_client: int = Field(8, ge=1)      # engine sessions (admitted or queued) per client address
     # Longest session context (instructions + reference audio + initial text, in tokens) that
-    # open_session accepts; longer ones are refused with context_length_exceeded.
+    # open_session accepts; longer ones are refused with context_length_exceeded. It also bounds
+    # the text a session.update may set: max_session_text_chars below.
     max_context_tokens: int = Field(8192, gt=0)
     # torch's CPU threads while the server runs. "auto": with the model on the CPU, one fewer than
     # the CPUs this process may use (at least 1), so the event loop keeps a core (on 2 cores, two
@@ -361,6 +365,15 @@ class ServerConfig(_Strict):
     # max_outbox_bytes), and a new connection with its resume token takes it back
     # (server/resume.py, docs/protocol.md "Resume"). 0 = off: a dropped connection ends the session.
     resume_window_s: float = Field(30.0, ge=0, le=3600)
+
+    @property
+    def max_session_text_chars(self) -> int:
+        """Longest instructions / initial_user_text (characters, each) a session.update may set:
+        ``TEXT_CHARS_PER_CONTEXT_TOKEN`` per token of ``max_context_tokens`` (65536 at minicpmo45's
+        16384). Longer is refused there, before any tokenizing (a cap on work, not the context
+        limit, which the open checks in tokens). The deploy key server.max_session_text_chars
+        until issue 44."""
+        return TEXT_CHARS_PER_CONTEXT_TOKEN * self.max_context_tokens
 
     @model_validator(mode="after")
     def _trusted_proxies_are_addresses(self) -> "ServerConfig":

@@ -64,6 +64,8 @@ RETIRED_KEYS = (
     (("server",), "queue_notice_s", "queued sessions are told every 2 s (server/realtime_session.py QUEUE_NOTICE_S)"),
     (("server",), "keep_alive_timeout_s", "an idle keep-alive connection is closed after 5 s, uvicorn's own "
                                           "default (server/loopback.py KEEP_ALIVE_TIMEOUT_S)"),
+    (("server",), "max_session_text_chars", "it now follows server.max_context_tokens: 4 characters per context "
+                                            "token (65536 at 16384 tokens)"),
 )
 
 

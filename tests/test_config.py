@@ -46,7 +46,7 @@ NON_DEFAULT = {
     "server": {"host": "0.0.0.0", "port": 9001, "max_frame_bytes": "1MiB", "api_key": "sk-test",
                "allowed_origins": ["https://app.example"], "idle_timeout_s": 30.0, "max_session_s": 600.0,
                "max_outbox_bytes": 2**20, "close_timeout_s": 2.0, "header_timeout_s": 3.0,
-               "trusted_proxies": ["10.0.0.0/8"], "max_session_text_chars": 1000,
+               "trusted_proxies": ["10.0.0.0/8"],
                "max_connections_per_client": 3, "max_sessions_per_client": 2, "max_context_tokens": 4096,
                "compute_threads": 3, "voice_aliases": {"alloy": "alt"},
                "resume_window_s": 7.5},
@@ -383,6 +383,7 @@ def test_an_old_yaml_still_loads_its_scheduler_keys(tmp_path):
     ({"engine": {"speak_policy": {"mode": "reply", "end_quiet_lookahead": False}}}, "engine.speak_policy.end_quiet_lookahead"),
     ({"server": {"queue_notice_s": 0.5}}, "server.queue_notice_s"),
     ({"server": {"keep_alive_timeout_s": 2.0}}, "server.keep_alive_timeout_s"),
+    ({"server": {"max_session_text_chars": 1000}}, "server.max_session_text_chars"),
 ])
 def test_a_retired_switch_is_ignored_with_a_warning_naming_it(raw, key, caplog):
     """Speed switches retired once their A/B was settled (docs/engine.md, "Retired switches"): an
@@ -393,3 +394,17 @@ def test_a_retired_switch_is_ignored_with_a_warning_naming_it(raw, key, caplog):
     assert d == DeployConfig.from_dict({"engine": {"speak_policy": {"mode": "reply"}}} if "engine" in raw else {},
                                        environ={})
     assert key.rpartition(".")[2] not in str(d.to_dict())
+
+
+def test_the_session_text_limit_follows_the_context_limit(caplog):
+    """server.max_session_text_chars (retired) is 4 characters per token of max_context_tokens:
+    65536 at minicpmo45's 16384 tokens, as the key's default was; an old YAML's value is ignored
+    with a warning saying what it follows now."""
+    assert DeployConfig.default("minicpmo45", environ=NO_ENV).server.max_session_text_chars == 65536
+    assert DeployConfig.default("tiny", environ=NO_ENV).server.max_session_text_chars == 4 * 8192
+    d = DeployConfig.from_dict({"server": {"max_context_tokens": 100}}, environ=NO_ENV)
+    assert d.server.max_session_text_chars == 400
+    with pytest.warns(DeprecationWarning, match="follows server.max_context_tokens"):
+        old = DeployConfig.from_dict({"server": {"max_context_tokens": 100, "max_session_text_chars": 5}},
+                                     environ=NO_ENV)
+    assert old == d and "server.max_session_text_chars" in caplog.text

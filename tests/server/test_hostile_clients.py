@@ -207,7 +207,8 @@ def test_a_non_reader_flooded_with_large_events_stays_under_the_byte_bound(model
     passes server.max_outbox_bytes (4 MiB, from the YAML): the server's RSS grows by far less
     than the 150 MB it was sent. Before: bounded in events only (1024), all of it stayed queued."""
     yaml_path = tmp_path / "deploy.yaml"
-    yaml_path.write_text("server:\n  max_outbox_bytes: 4MiB\n  max_session_text_chars: 2000000\n"
+    # max_context_tokens 500000: session texts up to 2 MB (4 characters per token) pass the update
+    yaml_path.write_text("server:\n  max_outbox_bytes: 4MiB\n  max_context_tokens: 500000\n"
                          "  close_timeout_s: 1.0\n")
     deploy = DeployConfig.from_yaml(yaml_path)
     deploy.engine.tick_seconds = TICK_S
@@ -321,12 +322,12 @@ def test_a_40_byte_update_is_not_answered_with_the_whole_session(shared):
     async def main() -> tuple[int, int]:
         async with _connect(shared) as ws:
             await recv(ws, WAIT_S)
-            await send(ws, {"type": "session.update", "session": {"instructions": "z" * 60_000}})
+            await send(ws, {"type": "session.update", "session": {"instructions": "z" * 30_000}})
             set_them = await recv(ws, WAIT_S)
             await send(ws, {"type": "session.update", "session": {}})
             other = await recv(ws, WAIT_S)
             assert set_them["type"] == other["type"] == "session.updated"
-            assert set_them["session"]["instructions"] == "z" * 60_000 and "instructions" not in other["session"]
+            assert set_them["session"]["instructions"] == "z" * 30_000 and "instructions" not in other["session"]
             return len(json.dumps(set_them)), len(json.dumps(other))
 
     with_texts, without = asyncio.run(main())
@@ -337,7 +338,7 @@ def test_a_settings_refusal_is_remembered_across_connections(shared, monkeypatch
     """A context refused as too long is refused to the next connection with the same settings
     from memory: the engine does not build (tokenize) it again."""
     engine = shared.app.state.server.engine
-    long_text = "w" * 40_000   # under max_session_text_chars, over the tiny preset's 8192 tokens
+    long_text = "w" * 30_000   # under the 32768 characters of update, over the tiny preset's 8192 tokens
     opened: list[str] = []
     real_open = engine.open_session
 

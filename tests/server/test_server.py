@@ -675,6 +675,29 @@ async def _refused_quietly(ws, append: dict, times: int, code: str) -> None:
     assert (await recv(ws))["type"] == "session.updated"
 
 
+def test_session_texts_over_4_characters_per_context_token_are_refused_at_the_update(serve):
+    """The session text limit follows server.max_context_tokens (4 characters per token; the
+    retired server.max_session_text_chars): at 100 tokens, 400 characters of instructions or
+    initial_user_text pass the update and 401 are refused there, naming the limit, before the
+    engine sees them."""
+    engine, srv = serve(server={"max_context_tokens": 100})
+
+    async def main():
+        async with _connect(srv) as ws:
+            await _create(ws, instructions="a" * 400, initial_user_text="b" * 400)
+            replies = [await _expect_error(ws, {"type": "session.update", "session": {key: "c" * 401}},
+                                           "string_above_max_length") for key in ("instructions", "initial_user_text")]
+            await send(ws, {"type": "session.update", "session": {"instructions": "d" * 400}})
+            return replies, await recv(ws)
+
+    replies, after = asyncio.run(main())
+    for reply, key in zip(replies, ("instructions", "initial_user_text")):
+        assert reply["error"]["param"] == f"session.{key}"
+        assert "401 characters" in reply["error"]["message"] and "at most 400" in reply["error"]["message"]
+    assert after["type"] == "session.updated" and after["session"]["instructions"] == "d" * 400
+    assert engine.open_calls == 0
+
+
 def test_a_refusal_that_only_the_settings_decide_is_not_asked_again_until_they_change(serve):
     """context_length_exceeded at open: every later append with the same settings is refused
     without the engine building the context again (the tokenizing is the cost); a changed

@@ -95,8 +95,6 @@ class Stage0Config(_Strict):
     # Share full session-context blocks read-only across sessions with the same context.
     # Default off so `duplexcache bench` can A/B it.
     shared_anchor_blocks: bool = False
-    # Whether a client's session.update may lower the window's high/low marks.
-    client_window_override: bool = True
     # CUDA: ragged steps of <= 32 new tokens per sequence (a unit's append, the Talker's condition
     # rows) through the in-place paged kernel, one query row per token, instead of one gather +
     # SDPA per sequence per layer. Default on (H200: 40 real-time sessions vs 8 with it off);

@@ -66,6 +66,8 @@ RETIRED_KEYS = (
                                           "default (server/loopback.py KEEP_ALIVE_TIMEOUT_S)"),
     (("server",), "max_session_text_chars", "it now follows server.max_context_tokens: 4 characters per context "
                                             "token (65536 at 16384 tokens)"),
+    (("stage0",), "client_window_override", "a client may always lower its own window's marks (only its own "
+                                            "footprint shrinks; above stage0.window.high_tokens is refused)"),
 )
 
 

@@ -30,7 +30,7 @@ NON_DEFAULT = {
     "model": {"preset": "minicpmo45", "checkpoint_dir": "/ckpt", "revision": "abc123",
               "dtype": "bfloat16", "device": "cuda:1", "vision": True},
     "stage0": {"block_size": 32, "window": {"mode": "rebuild", "high_tokens": 4000, "low_tokens": 3000},
-               "shared_anchor_blocks": True, "client_window_override": False, "ragged_kernel": False},
+               "shared_anchor_blocks": True, "ragged_kernel": False},
     "context_cache": {"duplex_context_caching": True, "capacity": 7},
     "code2wav": {"cfm_prompt_att_sharing": True, "cfm_arena_rows_from_graph_grid": True,
                  "max_num_seqs": 24, "graph_grid": [1, 4, 8], "vocoder_cuda_graphs": False},
@@ -242,8 +242,7 @@ def test_arena_rows_switch_acts_or_errors(caplog):
 
 
 def test_runtime_config_merges_client_fields_with_server_switches():
-    deploy = DeployConfig.from_dict(NON_DEFAULT | {"stage0": NON_DEFAULT["stage0"] | {"client_window_override": True}},
-                                    environ=NO_ENV)
+    deploy = DeployConfig.from_dict(NON_DEFAULT, environ=NO_ENV)
     rt = build_runtime_config(deploy, {"instructions": "Be kind.", "voice": "alice", "initial_user_text": "hi",
                                        "input_audio_format": "f32", "window": {"high_tokens": 2000, "low_tokens": 1000}})
     assert (rt.instructions, rt.voice, rt.initial_user_text, rt.input_audio_format) == ("Be kind.", "alice", "hi", "f32")
@@ -301,11 +300,18 @@ def test_bad_client_session(session, message):
         build_runtime_config(DeployConfig.default("tiny", environ=NO_ENV), session)
 
 
-def test_window_override_can_be_disabled_by_server():
-    deploy = DeployConfig.from_dict({"stage0": {"client_window_override": False}}, environ=NO_ENV)
-    with pytest.raises(SessionConfigError, match="does not let clients"):
-        build_runtime_config(deploy, {"window": {"high_tokens": 100, "low_tokens": 50}})
+def test_a_client_may_always_lower_its_window_and_never_raise_it():
+    """stage0.client_window_override is retired: a YAML that still turns it off loads with a
+    warning, and its clients may lower their own window's marks (only their own footprint
+    shrinks); above the server's high mark is refused as before."""
+    with pytest.warns(DeprecationWarning, match=r"stage0\.client_window_override was retired"):
+        deploy = DeployConfig.from_dict({"stage0": {"client_window_override": False}}, environ=NO_ENV)
+    assert deploy == DeployConfig.default("tiny", environ=NO_ENV)
+    rt = build_runtime_config(deploy, {"window": {"high_tokens": 100, "low_tokens": 50}})
+    assert (rt.window_high_tokens, rt.window_low_tokens) == (100, 50)
     assert build_runtime_config(deploy, {}).window_high_tokens == 8000
+    with pytest.raises(SessionConfigError, match="exceeds the server limit 8000"):
+        build_runtime_config(deploy, {"window": {"high_tokens": 8001, "low_tokens": 50}})
 
 
 def test_example_serving_config_turns_every_sharing_switch_on():
@@ -384,6 +390,7 @@ def test_an_old_yaml_still_loads_its_scheduler_keys(tmp_path):
     ({"server": {"queue_notice_s": 0.5}}, "server.queue_notice_s"),
     ({"server": {"keep_alive_timeout_s": 2.0}}, "server.keep_alive_timeout_s"),
     ({"server": {"max_session_text_chars": 1000}}, "server.max_session_text_chars"),
+    ({"stage0": {"client_window_override": False}}, "stage0.client_window_override"),
 ])
 def test_a_retired_switch_is_ignored_with_a_warning_naming_it(raw, key, caplog):
     """Speed switches retired once their A/B was settled (docs/engine.md, "Retired switches"): an

@@ -172,9 +172,6 @@ class MiniCPMoSession(RealtimeSession):
         stage0 = self.server.config.stage0
         high, low = stage0.window.high_tokens, stage0.window.low_tokens
         param = "payload.config.max_kv_tokens"
-        if not stage0.client_window_override:
-            raise proto.ProtocolError("unsupported_parameter", f"{param}: this server does not let clients set the "
-                                      "window (stage0.client_window_override)", param=param)
         if not 2 <= max_kv_tokens <= high:
             raise proto.ProtocolError("invalid_value", f"{param}: must be between 2 and this server's window of "
                                       f"{high} tokens, got {max_kv_tokens}", param=param)

@@ -450,7 +450,6 @@ class ClusterConfig(_Strict):
     # A replica being scaled down or redeployed takes no new sessions; its live ones may go on
     # for this long, then are closed with 1001 (going away).
     drain_timeout_s: float = Field(300.0, ge=0)
-    routing_stats_period_s: float = Field(1.0, gt=0)     # how often replicas report room and contexts
 
 
 # Preset-specific values that differ from the field defaults above (the YAML files say the same).

@@ -68,6 +68,8 @@ RETIRED_KEYS = (
                                             "token (65536 at 16384 tokens)"),
     (("stage0",), "client_window_override", "a client may always lower its own window's marks (only its own "
                                             "footprint shrinks; above stage0.window.high_tokens is refused)"),
+    (("cluster",), "routing_stats_period_s", "replicas report their room and contexts every 1 s "
+                                             "(cluster/app.py ROUTING_STATS_PERIOD_S)"),
 )
 
 

@@ -400,12 +400,11 @@ class SchedulerConfig(_Strict):
     # measured time fits (runtime/scheduler/pacing.py), instead of inside the tick of every live session;
     # a tick with no chunk run before it still runs one itself.
     prefill_between_ticks: bool = True
-    # Cut each session's units so that they end a fixed lead (its largest audio chunk plus
-    # unit_align_margin_ms) before a tick, by starting its first unit with silence; off, units
-    # are cut from the stream's first sample and wait a random part of a period for their tick,
-    # which every reply waits too (runtime/engine_session.py UnitAlignment).
+    # Cut each session's units so that they end a fixed lead (its largest audio chunk plus 50 ms,
+    # runtime/scheduler/core.py UNIT_ALIGN_MARGIN_MS) before a tick, by starting its first unit
+    # with silence; off, units are cut from the stream's first sample and wait a random part of a
+    # period for their tick, which every reply waits too (runtime/scheduler/core.py UnitAlignment).
     align_units_to_ticks: bool = True
-    unit_align_margin_ms: float = Field(50.0, ge=0, le=1000)
     # Ticks per unit (engine.tick_seconds): with 2, the server ticks every half unit and each
     # tick takes the units that are complete, so the sessions' units fall on two phases of the
     # grid; a session whose caller's turn has ended (the speak policy's would_answer) gets its

@@ -70,6 +70,9 @@ RETIRED_KEYS = (
                                             "footprint shrinks; above stage0.window.high_tokens is refused)"),
     (("cluster",), "routing_stats_period_s", "replicas report their room and contexts every 1 s "
                                              "(cluster/app.py ROUTING_STATS_PERIOD_S)"),
+    *((section, "unit_align_margin_ms", "aligned units end their largest chunk + 50 ms before a tick "
+                                        "(runtime/scheduler/core.py UNIT_ALIGN_MARGIN_MS)")
+      for section in (("scheduler",), ("server",))),   # server.*: the scheduler keys' spelling before 2026-12-07
 )
 
 

@@ -51,7 +51,7 @@ NON_DEFAULT = {
                "compute_threads": 3, "voice_aliases": {"alloy": "alt"},
                "resume_window_s": 7.5},
     "scheduler": {"catch_up_ticks": False, "prefill_between_ticks": False, "align_units_to_ticks": False,
-                  "unit_align_margin_ms": 80.0, "tick_phases": 4, "phase_units": "spread", "fill_silence_after_ms": 1500.0},
+                  "tick_phases": 4, "phase_units": "spread", "fill_silence_after_ms": 1500.0},
     "cluster": {"replicas": 2, "max_replicas": 4, "target_utilisation": 0.5, "drain_timeout_s": 60.0},
 }
 
@@ -391,6 +391,8 @@ def test_an_old_yaml_still_loads_its_scheduler_keys(tmp_path):
     ({"server": {"max_session_text_chars": 1000}}, "server.max_session_text_chars"),
     ({"stage0": {"client_window_override": False}}, "stage0.client_window_override"),
     ({"cluster": {"routing_stats_period_s": 0.5}}, "cluster.routing_stats_period_s"),
+    ({"scheduler": {"unit_align_margin_ms": 80.0}}, "scheduler.unit_align_margin_ms"),
+    ({"server": {"unit_align_margin_ms": 80.0}}, "server.unit_align_margin_ms"),   # the spelling before 2026-12-07
 ])
 def test_a_retired_switch_is_ignored_with_a_warning_naming_it(raw, key, caplog):
     """Speed switches retired once their A/B was settled (docs/engine.md, "Retired switches"): an

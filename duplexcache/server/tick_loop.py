@@ -20,6 +20,7 @@ import contextlib
 import functools
 import logging
 
+from duplexcache.runtime.scheduler.core import UNIT_ALIGN_MARGIN_MS
 from duplexcache.runtime.scheduler.pacing import UnitGrid, deadline_after_late, prefill_fits
 
 logger = logging.getLogger("duplexcache.server.app")   # one logger name for the server's lines
@@ -39,7 +40,7 @@ class TickLoop:
         period = self.config.engine.tick_seconds / scheduler.tick_phases
         pacing = scheduler.prefill_between_ticks   # decided once: the config does not change
         self.engine.set_prefill_between_ticks(pacing)
-        self.engine.set_unit_alignment(scheduler.unit_align_margin_ms if scheduler.align_units_to_ticks else None)
+        self.engine.set_unit_alignment(UNIT_ALIGN_MARGIN_MS if scheduler.align_units_to_ticks else None)
         self.engine.set_silence_fill(scheduler.fill_silence_after_ms)
         # phase_units home: units stay on the unit tick (every tick_phases-th point of the grid),
         # and the engine is told which tick is one

@@ -435,13 +435,13 @@ def test_prefill_chunks_run_before_the_tick_when_they_fit(serve, between, cost):
 
 
 @pytest.mark.parametrize("scheduler, told, field", [
-    ({}, 50.0, "unit_alignment_ms"), ({"unit_align_margin_ms": 120.0}, 120.0, "unit_alignment_ms"),
+    ({}, 50.0, "unit_alignment_ms"),
     ({"tick_phases": 1, "align_units_to_ticks": False}, None, "unit_alignment_ms"),
     ({}, 500.0, "silence_fill_ms"), ({"fill_silence_after_ms": 250.0}, 250.0, "silence_fill_ms"),
     ({"fill_silence_after_ms": None}, None, "silence_fill_ms"),
 ])
 def test_pacing_switches_reach_the_engine(serve, scheduler, told, field):
-    """scheduler.align_units_to_ticks / unit_align_margin_ms -> set_unit_alignment, and
+    """scheduler.align_units_to_ticks -> set_unit_alignment (UNIT_ALIGN_MARGIN_MS, 50 ms), and
     scheduler.fill_silence_after_ms -> set_silence_fill, as the tick loop starts (what the fake
     engine was told; "unset" until then)."""
     engine, _ = serve(scheduler=scheduler)

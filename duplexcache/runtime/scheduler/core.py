@@ -36,6 +36,14 @@ from duplexcache.runtime.scheduler.pacing import PrefillTimes
 
 logger = logging.getLogger(__name__)
 
+# What an aligned session's units end before their tick beyond its largest chunk
+# (UnitAlignment.lead): chunks arrive whole and a little late (the client's timer, the network,
+# the event loop), and a unit not complete at its tick waits a whole period for the next one, so
+# the lead covers that jitter; every reply waits it once more, so it is kept small. 50 ms is
+# 800 samples at 16 kHz. The deploy key scheduler.unit_align_margin_ms until issue 44
+# (docs/engine.md, "Retired switches").
+UNIT_ALIGN_MARGIN_MS = 50.0
+
 
 @dataclass(frozen=True)
 class UnitAlignment:
@@ -207,8 +215,9 @@ class Scheduler:
         self.prefill_times.between_ticks = enabled
 
     def set_unit_alignment(self, margin_ms: float | None) -> None:
-        """``scheduler.align_units_to_ticks``: each new session's units end ``margin_ms`` plus its
-        largest chunk before a tick (``UnitAlignment``); None cuts units from the first sample."""
+        """``scheduler.align_units_to_ticks``: each new session's units end ``margin_ms`` (a server
+        passes ``UNIT_ALIGN_MARGIN_MS``) plus its largest chunk before a tick (``UnitAlignment``);
+        None cuts units from the first sample."""
         self.alignment = None if margin_ms is None else UnitAlignment(
             round(margin_ms * INPUT_SAMPLE_RATE / 1000), self.unit_samples)
 

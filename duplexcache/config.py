@@ -405,24 +405,16 @@ class SchedulerConfig(_Strict):
     # with silence; off, units are cut from the stream's first sample and wait a random part of a
     # period for their tick, which every reply waits too (runtime/scheduler/core.py UnitAlignment).
     align_units_to_ticks: bool = True
-    # Ticks per unit (engine.tick_seconds): with 2, the server ticks every half unit and each
-    # tick takes the units that are complete, so the sessions' units fall on two phases of the
-    # grid; a session whose caller's turn has ended (the speak policy's would_answer) gets its
-    # unit closed with silence at the next tick instead of waiting for the rest of it, and stays
-    # on that phase (runtime/engine_session.py EarlyClose). 1: one tick per unit. 2 is the default
-    # since the graph switches made a tick between cheap: 32 callers on an H100 answered at p99
-    # 1.16-1.35 s against 1.72 s with one phase (docs/benchmarks.md, "Two phases by default").
+    # Ticks per unit (engine.tick_seconds): with 2, the server ticks every half unit. Every
+    # session's units stay on the unit tick (the grid's first phase); a session whose caller's
+    # turn has ended (the speak policy's would_answer) gets its unit closed with silence at the
+    # next tick between instead of waiting for the rest of it, while the measured cost leaves time
+    # before the next unit tick, and is aligned to the unit tick again with silence
+    # (runtime/scheduler/core.py EarlyClose; docs/engine.md, "Units on the unit tick"). 1: one
+    # tick per unit. More than 1 needs align_units_to_ticks. 2 is the default since the graph
+    # switches made a tick between cheap: 32 callers on an H100 answered at p99 1.16-1.35 s
+    # against 1.72 s with one phase (docs/benchmarks.md, "Two phases by default").
     tick_phases: Literal[1, 2, 4] = 2
-    # Where sessions' units sit with tick_phases > 1. "spread": on whichever phase they fell (a
-    # session closed early stays on its new phase), so every tick runs part of the sessions and the
-    # fixed part of a tick (decode steps bound by launches and weight reads on a GPU) is paid
-    # tick_phases times per unit. "home": every session's units stay on the unit tick (the grid's
-    # first phase); the ticks between take only early closes, and only while the measured cost
-    # leaves time before the next unit tick; a session closed early is aligned to the unit tick
-    # again with silence (one unit of it per early close; docs/engine.md, "Units on the unit tick").
-    # "home" needs align_units_to_ticks. Home is the default: on the CPU it answered sooner, with
-    # more early closes and fewer late ticks, than spread (docs/results/HISTORY.md, "Units on the unit tick").
-    phase_units: Literal["spread", "home"] = "home"
     # A session whose client sends nothing (push-to-talk between turns; a manual-turn client that
     # commits, asks for a reply and waits) would get no more units, so no reply. Once it has sent
     # nothing for this long beyond its largest chunk, its units are completed with silence until it
@@ -430,10 +422,10 @@ class SchedulerConfig(_Strict):
     fill_silence_after_ms: float | None = Field(500.0, ge=0, le=60_000)
 
     @model_validator(mode="after")
-    def _home_phase_needs_alignment(self) -> "SchedulerConfig":
-        if self.tick_phases > 1 and self.phase_units == "home" and not self.align_units_to_ticks:
-            raise ValueError("scheduler.phase_units 'home' keeps units on the unit tick by aligning them: it needs "
-                             "scheduler.align_units_to_ticks (or phase_units 'spread', or tick_phases 1)")
+    def _phases_need_alignment(self) -> "SchedulerConfig":
+        if self.tick_phases > 1 and not self.align_units_to_ticks:
+            raise ValueError(f"scheduler.tick_phases {self.tick_phases} keeps units on the unit tick by aligning "
+                             "them: it needs scheduler.align_units_to_ticks (or tick_phases 1)")
         return self
 
 

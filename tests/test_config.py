@@ -51,7 +51,7 @@ NON_DEFAULT = {
                "compute_threads": 3, "voice_aliases": {"alloy": "alt"},
                "resume_window_s": 7.5},
     "scheduler": {"catch_up_ticks": False, "prefill_between_ticks": False, "align_units_to_ticks": False,
-                  "tick_phases": 4, "phase_units": "spread", "fill_silence_after_ms": 1500.0},
+                  "tick_phases": 1, "fill_silence_after_ms": 1500.0},
     "cluster": {"replicas": 2, "max_replicas": 4, "target_utilisation": 0.5, "drain_timeout_s": 60.0},
 }
 
@@ -189,8 +189,12 @@ def test_bad_byte_size_in_config_names_key():
     ({"server": {"port": 70000}}, r"server\.port"),
     ({"model": {"device": "gpu"}}, r"model\.device"),
     ({"precision": {"kv_cache_dtype": "fp8"}}, r"precision\.kv_cache_dtype.*fp8_e4m3"),
-    ({"scheduler": {"tick_phases": 2, "phase_units": "home", "align_units_to_ticks": False}}, "align_units_to_ticks"),
-    ({"scheduler": {"phase_units": "near"}}, r"scheduler\.phase_units"),
+    ({"scheduler": {"tick_phases": 2, "align_units_to_ticks": False}},
+     r"scheduler\.tick_phases 2 .*needs scheduler\.align_units_to_ticks"),
+    ({"scheduler": {"align_units_to_ticks": False}}, r"scheduler\.tick_phases 2 .*scheduler\.align_units_to_ticks"),
+    ({"scheduler": {"tick_phases": 4, "align_units_to_ticks": False}}, r"scheduler\.tick_phases 4 "),
+    ({"scheduler": {"phase_units": "spread"}}, r"scheduler\.phase_units 'spread': 'spread' was retired"),
+    ({"scheduler": {"phase_units": "near"}}, r"scheduler\.phase_units 'near'"),
 ])
 def test_invalid_values_name_their_key(raw, message):
     with pytest.raises(ConfigError, match=message):
@@ -376,11 +380,11 @@ def test_an_old_yaml_still_loads_its_scheduler_keys(tmp_path):
     import warnings
 
     path = tmp_path / "old.yaml"
-    path.write_text("server:\n  tick_phases: 4\n  align_units_to_ticks: false\n  phase_units: spread\n")
+    path.write_text("server:\n  tick_phases: 1\n  align_units_to_ticks: false\n  catch_up_ticks: false\n")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         d = DeployConfig.from_yaml(path, environ={})
-    assert (d.scheduler.tick_phases, d.scheduler.align_units_to_ticks, d.scheduler.phase_units) == (4, False, "spread")
+    assert (d.scheduler.tick_phases, d.scheduler.align_units_to_ticks, d.scheduler.catch_up_ticks) == (1, False, False)
 
 
 @pytest.mark.parametrize("raw, key", [
@@ -393,6 +397,8 @@ def test_an_old_yaml_still_loads_its_scheduler_keys(tmp_path):
     ({"cluster": {"routing_stats_period_s": 0.5}}, "cluster.routing_stats_period_s"),
     ({"scheduler": {"unit_align_margin_ms": 80.0}}, "scheduler.unit_align_margin_ms"),
     ({"server": {"unit_align_margin_ms": 80.0}}, "server.unit_align_margin_ms"),   # the spelling before 2026-12-07
+    ({"scheduler": {"phase_units": "home"}}, "scheduler.phase_units"),
+    ({"server": {"phase_units": "home"}}, "server.phase_units"),
 ])
 def test_a_retired_switch_is_ignored_with_a_warning_naming_it(raw, key, caplog):
     """Speed switches retired once their A/B was settled (docs/engine.md, "Retired switches"): an
@@ -417,3 +423,18 @@ def test_the_session_text_limit_follows_the_context_limit(caplog):
         old = DeployConfig.from_dict({"server": {"max_context_tokens": 100, "max_session_text_chars": 5}},
                                      environ=NO_ENV)
     assert old == d and "server.max_session_text_chars" in caplog.text
+
+
+@pytest.mark.parametrize("section", ["scheduler", "server"])   # server: the scheduler keys' spelling before 2026-12-07
+def test_phase_units_spread_was_retired_and_home_only_warns(section, caplog):
+    """scheduler.phase_units is retired with its spread arm: units always start on the unit tick.
+    An old YAML with home (what the code always does now) loads with a warning; spread, the
+    behaviour that went, is an error saying so, not a silent change of pacing."""
+    with pytest.warns(DeprecationWarning, match=section + r"\.phase_units was retired"):
+        raw = {"scheduler": {"tick_phases": 4}}
+        raw.setdefault(section, {})["phase_units"] = "home"
+        d = DeployConfig.from_dict(raw, environ=NO_ENV)
+    assert d.scheduler.tick_phases == 4 and "phase_units" not in str(d.to_dict())
+    assert f"{section}.phase_units" in caplog.text
+    with pytest.raises(ConfigError, match=section + r"\.phase_units 'spread': 'spread' was retired .*unit tick"):
+        DeployConfig.from_dict({section: {"phase_units": "spread"}}, environ=NO_ENV)

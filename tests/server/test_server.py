@@ -488,27 +488,27 @@ def recording_grid(monkeypatch):
     return _RecordingGrid
 
 
-@pytest.mark.parametrize("units", ["spread", "home"])
-def test_phase_units_reach_the_engine_and_mark_the_unit_ticks(serve, recording_grid, units):
-    """scheduler.phase_units -> set_tick_phases(home=...) and, home, tick(unit_tick=...) with the
-    grid's verdict for the tick's deadline (the fake engine records both; spread ticks take no
-    argument, so every one is a unit tick). Compared tick by tick with what the grid said, so a
-    slow machine whose late tick skips a grid point cannot fail it."""
-    engine, _ = serve(tick_seconds=0.4, scheduler={"tick_phases": 2, "phase_units": units})
+@pytest.mark.parametrize("phases", [1, 2])
+def test_phased_ticks_mark_the_unit_ticks(serve, recording_grid, phases):
+    """scheduler.tick_phases 2 -> tick(unit_tick=...) with the grid's verdict for the tick's
+    deadline (units stay on the unit tick; the fake engine records each tick's argument); one
+    phase: every tick is a unit tick (engine.tick() without the argument). Compared tick by tick
+    with what the grid said, so a slow machine whose late tick skips a grid point cannot fail it."""
+    engine, _ = serve(tick_seconds=0.4, scheduler={"tick_phases": phases})
     wait_for(lambda: len(engine.unit_ticks) >= 5, timeout=60, what="five ticks")
-    assert engine.home_phase == (units == "home")
+    assert engine.tick_phases == phases
     ticks = engine.unit_ticks[:5]
-    if units == "home":
+    if phases == 2:
         assert ticks == recording_grid.verdicts[:5] and False in ticks and True in ticks
     else:
         assert ticks == [True] * 5 and not any(v is False for v in recording_grid.verdicts)
 
 
-def test_a_catch_up_tick_of_home_phases_is_not_a_unit_tick(serve, recording_grid):
-    """Home with sessions behind: the extra tick the server runs at once after sessions_behind()
+def test_a_catch_up_tick_of_phased_ticks_is_not_a_unit_tick(serve, recording_grid):
+    """Two phases with sessions behind: the extra tick the server runs at once after sessions_behind()
     > 0 is a tick between, even where the grid's deadline is a unit tick's (a second unit tick
     would restart the time the room between unit ticks is measured from)."""
-    engine, srv = serve(tick_seconds=0.4, scheduler={"tick_phases": 2, "phase_units": "home"})
+    engine, srv = serve(tick_seconds=0.4, scheduler={"tick_phases": 2})
     engine.behind = 1
     wait_for(lambda: sum(engine.catch_ups) >= 4, timeout=60, what="catch-up ticks")
     n = len(engine.catch_ups)
@@ -519,24 +519,24 @@ def test_a_catch_up_tick_of_home_phases_is_not_a_unit_tick(serve, recording_grid
     assert any(tick for tick, catch_up, _ in pairs if not catch_up)
 
 
-def test_a_late_tick_of_home_phases_is_logged_by_the_server(serve, caplog):
-    """Home, the engine judges its ticks against a unit and the server against half of one: the
+def test_a_late_tick_of_phased_ticks_is_logged_by_the_server(serve, caplog):
+    """Two phases, the engine judges its ticks against a unit and the server against half of one: the
     server logs the late ticks the engine does not count (which kind of tick, how late; this fake
     keeps no count, and a tick the real engine counts is logged once: tests/runtime/test_demo.py)."""
     caplog.set_level(logging.WARNING, logger="duplexcache.server.app")
-    engine, srv = serve(tick_seconds=0.4, tick_delay=1.0, scheduler={"tick_phases": 2, "phase_units": "home"})
+    engine, srv = serve(tick_seconds=0.4, tick_delay=1.0, scheduler={"tick_phases": 2})
     wait_for(lambda: _metric(srv, "duplexcache_late_ticks_total") >= 1, timeout=60, what="a late tick")
     late = [r.getMessage() for r in caplog.records if "ran late" in r.getMessage()]
     assert late and late[0].startswith(("unit tick ran late", "tick between unit ticks ran late"))
 
 
 @pytest.mark.parametrize("units_between", [0, 2])
-def test_home_ticks_between_that_ran_units_are_timed_apart(serve, units_between):
+def test_ticks_between_that_ran_units_are_timed_apart(serve, units_between):
     """duplexcache_between_tick_duration_seconds times the ticks between unit ticks that ran
     units (what the room test must predict): none while they run none, never a unit tick. Every
     tick of the fake reports the same units from the first one, so timing the unit ticks too would
     count about twice as many; counted by ticks, not by time, so a slow machine cannot fail it."""
-    engine, srv = serve(tick_seconds=0.4, scheduler={"tick_phases": 2, "phase_units": "home"},
+    engine, srv = serve(tick_seconds=0.4, scheduler={"tick_phases": 2},
                         tick_units=units_between)
     wait_for(lambda: engine.unit_ticks.count(True) >= 3 and engine.unit_ticks.count(False) >= 3,
              timeout=60, what="three unit ticks and three ticks between")

@@ -256,7 +256,7 @@ class EngineConfig(_Strict):
     # reduction by the batch's shape, so a session alone and beside others can differ in the
     # last bits (and then in tokens). The sharing switches stay bit-exact either way. Off by
     # default, as measured: the tiny CPU tick ~5x slower; on an H100 at 32 minicpmo45 sessions
-    # 550 -> 1269 ms per tick, with 3-4 samples of 1 LSB still differing on CUDA
+    # 528 -> 1708 ms per tick, bit-equal alone and beside 1, 7 and 31 others
     # (docs/benchmarks.md, "Batch invariance" and "Batch invariance on the GPU").
     batch_invariant: bool = False
     # Most Talker KV tokens one audio turn may hold; None = the Talker's max_position_embeddings

@@ -96,8 +96,6 @@ class Stage0Config(_Strict):
     # Share full session-context blocks read-only across sessions with the same context.
     # Default off so `duplexcache bench` can A/B it.
     shared_anchor_blocks: bool = False
-    # Whether a client's session.update may lower the window's high/low marks.
-    client_window_override: bool = True
     # CUDA: ragged steps of <= 32 new tokens per sequence (a unit's append, the Talker's condition
     # rows) through the in-place paged kernel, one query row per token, instead of one gather +
     # SDPA per sequence per layer. Default on (H200: 40 real-time sessions vs 8 with it off);
@@ -284,6 +282,13 @@ class EngineConfig(_Strict):
         return self
 
 
+# Characters of session text (instructions, initial_user_text) allowed per context token before
+# the text is tokenized: a text longer than this many per token of server.max_context_tokens is
+# refused on its length alone. A BPE token of ordinary text averages about 4 characters of
+# English and fewer of most other languages, so text that could fit the context passes and a
+# multi-megabyte string is never tokenized only to be refused.
+TEXT_CHARS_PER_CONTEXT_TOKEN = 4
+
 # OpenAI's Realtime voices (openai.types.realtime), which stock clients ask for.
 OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "sage", "shimmer", "verse", "marin", "cedar")
 
@@ -310,22 +315,16 @@ class ServerConfig(_Strict):
     # An HTTP request (a WebSocket handshake too) whose headers have not all arrived this long after
     # the connection opened is dropped; uvicorn has no such timeout of its own.
     header_timeout_s: float = Field(10.0, gt=0)
-    keep_alive_timeout_s: float = Field(5.0, gt=0)   # an idle HTTP keep-alive connection is closed after this
     # Addresses (or CIDR networks) of reverse proxies whose X-Forwarded-For / X-Forwarded-Proto are
     # believed: the per-address caps then count the client they name. Empty: no proxy is trusted and
     # the caps count the TCP peer (uvicorn's own default trusts 127.0.0.1, so any local process could
     # name itself a new address per connection).
     trusted_proxies: list[str] = Field(default_factory=list)
-    # Longest instructions / initial_user_text (characters, each) a session.update may set; longer is
-    # refused there, before any tokenizing. A token is rarely under 2 characters, so the default
-    # leaves room for max_context_tokens of ordinary text; a cap on work, not the context limit.
-    max_session_text_chars: int = Field(65536, gt=0)
     max_connections_per_client: int = Field(16, ge=1)  # open WebSockets per client address
     max_sessions_per_client: int = Field(8, ge=1)      # engine sessions (admitted or queued) per client address
-    queue_notice_s: float = Field(2.0, gt=0)           # period of session.queued events while waiting, and of
-                                                       # the error a refused client's audio appends hear
     # Longest session context (instructions + reference audio + initial text, in tokens) that
-    # open_session accepts; longer ones are refused with context_length_exceeded.
+    # open_session accepts; longer ones are refused with context_length_exceeded. It also bounds
+    # the text a session.update may set: max_session_text_chars below.
     max_context_tokens: int = Field(8192, gt=0)
     # torch's CPU threads while the server runs. "auto": with the model on the CPU, one fewer than
     # the CPUs this process may use (at least 1), so the event loop keeps a core (on 2 cores, two
@@ -344,6 +343,15 @@ class ServerConfig(_Strict):
     # max_outbox_bytes), and a new connection with its resume token takes it back
     # (server/resume.py, docs/protocol.md "Resume"). 0 = off: a dropped connection ends the session.
     resume_window_s: float = Field(30.0, ge=0, le=3600)
+
+    @property
+    def max_session_text_chars(self) -> int:
+        """Longest instructions / initial_user_text (characters, each) a session.update may set:
+        ``TEXT_CHARS_PER_CONTEXT_TOKEN`` per token of ``max_context_tokens`` (65536 at minicpmo45's
+        16384). Longer is refused there, before any tokenizing (a cap on work, not the context
+        limit, which the open checks in tokens). The deploy key server.max_session_text_chars
+        until issue 44."""
+        return TEXT_CHARS_PER_CONTEXT_TOKEN * self.max_context_tokens
 
     @model_validator(mode="after")
     def _trusted_proxies_are_addresses(self) -> "ServerConfig":
@@ -372,30 +380,21 @@ class SchedulerConfig(_Strict):
     # measured time fits (runtime/scheduler/pacing.py), instead of inside the tick of every live session;
     # a tick with no chunk run before it still runs one itself.
     prefill_between_ticks: bool = True
-    # Cut each session's units so that they end a fixed lead (its largest audio chunk plus
-    # unit_align_margin_ms) before a tick, by starting its first unit with silence; off, units
-    # are cut from the stream's first sample and wait a random part of a period for their tick,
-    # which every reply waits too (runtime/engine_session.py UnitAlignment).
+    # Cut each session's units so that they end a fixed lead (its largest audio chunk plus 50 ms,
+    # runtime/scheduler/core.py UNIT_ALIGN_MARGIN_MS) before a tick, by starting its first unit
+    # with silence; off, units are cut from the stream's first sample and wait a random part of a
+    # period for their tick, which every reply waits too (runtime/scheduler/core.py UnitAlignment).
     align_units_to_ticks: bool = True
-    unit_align_margin_ms: float = Field(50.0, ge=0, le=1000)
-    # Ticks per unit (engine.tick_seconds): with 2, the server ticks every half unit and each
-    # tick takes the units that are complete, so the sessions' units fall on two phases of the
-    # grid; a session whose caller's turn has ended (the speak policy's would_answer) gets its
-    # unit closed with silence at the next tick instead of waiting for the rest of it, and stays
-    # on that phase (runtime/engine_session.py EarlyClose). 1: one tick per unit. 2 is the default
-    # since the graph switches made a tick between cheap: 32 callers on an H100 answered at p99
-    # 1.16-1.35 s against 1.72 s with one phase (docs/benchmarks.md, "Two phases by default").
+    # Ticks per unit (engine.tick_seconds): with 2, the server ticks every half unit. Every
+    # session's units stay on the unit tick (the grid's first phase); a session whose caller's
+    # turn has ended (the speak policy's would_answer) gets its unit closed with silence at the
+    # next tick between instead of waiting for the rest of it, while the measured cost leaves time
+    # before the next unit tick, and is aligned to the unit tick again with silence
+    # (runtime/scheduler/core.py EarlyClose; docs/engine.md, "Units on the unit tick"). 1: one
+    # tick per unit. More than 1 needs align_units_to_ticks. 2 is the default since the graph
+    # switches made a tick between cheap: 32 callers on an H100 answered at p99 1.16-1.35 s
+    # against 1.72 s with one phase (docs/benchmarks.md, "Two phases by default").
     tick_phases: Literal[1, 2, 4] = 2
-    # Where sessions' units sit with tick_phases > 1. "spread": on whichever phase they fell (a
-    # session closed early stays on its new phase), so every tick runs part of the sessions and the
-    # fixed part of a tick (decode steps bound by launches and weight reads on a GPU) is paid
-    # tick_phases times per unit. "home": every session's units stay on the unit tick (the grid's
-    # first phase); the ticks between take only early closes, and only while the measured cost
-    # leaves time before the next unit tick; a session closed early is aligned to the unit tick
-    # again with silence (one unit of it per early close; docs/engine.md, "Units on the unit tick").
-    # "home" needs align_units_to_ticks. Home is the default: on the CPU it answered sooner, with
-    # more early closes and fewer late ticks, than spread (docs/results/HISTORY.md, "Units on the unit tick").
-    phase_units: Literal["spread", "home"] = "home"
     # A session whose client sends nothing (push-to-talk between turns; a manual-turn client that
     # commits, asks for a reply and waits) would get no more units, so no reply. Once it has sent
     # nothing for this long beyond its largest chunk, its units are completed with silence until it
@@ -403,10 +402,10 @@ class SchedulerConfig(_Strict):
     fill_silence_after_ms: float | None = Field(500.0, ge=0, le=60_000)
 
     @model_validator(mode="after")
-    def _home_phase_needs_alignment(self) -> "SchedulerConfig":
-        if self.tick_phases > 1 and self.phase_units == "home" and not self.align_units_to_ticks:
-            raise ValueError("scheduler.phase_units 'home' keeps units on the unit tick by aligning them: it needs "
-                             "scheduler.align_units_to_ticks (or phase_units 'spread', or tick_phases 1)")
+    def _phases_need_alignment(self) -> "SchedulerConfig":
+        if self.tick_phases > 1 and not self.align_units_to_ticks:
+            raise ValueError(f"scheduler.tick_phases {self.tick_phases} keeps units on the unit tick by aligning "
+                             "them: it needs scheduler.align_units_to_ticks (or tick_phases 1)")
         return self
 
 
@@ -422,7 +421,6 @@ class ClusterConfig(_Strict):
     # A replica being scaled down or redeployed takes no new sessions; its live ones may go on
     # for this long, then are closed with 1001 (going away).
     drain_timeout_s: float = Field(300.0, ge=0)
-    routing_stats_period_s: float = Field(1.0, gt=0)     # how often replicas report room and contexts
 
 
 # Preset-specific values that differ from the field defaults above (the YAML files say the same).

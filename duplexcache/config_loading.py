@@ -54,9 +54,10 @@ def apply_env_overrides(raw: Mapping[str, Any], environ: Mapping[str, str]) -> d
     return data
 
 
-# Speed switches retired with their code path once their A/B was settled (docs/engine.md,
-# "Retired switches"): (section path, key, why). A YAML that still names one loads, with a
-# warning, for one release.
+# Speed switches retired with their code path once their A/B was settled, and keys no deployment
+# needs to set, now named constants or derived from another key (docs/engine.md, "Retired
+# switches"): (section path, key, why). A YAML that still names one loads, with a warning, for
+# one release.
 RETIRED_KEYS = (
     (("server",), "switch_interval_ms", "Python's 5 ms was kept: 0.5 ms gave no gain (32 callers, H200)"),
     (("engine",), "memory_fraction", "an auto budget's first plan keeps 0.9 of the free memory "
@@ -70,17 +71,43 @@ RETIRED_KEYS = (
                                        "(runtime/memory/replan.py ACTIVATION_MARGIN)"),
     (("engine", "speak_policy"), "end_quiet_lookahead", "the reply policy always hears the quiet after the unit "
                                                         "(32 callers, H200: reply p95 2.74 -> 1.88 s)"),
+    (("server",), "queue_notice_s", "queued sessions are told every 2 s (server/realtime_session.py QUEUE_NOTICE_S)"),
+    (("server",), "keep_alive_timeout_s", "an idle keep-alive connection is closed after 5 s, uvicorn's own "
+                                          "default (server/loopback.py KEEP_ALIVE_TIMEOUT_S)"),
+    (("server",), "max_session_text_chars", "it now follows server.max_context_tokens: 4 characters per context "
+                                            "token (65536 at 16384 tokens)"),
+    (("stage0",), "client_window_override", "a client may always lower its own window's marks (only its own "
+                                            "footprint shrinks; above stage0.window.high_tokens is refused)"),
+    (("cluster",), "routing_stats_period_s", "replicas report their room and contexts every 1 s "
+                                             "(cluster/app.py ROUTING_STATS_PERIOD_S)"),
+    *((section, "unit_align_margin_ms", "aligned units end their largest chunk + 50 ms before a tick "
+                                        "(runtime/scheduler/core.py UNIT_ALIGN_MARGIN_MS)")
+      for section in (("scheduler",), ("server",))),   # server.*: the scheduler keys' spelling before 2026-12-07
+    *((section, "phase_units", "units always start on the unit tick, 'home' (12 callers, CPU: reply p50 / p99 "
+                               "0.86 / 1.54 s against spread's 1.03 / 1.69 s)")
+      for section in (("scheduler",), ("server",))),
 )
+
+# Retired keys whose old value chose a behaviour that went with the key: only the value the code
+# now always follows loads (with the warning above); any other is an error naming the key and why.
+RETIRED_VALUES: dict[str, tuple[Any, str]] = {
+    "phase_units": ("home", "'spread' was retired with its code path: units always start on the unit tick, "
+                            "the only value left is 'home' (docs/engine.md, \"Retired switches\")"),
+}
 
 
 def drop_retired_keys(data: Mapping[str, Any]) -> Mapping[str, Any]:
-    """``data`` without the keys of RETIRED_KEYS, each dropped with a deprecation warning."""
+    """``data`` without the keys of RETIRED_KEYS, each dropped with a deprecation warning;
+    ValueError for a retired key set to a value RETIRED_VALUES no longer allows."""
     for path, key, why in RETIRED_KEYS:
         node: Any = data
         for part in path:
             node = node.get(part) if isinstance(node, Mapping) else None
         if not isinstance(node, Mapping) or key not in node:
             continue
+        kept = RETIRED_VALUES.get(key)
+        if kept is not None and node[key] != kept[0]:
+            raise ValueError(f"{'.'.join(path)}.{key} {node[key]!r}: {kept[1]}; remove the key")
         data = copy.deepcopy(dict(data))
         node = data
         for part in path:
@@ -215,7 +242,9 @@ def describe_validation_error(exc: ValidationError, model: type[BaseModel]) -> s
             elif allowed:
                 msg += f" (allowed: {', '.join(allowed)})"
         else:
-            # Strip pydantic's "Value error, " prefix from our own messages.
-            msg = f"{path}: {err['msg'].removeprefix('Value error, ')}"
+            # Strip pydantic's "Value error, " prefix from our own messages; a whole-config check
+            # (no location) names its keys itself.
+            text = err['msg'].removeprefix('Value error, ')
+            msg = f"{path}: {text}" if err["loc"] else text
         lines.append(msg)
     return "invalid deploy config: " + "; ".join(lines)

@@ -34,7 +34,7 @@ class SessionConfigError(ValueError):
 PRIVATE_RUNTIME_CONFIG_KEYS: frozenset[str] = frozenset({
     "duplex_context_caching", "context_cache_capacity", "capacity",
     "cfm_prompt_att_sharing", "cfm_arena_rows_from_graph_grid", "max_num_seqs", "graph_grid",
-    "shared_anchor_blocks", "block_size", "window_mode", "mode", "client_window_override",
+    "shared_anchor_blocks", "block_size", "window_mode", "mode",
     "memory_budget", "activation_reserve", "activation_from_warmup",
     "memory_headroom", "cuda_graphs", "tick_seconds", "speak_policy", "tick_headroom",
     "prefill_chunk_tokens", "max_context_tokens",
@@ -112,14 +112,13 @@ def _client_window(deploy: DeployConfig, window: Any) -> tuple[int, int]:
     if unknown:
         raise SessionConfigError(f"unknown session key 'window.{unknown[0]}' "
                                  f"(allowed: {', '.join(sorted(CLIENT_WINDOW_KEYS))})")
-    if window and not deploy.stage0.client_window_override:
-        raise SessionConfigError("this server does not let clients change window settings")
     high = window.get("high_tokens", server.high_tokens)
     low = window.get("low_tokens", server.low_tokens)
     for name, value in (("high_tokens", high), ("low_tokens", low)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise SessionConfigError(f"window.{name} must be a positive int, got {value!r}")
-    # Admission reserves memory for the server's high mark; a client may only shrink it.
+    # Admission reserves memory for the server's high mark; a client may only shrink it (always
+    # allowed: only its own footprint shrinks; stage0.client_window_override until issue 44).
     if high > server.high_tokens:
         raise SessionConfigError(
             f"window.high_tokens {high} exceeds the server limit {server.high_tokens}")

@@ -76,7 +76,7 @@ case "$mode" in
       --sessions 1,2 --out "$out/card_bench" ;;
   serve_ragged_graphs)  # A/B of engine.cuda_graphs over the wire (issue 10): serve_conversation, a fresh server per
     # arm (off first); SERVE_BASE / SERVE_SESSIONS / SERVE_DURATION as for serve_catch_up, SERVE_OVERRIDES for both arms
-    # (e.g. "scheduler.tick_phases=2 scheduler.phase_units=home": the ticks between are where the fixed part matters)
+    # (e.g. "scheduler.tick_phases=2": the ticks between are where the fixed part matters)
     # SERVE_RAGGED_ARMS: "false true" (the default: all eager vs the packaged default); "encoder", the arm's name
     # before issue 44 merged the graph switches, is "true". H100, 19 admitted callers (2026-12-06): ~2.5 min per arm
     for arm in ${SERVE_RAGGED_ARMS:-false true}; do

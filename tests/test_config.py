@@ -30,7 +30,7 @@ NON_DEFAULT = {
     "model": {"preset": "minicpmo45", "checkpoint_dir": "/ckpt", "revision": "abc123",
               "dtype": "bfloat16", "device": "cuda:1", "vision": True},
     "stage0": {"block_size": 32, "window": {"mode": "rebuild", "high_tokens": 4000, "low_tokens": 3000},
-               "shared_anchor_blocks": True, "client_window_override": False, "ragged_kernel": False},
+               "shared_anchor_blocks": True, "ragged_kernel": False},
     "context_cache": {"duplex_context_caching": True, "capacity": 7},
     "code2wav": {"cfm_prompt_att_sharing": True, "cfm_arena_rows_from_graph_grid": True,
                  "max_num_seqs": 24, "graph_grid": [1, 4, 8]},
@@ -45,15 +45,14 @@ NON_DEFAULT = {
                                 "reply_min_units": 3, "reply_max_units": 5, "end_quiet_ms": 300}},
     "server": {"host": "0.0.0.0", "port": 9001, "max_frame_bytes": "1MiB", "api_key": "sk-test",
                "allowed_origins": ["https://app.example"], "idle_timeout_s": 30.0, "max_session_s": 600.0,
-               "max_outbox_bytes": 2**20, "close_timeout_s": 2.0, "header_timeout_s": 3.0, "keep_alive_timeout_s": 2.0,
-               "trusted_proxies": ["10.0.0.0/8"], "max_session_text_chars": 1000,
-               "max_connections_per_client": 3, "max_sessions_per_client": 2, "queue_notice_s": 0.5, "max_context_tokens": 4096,
+               "max_outbox_bytes": 2**20, "close_timeout_s": 2.0, "header_timeout_s": 3.0,
+               "trusted_proxies": ["10.0.0.0/8"],
+               "max_connections_per_client": 3, "max_sessions_per_client": 2, "max_context_tokens": 4096,
                "compute_threads": 3, "voice_aliases": {"alloy": "alt"},
                "resume_window_s": 7.5},
     "scheduler": {"catch_up_ticks": False, "prefill_between_ticks": False, "align_units_to_ticks": False,
-                  "unit_align_margin_ms": 80.0, "tick_phases": 4, "phase_units": "spread", "fill_silence_after_ms": 1500.0},
-    "cluster": {"replicas": 2, "max_replicas": 4, "target_utilisation": 0.5, "drain_timeout_s": 60.0,
-                "routing_stats_period_s": 0.5},
+                  "tick_phases": 1, "fill_silence_after_ms": 1500.0},
+    "cluster": {"replicas": 2, "max_replicas": 4, "target_utilisation": 0.5, "drain_timeout_s": 60.0},
 }
 
 
@@ -187,8 +186,12 @@ def test_bad_byte_size_in_config_names_key():
     ({"server": {"port": 70000}}, r"server\.port"),
     ({"model": {"device": "gpu"}}, r"model\.device"),
     ({"precision": {"kv_cache_dtype": "fp8"}}, r"precision\.kv_cache_dtype.*fp8_e4m3"),
-    ({"scheduler": {"tick_phases": 2, "phase_units": "home", "align_units_to_ticks": False}}, "align_units_to_ticks"),
-    ({"scheduler": {"phase_units": "near"}}, r"scheduler\.phase_units"),
+    ({"scheduler": {"tick_phases": 2, "align_units_to_ticks": False}},
+     r"scheduler\.tick_phases 2 .*needs scheduler\.align_units_to_ticks"),
+    ({"scheduler": {"align_units_to_ticks": False}}, r"scheduler\.tick_phases 2 .*scheduler\.align_units_to_ticks"),
+    ({"scheduler": {"tick_phases": 4, "align_units_to_ticks": False}}, r"scheduler\.tick_phases 4 "),
+    ({"scheduler": {"phase_units": "spread"}}, r"scheduler\.phase_units 'spread': 'spread' was retired"),
+    ({"scheduler": {"phase_units": "near"}}, r"scheduler\.phase_units 'near'"),
 ])
 def test_invalid_values_name_their_key(raw, message):
     with pytest.raises(ConfigError, match=message):
@@ -239,8 +242,7 @@ def test_arena_rows_switch_acts_or_errors(caplog):
 
 
 def test_runtime_config_merges_client_fields_with_server_switches():
-    deploy = DeployConfig.from_dict(NON_DEFAULT | {"stage0": NON_DEFAULT["stage0"] | {"client_window_override": True}},
-                                    environ=NO_ENV)
+    deploy = DeployConfig.from_dict(NON_DEFAULT, environ=NO_ENV)
     rt = build_runtime_config(deploy, {"instructions": "Be kind.", "voice": "alice", "initial_user_text": "hi",
                                        "input_audio_format": "f32", "window": {"high_tokens": 2000, "low_tokens": 1000}})
     assert (rt.instructions, rt.voice, rt.initial_user_text, rt.input_audio_format) == ("Be kind.", "alice", "hi", "f32")
@@ -298,11 +300,18 @@ def test_bad_client_session(session, message):
         build_runtime_config(DeployConfig.default("tiny", environ=NO_ENV), session)
 
 
-def test_window_override_can_be_disabled_by_server():
-    deploy = DeployConfig.from_dict({"stage0": {"client_window_override": False}}, environ=NO_ENV)
-    with pytest.raises(SessionConfigError, match="does not let clients"):
-        build_runtime_config(deploy, {"window": {"high_tokens": 100, "low_tokens": 50}})
+def test_a_client_may_always_lower_its_window_and_never_raise_it():
+    """stage0.client_window_override is retired: a YAML that still turns it off loads with a
+    warning, and its clients may lower their own window's marks (only their own footprint
+    shrinks); above the server's high mark is refused as before."""
+    with pytest.warns(DeprecationWarning, match=r"stage0\.client_window_override was retired"):
+        deploy = DeployConfig.from_dict({"stage0": {"client_window_override": False}}, environ=NO_ENV)
+    assert deploy == DeployConfig.default("tiny", environ=NO_ENV)
+    rt = build_runtime_config(deploy, {"window": {"high_tokens": 100, "low_tokens": 50}})
+    assert (rt.window_high_tokens, rt.window_low_tokens) == (100, 50)
     assert build_runtime_config(deploy, {}).window_high_tokens == 8000
+    with pytest.raises(SessionConfigError, match="exceeds the server limit 8000"):
+        build_runtime_config(deploy, {"window": {"high_tokens": 8001, "low_tokens": 50}})
 
 
 def test_example_serving_config_turns_every_sharing_switch_on():
@@ -368,11 +377,11 @@ def test_an_old_yaml_still_loads_its_scheduler_keys(tmp_path):
     import warnings
 
     path = tmp_path / "old.yaml"
-    path.write_text("server:\n  tick_phases: 4\n  align_units_to_ticks: false\n  phase_units: spread\n")
+    path.write_text("server:\n  tick_phases: 1\n  align_units_to_ticks: false\n  catch_up_ticks: false\n")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         d = DeployConfig.from_yaml(path, environ={})
-    assert (d.scheduler.tick_phases, d.scheduler.align_units_to_ticks, d.scheduler.phase_units) == (4, False, "spread")
+    assert (d.scheduler.tick_phases, d.scheduler.align_units_to_ticks, d.scheduler.catch_up_ticks) == (1, False, False)
 
 
 # ----------------------------------------------------------------------------- engine keys retired in issue 44
@@ -454,6 +463,15 @@ def test_an_engine_key_retired_in_issue_44_is_ignored_with_a_warning(key, value,
 @pytest.mark.parametrize("raw, key", [
     ({"server": {"switch_interval_ms": 0.5}}, "server.switch_interval_ms"),
     ({"engine": {"speak_policy": {"mode": "reply", "end_quiet_lookahead": False}}}, "engine.speak_policy.end_quiet_lookahead"),
+    ({"server": {"queue_notice_s": 0.5}}, "server.queue_notice_s"),
+    ({"server": {"keep_alive_timeout_s": 2.0}}, "server.keep_alive_timeout_s"),
+    ({"server": {"max_session_text_chars": 1000}}, "server.max_session_text_chars"),
+    ({"stage0": {"client_window_override": False}}, "stage0.client_window_override"),
+    ({"cluster": {"routing_stats_period_s": 0.5}}, "cluster.routing_stats_period_s"),
+    ({"scheduler": {"unit_align_margin_ms": 80.0}}, "scheduler.unit_align_margin_ms"),
+    ({"server": {"unit_align_margin_ms": 80.0}}, "server.unit_align_margin_ms"),   # the spelling before 2026-12-07
+    ({"scheduler": {"phase_units": "home"}}, "scheduler.phase_units"),
+    ({"server": {"phase_units": "home"}}, "server.phase_units"),
 ])
 def test_a_retired_switch_is_ignored_with_a_warning_naming_it(raw, key, caplog):
     """Speed switches retired once their A/B was settled (docs/engine.md, "Retired switches"): an
@@ -464,3 +482,32 @@ def test_a_retired_switch_is_ignored_with_a_warning_naming_it(raw, key, caplog):
     assert d == DeployConfig.from_dict({"engine": {"speak_policy": {"mode": "reply"}}} if "engine" in raw else {},
                                        environ={})
     assert key.rpartition(".")[2] not in str(d.to_dict())
+
+
+def test_the_session_text_limit_follows_the_context_limit(caplog):
+    """server.max_session_text_chars (retired) is 4 characters per token of max_context_tokens:
+    65536 at minicpmo45's 16384 tokens, as the key's default was; an old YAML's value is ignored
+    with a warning saying what it follows now."""
+    assert DeployConfig.default("minicpmo45", environ=NO_ENV).server.max_session_text_chars == 65536
+    assert DeployConfig.default("tiny", environ=NO_ENV).server.max_session_text_chars == 4 * 8192
+    d = DeployConfig.from_dict({"server": {"max_context_tokens": 100}}, environ=NO_ENV)
+    assert d.server.max_session_text_chars == 400
+    with pytest.warns(DeprecationWarning, match="follows server.max_context_tokens"):
+        old = DeployConfig.from_dict({"server": {"max_context_tokens": 100, "max_session_text_chars": 5}},
+                                     environ=NO_ENV)
+    assert old == d and "server.max_session_text_chars" in caplog.text
+
+
+@pytest.mark.parametrize("section", ["scheduler", "server"])   # server: the scheduler keys' spelling before 2026-12-07
+def test_phase_units_spread_was_retired_and_home_only_warns(section, caplog):
+    """scheduler.phase_units is retired with its spread arm: units always start on the unit tick.
+    An old YAML with home (what the code always does now) loads with a warning; spread, the
+    behaviour that went, is an error saying so, not a silent change of pacing."""
+    with pytest.warns(DeprecationWarning, match=section + r"\.phase_units was retired"):
+        raw = {"scheduler": {"tick_phases": 4}}
+        raw.setdefault(section, {})["phase_units"] = "home"
+        d = DeployConfig.from_dict(raw, environ=NO_ENV)
+    assert d.scheduler.tick_phases == 4 and "phase_units" not in str(d.to_dict())
+    assert f"{section}.phase_units" in caplog.text
+    with pytest.raises(ConfigError, match=section + r"\.phase_units 'spread': 'spread' was retired .*unit tick"):
+        DeployConfig.from_dict({section: {"phase_units": "spread"}}, environ=NO_ENV)

@@ -274,7 +274,7 @@ def summarize_step(n: int, rows: list[dict[str, Any]], before: dict, after: dict
         "replies_done": sum(r["replies_done"] for r in rows),
         **{key: delta(after.get(key), before.get(key)) for key in COUNTERS},   # late_ticks, catch_up_ticks, ...
         "stage_ms_mean": stage_ms_mean(before, after),   # per tick, the server's own timers
-        "between_tick_ms_mean": between_tick_ms_mean(before, after),   # home phases' ticks between, with units
+        "between_tick_ms_mean": between_tick_ms_mean(before, after),   # phased ticks between unit ticks, with units
         "realtime": bool(all_audio and late == 0 and latency_ok),
         **({"long_context": _long_context_summary(long_rows)} if long_rows else {}),
         **({"without_errors": _without_errors_summary(rows)} if any(r["errors"] for r in rows) else {}),

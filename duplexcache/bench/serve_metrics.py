@@ -85,8 +85,8 @@ def stage_ms_mean(before: dict, after: dict) -> dict[str, float] | None:
 
 
 def between_tick_ms_mean(before: dict, after: dict) -> float | None:
-    """Mean ms of the server's ticks between unit ticks that ran units (``scheduler.phase_units``
-    home) over a step; None when it exports no such histogram or ran none."""
+    """Mean ms of the server's ticks between unit ticks that ran units (``scheduler.tick_phases``
+    > 1) over a step; None when it exports no such histogram or ran none."""
     total = delta(after.get("between_sum"), before.get("between_sum"))
     ticks = delta(after.get("between_count"), before.get("between_count"))
     return round(total / ticks * 1e3, 1) if total is not None and ticks else None

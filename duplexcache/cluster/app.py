@@ -23,6 +23,13 @@ SHUTDOWN_MARGIN_S = 30.0
 # A replica takes as many WebSockets as this (its own admission refuses or queues sessions
 # beyond its room; Ray must not queue the handshakes in front of it).
 MAX_ONGOING_REQUESTS = 4096
+# How often each replica reports its room and the contexts it holds to the routers
+# (DuplexReplica.record_routing_stats). Placement needs stats no older than a session's opening
+# takes (a context prefill runs over ticks of a second), while the router counts its own sends
+# of the last few periods against a replica, so a burst placed between two reports is not sent
+# to one replica; a report costs one admission_room() call. The deploy key
+# cluster.routing_stats_period_s until issue 44 (docs/engine.md, "Retired switches").
+ROUTING_STATS_PERIOD_S = 1.0
 
 
 def deployment_options(deploy: DeployConfig) -> dict[str, Any]:
@@ -38,10 +45,10 @@ def deployment_options(deploy: DeployConfig) -> dict[str, Any]:
         "health_check_period_s": 2.0,
         "request_router_config": RequestRouterConfig(
             request_router_class="duplexcache.cluster.router:CacheAffinityRouter",
-            request_routing_stats_period_s=cluster.routing_stats_period_s,
-            request_routing_stats_timeout_s=max(5.0, 2 * cluster.routing_stats_period_s),
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+            request_routing_stats_timeout_s=max(5.0, 2 * ROUTING_STATS_PERIOD_S),
             # a send counts until the replica surely reported it (report + controller push + slack)
-            request_router_kwargs={"sent_ttl_s": max(5.0, 4 * cluster.routing_stats_period_s + 2.0)}),
+            request_router_kwargs={"sent_ttl_s": max(5.0, 4 * ROUTING_STATS_PERIOD_S + 2.0)}),
     }
     if cluster.max_replicas is None:
         options["num_replicas"] = cluster.replicas

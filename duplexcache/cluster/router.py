@@ -3,7 +3,7 @@
 Ray Serve's proxy turns the ``serve_multiplexed_model_id`` header of a WebSocket handshake into
 the request's multiplexed model id, which is what this router sees before the first frame; the
 replicas report their room and the contexts they hold as routing stats
-(``DuplexReplica.record_routing_stats``, every ``cluster.routing_stats_period_s``). The decision
+(``DuplexReplica.record_routing_stats``, every ``app.ROUTING_STATS_PERIOD_S``). The decision
 itself is :func:`duplexcache.cluster.placement.place`. A header ``replica:<id>`` pins a request
 to one replica (scraping each replica's ``/metrics``); if that replica takes no requests (gone,
 draining) another one answers, and its ``/health`` (``replica``) and ``/metrics``

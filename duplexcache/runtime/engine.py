@@ -252,9 +252,10 @@ class DuplexEngine:
     # ------------------------------------------------------------------ the tick
 
     def tick(self, unit_tick: bool = True) -> list[EngineEvent]:
-        """One tick. ``unit_tick`` False: a tick between unit ticks of a server whose units stay
-        on the unit tick (``scheduler.phase_units: home``): it takes early closes and the whole units
-        sessions already hold, and starts no session's units (no alignment, no silence fill)."""
+        """One tick. ``unit_tick`` False: a tick between unit ticks of a server that ticks more
+        than once per unit (``scheduler.tick_phases``; units stay on the unit tick): it takes early
+        closes and the whole units sessions already hold, and starts no session's units (no
+        alignment, no silence fill)."""
         with self._tick_lock, self._numerics():
             return self._tick(unit_tick)
 
@@ -336,8 +337,8 @@ class DuplexEngine:
     def set_unit_alignment(self, margin_ms: float | None) -> None:
         self.scheduler.set_unit_alignment(margin_ms)
 
-    def set_tick_phases(self, phases: int, home: bool = False) -> None:
-        self.scheduler.set_tick_phases(phases, home)
+    def set_tick_phases(self, phases: int) -> None:
+        self.scheduler.set_tick_phases(phases)
 
     def set_silence_fill(self, after_ms: float | None) -> None:
         self.scheduler.set_silence_fill(after_ms)

@@ -285,7 +285,7 @@ class EngineAPI(Protocol):
 
     def tick(self, unit_tick: bool = True) -> list[EngineEvent]:
         """Run one 1-second unit for every live session with >= 1 s of audio buffered.
-        ``unit_tick`` False (after ``set_tick_phases(phases, home=True)``): a tick between unit
+        ``unit_tick`` False (after ``set_tick_phases(phases)`` with phases > 1): a tick between unit
         ticks, which takes early closes and units already held but starts no session's units."""
         ...
 
@@ -329,9 +329,9 @@ class EngineAPI(Protocol):
         completed with silence; None waits for audio."""
         ...
 
-    def set_tick_phases(self, phases: int, home: bool = False) -> None:
-        """The server ticks ``phases`` times per unit; ``home``: units stay on the unit tick and
-        the server says which tick is one (``tick(unit_tick=...)``)."""
+    def set_tick_phases(self, phases: int) -> None:
+        """The server ticks ``phases`` times per unit; with more than one, units stay on the unit
+        tick and the server says which tick is one (``tick(unit_tick=...)``)."""
         ...
 
     def prefill_pending(self) -> bool:

@@ -27,12 +27,19 @@ logger = logging.getLogger(__name__)
 # Let frames a little over the app's max_frame_bytes reach the app, so the app (not the
 # transport) closes the socket and names the limit in the close reason.
 WS_SIZE_HEADROOM = 64 * 1024
+# An idle HTTP keep-alive connection is closed after this many seconds: uvicorn's own default,
+# passed explicitly so that the bound holds whatever uvicorn's default becomes. An idle
+# connection costs the server a socket and nothing else, and a client that reconnects after 5 s
+# pays one handshake. The deploy key server.keep_alive_timeout_s until issue 44 (docs/engine.md,
+# "Retired switches").
+KEEP_ALIVE_TIMEOUT_S = 5.0
 
 
 def uvicorn_config(app: Any, host: str, port: int, max_frame_bytes: int, log_level: str = "warning",
                    graceful_timeout: float | None = 10.0, server: ServerConfig | None = None) -> uvicorn.Config:
     """The uvicorn settings the CLI and the loopback server share; ``server`` (the deploy's
-    ``server`` section; its defaults when None) gives the HTTP timeouts."""
+    ``server`` section; its defaults when None) gives the header timeout, ``KEEP_ALIVE_TIMEOUT_S``
+    the keep-alive one."""
     server = server or ServerConfig()
     return uvicorn.Config(
         app, host=host, port=port, log_level=log_level, lifespan="on",
@@ -45,7 +52,7 @@ def uvicorn_config(app: Any, host: str, port: int, max_frame_bytes: int, log_lev
         # uvicorn's own default believes X-Forwarded-For from 127.0.0.1, so any local process could
         # name a new client address per connection and pass the per-address caps.
         proxy_headers=False,
-        timeout_keep_alive=server.keep_alive_timeout_s,
+        timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S,
         http=header_timeout_protocol(server.header_timeout_s),
     )
 

@@ -74,7 +74,7 @@ class ServerMetrics:
                                        buckets=LATENCY_BUCKETS, registry=r)
         self.between_tick_duration = Histogram(
             PREFIX + "between_tick_duration_seconds", "Wall time of a tick between unit ticks that ran units "
-            "(scheduler.phase_units home: the turns that just ended; what the room test must predict)",
+            "(scheduler.tick_phases > 1: the turns that just ended; what the room test must predict)",
             buckets=LATENCY_BUCKETS, registry=r)
         self.stage_latency = Histogram(PREFIX + "stage_latency_seconds", "Per-stage latency within a tick",
                                        ["stage"], buckets=LATENCY_BUCKETS, registry=r)

@@ -12,7 +12,7 @@ Life cycle on the wire:
 * on connect: ``session.queue_done`` (the SDK sends ``session.init`` only after it). Admission
   is decided at ``session.init``, because the session's size depends on it (system prompt,
   reference voice, window, ``tts_enabled``): a session that does not fit is queued
-  (``session.queued``, then ``session.queue_update`` every ``server.queue_notice_s``, with
+  (``session.queued``, then ``session.queue_update`` every ``realtime_session.QUEUE_NOTICE_S``, with
   ``position``, ``queue_length`` and ``estimated_wait_s`` from server/queue_wait.py) and gets
   ``session.queue_done`` again when admitted;
 * ``session.created`` {session_id} once the engine session is live;
@@ -172,9 +172,6 @@ class MiniCPMoSession(RealtimeSession):
         stage0 = self.server.config.stage0
         high, low = stage0.window.high_tokens, stage0.window.low_tokens
         param = "payload.config.max_kv_tokens"
-        if not stage0.client_window_override:
-            raise proto.ProtocolError("unsupported_parameter", f"{param}: this server does not let clients set the "
-                                      "window (stage0.client_window_override)", param=param)
         if not 2 <= max_kv_tokens <= high:
             raise proto.ProtocolError("invalid_value", f"{param}: must be between 2 and this server's window of "
                                       f"{high} tokens, got {max_kv_tokens}", param=param)

@@ -9,7 +9,7 @@ Life cycle (docs/protocol.md has the wire view):
   the session was opened with (voice, instructions, ...) are fixed, turn detection is not.
 * admission errors reach the client as ``error`` events (the engine's code, a generic message:
   pool sizes stay in the log; an append hears the same code at most once per
-  ``server.queue_notice_s``, though capacity is asked again at every append); a queued session gets ``session.queued`` events with its position
+  ``QUEUE_NOTICE_S``, though capacity is asked again at every append); a queued session gets ``session.queued`` events with its position
   and its input audio is discarded until it is admitted (``session.admitted``).
 
 All engine calls go through worker threads (the engine is thread-safe per engine_api).
@@ -48,6 +48,12 @@ _SETTINGS_REFUSALS = frozenset({"context_length_exceeded"})
 # Longest audio one append may carry: what the engine buffers per session (engine_session's
 # MAX_BUFFERED_SECONDS); a longer chunk could only be refused after decoding it.
 MAX_CHUNK_SECONDS = 10
+# Period of a queued session's session.queued / queue_update notices (server/app.py's housekeeping)
+# and of the admission error a refused client's audio appends hear: often enough that a waiting
+# client sees its position move and a streaming one learns it is refused, rarely enough that a
+# client streaming 20 ms chunks into a refusal is not sent 50 errors a second. The deploy key
+# server.queue_notice_s until issue 44 (docs/engine.md, "Retired switches").
+QUEUE_NOTICE_S = 2.0
 
 
 def _vad_factory(threshold: float, silence_duration_ms: int, prefix_padding_ms: int) -> Any:
@@ -81,7 +87,7 @@ class RealtimeSession:
         # voice prompt, ...): the same settings get the same error without asking the engine again
         self.settings_refusal: tuple[SessionSettings, proto.ProtocolError] | None = None
         # (code, when) of the last refusal to open sent: an append refused with the same code hears
-        # it again only after server.queue_notice_s (capacity is still asked at every append)
+        # it again only after QUEUE_NOTICE_S (capacity is still asked at every append)
         self.refusal_notice: tuple[str, float] | None = None
         self.queued = False
         self.live_since: float | None = None   # when the engine admitted it (queue_wait's session lengths)
@@ -391,7 +397,7 @@ class RealtimeSession:
     async def _ensure_session(self, eid: str | None, *, streaming: bool = False) -> bool:
         """Open the engine session with the current settings; False if refused (error sent, unless
         ``streaming`` (an audio append) and the same admission error went out within
-        ``server.queue_notice_s``)."""
+        ``QUEUE_NOTICE_S``)."""
         if self.sid is not None:
             return True
         server = self.server
@@ -475,12 +481,12 @@ class RealtimeSession:
 
     def _told_recently(self, code: str, streaming: bool) -> bool:
         """Whether to refuse an append without an error: this refusal went out within
-        ``server.queue_notice_s`` (a client streaming 20 ms chunks would get 50 errors a second; its
+        ``QUEUE_NOTICE_S`` (a client streaming 20 ms chunks would get 50 errors a second; its
         audio is dropped either way). Otherwise the error is about to be sent: note when."""
         now = time.monotonic()
         last = self.refusal_notice
         if streaming and last is not None and last[0] == code \
-                and now - last[1] < self.server.config.server.queue_notice_s:
+                and now - last[1] < QUEUE_NOTICE_S:
             return True
         self.refusal_notice = (code, now)
         return False

@@ -26,6 +26,7 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
+from duplexcache.config import TEXT_CHARS_PER_CONTEXT_TOKEN
 from duplexcache.runtime_config import find_private_key
 from duplexcache.server.audio_io import ENGINE_RATE, G711_RATE, OUTPUT_RATE, InputFormat
 from duplexcache.server.protocol import ProtocolError, clip, unicode_problem
@@ -120,7 +121,8 @@ def _str(value: Any, path: str, eid: str | None, nullable: bool = False, max_cha
         # Refused on its length alone, before anything reads the text (a 3.9 MB string used to be
         # tokenized in full at the open, 0.5-2.2 s, only to be refused as too many tokens).
         raise _bad(path, f"{len(value)} characters; this server takes at most {max_chars} "
-                   "(server.max_session_text_chars)", eid, code="string_above_max_length")
+                   f"({TEXT_CHARS_PER_CONTEXT_TOKEN} per token of server.max_context_tokens)", eid,
+                   code="string_above_max_length")
     problem = unicode_problem(value)
     if problem is not None:
         raise _bad(path, problem, eid)

@@ -20,6 +20,7 @@ import contextlib
 import functools
 import logging
 
+from duplexcache.runtime.scheduler.core import UNIT_ALIGN_MARGIN_MS
 from duplexcache.runtime.scheduler.pacing import UnitGrid, deadline_after_late, prefill_fits
 
 logger = logging.getLogger("duplexcache.server.app")   # one logger name for the server's lines
@@ -39,16 +40,13 @@ class TickLoop:
         period = self.config.engine.tick_seconds / scheduler.tick_phases
         pacing = scheduler.prefill_between_ticks   # decided once: the config does not change
         self.engine.set_prefill_between_ticks(pacing)
-        self.engine.set_unit_alignment(scheduler.unit_align_margin_ms if scheduler.align_units_to_ticks else None)
+        self.engine.set_unit_alignment(UNIT_ALIGN_MARGIN_MS if scheduler.align_units_to_ticks else None)
         self.engine.set_silence_fill(scheduler.fill_silence_after_ms)
-        # phase_units home: units stay on the unit tick (every tick_phases-th point of the grid),
-        # and the engine is told which tick is one
-        home = scheduler.tick_phases > 1 and scheduler.phase_units == "home"
-        if home:
-            self.engine.set_tick_phases(scheduler.tick_phases, home=True)
-        else:
-            self.engine.set_tick_phases(scheduler.tick_phases)
-        grid = UnitGrid(loop.time(), period, scheduler.tick_phases if home else 1)
+        # with phases, units stay on the unit tick (every tick_phases-th point of the grid), and
+        # the engine is told which tick is one
+        phased = scheduler.tick_phases > 1
+        self.engine.set_tick_phases(scheduler.tick_phases)
+        grid = UnitGrid(loop.time(), period, scheduler.tick_phases)
         deadline = grid.origin + period
         caught_up_at = None   # the deadline of the period that already had its extra tick
         catching_up = False
@@ -58,9 +56,9 @@ class TickLoop:
             unit_tick = grid.unit_tick(deadline) and not catching_up
             catching_up = False
             engine_late = self.engine.late_ticks   # the engine's own count
-            await self._tick_once(unit_tick if home else None)
+            await self._tick_once(unit_tick if phased else None)
             now = loop.time()
-            if home and deadline < now <= grid.next_unit_point(deadline) + LATE_SLACK * period:
+            if phased and deadline < now <= grid.next_unit_point(deadline) + LATE_SLACK * period:
                 # A unit tick ran into the time of the ticks between: they start now (and take
                 # early closes only while there is room), the unit tick after them is on time
                 deadline = deadline_after_late(deadline, now, period)
@@ -72,12 +70,12 @@ class TickLoop:
                     break
                 self.metrics.late_ticks.inc()
                 # The engine logs the warning for a tick over its own period (one line, not two);
-                # home, that period is a unit and this grid's point a fraction of one, so the server
-                # says it unless the engine counted (and logged) this tick late too.
+                # phased, that period is a unit and this grid's point a fraction of one, so the
+                # server says it unless the engine counted (and logged) this tick late too.
                 engine_said_it = self.engine.late_ticks > engine_late
-                (logger.warning if home and not engine_said_it else logger.debug)(
+                (logger.warning if phased and not engine_said_it else logger.debug)(
                     "%s ran late: ended %.3f s past its deadline (period %.3f s); the next tick starts now",
-                    "tick" if not home else "unit tick" if unit_tick else "tick between unit ticks",
+                    "tick" if not phased else "unit tick" if unit_tick else "tick between unit ticks",
                     now - deadline, period)
                 # the next tick starts now and is due at the grid's next point (runtime/scheduler/pacing.py)
                 deadline = deadline_after_late(deadline, now, period)
@@ -134,7 +132,7 @@ class TickLoop:
             return 0
 
     async def _tick_once(self, unit_tick: bool | None = None) -> None:
-        """One engine tick; ``unit_tick`` (``scheduler.phase_units: home`` only) says whether it is
+        """One engine tick; ``unit_tick`` (``scheduler.tick_phases`` > 1 only) says whether it is
         one: None calls ``engine.tick()`` as every engine takes it."""
         loop = asyncio.get_running_loop()
         start = loop.time()

@@ -99,14 +99,13 @@ d = DeployConfig.from_packaged_yaml("minicpmo45"); d.engine.cuda_graphs = True; 
         "${SERVE_DURATION:-45}" "engine.cuda_graphs=$arm"
     done ;;
   serve_phases)  # A/B of scheduler.tick_phases (issue 10): serve_conversation with one tick per unit, then two (a
-    # turn's unit closed with silence at the next half-unit tick), a fresh server per arm; SERVE_BASE /
-    # SERVE_SESSIONS / SERVE_DURATION as for serve_catch_up, SERVE_PHASE_ARMS the arms (default "1 2"; an arm
-    # N is tick_phases N with phase_units spread, Nhome the same with phase_units home)
+    # turn's unit closed with silence at the next half-unit tick, units kept on the unit tick), a fresh server per
+    # arm; SERVE_BASE / SERVE_SESSIONS / SERVE_DURATION as for serve_catch_up, SERVE_PHASE_ARMS the arms (default
+    # "1 2": tick_phases N; the runs in docs/results/ named "Nhome" are these, "N" > 1 the retired phase_units
+    # spread, issue 44)
     for arm in ${SERVE_PHASE_ARMS:-1 2}; do
-      units=spread
-      [[ $arm == *home ]] && units=home
       serve_conversation "serve_phases_$arm" "${SERVE_BASE:-examples/minicpmo45-shared.yaml}" "${SERVE_SESSIONS:-32}" \
-        "${SERVE_DURATION:-45}" "scheduler.tick_phases=${arm%home} scheduler.phase_units=$units"
+        "${SERVE_DURATION:-45}" "scheduler.tick_phases=$arm"
     done ;;
   ticks_conversation_large)  # ticks_conversation at 40 and 48 sessions only, with the shared graph grid warm
     step engine_ticks_conversation_large 560 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 40,48 --workload conversation --steady-window --all-switches on --ticks 8 --warmup-ticks 8 --max-seconds 420 --memory-budget auto --graph-grid 1,4,8,16 --out "$out/engine_ticks_conversation_large" ;;

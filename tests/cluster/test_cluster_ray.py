@@ -20,6 +20,7 @@ httpx = pytest.importorskip("httpx")
 from websockets.asyncio.client import connect  # noqa: E402
 from websockets.exceptions import ConnectionClosed  # noqa: E402
 
+import duplexcache.cluster.app as cluster_app  # noqa: E402
 from duplexcache.cluster.app import DEPLOYMENT_NAME, build_app  # noqa: E402
 from duplexcache.cluster.placement import CONTEXT_HEADER, context_key  # noqa: E402
 from duplexcache.cluster.proxy import proxy_env  # noqa: E402
@@ -38,7 +39,6 @@ def _deploy(replicas: int = 2, drain_s: float = 60.0) -> DeployConfig:
     deploy = DeployConfig.default("tiny")
     deploy.cluster.replicas = replicas
     deploy.cluster.drain_timeout_s = drain_s
-    deploy.cluster.routing_stats_period_s = 0.5
     deploy.engine.tick_seconds = 0.1
     deploy.engine.tick_headroom = 1e9     # admission by memory only: the test must not depend on speed
     deploy.server.max_sessions_per_client = deploy.server.max_connections_per_client = 64
@@ -48,26 +48,29 @@ def _deploy(replicas: int = 2, drain_s: float = 60.0) -> DeployConfig:
 @pytest.fixture(scope="module")
 def cluster():
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             runtime_env={"env_vars": proxy_env()})
-    start_summary()
-    port = 18000 + os.getpid() % 1000
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    deploy = _deploy()
-    serve.run(build_app(deploy), name=APP, route_prefix="/")
-    base = f"127.0.0.1:{port}"
-    _wait_for(lambda: len(_replicas(base)) == 2, "two replicas reporting")
-    _let_routers_learn(deploy)
-    yield base, deploy
-    serve.shutdown()
-    stop_summary()
-    ray.shutdown()
+    with pytest.MonkeyPatch.context() as patch:
+        # replicas report every 0.5 s, not 1 s (every build_app of this module): the routers learn sooner
+        patch.setattr(cluster_app, "ROUTING_STATS_PERIOD_S", 0.5)
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+                 runtime_env={"env_vars": proxy_env()})
+        start_summary()
+        port = 18000 + os.getpid() % 1000
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        deploy = _deploy()
+        serve.run(build_app(deploy), name=APP, route_prefix="/")
+        base = f"127.0.0.1:{port}"
+        _wait_for(lambda: len(_replicas(base)) == 2, "two replicas reporting")
+        _let_routers_learn()
+        yield base, deploy
+        serve.shutdown()
+        stop_summary()
+        ray.shutdown()
 
 
-def _let_routers_learn(deploy: DeployConfig) -> None:
+def _let_routers_learn() -> None:
     """The routers get a replica's stats through the controller a few report periods after the
     replica first reports (nothing to poll for): until then they leave it out of placement."""
-    time.sleep(max(5.0, 10 * deploy.cluster.routing_stats_period_s))
+    time.sleep(max(5.0, 10 * cluster_app.ROUTING_STATS_PERIOD_S))
 
 
 def _wait_for(predicate, what: str, timeout: float = TIMEOUT_S) -> None:
@@ -299,7 +302,7 @@ def _redeploy_in_background(deploy: DeployConfig) -> "threading.Thread":
 def test_a_drain_lets_live_sessions_finish_then_closes_what_outlasts_it(cluster):
     base, deploy = cluster
     _wait_for(lambda: len(_replicas(base)) == 2, "two ready replicas again (the killed one was replaced)")
-    _let_routers_learn(deploy)
+    _let_routers_learn()
     calls = _calls(deploy, 2, "A context no replica holds yet.")
 
     async def scale_down() -> None:
@@ -323,7 +326,7 @@ def test_a_drain_lets_live_sessions_finish_then_closes_what_outlasts_it(cluster)
     old = set(_replicas(base))
     serve.run(build_app(short), name=APP, route_prefix="/")
     _wait_for(lambda: len(set(_replicas(base)) - old) == 2, "two replicas of the redeploy")
-    _let_routers_learn(deploy)
+    _let_routers_learn()
     long_calls = _calls(deploy, 2, "Another context no replica holds yet.")
     finished: dict[int, float] = {}
 

@@ -87,15 +87,18 @@ def test_replicas_needed_follows_live_sessions():
 
 def test_the_cluster_section_reaches_the_ray_deployment(tmp_path):
     pytest.importorskip("ray.serve", reason="the cluster extra is not installed")
-    from duplexcache.cluster.app import SHUTDOWN_MARGIN_S, deployment_options
+    from duplexcache.cluster.app import ROUTING_STATS_PERIOD_S, SHUTDOWN_MARGIN_S, deployment_options
 
     path = tmp_path / "c.yaml"
-    path.write_text("cluster:\n  replicas: 2\n  drain_timeout_s: 42\n  routing_stats_period_s: 0.5\n")
+    path.write_text("cluster:\n  replicas: 2\n  drain_timeout_s: 42\n")
     opts = deployment_options(DeployConfig.from_yaml(path, environ={}))
     assert opts["num_replicas"] == 2 and "autoscaling_config" not in opts
     assert opts["graceful_shutdown_timeout_s"] == 42 + SHUTDOWN_MARGIN_S
     router = opts["request_router_config"]
-    assert router.request_routing_stats_period_s == 0.5 and router.request_router_kwargs["sent_ttl_s"] == 5.0
+    # the report period (cluster.routing_stats_period_s's default until issue 44) and the sends it counts
+    assert ROUTING_STATS_PERIOD_S == 1.0
+    assert router.request_routing_stats_period_s == 1.0 and router.request_router_kwargs["sent_ttl_s"] == 6.0
+    assert router.request_routing_stats_timeout_s == 5.0
     assert opts["ray_actor_options"]["num_gpus"] == 0
     path.write_text("cluster:\n  replicas: 2\n  max_replicas: 6\n  target_utilisation: 0.5\n"
                     "model:\n  device: cuda\n")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import sys
-import types
 from pathlib import Path
 
 import numpy as np
@@ -312,33 +311,6 @@ def test_tick_cost_model_admits_a_gpu_ramp_that_the_origin_line_refused():
     # fit are admitted until the window forgets it, where the origin line stopped at 10
     assert 0.02 < m.per_unit_s < 0.03
     assert m.refusal(22) is None and m.refusal(30) is not None
-
-
-def test_tick_cost_model_with_phased_ticks_shares_the_sessions_and_the_period():
-    """scheduler.tick_phases 2: each tick runs about half the sessions' units in half the period,
-    so the fixed part counts twice per unit: one more session fits while
-    fixed + per_unit * (live + 1) / 2 <= limit / 2."""
-    from duplexcache.runtime.memory.admission import TickCostModel, headroom
-
-    # headroom 0.81, not 0.8: with 0.8 both counts below sit exactly on the limit, and the
-    # least-squares fit's last bit decided them differently on the H100 machine's numpy (2026-12-07)
-    one, two = TickCostModel(1.0, 0.81), TickCostModel(1.0, 0.81)
-    two.set_phases(2)
-    for m in (one, two):
-        for units in (2, 4, 6):                    # the line 0.1 s + 0.05 s per unit
-            m.observe(0.1 + 0.05 * units, units)
-    assert two.tick_limit_s == pytest.approx(0.405) and one.tick_limit_s == pytest.approx(0.81)
-    # one phase: 0.1 + 0.05 n <= 0.81 -> 14 sessions; two: 0.1 + 0.05 n / 2 <= 0.405 -> 12
-    assert one.refusal(13) is None and one.refusal(14) is not None
-    assert two.refusal(11) is None and two.refusal(12) is not None and "tick_phases" in two.refusal(12)
-    plan = types.SimpleNamespace(planned_sessions=100)
-    assert headroom(plan, one, 10).sessions == 4 and headroom(plan, two, 10).sessions == 2
-    flat = TickCostModel(1.0, 0.8)
-    flat.set_phases(2)
-    flat.observe(0.5, 3)                           # flat at 0.5 s: over the 0.4 s a phased tick may take
-    assert flat.refusal(3) is not None and headroom(plan, flat, 3).sessions == 0
-    with pytest.raises(ValueError):
-        flat.set_phases(0)
 
 
 def test_refused_sessions_change_nobody_s_output(tmp_path):

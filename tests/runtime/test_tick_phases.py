@@ -94,17 +94,16 @@ def _stream() -> np.ndarray:
     return np.concatenate([_noise(QUIET, 10, 4_000), _noise(LOUD, 11, 16_000), _noise(QUIET, 12, 60_000)])
 
 
-def _call(tmp_path, name: str, phases: int, mode: str = "reply", callers: int = 1, room=None,
-          home: bool = False) -> tuple:
+def _call(tmp_path, name: str, phases: int, mode: str = "reply", callers: int = 1, room=None) -> tuple:
     """Real-time clients sending 100 ms chunks (the same stream) to an engine ticking every half
     unit of audio (0.3 s before the first tick), for 9 ticks. Returns the engine's stats, the
     first caller's session, the units it heard, the samples left after each tick, which ticks
-    spoke, and the stream. ``room`` replaces the early close's room test. ``home``: units stay on
-    the unit tick (scheduler.phase_units home), the even ticks."""
+    spoke, and the stream. ``room`` replaces the early close's room test. Units stay on the unit
+    tick, every ``phases``-th tick from the first (the server says which: tick(unit_tick=...))."""
     policy = {"mode": mode, "speech_rms": 0.05, "reply_min_units": 2, "reply_max_units": 2, "end_quiet_ms": 200}
     eng = engine(tmp_path, name, {"engine": {"speak_policy": policy}})
     eng.set_unit_alignment(MARGIN_MS)
-    eng.set_tick_phases(phases, home=home)
+    eng.set_tick_phases(phases)
     if room is not None:
         eng.scheduler.early_close = dataclasses.replace(eng.scheduler.early_close, room=room)
     sids = [eng.open_session({"voice": "default"}) for _ in range(callers)]
@@ -115,7 +114,7 @@ def _call(tmp_path, name: str, phases: int, mode: str = "reply", callers: int = 
             for sid in sids:
                 eng.push_audio(sid, stream[sent:sent + CHUNK])
             sent += CHUNK
-        got = collect(eng.tick(unit_tick=tick % phases == 0) if home else eng.tick())
+        got = collect(eng.tick(unit_tick=tick % phases == 0))
         assert not any(got.get(sid, {"errors": []})["errors"] for sid in sids)
         left.append(eng.table.get_live(sids[0]).buffered)
         spoke.append([bool(got.get(sid, {"text": []})["text"]) for sid in sids])
@@ -139,40 +138,23 @@ def _record_first(eng, sid: str) -> list[np.ndarray]:
     return taken
 
 
-def test_a_turn_is_answered_at_the_next_half_unit_tick_and_its_session_stays_on_that_phase(tmp_path):
-    stats1, _, taken1, _, spoke1, stream = _call(tmp_path, "one_phase", 1)
-    stats2, sess, taken2, left2, spoke2, _ = _call(tmp_path, "two_phases", 2)
+def test_a_turn_is_answered_at_the_tick_between_and_the_session_goes_back_to_the_unit_tick(tmp_path):
+    """Two phases: the turn is answered at the tick between (3), half a unit before one phase
+    answers it (4); the reply's second unit comes at the next unit tick (4) and every later unit
+    on the unit ticks (even), each leaving the lead; the model heard one whole unit of silence
+    after the turn."""
+    stats1, _, taken1, _, spoke1, _ = _call(tmp_path, "one_phase", 1)
     # One phase: the unit holding the end of the turn completes at tick 4 and answers there.
     assert spoke1 == [False] * 4 + [True, False, True, False, False] and stats1.early_closes == 0
-    # Two phases: at tick 3 the session holds 10400 samples of that unit, the last 6400 + 2400
-    # of them quiet: the unit is closed after one period, completed with silence, and answered
-    # half a unit sooner; the reply's second unit follows a whole unit later (tick 5), not at
-    # the old phase (tick 4, half a unit after the first, or 6, a gap).
-    assert spoke2 == [False] * 3 + [True, False, True, False, False, False]
-    assert stats2.early_closes == 1 and sess.early_closes == 1 and sess.early_silence == UNIT - PERIOD
-    # What the model heard: the stream after the first unit's alignment silence, with one half
-    # unit of silence where the unit was closed; nothing dropped or reordered.
-    pad = FIRST - LEAD
-    heard = np.concatenate(taken2)
-    want = np.concatenate([np.zeros(pad, np.float32), stream[:26_400], np.zeros(UNIT - PERIOD, np.float32),
-                           stream[26_400:26_400 + heard.size - pad - 26_400 - (UNIT - PERIOD)]])
-    np.testing.assert_array_equal(heard, want)
-    assert [t.size for t in taken2] == [FIRST] + [UNIT] * (len(taken2) - 1)
-    # Units are taken every other tick, on the even ticks before the close and the odd ones
-    # after, each leaving the same lead as the alignment gave
-    taken_at = [0, 2, 3, 5, 7]
-    assert len(taken2) == len(taken_at)
-    assert [left2[t] for t in taken_at] == [LEAD] * len(taken_at)
     assert np.concatenate(taken1).size == FIRST + 4 * UNIT   # ticks 0, 2, 4, 6, 8 without the close
-
-
-def test_home_phase_answers_between_unit_ticks_and_puts_the_session_back_on_the_unit_tick(tmp_path):
-    """scheduler.phase_units home: the turn is answered at the tick between (3), as spread; the
-    reply's second unit comes at the next unit tick (4) and every later unit on the unit ticks
-    (even), each leaving the lead; the model heard one whole unit of silence after the turn."""
-    stats, sess, taken, left, spoke, stream = _call(tmp_path, "home", 2, home=True)
+    stats, sess, taken, left, spoke, stream = _call(tmp_path, "two_phases", 2)
+    # At tick 3 the session holds 10400 samples of that unit, the last 6400 + 2400 of them quiet:
+    # the unit is closed after one period, completed with silence, and answered half a unit sooner.
     assert spoke == [False] * 3 + [True, True, False, False, False, False]
     assert stats.early_closes == 1 and sess.early_closes == 1 and sess.early_silence == UNIT - PERIOD
+    # What the model heard: the stream after the first unit's alignment silence, with a whole
+    # unit of silence where the unit was closed (half completing it, half putting the next unit
+    # back on the unit tick); nothing dropped or reordered.
     pad = FIRST - LEAD
     heard = np.concatenate(taken)
     rest = heard.size - pad - 26_400 - UNIT
@@ -189,7 +171,7 @@ def test_a_tick_between_unit_ticks_starts_no_session(tmp_path):
     eng = engine(tmp_path, "between")
     eng.set_unit_alignment(MARGIN_MS)
     eng.set_silence_fill(0.0)
-    eng.set_tick_phases(2, home=True)
+    eng.set_tick_phases(2)
     sid = eng.open_session({"voice": "default"})
     for seed in range(3):
         eng.push_audio(sid, _noise(QUIET, seed, CHUNK))
@@ -210,8 +192,9 @@ def test_a_tick_between_unit_ticks_starts_no_session(tmp_path):
 
 def test_the_room_between_unit_ticks_is_the_time_left_before_the_next_one(tmp_path, monkeypatch):
     eng = engine(tmp_path, "room_home", {"engine": {"tick_seconds": 1.0, "tick_headroom": 0.9}})
-    eng.set_tick_phases(2, home=True)
-    assert eng.scheduler.tick_cost.phases == 1                    # admission: one tick per unit
+    eng.set_tick_phases(2)
+    assert eng.scheduler.tick_cost.limit_s == pytest.approx(0.9)   # admission: one unit tick per unit
+    assert eng.scheduler.tick_has_room(50)                         # nothing measured yet: room
     for units in (1, 3, 5):                             # 0.1 s + 0.1 s per unit
         eng.scheduler.tick_cost.observe(0.1 + 0.1 * units, units)
     # the engine's clock stands still (no test waits on this machine's speed)
@@ -232,17 +215,6 @@ def test_an_early_close_joins_a_tick_only_while_it_has_room(tmp_path):
     assert [t for t, s in enumerate(spoke) if s[0]][:1] == [3] and [t for t, s in enumerate(spoke) if s[1]][:1] == [4]
 
 
-def test_the_room_is_the_measured_tick_cost_against_the_phased_period(tmp_path):
-    eng = engine(tmp_path, "room_cost", {"engine": {"tick_headroom": 0.9}})
-    eng.set_tick_phases(2)
-    assert eng.scheduler.tick_has_room(50)                       # nothing measured yet: room
-    for units in (1, 3, 5):                             # 0.1 s + 0.1 s per unit
-        eng.scheduler.tick_cost.observe(0.1 + 0.1 * units, units)
-    # a phased tick may take 1.0 / 2 x 0.9 = 0.45 s: room while 0.1 + 0.1 (n + 1) <= 0.45
-    assert [eng.scheduler.early_close.room(n) for n in range(4)] == [True, True, True, False]
-    eng.shutdown()
-
-
 def test_no_early_close_without_a_policy_that_can_tell_a_turn_ended(tmp_path):
     """The scripted every_k_units policy has no would_answer: phased ticks, no early close."""
     stats, sess, taken, _, _, stream = _call(tmp_path, "scripted", 2, mode="every_k_units")
@@ -251,7 +223,9 @@ def test_no_early_close_without_a_policy_that_can_tell_a_turn_ended(tmp_path):
     np.testing.assert_array_equal(heard, stream[:heard.size])
 
 
-def test_a_phased_engine_judges_late_ticks_against_the_phased_period(tmp_path, monkeypatch):
+def test_a_phased_engine_judges_late_ticks_against_a_unit(tmp_path, monkeypatch):
+    """Units stay on the unit tick, which keeps real time: a unit tick and a tick between are
+    both judged against a unit's time (the server judges its grid's points: tick_loop.py)."""
     eng = engine(tmp_path, "late_period", {"engine": {"tick_seconds": 1.0}})
     periods = []
     real = eng.recorder.finish_tick
@@ -259,10 +233,9 @@ def test_a_phased_engine_judges_late_ticks_against_the_phased_period(tmp_path, m
     eng.tick()
     eng.set_tick_phases(2)
     eng.tick()
-    eng.set_tick_phases(2, home=True)                  # units on the unit tick: a unit's time
     eng.tick(unit_tick=False)
     eng.shutdown()
-    assert periods == [1.0, 0.5, 1.0]
+    assert periods == [1.0, 1.0, 1.0]
 
 
 def test_the_early_close_period_is_the_audio_between_two_ticks(tmp_path):
@@ -270,9 +243,9 @@ def test_the_early_close_period_is_the_audio_between_two_ticks(tmp_path):
     with pytest.raises(ValueError, match="tick phases"):
         eng.set_tick_phases(0)
     eng.set_tick_phases(4)
-    assert eng.scheduler.early_close.period_samples == UNIT // 4 and eng.scheduler.tick_cost.phases == 4
+    assert eng.scheduler.early_close.period_samples == UNIT // 4
     eng.set_tick_phases(1)                       # a tick per unit: nothing to close early
-    assert eng.scheduler.early_close is None and eng.scheduler.tick_cost.phases == 1
+    assert eng.scheduler.early_close is None
     eng.shutdown()
     fast = engine(tmp_path, "fast", {"engine": {"tick_seconds": 0.25}})
     fast.set_tick_phases(2)                      # ticks every 0.125 s of audio

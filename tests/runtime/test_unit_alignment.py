@@ -10,14 +10,15 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import FIRST, UNIT, audio, collect, engine, record_taken
 
-from duplexcache.runtime.scheduler.core import UnitAlignment
+from duplexcache.runtime.scheduler.core import UNIT_ALIGN_MARGIN_MS, UnitAlignment
 
 CHUNK = 1_600          # a client sending 100 ms chunks
-MARGIN_MS = 50.0       # 800 samples
+MARGIN_MS = UNIT_ALIGN_MARGIN_MS   # what a server passes: 50 ms, 800 samples
 LEAD = CHUNK + 800
 
 
 def test_first_pad_leaves_the_lead_after_the_first_unit():
+    assert MARGIN_MS == 50.0   # scheduler.unit_align_margin_ms's default until issue 44; LEAD assumes 800 samples
     align = UnitAlignment(margin_samples=800, unit_samples=UNIT)
     assert align.lead(CHUNK) == LEAD
     # a client sending a unit or more per chunk: nothing to align (cut from the first sample)

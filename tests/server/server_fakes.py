@@ -72,7 +72,6 @@ class FakeEngine:
         self.unit_alignment_ms: float | None | str = "unset"   # what it told set_unit_alignment
         self.silence_fill_ms: float | None | str = "unset"     # what it told set_silence_fill
         self.tick_phases: int | str = "unset"                   # what it told set_tick_phases
-        self.home_phase: bool | str = "unset"                   # and its home argument
         self.unit_ticks: list[bool] = []                        # each tick's unit_tick argument
         self.tick_units = tick_units   # what every tick reports in last_tick_units (None: its live sessions)
         self.last_tick_units = 0      # DuplexEngine's: units the last tick ran
@@ -251,9 +250,8 @@ class FakeEngine:
     def set_silence_fill(self, after_ms: float | None) -> None:
         self.silence_fill_ms = after_ms
 
-    def set_tick_phases(self, phases: int, home: bool = False) -> None:
+    def set_tick_phases(self, phases: int) -> None:
         self.tick_phases = phases
-        self.home_phase = home
 
     def sessions_behind(self) -> int:
         with self._lock:

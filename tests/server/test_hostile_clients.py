@@ -207,7 +207,8 @@ def test_a_non_reader_flooded_with_large_events_stays_under_the_byte_bound(model
     passes server.max_outbox_bytes (4 MiB, from the YAML): the server's RSS grows by far less
     than the 150 MB it was sent. Before: bounded in events only (1024), all of it stayed queued."""
     yaml_path = tmp_path / "deploy.yaml"
-    yaml_path.write_text("server:\n  max_outbox_bytes: 4MiB\n  max_session_text_chars: 2000000\n"
+    # max_context_tokens 500000: session texts up to 2 MB (4 characters per token) pass the update
+    yaml_path.write_text("server:\n  max_outbox_bytes: 4MiB\n  max_context_tokens: 500000\n"
                          "  close_timeout_s: 1.0\n")
     deploy = DeployConfig.from_yaml(yaml_path)
     deploy.engine.tick_seconds = TICK_S
@@ -321,12 +322,12 @@ def test_a_40_byte_update_is_not_answered_with_the_whole_session(shared):
     async def main() -> tuple[int, int]:
         async with _connect(shared) as ws:
             await recv(ws, WAIT_S)
-            await send(ws, {"type": "session.update", "session": {"instructions": "z" * 60_000}})
+            await send(ws, {"type": "session.update", "session": {"instructions": "z" * 30_000}})
             set_them = await recv(ws, WAIT_S)
             await send(ws, {"type": "session.update", "session": {}})
             other = await recv(ws, WAIT_S)
             assert set_them["type"] == other["type"] == "session.updated"
-            assert set_them["session"]["instructions"] == "z" * 60_000 and "instructions" not in other["session"]
+            assert set_them["session"]["instructions"] == "z" * 30_000 and "instructions" not in other["session"]
             return len(json.dumps(set_them)), len(json.dumps(other))
 
     with_texts, without = asyncio.run(main())
@@ -337,7 +338,7 @@ def test_a_settings_refusal_is_remembered_across_connections(shared, monkeypatch
     """A context refused as too long is refused to the next connection with the same settings
     from memory: the engine does not build (tokenize) it again."""
     engine = shared.app.state.server.engine
-    long_text = "w" * 40_000   # under max_session_text_chars, over the tiny preset's 8192 tokens
+    long_text = "w" * 30_000   # under the 32768 characters of update, over the tiny preset's 8192 tokens
     opened: list[str] = []
     real_open = engine.open_session
 
@@ -491,15 +492,29 @@ def test_deep_json_gets_a_clear_error_and_the_session_goes_on(shared, depth):
     assert after["type"] == "session.updated" and after["session"]["instructions"] == "still here"
 
 
-def test_half_sent_requests_are_dropped_after_the_header_timeout(models, tmp_path):
-    """server.header_timeout_s and keep_alive_timeout_s (from the YAML) reach uvicorn: a
-    connection that sends half a request line is closed. Before: it stayed open."""
+def test_half_sent_requests_are_dropped_after_the_header_timeout(models, tmp_path, monkeypatch):
+    """server.header_timeout_s (from the YAML) and KEEP_ALIVE_TIMEOUT_S reach uvicorn: a
+    connection that sends half a request line is closed, and so is an idle keep-alive connection
+    after its response. Before: a half-sent request stayed open."""
+    import duplexcache.server.loopback as loopback_module
+
+    # uvicorn's own default, passed explicitly (server.keep_alive_timeout_s's default until issue 44)
+    assert loopback_module.KEEP_ALIVE_TIMEOUT_S == 5.0
+    assert loopback_module.uvicorn_config(None, "127.0.0.1", 0, 1024).timeout_keep_alive == 5.0
+    monkeypatch.setattr(loopback_module, "KEEP_ALIVE_TIMEOUT_S", 1.5)   # the test waits 1.5 s, not 5
     yaml_path = tmp_path / "deploy.yaml"
-    yaml_path.write_text("server:\n  header_timeout_s: 1.0\n  keep_alive_timeout_s: 1.5\n")
+    yaml_path.write_text("server:\n  header_timeout_s: 1.0\n")
     deploy = DeployConfig.from_yaml(yaml_path)
     deploy.engine.tick_seconds = TICK_S
     with LoopbackServer(create_app(DuplexEngine(deploy, models), deploy)) as srv:
         assert srv._server.config.timeout_keep_alive == 1.5
+        idle = socket.create_connection(("127.0.0.1", srv.port), timeout=15)
+        idle.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        response = b""
+        while b"\r\n\r\n" not in response:   # the headers (keep-alive: the server keeps it open)
+            response += idle.recv(4096)
+        assert response.startswith(b"HTTP/1.1 200") and b"connection: close" not in response.lower()
+        answered = time.monotonic()
         sockets = []
         for _ in range(20):
             sock = socket.create_connection(("127.0.0.1", srv.port), timeout=15)
@@ -511,7 +526,14 @@ def test_half_sent_requests_are_dropped_after_the_header_timeout(models, tmp_pat
                     assert sock.recv(1024) == b""   # closed by the server (bounded by the 15 s timeout)
                 except ConnectionResetError:
                     pass                            # or reset: also gone
+            try:
+                while idle.recv(4096):   # the body's rest, then the close (bounded by the 15 s timeout)
+                    pass
+            except ConnectionResetError:
+                pass
+            assert time.monotonic() - answered < 4.5   # after 1.5 s idle, not uvicorn's default 5
         finally:
+            idle.close()
             for sock in sockets:
                 sock.close()
         assert health(srv)["status"] == "ok"

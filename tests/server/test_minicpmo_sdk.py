@@ -235,11 +235,13 @@ async def _keep_talking(session) -> None:
         await asyncio.sleep(0.1)
 
 
-def test_sdk_waits_in_the_queue_and_is_admitted_when_room_frees(wire):
+def test_sdk_waits_in_the_queue_and_is_admitted_when_room_frees(wire, monkeypatch):
     """Waiting longer than server.idle_timeout_s in the queue is not idleness: the SDK cannot
     send audio before session.created."""
+    import duplexcache.server.realtime_session as realtime_session_module
+
+    monkeypatch.setattr(realtime_session_module, "QUEUE_NOTICE_S", 0.2)   # notices every 0.2 s, not 2
     deploy = _deploy()
-    deploy.server.queue_notice_s = 0.2
     deploy.server.idle_timeout_s = 0.6
     engine = FakeEngine(deploy, capacity=1)
 

@@ -290,7 +290,7 @@ def test_admission_refuses_then_admits_and_queue_gets_notices(serve, caplog):
             await send(d, silence)
             queued = await recv(d)
             assert queued["type"] == "session.queued" and queued["position"] == 1
-            queued = await recv(d)  # periodic notices (server.queue_notice_s)
+            queued = await recv(d)  # periodic notices (QUEUE_NOTICE_S)
             assert queued["type"] == "session.queued"
             assert engine.stats().queued_sessions == 1
             await send(d, silence)  # discarded while queued, no error
@@ -435,13 +435,13 @@ def test_prefill_chunks_run_before_the_tick_when_they_fit(serve, between, cost):
 
 
 @pytest.mark.parametrize("scheduler, told, field", [
-    ({}, 50.0, "unit_alignment_ms"), ({"unit_align_margin_ms": 120.0}, 120.0, "unit_alignment_ms"),
+    ({}, 50.0, "unit_alignment_ms"),
     ({"tick_phases": 1, "align_units_to_ticks": False}, None, "unit_alignment_ms"),
     ({}, 500.0, "silence_fill_ms"), ({"fill_silence_after_ms": 250.0}, 250.0, "silence_fill_ms"),
     ({"fill_silence_after_ms": None}, None, "silence_fill_ms"),
 ])
 def test_pacing_switches_reach_the_engine(serve, scheduler, told, field):
-    """scheduler.align_units_to_ticks / unit_align_margin_ms -> set_unit_alignment, and
+    """scheduler.align_units_to_ticks -> set_unit_alignment (UNIT_ALIGN_MARGIN_MS, 50 ms), and
     scheduler.fill_silence_after_ms -> set_silence_fill, as the tick loop starts (what the fake
     engine was told; "unset" until then)."""
     engine, _ = serve(scheduler=scheduler)
@@ -488,27 +488,27 @@ def recording_grid(monkeypatch):
     return _RecordingGrid
 
 
-@pytest.mark.parametrize("units", ["spread", "home"])
-def test_phase_units_reach_the_engine_and_mark_the_unit_ticks(serve, recording_grid, units):
-    """scheduler.phase_units -> set_tick_phases(home=...) and, home, tick(unit_tick=...) with the
-    grid's verdict for the tick's deadline (the fake engine records both; spread ticks take no
-    argument, so every one is a unit tick). Compared tick by tick with what the grid said, so a
-    slow machine whose late tick skips a grid point cannot fail it."""
-    engine, _ = serve(tick_seconds=0.4, scheduler={"tick_phases": 2, "phase_units": units})
+@pytest.mark.parametrize("phases", [1, 2])
+def test_phased_ticks_mark_the_unit_ticks(serve, recording_grid, phases):
+    """scheduler.tick_phases 2 -> tick(unit_tick=...) with the grid's verdict for the tick's
+    deadline (units stay on the unit tick; the fake engine records each tick's argument); one
+    phase: every tick is a unit tick (engine.tick() without the argument). Compared tick by tick
+    with what the grid said, so a slow machine whose late tick skips a grid point cannot fail it."""
+    engine, _ = serve(tick_seconds=0.4, scheduler={"tick_phases": phases})
     wait_for(lambda: len(engine.unit_ticks) >= 5, timeout=60, what="five ticks")
-    assert engine.home_phase == (units == "home")
+    assert engine.tick_phases == phases
     ticks = engine.unit_ticks[:5]
-    if units == "home":
+    if phases == 2:
         assert ticks == recording_grid.verdicts[:5] and False in ticks and True in ticks
     else:
         assert ticks == [True] * 5 and not any(v is False for v in recording_grid.verdicts)
 
 
-def test_a_catch_up_tick_of_home_phases_is_not_a_unit_tick(serve, recording_grid):
-    """Home with sessions behind: the extra tick the server runs at once after sessions_behind()
+def test_a_catch_up_tick_of_phased_ticks_is_not_a_unit_tick(serve, recording_grid):
+    """Two phases with sessions behind: the extra tick the server runs at once after sessions_behind()
     > 0 is a tick between, even where the grid's deadline is a unit tick's (a second unit tick
     would restart the time the room between unit ticks is measured from)."""
-    engine, srv = serve(tick_seconds=0.4, scheduler={"tick_phases": 2, "phase_units": "home"})
+    engine, srv = serve(tick_seconds=0.4, scheduler={"tick_phases": 2})
     engine.behind = 1
     wait_for(lambda: sum(engine.catch_ups) >= 4, timeout=60, what="catch-up ticks")
     n = len(engine.catch_ups)
@@ -519,24 +519,24 @@ def test_a_catch_up_tick_of_home_phases_is_not_a_unit_tick(serve, recording_grid
     assert any(tick for tick, catch_up, _ in pairs if not catch_up)
 
 
-def test_a_late_tick_of_home_phases_is_logged_by_the_server(serve, caplog):
-    """Home, the engine judges its ticks against a unit and the server against half of one: the
+def test_a_late_tick_of_phased_ticks_is_logged_by_the_server(serve, caplog):
+    """Two phases, the engine judges its ticks against a unit and the server against half of one: the
     server logs the late ticks the engine does not count (which kind of tick, how late; this fake
     keeps no count, and a tick the real engine counts is logged once: tests/runtime/test_demo.py)."""
     caplog.set_level(logging.WARNING, logger="duplexcache.server.app")
-    engine, srv = serve(tick_seconds=0.4, tick_delay=1.0, scheduler={"tick_phases": 2, "phase_units": "home"})
+    engine, srv = serve(tick_seconds=0.4, tick_delay=1.0, scheduler={"tick_phases": 2})
     wait_for(lambda: _metric(srv, "duplexcache_late_ticks_total") >= 1, timeout=60, what="a late tick")
     late = [r.getMessage() for r in caplog.records if "ran late" in r.getMessage()]
     assert late and late[0].startswith(("unit tick ran late", "tick between unit ticks ran late"))
 
 
 @pytest.mark.parametrize("units_between", [0, 2])
-def test_home_ticks_between_that_ran_units_are_timed_apart(serve, units_between):
+def test_ticks_between_that_ran_units_are_timed_apart(serve, units_between):
     """duplexcache_between_tick_duration_seconds times the ticks between unit ticks that ran
     units (what the room test must predict): none while they run none, never a unit tick. Every
     tick of the fake reports the same units from the first one, so timing the unit ticks too would
     count about twice as many; counted by ticks, not by time, so a slow machine cannot fail it."""
-    engine, srv = serve(tick_seconds=0.4, scheduler={"tick_phases": 2, "phase_units": "home"},
+    engine, srv = serve(tick_seconds=0.4, scheduler={"tick_phases": 2},
                         tick_units=units_between)
     wait_for(lambda: engine.unit_ticks.count(True) >= 3 and engine.unit_ticks.count(False) >= 3,
              timeout=60, what="three unit ticks and three ticks between")
@@ -675,6 +675,29 @@ async def _refused_quietly(ws, append: dict, times: int, code: str) -> None:
     assert (await recv(ws))["type"] == "session.updated"
 
 
+def test_session_texts_over_4_characters_per_context_token_are_refused_at_the_update(serve):
+    """The session text limit follows server.max_context_tokens (4 characters per token; the
+    retired server.max_session_text_chars): at 100 tokens, 400 characters of instructions or
+    initial_user_text pass the update and 401 are refused there, naming the limit, before the
+    engine sees them."""
+    engine, srv = serve(server={"max_context_tokens": 100})
+
+    async def main():
+        async with _connect(srv) as ws:
+            await _create(ws, instructions="a" * 400, initial_user_text="b" * 400)
+            replies = [await _expect_error(ws, {"type": "session.update", "session": {key: "c" * 401}},
+                                           "string_above_max_length") for key in ("instructions", "initial_user_text")]
+            await send(ws, {"type": "session.update", "session": {"instructions": "d" * 400}})
+            return replies, await recv(ws)
+
+    replies, after = asyncio.run(main())
+    for reply, key in zip(replies, ("instructions", "initial_user_text")):
+        assert reply["error"]["param"] == f"session.{key}"
+        assert "401 characters" in reply["error"]["message"] and "at most 400" in reply["error"]["message"]
+    assert after["type"] == "session.updated" and after["session"]["instructions"] == "d" * 400
+    assert engine.open_calls == 0
+
+
 def test_a_refusal_that_only_the_settings_decide_is_not_asked_again_until_they_change(serve):
     """context_length_exceeded at open: every later append with the same settings is refused
     without the engine building the context again (the tokenizing is the cost); a changed
@@ -712,9 +735,12 @@ def test_a_refusal_that_only_the_settings_decide_is_not_asked_again_until_they_c
 
 
 @pytest.mark.parametrize("code", ["capacity_compute", "context_length_exceeded"])
-def test_a_refused_stream_hears_its_refusal_once_per_queue_notice_period(serve, code):
-    """A client streaming audio into a refused session is told once per server.queue_notice_s, not
+def test_a_refused_stream_hears_its_refusal_once_per_queue_notice_period(serve, monkeypatch, code):
+    """A client streaming audio into a refused session is told once per QUEUE_NOTICE_S, not
     at every append (50 errors a second at 20 ms chunks); response.create still gets its answer."""
+    import duplexcache.server.realtime_session as realtime_session_module
+
+    assert realtime_session_module.QUEUE_NOTICE_S == 2.0   # server.queue_notice_s's default, kept
     silence = {"type": "input_audio_buffer.append", "audio": pcm16_b64(np.zeros(320, np.int16))}
 
     async def burst(srv, engine):
@@ -738,10 +764,12 @@ def test_a_refused_stream_hears_its_refusal_once_per_queue_notice_period(serve, 
                 await asyncio.sleep(0.1)   # twice the period: told again
             return len(errors)
 
-    engine, srv = serve(server={"queue_notice_s": 30.0})
+    monkeypatch.setattr(realtime_session_module, "QUEUE_NOTICE_S", 30.0)
+    engine, srv = serve()
     asked = asyncio.run(burst(srv, engine))
     assert asked == (12 if code == "capacity_compute" else 2)  # capacity is asked at every append
-    engine, srv = serve(server={"queue_notice_s": 0.05})
+    monkeypatch.setattr(realtime_session_module, "QUEUE_NOTICE_S", 0.05)
+    engine, srv = serve()
     assert asyncio.run(spaced(srv, engine)) == 3
 
 

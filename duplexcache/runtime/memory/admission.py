@@ -245,11 +245,10 @@ class TickCostModel:
     (every live session may run a unit in one tick). Before the first tick with units there is
     no measurement and admission is by memory only.
 
-    A server that ticks ``phases`` times per unit (``scheduler.tick_phases``) runs each session's
-    unit in one of those ticks, and all of them in one unit's time: the sessions share the ticks
-    (``(live + 1) / phases`` units each, as the grid spreads them) and each tick has a period of
-    ``tick_seconds / phases``, so the test is ``predicted((live + 1) / phases) <= limit / phases``,
-    the fixed part paid ``phases`` times per unit.
+    A server that ticks ``scheduler.tick_phases`` times per unit keeps every session's units on
+    the unit tick (the ticks between take only the early closes that fit before the next one:
+    scheduler/core.py ``Scheduler.tick_has_room``), so the test stays one unit tick of every
+    session against one unit's time.
     """
 
     MIN_SPAN_UNITS = 4
@@ -258,8 +257,7 @@ class TickCostModel:
         if tick_seconds <= 0 or headroom <= 0 or window < 2:
             raise ValueError(f"TickCostModel: tick_seconds {tick_seconds} and headroom {headroom} must be > 0 "
                              f"and window {window} >= 2")
-        self.limit_s = tick_seconds * headroom
-        self.phases = 1           # ticks per unit (set_phases)
+        self.limit_s = tick_seconds * headroom   # what one tick of every session may take
         self._points: deque[tuple[int, float]] = deque(maxlen=window)   # (units, seconds)
         self.fixed_s = 0.0
         self.per_unit_s: float | None = None
@@ -295,17 +293,6 @@ class TickCostModel:
         at_top = [t for n, t in points if n == top]
         self.per_unit_s, self.fixed_s = 0.0, sum(at_top) / len(at_top)
 
-    def set_phases(self, phases: int) -> None:
-        """Ticks per unit of the server that paces this engine (``scheduler.tick_phases``)."""
-        if phases < 1:
-            raise ValueError(f"phases must be >= 1, got {phases}")
-        self.phases = phases
-
-    @property
-    def tick_limit_s(self) -> float:
-        """What one tick may take: its period (tick_seconds / phases) x tick_headroom."""
-        return self.limit_s / self.phases
-
     def predicted_s(self, sessions: float) -> float | None:
         """The predicted tick with ``sessions`` units, None before any measurement."""
         if self.per_unit_s is None:
@@ -317,13 +304,13 @@ class TickCostModel:
         first session is always admitted: with nobody live there is no one to protect."""
         if live_sessions == 0:
             return None
-        units = (live_sessions + 1) / self.phases
+        units = live_sessions + 1
         predicted = self.predicted_s(units)
-        if predicted is None or predicted <= self.tick_limit_s:
+        if predicted is None or predicted <= self.limit_s:
             return None
-        return (f"predicted tick {predicted * 1e3:.1f} ms with {units:g} of {live_sessions + 1} sessions' units "
+        return (f"predicted tick {predicted * 1e3:.1f} ms with {units} sessions' units "
                 f"(fixed {self.fixed_s * 1e3:.1f} ms + {self.per_unit_s * 1e3:.1f} ms per session) exceeds "  # type: ignore[operator]
-                f"tick_seconds / tick_phases x tick_headroom = {self.tick_limit_s * 1e3:.1f} ms")
+                f"tick_seconds x tick_headroom = {self.limit_s * 1e3:.1f} ms")
 
 
 @dataclass(frozen=True)
@@ -341,10 +328,10 @@ def headroom(plan: MemoryPlan, tick_cost: TickCostModel, live_sessions: int) -> 
     if tick_cost.per_unit_s is None or live_sessions == 0:
         return Headroom(memory, "memory")
     if tick_cost.per_unit_s == 0:   # a flat prediction: room while the measured tick fits
-        compute = memory if tick_cost.fixed_s <= tick_cost.tick_limit_s else 0
+        compute = memory if tick_cost.fixed_s <= tick_cost.limit_s else 0
     else:
-        # n sessions fit while fixed + per_unit * n / phases <= limit / phases. The fitted line
-        # is float arithmetic: 0.7 / 0.1 must count 7 sessions, not 6.999...
-        fits = math.floor((tick_cost.limit_s - tick_cost.phases * tick_cost.fixed_s) / tick_cost.per_unit_s + 1e-6)
+        # n sessions fit while fixed + per_unit * n <= limit. The fitted line is float
+        # arithmetic: 0.7 / 0.1 must count 7 sessions, not 6.999...
+        fits = math.floor((tick_cost.limit_s - tick_cost.fixed_s) / tick_cost.per_unit_s + 1e-6)
         compute = max(0, fits - live_sessions)
     return Headroom(compute, "compute") if compute < memory else Headroom(memory, "memory")

@@ -6,8 +6,8 @@ deploy config's ``scheduler`` section (through the engine's pacing setters, ``En
 * unit alignment (``UnitAlignment``: a session's units complete a fixed lead before a tick of the
   server's grid), silence fill (``SilenceFill``: a quiet client's units completed with silence)
   and early closes (``EarlyClose``: a caller's turn answered at the next phased tick);
-* phases (``scheduler.tick_phases``, ``phase_units``): whether the tick in progress is a unit tick
-  and when the last one started;
+* phases (``scheduler.tick_phases``): whether the tick in progress is a unit tick (every
+  session's units stay on it) and when the last one started;
 * catch-up (``sessions_behind``), prefill between ticks (``pacing.PrefillTimes``);
 * the tick-cost model (``admission.TickCostModel``), which admission by time and the early closes'
   room read;
@@ -35,6 +35,14 @@ from duplexcache.runtime.engine_session import EngineSession, SessionTable, Unit
 from duplexcache.runtime.scheduler.pacing import PrefillTimes
 
 logger = logging.getLogger(__name__)
+
+# What an aligned session's units end before their tick beyond its largest chunk
+# (UnitAlignment.lead): chunks arrive whole and a little late (the client's timer, the network,
+# the event loop), and a unit not complete at its tick waits a whole period for the next one, so
+# the lead covers that jitter; every reply waits it once more, so it is kept small. 50 ms is
+# 800 samples at 16 kHz. The deploy key scheduler.unit_align_margin_ms until issue 44
+# (docs/engine.md, "Retired switches").
+UNIT_ALIGN_MARGIN_MS = 50.0
 
 
 @dataclass(frozen=True)
@@ -134,19 +142,18 @@ class EarlyClose:
     partly received, whose audio ends with the end of a turn (the speak policy's
     ``would_answer``, on the received audio alone) and which holds at least one period, has its
     unit cut after the last whole period it holds and completed with silence, and the tick takes
-    it now, if the tick has ``room`` for it. What it holds past the cut (less than a period, quiet) starts its next unit, so its
-    units now complete one or more periods earlier, on another phase of the tick grid, with the
-    same lead before their tick: its later units, and the reply's audio chunks, stay one unit
-    apart. The model hears the silence it was completed with, at most a unit less one period per
-    turn answered, as a longer pause after the caller's turn.
+    it now, if the tick has ``room`` for it. What it holds past the cut (less than a period,
+    quiet) starts its next unit.
 
-    With ``home`` (``scheduler.phase_units: home``) every session's units stay on the unit tick
-    instead: the ticks between take only early closes, and a session closed early is aligned to
-    the unit tick again (``UnitAlignment.first_pad``) at the next one, so its next unit starts
-    with the silence that puts it back. Its caller's turn is still answered at the tick between,
-    the ticks between stay small (a GPU pays the fixed part of a tick again for each), and the
-    model hears a whole unit of silence in all after the turn: the reply's audio runs one unit
-    further ahead of what the caller has heard.
+    Every session's units stay on the unit tick (the grid's first phase): the ticks between take
+    only early closes (and whole units a session already holds), and a session closed early is
+    aligned to the unit tick again (``UnitAlignment.first_pad``) at the next one, so its next unit
+    starts with the silence that puts it back. Its caller's turn is still answered at the tick
+    between, the ticks between stay small (a GPU pays the fixed part of a tick again for each),
+    and the model hears a whole unit of silence in all after the turn: the reply's audio runs one
+    unit further ahead of what the caller has heard. (Until issue 44 ``scheduler.phase_units:
+    spread`` could leave a session on the phase it was closed on instead; home answered sooner:
+    docs/engine.md, "Retired switches".)
     """
 
     period_samples: int   # samples of audio between two ticks (tick_seconds / phases)
@@ -155,10 +162,8 @@ class EarlyClose:
     # silence), given the audio held past the cut (ReplyPolicy.would_answer)
     answers: Callable[["EngineSession", np.ndarray, np.ndarray], bool]
     # Whether a tick already holding this many units has room for one more (the engine's
-    # measured tick cost against the phased period): a session moves into a phase only while its
-    # ticks keep time, so the phases fill evenly and a full one is left alone
+    # measured tick cost; for a tick between unit ticks, the time left before the next unit tick)
     room: Callable[[int], bool] = lambda units: True
-    home: bool = False    # units stay on the unit tick: realign a session after its early close
 
     def __post_init__(self) -> None:
         if not 0 < self.period_samples < self.unit_samples:
@@ -191,8 +196,8 @@ class Scheduler:
         self.alignment: UnitAlignment | None = None   # set_unit_alignment
         self.early_close: EarlyClose | None = None    # set_tick_phases
         self.early_closes = 0                         # units closed early, all sessions
-        # phase_units home: whether the tick in progress is a unit tick, and when the last unit
-        # tick started (perf_counter; None before the first), for the room of the ticks between
+        # With phases: whether the tick in progress is a unit tick, and when the last unit tick
+        # started (perf_counter; None before the first), for the room of the ticks between
         self.unit_tick = True
         self.unit_tick_started: float | None = None
 
@@ -207,8 +212,9 @@ class Scheduler:
         self.prefill_times.between_ticks = enabled
 
     def set_unit_alignment(self, margin_ms: float | None) -> None:
-        """``scheduler.align_units_to_ticks``: each new session's units end ``margin_ms`` plus its
-        largest chunk before a tick (``UnitAlignment``); None cuts units from the first sample."""
+        """``scheduler.align_units_to_ticks``: each new session's units end ``margin_ms`` (a server
+        passes ``UNIT_ALIGN_MARGIN_MS``) plus its largest chunk before a tick (``UnitAlignment``);
+        None cuts units from the first sample."""
         self.alignment = None if margin_ms is None else UnitAlignment(
             round(margin_ms * INPUT_SAMPLE_RATE / 1000), self.unit_samples)
 
@@ -218,24 +224,19 @@ class Scheduler:
         a chunk after such a pause comes after its silence (``SilenceFill``); None waits for audio."""
         self.table.silence_fill = None if after_ms is None else SilenceFill(round(after_ms * INPUT_SAMPLE_RATE / 1000))
 
-    def set_tick_phases(self, phases: int, home: bool = False) -> None:
+    def set_tick_phases(self, phases: int) -> None:
         """``scheduler.tick_phases``: with more than one tick per unit, a session whose caller's
         turn has ended has its unit closed with silence at the next tick (``EarlyClose``) when the
-        speak policy would answer it. Spread (``home`` False), the sessions' units fall on every
-        phase and admission by time counts ``phases`` ticks per unit. ``home``
-        (``scheduler.phase_units: home``): units stay on the unit tick, the server says which
-        tick is one (``tick(unit_tick=...)``), admission counts one tick per unit, and a tick
-        between takes an early close only while it would end before the next unit tick is due."""
+        speak policy would answer it. Units stay on the unit tick: the server says which tick is
+        one (``tick(unit_tick=...)``), admission counts one tick per unit, and a tick between
+        takes an early close only while it would end before the next unit tick is due."""
         if phases < 1:
             raise ValueError(f"tick phases must be >= 1, got {phases}")
-        home = home and phases > 1
-        self.tick_cost.set_phases(1 if home else phases)
-        # the audio that arrives between two ticks: a cut at whole periods of it keeps the
-        # session's units where they were on the grid, a whole number of ticks earlier
+        # the audio that arrives between two ticks: an early close cuts whole periods of it
         period = round(self.tick_seconds / phases * INPUT_SAMPLE_RATE)
         early = phases > 1 and 0 < period < self.unit_samples   # 1: the server's ticks as they were
-        self.early_close = EarlyClose(period, self.unit_samples, self.would_answer, self.tick_has_room,
-                                      home) if early else None
+        self.early_close = EarlyClose(period, self.unit_samples, self.would_answer,
+                                      self.tick_has_room) if early else None
 
     # ---------------------------------------------------------------- a tick
     def start_tick(self, unit_tick: bool, start: float) -> None:
@@ -249,20 +250,20 @@ class Scheduler:
 
     @property
     def period_s(self) -> float:
-        """The period of one tick: a unit's time over the phases admission counts."""
-        return self.tick_seconds / self.tick_cost.phases
+        """What a tick is judged late against: a unit's time (with phases, the unit tick keeps
+        real time; the ticks between take only what fits before the next one)."""
+        return self.tick_seconds
 
     def tick_has_room(self, units: int) -> bool:
         """Whether a tick of ``units`` units has room for one more (the measured tick cost;
-        before any measurement, yes): within its phased period, or, for a tick between unit ticks
-        (``scheduler.phase_units: home``), before the next unit tick is due, one unit after the
-        last one started: that unit tick runs every session, and its start is what keeps them
-        in real time."""
+        before any measurement, yes): within a unit's time x tick_headroom, or, for a tick between
+        unit ticks, before the next unit tick is due, one unit after the last one started: that
+        unit tick runs every session, and its start is what keeps them in real time."""
         predicted = self.tick_cost.predicted_s(units + 1)
         if predicted is None:
             return True
         if self.unit_tick or self.unit_tick_started is None:
-            return predicted <= self.tick_cost.tick_limit_s
+            return predicted <= self.tick_cost.limit_s
         since_unit_tick = time.perf_counter() - self.unit_tick_started
         return since_unit_tick + predicted <= self.tick_seconds
 
@@ -284,7 +285,7 @@ class Scheduler:
         whose client has sent nothing for long enough gets its unit completed with silence. With
         ``self.early_close``, a session whose received audio ends a caller's turn gets its unit
         cut after its last whole period and completed with silence (``EarlyClose``). A tick
-        between unit ticks (``unit_tick`` False, ``scheduler.phase_units: home``) fills and aligns
+        between unit ticks (``unit_tick`` False, ``scheduler.tick_phases`` > 1) fills and aligns
         no session: both start units, which stay on the unit tick."""
         units = []
         short: list[tuple[EngineSession, int]] = []   # sessions holding part of a unit, with its size
@@ -355,8 +356,7 @@ class Scheduler:
         sess.buffered = sess.left_after_take = rest.size
         sess.early_closes += 1
         sess.early_silence += silence
-        if early.home:   # the next unit tick puts its units back on the unit tick
-            sess.realign = True
+        sess.realign = True   # the next unit tick puts its units back on the unit tick
         self.early_closes += 1
         pcm = np.concatenate([heard, np.zeros(silence, np.float32)])
         return Unit(sess, pcm, ahead=rest, turn=turns.take_unit_requests(sess.turn),

@@ -57,7 +57,8 @@ def deadline_after_late(deadline: float, now: float, period: float) -> float:
 @dataclass(frozen=True)
 class UnitGrid:
     """The server's tick grid, ``period`` apart from ``origin``, with a unit tick at every
-    ``phases``-th point (``scheduler.phase_units: home``; 1: every tick is one).
+    ``phases``-th point (``scheduler.tick_phases``; every session's units stay on the unit ticks;
+    1: every tick is one).
 
     A tick runs at the grid point before its deadline (the loop's ``deadline`` is the end of the
     tick's period; after a late tick the one that starts at once is due at the next point,

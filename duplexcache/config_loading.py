@@ -96,39 +96,6 @@ RETIRED_VALUES: dict[str, tuple[Any, str]] = {
 }
 
 
-def drop_retired_keys(data: Mapping[str, Any]) -> Mapping[str, Any]:
-    """``data`` without the keys of RETIRED_KEYS, each dropped with a deprecation warning;
-    ValueError for a retired key set to a value RETIRED_VALUES no longer allows."""
-    for path, key, why in RETIRED_KEYS:
-        node: Any = data
-        for part in path:
-            node = node.get(part) if isinstance(node, Mapping) else None
-        if not isinstance(node, Mapping) or key not in node:
-            continue
-        kept = RETIRED_VALUES.get(key)
-        if kept is not None and node[key] != kept[0]:
-            raise ValueError(f"{'.'.join(path)}.{key} {node[key]!r}: {kept[1]}; remove the key")
-        data = copy.deepcopy(dict(data))
-        node = data
-        for part in path:
-            node[part] = dict(node[part])
-            node = node[part]
-        del node[key]
-        message = f"deploy config: {'.'.join(path)}.{key} was retired and is ignored ({why}; docs/engine.md)"
-        warnings.warn(message, DeprecationWarning, stacklevel=3)
-        logger.warning("%s", message)
-    return data
-
-
-# Switches merged into one (issue 44): (new section path, new key, old spellings as (section path,
-# key)). An old spelling still loads, with a warning, for one release: the new switch is off when
-# any old one was off (each old off arm was an eager reference; the merged switch has one).
-MERGED_SWITCHES = (
-    (("engine",), "cuda_graphs", ((("engine",), "decode_cuda_graphs"), (("engine",), "ragged_step_graphs"),
-                                  (("engine",), "encoder_cuda_graphs"), (("code2wav",), "vocoder_cuda_graphs"))),
-)
-
-
 def _node(data: Mapping[str, Any], path: tuple[str, ...]) -> Any:
     """The mapping at ``path`` in ``data`` (None when a part is missing or not a mapping)."""
     node: Any = data
@@ -160,6 +127,31 @@ def _deprecated(message: str) -> None:
     """One old spelling read: a DeprecationWarning (for tests and -W error) and a log line (for operators)."""
     warnings.warn(message, DeprecationWarning, stacklevel=4)
     logger.warning("%s", message)
+
+
+def drop_retired_keys(data: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``data`` without the keys of RETIRED_KEYS, each dropped with a deprecation warning;
+    ValueError for a retired key set to a value RETIRED_VALUES no longer allows."""
+    for path, key, why in RETIRED_KEYS:
+        if not _has(data, path, key):
+            continue
+        value = _node(data, path)[key]
+        kept = RETIRED_VALUES.get(key)
+        if kept is not None and value != kept[0]:
+            raise ValueError(f"{'.'.join(path)}.{key} {value!r}: {kept[1]}; remove the key")
+        data, node = _copy_to(data, path)
+        del node[key]
+        _deprecated(f"deploy config: {'.'.join(path)}.{key} was retired and is ignored ({why}; docs/engine.md)")
+    return data
+
+
+# Switches merged into one (issue 44): (new section path, new key, old spellings as (section path,
+# key)). An old spelling still loads, with a warning, for one release: the new switch is off when
+# any old one was off (each old off arm was an eager reference; the merged switch has one).
+MERGED_SWITCHES = (
+    (("engine",), "cuda_graphs", ((("engine",), "decode_cuda_graphs"), (("engine",), "ragged_step_graphs"),
+                                  (("engine",), "encoder_cuda_graphs"), (("code2wav",), "vocoder_cuda_graphs"))),
+)
 
 
 _BOOL = TypeAdapter(bool)

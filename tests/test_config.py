@@ -16,6 +16,7 @@ from duplexcache.config import (
     packaged_config_path,
     parse_bytes,
 )
+from duplexcache.config_loading import RETIRED_KEYS
 from duplexcache.runtime_config import (
     PRIVATE_RUNTIME_CONFIG_KEYS,
     PrivateConfigKeyError,
@@ -511,3 +512,16 @@ def test_phase_units_spread_was_retired_and_home_only_warns(section, caplog):
     assert f"{section}.phase_units" in caplog.text
     with pytest.raises(ConfigError, match=section + r"\.phase_units 'spread': 'spread' was retired .*unit tick"):
         DeployConfig.from_dict({section: {"phase_units": "spread"}}, environ=NO_ENV)
+
+
+# Leaf keys of DeployConfig.default("minicpmo45") when issue 44 asked for fewer (dc10603, 2026-12-06),
+# server.voice_aliases counted as one: a new key must retire another or raise this on purpose.
+KEYS_AT_ISSUE_44 = 66
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_the_deploy_config_has_fewer_keys_than_when_issue_44_was_filed(preset):
+    keys = _leaves(DeployConfig.default(preset, environ=NO_ENV).to_dict())
+    assert len(keys) < KEYS_AT_ISSUE_44, sorted(keys)
+    retired = {".".join((*path, key)) for path, key, _ in RETIRED_KEYS}
+    assert not retired & set(keys)

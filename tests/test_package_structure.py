@@ -8,7 +8,10 @@
 * the server and the cluster call an engine through ``EngineAPI`` only: no ``getattr(`` whose
   object is an engine (``engine``, ``self.engine``, ``server.engine``);
 * ``runtime/`` imports nothing of ``bench/``, at module level (annotations included) or inside a
-  function: the benchmarks drive the engine, not the other way round.
+  function: the benchmarks drive the engine, not the other way round;
+* the sizes issue 44 set: ``runtime/engine.py`` at most 400 lines, no module over 600 outside
+  ``models/`` (one readable file per model may be longer), ``bench/`` under 6.2k lines and
+  docs/benchmarks.md at most 500 (the current tables; history goes to docs/results/).
 """
 
 from __future__ import annotations
@@ -164,3 +167,16 @@ def test_no_getattr_on_an_engine(package):
 def test_the_engine_probe_check_can_fail():
     call = ast.parse('getattr(self.engine, "late_ticks", 0)').body[0].value
     assert isinstance(call, ast.Call) and _is_engine(call.args[0])
+
+
+def _lines(path: Path) -> int:
+    return len(path.read_text().splitlines())
+
+
+def test_the_sizes_a_newcomer_can_read():
+    assert _lines(PACKAGE / "runtime" / "engine.py") <= 400
+    long = {str(p.relative_to(PACKAGE)): _lines(p) for p in PACKAGE.rglob("*.py")
+            if "models" not in p.relative_to(PACKAGE).parts and _lines(p) > 600}
+    assert not long, long
+    assert sum(_lines(p) for p in (PACKAGE / "bench").rglob("*.py")) < 6200
+    assert _lines(PACKAGE.parent / "docs" / "benchmarks.md") <= 500

@@ -252,10 +252,8 @@ class DuplexEngine:
     # ------------------------------------------------------------------ the tick
 
     def tick(self, unit_tick: bool = True) -> list[EngineEvent]:
-        """One tick. ``unit_tick`` False: a tick between unit ticks of a server that ticks more
-        than once per unit (``scheduler.tick_phases``; units stay on the unit tick): it takes early
-        closes and the whole units sessions already hold, and starts no session's units (no
-        alignment, no silence fill)."""
+        """One tick. ``unit_tick`` False: a tick between unit ticks (``scheduler.tick_phases`` > 1): it
+        takes early closes and the units sessions already hold, and starts none (no alignment, no fill)."""
         with self._tick_lock, self._numerics():
             return self._tick(unit_tick)
 

@@ -9,6 +9,9 @@
   object is an engine (``engine``, ``self.engine``, ``server.engine``);
 * ``runtime/`` imports nothing of ``bench/``, at module level (annotations included) or inside a
   function: the benchmarks drive the engine, not the other way round;
+* the engine reads no switch itself (issue 44, "One wiring"): ``runtime/engine.py`` reads no
+  section or key of the deploy config (``deploy.engine.tick_seconds``, ``self.deploy.stage0``);
+  it hands ``deploy`` whole to the builders (``runtime/engine_parts.py``) that make its parts;
 * the sizes issue 44 set: ``runtime/engine.py`` at most 400 lines, no module over 600 outside
   ``models/`` (one readable file per model may be longer), ``bench/`` under 6.2k lines and
   docs/benchmarks.md at most 500 (the current tables; history goes to docs/results/).
@@ -180,3 +183,28 @@ def test_the_sizes_a_newcomer_can_read():
     assert not long, long
     assert sum(_lines(p) for p in (PACKAGE / "bench").rglob("*.py")) < 6200
     assert _lines(PACKAGE.parent / "docs" / "benchmarks.md") <= 500
+
+
+def _is_deploy(node: ast.expr) -> bool:
+    return (isinstance(node, ast.Name) and node.id == "deploy") or (
+        isinstance(node, ast.Attribute) and node.attr == "deploy" and isinstance(node.value, ast.Name)
+        and node.value.id == "self")
+
+
+def _deploy_reads(source: str) -> list[str]:
+    """``deploy.<section>[.<key>]`` and ``self.deploy.<section>[.<key>]`` in ``source`` (a section
+    read counts: ``e = deploy.engine`` then ``e.tick_seconds`` reads a switch all the same)."""
+    reads = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and _is_deploy(node.value):
+            reads.append((node.lineno, ast.unparse(node)))
+    return [f"{text}:{line}" for line, text in sorted(reads)]
+
+
+def test_the_engine_reads_no_switch_itself():
+    assert _deploy_reads((PACKAGE / "runtime" / "engine.py").read_text()) == []
+
+
+def test_the_switch_read_check_can_fail():
+    source = "x = self.deploy.engine.prefill_chunk_tokens\ne = deploy.engine\nf(deploy, self.deploy)\n"
+    assert _deploy_reads(source) == ["self.deploy.engine:1", "deploy.engine:2"]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 import threading
 import time
@@ -30,7 +29,6 @@ import torch
 from duplexcache.config import DeployConfig
 from duplexcache.context import EmbeddingResult, SessionContextBuilder
 from duplexcache.context.tokenizer import MemoTokenizer
-from duplexcache.models.batch_invariant import BatchInvariantMode, tile_rows_for
 from duplexcache.runtime import engine_parts, turns
 from duplexcache.runtime.memory import device_setup
 from duplexcache.runtime.memory.admission import Footprint, Headroom, headroom
@@ -42,11 +40,8 @@ from duplexcache.runtime.engine_session import (MAX_BUFFERED_SAMPLES, MAX_BUFFER
                                                 SessionInfo, SessionTable, Unit, session_info)
 from duplexcache.runtime.engine_stats import LATENCY_HISTORY, STAGES
 from duplexcache.runtime.isolation import FaultInjector
-from duplexcache.runtime.policy import ControlTokens, make_policy, text_token_ids
-from duplexcache.runtime.reference_voices import ReferenceVoices
-from duplexcache.runtime.scheduler.core import Scheduler
+from duplexcache.runtime.policy import ControlTokens, text_token_ids
 from duplexcache.runtime.stages.vision_stage import MAX_PENDING_FRAMES, VisionUnavailable, decode_frame
-from duplexcache.runtime.voices import Voice
 from duplexcache.runtime.memory.session_sizing import RefusalLog, SessionSizing, refusal
 from duplexcache.runtime.warmup import WarmupReport, cached_bytes, run_warmup
 
@@ -74,13 +69,9 @@ class DuplexEngine:
         device_setup.pin_cuda_numerics(models.device)
         self.control = ControlTokens.from_tokenizer(models.tokenizer)
         self._text_ids = text_token_ids(models.tokenizer, models.thinker.config.vocab_size)
-        policy = make_policy(deploy.engine.speak_policy, self.control, self._text_ids)
-        # engine.batch_invariant: every model call of a tick, prefill, warm-up and fast-forward
-        # runs in this mode (graphs captured at warm-up bake its tiles in); None = plain kernels.
-        self.batch_invariant = (BatchInvariantMode(tile_rows_for(models.device))
-                                if deploy.engine.batch_invariant else None)
-        self.block_size = deploy.stage0.block_size
-        self.window = device_setup.window_config(deploy.stage0)
+        # The engine reads no switch itself: engine_parts builds each part from ``deploy``.
+        policy = engine_parts.build_policy(deploy, self.control, self._text_ids)
+        self.batch_invariant = engine_parts.numerics_mode(deploy, models.device)   # None: plain kernels
         self.reference_encodes = 0
         # One memo for the context's two tokenizations: open_session's sizing (a worker thread)
         # fills it, the tick's context build reads it (context/tokenizer.py MemoTokenizer).
@@ -90,9 +81,9 @@ class DuplexEngine:
         with self._numerics():   # a voice's prompt state with the same kernels as a tick's
             self.code2wav = build_code2wav(deploy, models)   # every voice's prompt state computed once
         self.sizing = SessionSizing(deploy, models, self.code2wav, self.context_tokenizer)
+        self.block_size = self.sizing.block_size   # stage0.block_size, of both KV pools
         self.refusal_log = RefusalLog(logger)
-        # The plan's activation reserve and auto headroom: configured until a warm-up re-plans.
-        self.activation_reserve = deploy.engine.activation_reserve
+        # The auto budget's headroom (the plan holds its activation reserve): set by a re-plan.
         self.headroom_bytes = 0
         self.dynamic_reserved_bytes = 0   # what the warm-up held of the dynamic region (CUDA)
         # The graphs' private pools the warm-up measured (CUDA; runtime/warmup.py): decode and
@@ -106,22 +97,14 @@ class DuplexEngine:
         self.table: SessionTable | None = None
         engine_parts.build_session_side(self, self.sizing.plan(), policy)
         self._closed = False
-        # Which sessions run in which tick, and when (runtime/scheduler/core.py); a server sets its pacing.
-        enc = models.audio_encoder
-        self.scheduler = Scheduler(self.table, deploy.engine.tick_seconds, deploy.engine.tick_headroom, models.device,
-                                   enc.cfg.chunk_samples, lambda s: enc.expected_chunk_samples(s.encoder_state),
-                                   self._would_answer)
+        self.scheduler = engine_parts.build_scheduler(self)   # which sessions run in which tick, and when
         self.last_tick_units = 0   # units the last tick ran (a server times its ticks between by it)
         # Graphs captured while the engine was built (each voice's Code2Wav prompt pass at
         # register_voice) were captured before serving: they count with the warm-up's.
         self._warmup_captures = self._graph_captures_total()
         self.warmup_report: WarmupReport | None = None
         self.faults: FaultInjector | None = None   # tests only (install_faults; runtime/isolation.py)
-        # Voices from clients' reference recordings, made on first sight and shared after.
-        self.reference_voices = ReferenceVoices(deploy.engine.max_reference_voices, self.voices.get("default"),
-                                                functools.partial(engine_parts.register_voice, self),
-                                                functools.partial(engine_parts.unregister_voice, self),
-                                                functools.partial(engine_parts.voices_in_use, self))
+        self.reference_voices = engine_parts.build_reference_voices(self)   # from clients' recordings
         self.recorder.refresh_pools()
         logger.info("engine ready: %s", self.plan.describe())
 
@@ -310,8 +293,7 @@ class DuplexEngine:
 
     def _prefill_chunk(self, pending: list[EngineSession] | None = None) -> list[EngineEvent]:
         pending = self.table.pending() if pending is None else pending
-        return self.thinker_stage.open_pending(pending, self._ticks, self.deploy.engine.prefill_chunk_tokens) \
-            if pending else []
+        return self.thinker_stage.open_pending(pending, self._ticks) if pending else []
 
     def prefill_pending(self) -> bool:
         """Whether a session waits for its context to be built or prefilled."""
@@ -385,6 +367,11 @@ class DuplexEngine:
     @policy.setter
     def policy(self, policy: Any) -> None:
         self.thinker_stage.policy = policy
+
+    @property
+    def activation_reserve(self) -> int:
+        """The current plan's (``engine.activation_reserve`` until a warm-up re-plans)."""
+        return self.plan.activation_reserve
 
     @property
     def _ticks(self) -> int:

@@ -1,13 +1,18 @@
 """The engine's parts, wired from the deploy config and the memory plan: the one place that
-builds (and, for a re-plan, drops) the pools, the graphs and the stages over them; the order of
-a tick's stages; and the registration of voices made from clients' recordings.
+reads the engine's switches and builds its parts from them (the numerics mode, the speak
+policy, the scheduler with the tick's limits, the reference voices; and, for a re-plan again,
+the pools, the graphs and the stages over them); the order of a tick's stages; and the
+registration of voices made from clients' recordings.
 
 Functions of a ``DuplexEngine`` (runtime/engine.py): the engine calls them at start, the warm-up
-at a re-plan (runtime/warmup.py); nothing else builds these parts.
+at a re-plan (runtime/warmup.py); nothing else builds these parts. The engine reads no switch
+itself (tests/test_package_structure.py): it hands ``deploy`` to the builders here and holds what
+they return.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import time
@@ -16,10 +21,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.profiler import record_function
 
+from duplexcache.config import DeployConfig
 from duplexcache.context import EmbeddingResult, EncoderPath
 from duplexcache.kv.decode_graphs import PagedDecodeGraphs
 from duplexcache.kv.kv_quant import kv_storage_dtype
 from duplexcache.models.audio_encoder_graphs import EncoderGraphs
+from duplexcache.models.batch_invariant import BatchInvariantMode, tile_rows_for
 from duplexcache.runtime.memory import device_setup
 from duplexcache.runtime.memory.admission import AdmissionLedger, MemoryPlan
 from duplexcache.runtime.stages.code2wav_stage import Code2WavStage
@@ -27,6 +34,9 @@ from duplexcache.runtime.engine_api import AudioDelta, EngineEvent, SessionError
 from duplexcache.runtime.engine_session import EngineSession, SessionTable, Unit, ended
 from duplexcache.runtime.engine_stats import EngineStatsRecorder
 from duplexcache.runtime.isolation import FaultInjector
+from duplexcache.runtime.policy import ControlTokens, DecisionPolicy, make_policy
+from duplexcache.runtime.reference_voices import ReferenceVoices
+from duplexcache.runtime.scheduler.core import Scheduler
 from duplexcache.runtime.stages.talker_stage import TalkerStage
 from duplexcache.runtime.stages.thinker_stage import ThinkerStage
 from duplexcache.runtime.stages.vision_stage import VisionStage, engine_vision
@@ -38,6 +48,34 @@ if TYPE_CHECKING:
 logger = logging.getLogger("duplexcache.runtime.engine")   # the engine's lines: one logger name
 
 STAGE_RANGE = "duplexcache.stage."   # profiler range prefix of each tick stage (bench/tick_profile.py)
+
+
+def numerics_mode(deploy: DeployConfig, device: torch.device) -> BatchInvariantMode | None:
+    """``engine.batch_invariant``: the mode every model call of a tick, prefill, warm-up and
+    fast-forward runs in (graphs captured at warm-up bake its tiles in); None: plain kernels."""
+    return BatchInvariantMode(tile_rows_for(device)) if deploy.engine.batch_invariant else None
+
+
+def build_policy(deploy: DeployConfig, control: ControlTokens, text_ids: torch.Tensor) -> DecisionPolicy:
+    """The speak policy ``engine.speak_policy`` names (the Thinker stage holds it)."""
+    return make_policy(deploy.engine.speak_policy, control, text_ids)
+
+
+def build_scheduler(engine: DuplexEngine) -> Scheduler:
+    """Which sessions run in which tick, and when (runtime/scheduler/core.py), over the engine's
+    session table, with the tick's limits ``engine.tick_seconds`` and ``engine.tick_headroom``
+    (the admission's tick-cost model); a server sets its pacing (``set_unit_alignment`` ...)."""
+    enc, e = engine.models.audio_encoder, engine.deploy.engine
+    return Scheduler(engine.table, e.tick_seconds, e.tick_headroom, engine.models.device, enc.cfg.chunk_samples,
+                     lambda s: enc.expected_chunk_samples(s.encoder_state), engine._would_answer)
+
+
+def build_reference_voices(engine: DuplexEngine) -> ReferenceVoices:
+    """Voices from clients' reference recordings, made on first sight and shared after; at most
+    ``engine.max_reference_voices`` held (runtime/reference_voices.py)."""
+    return ReferenceVoices(engine.deploy.engine.max_reference_voices, engine.voices.get("default"),
+                           functools.partial(register_voice, engine), functools.partial(unregister_voice, engine),
+                           functools.partial(voices_in_use, engine))
 
 
 def build_session_side(engine: DuplexEngine, plan: MemoryPlan, policy: Any,
@@ -72,6 +110,7 @@ def build_session_side(engine: DuplexEngine, plan: MemoryPlan, policy: Any,
                                       engine.sizing.talker_turn_tokens, ragged_graphs=engine.stage0.ragged_graphs)
     engine.thinker_stage = ThinkerStage(engine.stage0, models.audio_encoder, engine.builder, models.tokenizer,
                                         engine.control, policy, engine._embed_tokens, engine.table, engine._end,
+                                        deploy.engine.prefill_chunk_tokens,
                                         kv_storage_dtype(deploy.precision.encoder_cache_dtype), engine.encoder_graphs)
     # model.vision: camera frames of video sessions, one batched call per tick (stages/vision_stage.py)
     vision = engine_vision(deploy, models)
@@ -110,7 +149,9 @@ def release_graphs_and_pools(engine: DuplexEngine) -> None:
 
 
 def build_pools(engine: DuplexEngine) -> None:
-    kv = device_setup.build_kv_pools(engine.models, engine.plan, engine.deploy.stage0, engine.window,
+    # stage0.window: the Thinker window Stage 0 holds (engine.stage0.window; a session may lower its marks)
+    window = device_setup.window_config(engine.deploy.stage0)
+    kv = device_setup.build_kv_pools(engine.models, engine.plan, engine.deploy.stage0, window,
                                      kv_storage_dtype(engine.deploy.precision.kv_cache_dtype),
                                      batch_invariant=engine.deploy.engine.batch_invariant)
     engine.thinker_cache, engine.thinker_manager, engine.stage0 = kv.thinker_cache, kv.thinker_manager, kv.stage0

@@ -203,14 +203,14 @@ def run_kernels_once(engine: DuplexEngine) -> tuple[str, ...]:
                                 _null_block_step(num_new, cache), cache)
             ran += [f"{name}:{p}" for p, n in cache.path_counts.items() if n > before.get(p, 0) and p != "reference"]
     ran += _ragged_split_variants(engine)
-    if engine.window.mode == "basic" and engine.thinker_cache.decode_backend == "triton":
+    if engine.stage0.window.mode == "basic" and engine.thinker_cache.decode_backend == "triton":
         from duplexcache.kv.triton_kernels import rerotate_keys_triton_
 
         # Three ids (not 1: Triton specialises an int argument equal to 1) of the null block,
         # whose contents no sequence reads; check_ids=False because the null block is refused.
         ids = torch.full((3,), NULL_BLOCK_ID, dtype=torch.long, device=m.device)
         # An fp8 pool compiles the scaled variant (k_scale in place; the null block's scales too).
-        rerotate_keys_triton_(engine.thinker_cache.k, ids, engine.block_size, m.thinker.config.rope_theta,
+        rerotate_keys_triton_(engine.thinker_cache.k, ids, engine.stage0.block_size, m.thinker.config.rope_theta,
                               k_scale=engine.thinker_cache.k_scale, check_ids=False)
         ran.append("thinker:rerotate")
     torch.cuda.synchronize(m.device)
@@ -272,16 +272,16 @@ def run_prefill_once(engine: DuplexEngine) -> int:
     predicted time stayed over what a period at 32 sessions leaves, 2026-12-04). The blocks go
     back to the pool; the ones the context hashed stay as evictable cached blocks under a key no
     session uses."""
-    chunk = engine.deploy.engine.prefill_chunk_tokens
-    stage0 = engine.stage0
+    chunk = engine.thinker_stage.prefill_chunk_tokens
+    stage0, window = engine.stage0, engine.stage0.window
     limit = engine.models.thinker.config.max_position_embeddings - 1
-    tokens = min(3 * chunk, limit, engine.window.high_tokens if engine.window.mode != "off" else limit)
+    tokens = min(3 * chunk, limit, window.high_tokens if window.mode != "off" else limit)
     if tokens < 1:
         return 0
     m = engine.models
     embeds = torch.zeros(tokens, m.thinker.config.hidden_size, dtype=m.dtype, device=m.device)
     context = SessionContextInput(embeds, [0] * tokens, PREFILL_WARMUP_KEY)
-    stage0.enqueue_open(PREFILL_WARMUP_SID, context, engine.window)
+    stage0.enqueue_open(PREFILL_WARMUP_SID, context, window)
     walls = []
     try:
         for step in range(tokens // chunk + 2):

@@ -52,13 +52,13 @@ def main() -> None:
     stage = thinker_stage.ThinkerStage
     original_open = stage.open_pending
 
-    def open_pending(self, pending, tick, chunk):
+    def open_pending(self, pending, tick):
         if not any(s.prefill_tick is None for s in pending):
-            return timed("stage0.prefill (a chunk)", original_open)(self, pending, tick, chunk)
+            return timed("stage0.prefill (a chunk)", original_open)(self, pending, tick)
         real_build = self.builder.build
         self.builder.build = timed("context build (tokenize, embed, reference audio)", real_build)
         try:
-            return timed("open_pending (first tick, total)", original_open)(self, pending, tick, chunk)
+            return timed("open_pending (first tick, total)", original_open)(self, pending, tick)
         finally:
             self.builder.build = real_build
 

@@ -83,6 +83,9 @@ class MemoryPlan:
     talker_block_bytes: int
     dynamic_bytes: int
     planned_sessions: int
+    # What was set aside for activations before the split (``budget_bytes`` is the budget less
+    # it): ``engine.activation_reserve``, or the reserve a re-plan measured (memory/replan.py).
+    activation_reserve: int = 0
 
     @property
     def thinker_bytes(self) -> int:

@@ -131,8 +131,7 @@ def replan_after_warmup(engine: DuplexEngine, report: WarmupReport,
         logger.warning("re-plan: the measured peak (at graph batches for %d sessions) leaves the budget no session; "
                        "reserving its estimate for a plan of %d sessions (%.2f GiB with the margin), which the "
                        "next warm-up checks", measured_at, plan.planned_sessions, reserve / 2**30)
-    engine.activation_reserve = reserve
-    engine.headroom_bytes = headroom
+    engine.headroom_bytes = headroom   # the reserve is the plan's (plan.activation_reserve)
     engine._replanned = True
     engine_parts.build_session_side(engine, plan, policy, engine.faults)
     engine.recorder.refresh_pools()

@@ -10,6 +10,7 @@ the Talker's from a full turn, the dynamic bytes from Code2Wav's and the encoder
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -294,9 +295,10 @@ class SessionSizing:
         budget = total - e.activation_reserve
         refs = [self.footprint(self.default_config(v), self.voices.get(v)) for v in self.voices.names()]
         try:
-            return plan_memory(budget, fixed, refs, self.thinker_block_bytes(), self.talker_block_bytes())
+            plan = plan_memory(budget, fixed, refs, self.thinker_block_bytes(), self.talker_block_bytes())
         except BudgetTooSmall as exc:
             # The plan's budget is what is left after activation_reserve, which the user never wrote.
             raise BudgetTooSmall(f"{exc} (engine.memory_budget {format_bytes(budget + e.activation_reserve)} "
                                  f"- engine.activation_reserve {format_bytes(e.activation_reserve)}); raise "
                                  "engine.memory_budget or use memory_budget: auto") from None
+        return dataclasses.replace(plan, activation_reserve=e.activation_reserve)

@@ -43,7 +43,7 @@ class ThinkerStage:
 
     def __init__(self, stage0: Stage0Runner, encoder: AudioEncoder, builder: SessionContextBuilder,
                  tokenizer: Any, control: ControlTokens, policy: Any, embed: EmbedTokens, table: SessionTable,
-                 end: EndSession, encoder_storage: torch.dtype | None = None,
+                 end: EndSession, prefill_chunk_tokens: int, encoder_storage: torch.dtype | None = None,
                  encoder_graphs: EncoderGraphs | None = None) -> None:
         self.stage0 = stage0
         self.encoder = encoder
@@ -56,14 +56,15 @@ class ThinkerStage:
         self.embed = embed
         self.table = table
         self.end = end
+        self.prefill_chunk_tokens = prefill_chunk_tokens   # engine.prefill_chunk_tokens: Stage 0's chunk per call
         self.faults: FaultInjector | None = None
         self.frame_tokens = 0   # Thinker rows a frame adds to a video session's unit (set with model.vision)
 
     # ------------------------------------------------------------------ opening sessions
 
-    def open_pending(self, pending: list[EngineSession], tick: int, chunk_tokens: int) -> list[EngineEvent]:
+    def open_pending(self, pending: list[EngineSession], tick: int) -> list[EngineEvent]:
         """Build each new session's context (context cache on the way), queue it for its chunked
-        prefill, and advance the prefills by one chunk (``chunk_tokens``).
+        prefill, and advance the prefills by one chunk (``prefill_chunk_tokens``).
 
         A session whose prefill takes more than the tick it was queued in would start that many
         seconds behind real time and stay behind (one unit per tick): when it opens, the audio
@@ -84,7 +85,7 @@ class ThinkerStage:
                 events.append(self.end(sess, err))
                 continue
             sess.prefill_tick = tick
-        result = self.stage0.prefill(chunk_tokens)
+        result = self.stage0.prefill(self.prefill_chunk_tokens)
         by_sid = {s.sid: s for s in pending}
         for sid, err in result.errors.items():
             if sid in by_sid:

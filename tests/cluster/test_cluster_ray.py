@@ -168,6 +168,12 @@ async def _call(base: str, call: Call, index: int, seconds: float, mark: asyncio
     return call
 
 
+def _failures(call: Call) -> list[dict[str, Any]]:
+    """The call's errors other than ``server_behind`` (a loaded host's ticks ran late: a notice, not a
+    failure of the call)."""
+    return [e for e in call.errors if e.get("code") != "server_behind"]
+
+
 def _calls(deploy: DeployConfig, n: int, instructions: str = INSTRUCTIONS) -> list[Call]:
     voices = [VOICES[i % 2] for i in range(n)]
     return [Call(v, context_key(instructions, v, deploy.model.revision), instructions) for v in voices]
@@ -283,9 +289,11 @@ def test_a_killed_replica_closes_its_sessions_and_the_other_carries_on(cluster):
     # the dead process sends nothing; the proxy's middleware (cluster/proxy.py) tells the client
     assert all(c.close_code == 1011 and [e["code"] for e in c.errors] == ["replica_lost"] for c in on_victim), \
         on_victim
-    assert all(c.audio_after_mark > 0 and not c.errors and c.close_code == 1000 for c in others), others
+    # a survivor may say it fell behind real time while it takes the load (server_behind: 2 shared
+    # cores under CI, 2026-12-07); what it must not do is fail or close its sessions
+    assert all(c.audio_after_mark > 0 and not _failures(c) and c.close_code == 1000 for c in others), others
     survivor = next(rid for rid in _replicas(base) if rid != victim)
-    assert late.audio_bytes > 0 and not late.errors, late
+    assert late.audio_bytes > 0 and not _failures(late), late
     _wait_for(lambda: _health(base, survivor)["live_sessions"] == 0 and _private_bytes(base, survivor) == 0,
               "the survivor idle")
 

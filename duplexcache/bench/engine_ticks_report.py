@@ -12,7 +12,9 @@ HBM bytes and matmul FLOPs per tick at the device's peak bandwidth and dense FLO
 shapes the recorded ticks ran (before each recorded tick: every session's Thinker window and
 encoder cache, the speakers' Talker turn length, the share of sessions speaking), the model's
 dtype, ``precision.code2wav_dtype`` (the vocoder stays float32) and ``precision.kv_cache_dtype``.
-``distance to floor`` = slope / floor. ``--floor-device``: the peak table's entry (``auto``: by
+``distance to floor`` = slope / floor. With ``--profile-ticks`` at every fitted count, ``of it kernels``
+is the slope of the stage's kernel ms in the profiled ticks: what the device adds per session, the rest
+of the slope being host time between kernels. ``--floor-device``: the peak table's entry (``auto``: by
 ``torch.cuda.get_device_name``; on CPU or an unknown GPU the floor's bytes and FLOPs are still
 reported, its time is not).
 """
@@ -29,6 +31,7 @@ from duplexcache.bench.tick_profile import profile_markdown
 from duplexcache.config import DeployConfig
 from duplexcache.kv.kv_quant import kv_storage_dtype
 from duplexcache.runtime.bundle import ModelBundle
+from duplexcache.runtime.engine_parts import STAGE_RANGE
 
 if TYPE_CHECKING:
     from duplexcache.bench.engine_ticks import RunResult
@@ -201,8 +204,29 @@ def per_session_costs(rows: list[RunResult], floor: fl.TickFloor | None) -> dict
         stages[stage] = {"slope_ms": fit["slope"], "intercept_ms": fit["intercept"],
                          "slope_stderr_ms": fit["slope_stderr"], "points": fit["points"],
                          "sessions": [n for n, _ in points], "p50_ms": [ms for _, ms in points],
-                         "floor_ms": floor_ms, "distance_to_floor": distance}
+                         "floor_ms": floor_ms, "distance_to_floor": distance,
+                         "kernel_slope_ms": _kernel_slope(ok, stage)}
     return {"stages": stages, "floor": None if floor is None else floor.to_json()}
+
+
+def _kernel_slope(ok: list[RunResult], stage: str) -> float | None:
+    """With ``--profile-ticks`` at two or more counts: the slope of the stage's kernel ms per
+    profiled tick (``tick``: every kernel of the tick), so the slope splits into the device's
+    work and the host time between kernels. None without a device profile at every count."""
+    points = []
+    for r in ok:
+        prof = r.profile or {}
+        if stage == "tick":
+            ms = prof.get("device_ms_per_tick") or None
+        else:
+            ms = next((b["kernel_ms"] for b in prof.get("range_breakdown", ())
+                       if b["name"] == STAGE_RANGE + stage and b["kernel_ms"]), None)
+        if ms is None:
+            return None
+        points.append((r.sessions, ms))
+    if len({n for n, _ in points}) < 2:
+        return None
+    return fit_line([n for n, _ in points], [ms for _, ms in points])["slope"]
 
 
 def per_session_markdown(results: dict[str, Any]) -> str:
@@ -224,8 +248,8 @@ def per_session_markdown(results: dict[str, Any]) -> str:
                   f"speaking, Thinker window {shape['thinker_window_tokens']:.0f} tokens, Talker turn "
                   f"{shape['talker_turn_tokens']:.0f} tokens, P {shape['prompt_frames']} frames, encoder cache "
                   f"{shape['encoder_cache_frames']:.0f} frames.", ""]
-    lines += ["| stage | ms per extra session (± SE) | fixed ms per tick | sessions fitted | floor ms per session "
-              "| distance to floor |", "|---|---|---|---|---|---|"]
+    lines += ["| stage | ms per extra session (± SE) | of it kernels (profiled) | fixed ms per tick | sessions fitted "
+              "| floor ms per session | distance to floor |", "|---|---|---|---|---|---|---|"]
 
     def cell(x: float | None, digits: int = 2) -> str:
         return "-" if x is None else f"{x:.{digits}f}"
@@ -234,8 +258,8 @@ def per_session_markdown(results: dict[str, Any]) -> str:
         slope = cell(s["slope_ms"]) + ("" if s["slope_stderr_ms"] is None else f" ± {s['slope_stderr_ms']:.2f}")
         fitted = ",".join(str(n) for n in s["sessions"]) or "-"
         distance = "-" if s["distance_to_floor"] is None else f"{s['distance_to_floor']:.1f}x"
-        lines.append(f"| {stage} | {slope} | {cell(s['intercept_ms'], 1)} | {fitted} | {cell(s['floor_ms'], 3)} "
-                     f"| {distance} |")
+        lines.append(f"| {stage} | {slope} | {cell(s.get('kernel_slope_ms'))} | {cell(s['intercept_ms'], 1)} | {fitted} "
+                     f"| {cell(s['floor_ms'], 3)} | {distance} |")
     return "\n".join(lines)
 
 

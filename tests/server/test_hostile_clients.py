@@ -501,13 +501,13 @@ def test_half_sent_requests_are_dropped_after_the_header_timeout(models, tmp_pat
     # uvicorn's own default, passed explicitly (server.keep_alive_timeout_s's default until issue 44)
     assert loopback_module.KEEP_ALIVE_TIMEOUT_S == 5.0
     assert loopback_module.uvicorn_config(None, "127.0.0.1", 0, 1024).timeout_keep_alive == 5.0
-    monkeypatch.setattr(loopback_module, "KEEP_ALIVE_TIMEOUT_S", 1.5)   # the test waits 1.5 s, not 5
+    monkeypatch.setattr(loopback_module, "KEEP_ALIVE_TIMEOUT_S", 1.0)   # the test waits 1 s, not 5
     yaml_path = tmp_path / "deploy.yaml"
     yaml_path.write_text("server:\n  header_timeout_s: 1.0\n")
     deploy = DeployConfig.from_yaml(yaml_path)
     deploy.engine.tick_seconds = TICK_S
     with LoopbackServer(create_app(DuplexEngine(deploy, models), deploy)) as srv:
-        assert srv._server.config.timeout_keep_alive == 1.5
+        assert srv._server.config.timeout_keep_alive == 1.0
         idle = socket.create_connection(("127.0.0.1", srv.port), timeout=15)
         idle.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         response = b""
@@ -531,7 +531,8 @@ def test_half_sent_requests_are_dropped_after_the_header_timeout(models, tmp_pat
                     pass
             except ConnectionResetError:
                 pass
-            assert time.monotonic() - answered < 4.5   # after 1.5 s idle, not uvicorn's default 5
+            # closed after 1 s idle, not uvicorn's default 5: 3.5 s of slack for a loaded CI box
+            assert time.monotonic() - answered < 4.5
         finally:
             idle.close()
             for sock in sockets:

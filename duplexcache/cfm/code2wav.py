@@ -256,14 +256,19 @@ class BatchedCode2Wav:
 
     # ---- the tick ----------------------------------------------------------------------
     @torch.inference_mode()
-    def step(self, chunks: dict[str, Sequence[int] | torch.Tensor], last: dict[str, bool] | None = None) -> StepOutput:
-        """Vocode one chunk for each session in `chunks`. A bad chunk fails only its session."""
+    def step(self, chunks: dict[str, Sequence[int] | torch.Tensor], last: dict[str, bool] | None = None,
+             ids_in_vocab: bool = False) -> StepOutput:
+        """Vocode one chunk for each session in `chunks`. A bad chunk fails only its session.
+
+        ``ids_in_vocab``: the caller guarantees every token id is in the vocabulary (the engine's
+        Talker codes: the end code is never drawn), so the range check, which waits for the
+        device when a chunk lives there, is skipped; shapes are still checked."""
         last = last or {}
         out = StepOutput()
         tokens: dict[str, torch.Tensor] = {}
         for sid, chunk in chunks.items():
             try:
-                tokens[sid] = self._validate(sid, chunk, bool(last.get(sid, False)))
+                tokens[sid] = self._validate(sid, chunk, bool(last.get(sid, False)), ids_in_vocab)
             except ValueError as err:
                 out.errors[sid] = err
         self._open_pending()
@@ -295,7 +300,7 @@ class BatchedCode2Wav:
         self._batch_stats.record_step(conformer_calls, vocoder_groups, n_segments)
         return out
 
-    def _validate(self, sid: str, chunk: Sequence[int] | torch.Tensor, last: bool) -> torch.Tensor:
+    def _validate(self, sid: str, chunk: Sequence[int] | torch.Tensor, last: bool, ids_in_vocab: bool) -> torch.Tensor:
         cfg = self.config
         sess = self.sessions.get(sid)
         if sess is None and sid not in self._pending:
@@ -312,7 +317,8 @@ class BatchedCode2Wav:
         if not last and tok.numel() <= cfg.pre_lookahead_len:
             raise ValueError(f"session {sid!r}: a non-final chunk needs more than "
                              f"{cfg.pre_lookahead_len} tokens (it ends with the lookahead)")
-        self._check_tokens(tok, f"session {sid!r}")
+        if not ids_in_vocab:
+            self._check_tokens(tok, f"session {sid!r}")
         return tok.to(dtype=torch.long).to(self.device, non_blocking=True)   # no wait for queued work
 
     def _check_tokens(self, tok: torch.Tensor, who: str) -> None:

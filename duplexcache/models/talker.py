@@ -248,7 +248,9 @@ class TalkerUnitRequest:
 
 @dataclass
 class TalkerUnitResult:
-    codes: torch.Tensor  # (tokens_per_unit + 1,) int64, last one is the end code
+    # (tokens_per_unit + 1,) int64, last one is the end code; on the Talker's device, so the
+    # engine's Code2Wav stage reads them there and nothing waits for the device in between
+    codes: torch.Tensor
     num_computed: int  # cache length after the unit
 
 
@@ -337,5 +339,5 @@ def generate_unit(talker: Talker, cache: PagedKVCache, requests: list[TalkerUnit
     else:
         closing = torch.stack([codes[-1], end], dim=1).reshape(-1).to(dev)  # (B * 2,) per-sequence order
         step(talker.emb_code[0](closing), [2] * len(requests))
-    all_codes = torch.stack(codes + [end], dim=1).cpu()  # (B, 26)
+    all_codes = torch.stack(codes + [end], dim=1)  # (B, 26), left on the device (TalkerUnitResult)
     return [TalkerUnitResult(codes=all_codes[b], num_computed=computed[b]) for b in range(len(requests))]

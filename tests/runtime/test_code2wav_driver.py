@@ -68,10 +68,10 @@ def run_turn(tmp_path, monkeypatch):
         chunks_by_tick.append([])
         return real_run(self, units, finals)
 
-    def step(chunks, last=None):
+    def step(chunks, last=None, ids_in_vocab=False):
         for csid, tok in chunks.items():
             chunks_by_tick[-1].append((torch.as_tensor(tok).tolist(), bool((last or {}).get(csid, False))))
-        return real_step(chunks, last)
+        return real_step(chunks, last, ids_in_vocab)
 
     def add_session(csid, voice, seed=0):
         seeds[csid] = seed
@@ -116,3 +116,22 @@ def test_audio_equals_the_single_stream_reference_over_the_drivers_chunks(tmp_pa
         assert np.abs(x - y).max() <= 1, "engine audio differs from the reference stream"
     assert np.abs(np.frombuffer(got[0], "<i2")).max() > 0
     assert seed == zlib.crc32(f"{eng.table.get_live(sid).seed_name}#1".encode())
+
+
+def test_a_ticks_chunks_reach_the_host_in_one_copy(tmp_path, monkeypatch):
+    """The tick that ends the turn runs two Code2Wav steps (unit 4's chunk, then the final one);
+    their PCM is copied to the host once, after both, so the host issues the second step while
+    the device still runs the first (one wait per tick, not per step)."""
+    from duplexcache.runtime.stages import code2wav_stage
+    copies: list[int] = []
+    real = code2wav_stage.pcm16_batch
+
+    def counting(pcms):
+        copies.append(len(pcms))
+        return real(pcms)
+
+    monkeypatch.setattr(code2wav_stage, "pcm16_batch", counting)
+    _, _, _, chunks, _, events = run_turn(tmp_path, monkeypatch)
+    assert [len(c) for c in chunks] == [0, 0, 1, 1, 2, 0, 0]
+    assert copies == [0, 0, 1, 1, 2, 0, 0]   # one conversion per tick, with all its chunks
+    assert [len(e["audio"]) for e in events] == [0, 0, 1, 1, 2, 0, 0]

@@ -85,7 +85,13 @@ def code2wav_config(deploy: DeployConfig, models: ModelBundle) -> CfmConfig:
 def build_code2wav(deploy: DeployConfig, models: ModelBundle) -> BatchedCode2Wav:
     """Code2Wav with every voice registered: each voice's prompt state is computed here, once,
     and lives as long as the engine (shared by the voice's streams when sharing is on)."""
-    code2wav = BatchedCode2Wav(engine_flow(deploy, models), models.hift, code2wav_config(deploy, models))
+    config = code2wav_config(deploy, models)
+    # The stage hands Code2Wav the Talker's codes unchecked (``ids_in_vocab``): they are drawn below
+    # the end code, so every one of them must be a Code2Wav token.
+    if models.talker.config.end_token_id > min(config.vocab_size, models.flow.vocab_size):
+        raise ValueError(f"the Talker draws codes below {models.talker.config.end_token_id}, past Code2Wav's "
+                         f"vocabulary of {min(config.vocab_size, models.flow.vocab_size)}")
+    code2wav = BatchedCode2Wav(engine_flow(deploy, models), models.hift, config)
     for v in models.voices.names():
         voice = models.voices.get(v)
         code2wav.register_voice(v, voice.prompt_tokens, voice.prompt_mel, voice.spk)
@@ -110,6 +116,27 @@ def pcm16_batch(pcms: list[torch.Tensor]) -> list[bytes]:
         out.append(ints[start:start + p.numel()].tobytes())
         start += p.numel()
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _QueuedAudio:
+    """A chunk's PCM still on the device, in its place among the stage's events until
+    ``_audio_to_host`` turns every queued chunk of the tick into an ``AudioDelta``."""
+
+    sid: str
+    pcm: torch.Tensor
+
+
+def _audio_to_host(events: list[EngineEvent | _QueuedAudio]) -> list[EngineEvent]:
+    """Every queued chunk to int16 bytes with one copy to the host, in event order.
+
+    The stage's steps (a restarted turn's final chunk, the unit's chunks, the final chunks) used
+    to copy their PCM after each step; that wait left the device idle while the host issued the
+    next step (its conformer is host-bound). Copying once after the last step lets the host issue
+    every step while the device still runs the ones before; the bytes are the same."""
+    queued = [e for e in events if isinstance(e, _QueuedAudio)]
+    converted = iter(pcm16_batch([e.pcm for e in queued]))
+    return [AudioDelta(e.sid, next(converted)) if isinstance(e, _QueuedAudio) else e for e in events]
 
 
 class Code2WavStage:
@@ -182,7 +209,7 @@ class Code2WavStage:
             s.held = u.codes[-LOOKAHEAD:]
             if u.tokens and u.tokens[-1] == self.control.turn_eos:
                 self.close_turn(s, finals)
-        events: list[EngineEvent] = []
+        events: list[EngineEvent | _QueuedAudio] = []
         speaking = {owner[csid].sid for csid in chunks}
         restarted = {csid: f.codes for csid, f in finals.items()
                      if csid in closed_before and f.session.sid in speaking}
@@ -193,19 +220,21 @@ class Code2WavStage:
             if batch:
                 events += self._step(batch, last, owner)
         self.on_step()
+        events = _audio_to_host(events)
         for csid, f in self.drop_ended_finals(finals, ended(events)).items():
             self.code2wav.remove_session(csid)
             if f.response_done:
                 events.append(ResponseDone(f.session.sid, "completed", self.table.finish_reply(f.session)))
         return events
 
-    def _step(self, batch: dict[str, torch.Tensor], last: bool, owner: dict[str, EngineSession]) -> list[EngineEvent]:
+    def _step(self, batch: dict[str, torch.Tensor], last: bool,
+              owner: dict[str, EngineSession]) -> list[EngineEvent | _QueuedAudio]:
         """One Code2Wav step. A chunk that fails its check (the injected fault, or
         ``BatchedCode2Wav``'s own per-session validation) ends its session only. Code2Wav
         mutates every stream's caches group by group, so a batch that raises anyway cannot be
         re-run: that step's sessions skip this unit's audio (non-fatal ``audio_skipped``, their
         turn's stream restarts at the next speaking unit); the tick's other work is kept."""
-        events: list[EngineEvent] = []
+        events: list[EngineEvent | _QueuedAudio] = []
         kept, errors = precheck(self.faults, "code2wav", list(batch), lambda csid: owner[csid].sid)
         for csid, err in ((c, errors[owner[c].sid]) for c in batch if owner[c].sid in errors):
             events.append(self.end(owner[csid], err))
@@ -213,7 +242,8 @@ class Code2WavStage:
         if not batch:
             return events
         try:
-            out = self.code2wav.step(batch, {sid: last for sid in batch})
+            # the chunks are the Talker's codes and the silence token, all in the vocabulary
+            out = self.code2wav.step(batch, {sid: last for sid in batch}, ids_in_vocab=True)
         except Exception as err:  # noqa: BLE001 - see the docstring: the unit is skipped
             logger.error("Code2Wav step over %d streams failed; their audio for this unit is skipped: %r",
                          len(batch), err)
@@ -230,9 +260,8 @@ class Code2WavStage:
             logger.error("Code2Wav refused %s: %s", csid, err)
             turns.note_audio(owner[csid].turn, 0, final=last)
             events.append(self.end(owner[csid], err))
-        done = list(out.items())
-        for (csid, pcm), pcm16 in zip(done, pcm16_batch([pcm for _, pcm in done])):
-            events.append(AudioDelta(owner[csid].sid, pcm16))
+        for csid, pcm in out.items():
+            events.append(_QueuedAudio(owner[csid].sid, pcm))
             owner[csid].code2wav_chunks += 1
             turns.note_audio(owner[csid].turn, int(pcm.numel()), final=last)
         return events

@@ -12,9 +12,11 @@ HBM bytes and matmul FLOPs per tick at the device's peak bandwidth and dense FLO
 shapes the recorded ticks ran (before each recorded tick: every session's Thinker window and
 encoder cache, the speakers' Talker turn length, the share of sessions speaking), the model's
 dtype, ``precision.code2wav_dtype`` (the vocoder stays float32) and ``precision.kv_cache_dtype``.
-``distance to floor`` = slope / floor. With ``--profile-ticks`` at every fitted count, ``of it kernels``
-is the slope of the stage's kernel ms in the profiled ticks: what the device adds per session, the rest
-of the slope being host time between kernels. ``--floor-device``: the peak table's entry (``auto``: by
+``distance to floor`` = slope / floor. With ``--profile-ticks`` at every fitted count, ``profiled ticks:
+span / kernels`` fits the profiled ticks alone: the slope of the stage's device span (the tick's wall for
+``tick`` and ``wall``) and of its kernel ms. Both come from the same ticks, so their difference is the host
+time between kernels that grows with sessions; the recorded ticks' slope beside them can differ because the
+profiled ticks speak in other proportions (a tick's Code2Wav work follows its chunks). ``--floor-device``: the peak table's entry (``auto``: by
 ``torch.cuda.get_device_name``; on CPU or an unknown GPU the floor's bytes and FLOPs are still
 reported, its time is not).
 """
@@ -205,22 +207,26 @@ def per_session_costs(rows: list[RunResult], floor: fl.TickFloor | None) -> dict
                          "slope_stderr_ms": fit["slope_stderr"], "points": fit["points"],
                          "sessions": [n for n, _ in points], "p50_ms": [ms for _, ms in points],
                          "floor_ms": floor_ms, "distance_to_floor": distance,
-                         "kernel_slope_ms": _kernel_slope(ok, stage)}
+                         "profiled_span_slope_ms": _profiled_slope(ok, stage, "span"),
+                         "kernel_slope_ms": _profiled_slope(ok, stage, "kernels")}
     return {"stages": stages, "floor": None if floor is None else floor.to_json()}
 
 
-def _kernel_slope(ok: list[RunResult], stage: str) -> float | None:
-    """With ``--profile-ticks`` at two or more counts: the slope of the stage's kernel ms per
-    profiled tick (``tick``: every kernel of the tick), so the slope splits into the device's
-    work and the host time between kernels. None without a device profile at every count."""
+def _profiled_slope(ok: list[RunResult], stage: str, what: str) -> float | None:
+    """With ``--profile-ticks`` at two or more counts, the slope over the profiled ticks of the
+    stage's ``span`` (its device span; ``tick``/``wall``: the profiled tick's wall) or its
+    ``kernels`` (kernel ms; ``tick``/``wall``: every kernel of the tick). None without a device
+    profile at every count."""
+    whole = stage in ("tick", "wall")
     points = []
     for r in ok:
         prof = r.profile or {}
-        if stage == "tick":
-            ms = prof.get("device_ms_per_tick") or None
+        if whole:
+            ms = prof.get("wall_ms_per_tick" if what == "span" else "device_ms_per_tick") or None
         else:
-            ms = next((b["kernel_ms"] for b in prof.get("range_breakdown", ())
-                       if b["name"] == STAGE_RANGE + stage and b["kernel_ms"]), None)
+            key = "device_span_ms" if what == "span" else "kernel_ms"
+            ms = next((b[key] for b in prof.get("range_breakdown", ())
+                       if b["name"] == STAGE_RANGE + stage and b.get(key)), None)
         if ms is None:
             return None
         points.append((r.sessions, ms))
@@ -248,7 +254,7 @@ def per_session_markdown(results: dict[str, Any]) -> str:
                   f"speaking, Thinker window {shape['thinker_window_tokens']:.0f} tokens, Talker turn "
                   f"{shape['talker_turn_tokens']:.0f} tokens, P {shape['prompt_frames']} frames, encoder cache "
                   f"{shape['encoder_cache_frames']:.0f} frames.", ""]
-    lines += ["| stage | ms per extra session (± SE) | of it kernels (profiled) | fixed ms per tick | sessions fitted "
+    lines += ["| stage | ms per extra session (± SE) | profiled ticks: span / kernels | fixed ms per tick | sessions fitted "
               "| floor ms per session | distance to floor |", "|---|---|---|---|---|---|---|"]
 
     def cell(x: float | None, digits: int = 2) -> str:
@@ -258,7 +264,9 @@ def per_session_markdown(results: dict[str, Any]) -> str:
         slope = cell(s["slope_ms"]) + ("" if s["slope_stderr_ms"] is None else f" ± {s['slope_stderr_ms']:.2f}")
         fitted = ",".join(str(n) for n in s["sessions"]) or "-"
         distance = "-" if s["distance_to_floor"] is None else f"{s['distance_to_floor']:.1f}x"
-        lines.append(f"| {stage} | {slope} | {cell(s.get('kernel_slope_ms'))} | {cell(s['intercept_ms'], 1)} | {fitted} "
+        span, kernels = s.get("profiled_span_slope_ms"), s.get("kernel_slope_ms")
+        profiled = "-" if span is None and kernels is None else f"{cell(span)} / {cell(kernels)}"
+        lines.append(f"| {stage} | {slope} | {profiled} | {cell(s['intercept_ms'], 1)} | {fitted} "
                      f"| {cell(s['floor_ms'], 3)} | {distance} |")
     return "\n".join(lines)
 

@@ -213,25 +213,29 @@ def test_per_session_costs_are_the_slope_beside_the_floor():
     assert one["slope_ms"] is None and one["floor_ms"] is None and one["distance_to_floor"] is None
     md = etr.per_session_markdown({"per_session": out})
     assert "## Per-stage cost per extra session" in md
-    assert "| stage | ms per extra session (± SE) | of it kernels (profiled) | fixed ms per tick | sessions fitted " \
+    assert "| stage | ms per extra session (± SE) | profiled ticks: span / kernels | fixed ms per tick | sessions fitted " \
            "| floor ms per session | distance to floor |" in md
     code2wav = next(line for line in md.splitlines() if line.startswith("| code2wav |"))
     assert f"{8.0 / floor.ms('code2wav'):.1f}x" in code2wav and "16,32,48,58" in code2wav
 
 
-def test_the_kernel_slope_comes_from_the_profiles_at_every_count():
-    """--profile-ticks: the slope of a stage's kernel ms in the profiled ticks beside its wall slope."""
+def test_the_profiled_slopes_come_from_the_profiles_at_every_count():
+    """--profile-ticks: the slopes of a stage's device span and kernel ms over the profiled ticks
+    (the tick's: its wall and all its kernels) beside the recorded ticks' slope."""
     per = {"encoder": 1.5, "vision": 0.5, "thinker": 4.0, "talker": 2.0, "code2wav": 8.0, "tick": 15.5, "wall": 16.0}
     rows = [_run(n, per, 40.0) for n in (8, 32)]
-    for r in rows:   # the Thinker's kernels grow 2.5 ms per session, the whole tick's 6
-        r.profile = {"device_ms_per_tick": 100.0 + 6.0 * r.sessions,
-                     "range_breakdown": [{"name": "duplexcache.stage.thinker", "kernel_ms": 20.0 + 2.5 * r.sessions}]}
+    for r in rows:   # the Thinker's span grows 3 ms per session, its kernels 2.5; the tick's wall 9, kernels 6
+        r.profile = {"device_ms_per_tick": 100.0 + 6.0 * r.sessions, "wall_ms_per_tick": 150.0 + 9.0 * r.sessions,
+                     "range_breakdown": [{"name": "duplexcache.stage.thinker", "kernel_ms": 20.0 + 2.5 * r.sessions,
+                                          "device_span_ms": 30.0 + 3.0 * r.sessions}]}
     stages = etr.per_session_costs(rows, None)["stages"]
     assert stages["thinker"]["kernel_slope_ms"] == pytest.approx(2.5)
+    assert stages["thinker"]["profiled_span_slope_ms"] == pytest.approx(3.0)
     assert stages["tick"]["kernel_slope_ms"] == pytest.approx(6.0)
+    assert stages["wall"]["profiled_span_slope_ms"] == pytest.approx(9.0)
     assert stages["code2wav"]["kernel_slope_ms"] is None    # no range for it: no claim
     rows[0].profile = None                                  # one count without a profile: none at all
     assert etr.per_session_costs(rows, None)["stages"]["thinker"]["kernel_slope_ms"] is None
-    thinker = next(line for line in etr.per_session_markdown({"per_session": {"stages": stages}}).splitlines()
-                   if line.startswith("| thinker |"))
-    assert thinker.startswith("| thinker | 4.00 | 2.50 |")
+    lines = etr.per_session_markdown({"per_session": {"stages": stages}}).splitlines()
+    assert next(x for x in lines if x.startswith("| thinker |")).startswith("| thinker | 4.00 | 3.00 / 2.50 |")
+    assert next(x for x in lines if x.startswith("| code2wav |")).startswith("| code2wav | 8.00 | - |")

@@ -82,8 +82,9 @@ def markdown(results: dict[str, Any]) -> str:
         f"{results['model_build_s']:.1f} s; whole run {results['elapsed_s']:.1f} s "
         f"(budget {c['max_seconds']:.0f} s)", "",
         "Per stage: p50 / p99 / max in ms over the recorded ticks where the stage ran (the engine's "
-        "timers, no device sync inside a tick). `wall`: synchronised wall clock around `tick()`, the "
-        "figure the 1 s test uses.", "",
+        "timers, no device sync inside a tick: a stage's host time until the next wait, so the Talker's "
+        "device tail counts in Code2Wav's, which ends with the tick's one copy of audio to the host). "
+        "`wall`: synchronised wall clock around `tick()`, the figure the 1 s test uses.", "",
         "| sessions | status | " + " | ".join(f"{s} ms" for s in (*STAGES, "wall"))
         + " | all ticks < 1 s | sessions speaking per tick (min..max) | graphed decode steps (Thinker/Talker) "
         "| warm-up s (graphs) | graphs captured in recorded ticks | peak alloc GiB | left after free GiB |",

@@ -101,11 +101,11 @@ case "$mode" in
   slope)  # issue 49: per-stage ms per extra session (the slope of p50 over the counts) beside the floor, --steady-window,
     # conversation workload. exact: the shared config's formats (examples/minicpmo45-shared.yaml: Code2Wav float32, KV
     # bf16); capacity: examples/minicpmo45-capacity.yaml's (Code2Wav bf16, KV fp8, 1024-token Talker turns). Each arm
-    # fits one 10-minute call (SLOPE_ARMS="exact" or "capacity" runs one); counts past admission are recorded refused
+    # fits one 10-minute call (SLOPE_ARMS="exact" or "capacity" runs one); counts past admission are recorded refused (capacity at full windows on an H100: 59 admitted, 2026-12-07)
     for arm in ${SLOPE_ARMS:-exact capacity}; do
       case "$arm" in
         exact) counts=${SLOPE_EXACT_SESSIONS:-8,16,24,32}; formats="" ;;
-        capacity) counts=${SLOPE_CAPACITY_SESSIONS:-16,32,48,58}
+        capacity) counts=${SLOPE_CAPACITY_SESSIONS:-16,32,48,59}
           formats="--code2wav-dtype bfloat16 --kv-cache-dtype fp8_e4m3 --talker-turn-tokens 1024" ;;
         *) echo "slope: unknown arm $arm (exact, capacity)"; continue ;;
       esac

@@ -9,7 +9,8 @@ Measures one decode step (all layers) for B sessions of T cached tokens each:
 and the window compaction's re-rotation of ``kept`` tokens in every layer:
   (d) plain PyTorch (gather listed blocks, rotate in float32, scatter back) vs the fused kernel.
 Both kernels also run on the same K/V quantized to fp8 e4m3 with per-(token, kv head) scales
-(``precision.kv_cache_dtype: fp8_e4m3``): ``triton_paged_fp8`` with (c)'s best config, and
+(``precision.kv_cache_dtype: fp8_e4m3``): ``triton_paged_fp8`` with (c)'s best config and
+``triton_paged_fp8_own_config`` with the best of the same sweep over the fp8 sets, and
 ``triton_rerotate_fp8`` (dequantize, rotate, re-quantize), each with its error.
 Each figure: CUDA events around a whole step, warm-up, then ``--repeats`` timed steps;
 median, min, max. Errors: (c) vs (a) max-abs, both vs a float32 reference on a few sessions,
@@ -233,13 +234,17 @@ def _time_baselines(d: DecodeSetup, args) -> tuple[dict[str, Timing], str, Calla
     return timings, best_dense, dense_fn
 
 
-def _sweep_triton(d: DecodeSetup, args) -> tuple[list[dict], dict]:
-    """Short timing of each kernel config; returns the table and the best config's kwargs."""
+def _sweep_triton(d: DecodeSetup, args,
+                  step: Callable[[dict], Callable[[], None]] | None = None) -> tuple[list[dict], dict]:
+    """Short timing of each kernel config; returns the table and the best config's kwargs.
+    ``step(kw)``: one decode step with those kwargs (default: the bf16 layer sets)."""
+    if step is None:
+        def step(kw: dict) -> Callable[[], None]:
+            return d.step(lambda q, kv: d.triton(q, kv, **kw))
     sweep = []
     for block_n, splits, warps, stages in _sweep_grid(args.quick):
         kw = dict(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)
-        t = time_cuda("sweep", d.step(lambda q, kv, kw=kw: d.triton(q, kv, **kw)), 2,
-                      max(5, args.repeats // 4))
+        t = time_cuda("sweep", step(kw), 2, max(5, args.repeats // 4))
         sweep.append({**kw, "num_splits": "auto" if splits is None else splits,
                       "median_ms": t.summary()["median_ms"]})
         logger.info("triton %s: %.3f ms", kw, sweep[-1]["median_ms"])
@@ -258,30 +263,39 @@ def quantize_paged(kv: LayerKV) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return k8, ks, v8, vs
 
 
-def _time_fp8_decode(d: DecodeSetup, args, best_kw: dict) -> tuple[Timing, dict]:
-    """The paged kernel over fp8 copies of the layer sets (bf16 compute, in-kernel dequant)."""
+def _time_fp8_decode(d: DecodeSetup, args, best_kw: dict) -> tuple[dict[str, Timing], dict, list[dict]]:
+    """The paged kernel over fp8 copies of the layer sets (bf16 compute, in-kernel dequant):
+    with the bf16 sweep's best config (``triton_paged_fp8``), then the same config sweep over
+    the fp8 sets and their own best (``triton_paged_fp8_own_config``): an fp8 tile holds half
+    the bytes of a bf16 one, so its best block and stage counts can differ. Returns the
+    timings, the errors and the fp8 sweep."""
     from duplexcache.kv.triton_kernels import paged_decode_attention
 
     sets = [quantize_paged(kv) for kv in d.layers]
 
-    def attn(i: int) -> torch.Tensor:
+    def attn(i: int, kw: dict) -> torch.Tensor:
         k8, ks, v8, vs = sets[i]
-        return paged_decode_attention(d.qs[i], k8, v8, d.bt, d.seq_lens, d.scale, k_scale=ks, v_scale=vs,
-                                      **best_kw)
+        return paged_decode_attention(d.qs[i], k8, v8, d.bt, d.seq_lens, d.scale, k_scale=ks, v_scale=vs, **kw)
 
-    def run() -> None:
-        for layer in range(d.s.layers):
-            attn(layer % d.s.distinct_layers)
+    def step(kw: dict) -> Callable[[], None]:
+        def run() -> None:
+            for layer in range(d.s.layers):
+                attn(layer % d.s.distinct_layers, kw)
+        return run
 
-    timing = time_cuda("triton_paged_fp8", run, args.warmup, args.repeats)
+    timings = {"triton_paged_fp8": time_cuda("triton_paged_fp8", step(best_kw), args.warmup, args.repeats)}
+    sweep, own_kw = _sweep_triton(d, args, step)
+    timings["triton_paged_fp8_own_config"] = time_cuda("triton_paged_fp8_own_config", step(own_kw),
+                                                       args.warmup, args.repeats)
     kv0, q0 = d.layers[0], d.qs[0]
     ref = reference_fp32(q0, kv0.dense_k, kv0.dense_v, d.scale, rows=4)
-    out = attn(0)
+    out, own = attn(0, best_kw), attn(0, own_kw)
     errors = {"triton_fp8_vs_fp32_ref_max_abs(4 sessions)": max_abs(out[:4], ref),
+              "triton_fp8_own_config_vs_fp32_ref_max_abs(4 sessions)": max_abs(own[:4], ref),
               "triton_fp8_vs_bf16_triton_max_abs": max_abs(out, d.triton(q0, kv0, **best_kw)),
-              "fp8_all_finite": bool(torch.isfinite(out).all())}
+              "fp8_all_finite": bool(torch.isfinite(out).all() and torch.isfinite(own).all())}
     del sets
-    return timing, errors
+    return timings, errors, sweep
 
 
 def _decode_errors(d: DecodeSetup, dense_fn: Callable, best_kw: dict) -> dict:
@@ -308,7 +322,8 @@ def bench_decode(s: Shapes, args, results: dict) -> None:
     timings["triton_paged"] = time_cuda(
         "triton_paged", d.step(lambda q, kv: d.triton(q, kv, **best_kw)),
         args.warmup, args.repeats)
-    timings["triton_paged_fp8"], fp8_errors = _time_fp8_decode(d, args, best_kw)
+    fp8_timings, fp8_errors, fp8_sweep = _time_fp8_decode(d, args, best_kw)
+    timings.update(fp8_timings)
     default = [r for r in sweep if (r["block_n"], r["num_splits"], r["num_warps"],
                                     r["num_stages"]) == (64, "auto", 4, 2)]
     results["decode"] = {
@@ -317,6 +332,8 @@ def bench_decode(s: Shapes, args, results: dict) -> None:
         "triton_best_config": min(sweep, key=lambda r: r["median_ms"]),
         "triton_default_config_sweep_ms": default[0]["median_ms"] if default else None,
         "triton_sweep": sweep,
+        "triton_fp8_best_config": min(fp8_sweep, key=lambda r: r["median_ms"]),
+        "triton_fp8_sweep": fp8_sweep,
         "errors": {**_decode_errors(d, dense_fn, best_kw), **fp8_errors},
         "kv_bytes_per_step": s.kv_bytes_per_step(),
         "kv_bytes_per_step_fp8": s.kv_bytes_per_step() // (2 * s.head_dim) * (s.head_dim + 4),
@@ -501,6 +518,8 @@ def markdown(results: dict, s: Shapes) -> str:
         if part == "decode":
             lines.append(f"- best dense: {r['best_dense']}")
         lines.append(f"- triton best config: {r['triton_best_config']}")
+        if "triton_fp8_best_config" in r:
+            lines.append(f"- triton fp8 best config: {r['triton_fp8_best_config']}")
         lines.append("")
     return "\n".join(lines)
 

@@ -494,3 +494,50 @@ def test_rerotate_fp8_needs_its_scales():
         tk.rerotate_keys_triton_(k8.float(), [1], 16, 1e6, k_scale=torch.ones(1, 4, PAGE, 1))
     with pytest.raises(ValueError, match="k_scale must be float32"):
         tk.rerotate_keys_triton_(k8, [1], 16, 1e6, k_scale=torch.ones(1, 4, PAGE, 2))
+
+
+def test_bench_fp8_arm_times_the_bf16_best_then_its_own_sweep(monkeypatch):
+    """`bench kernels`' fp8 arm: the bf16 sweep's best config, then the same sweep over the fp8
+    sets and a timing of their own best; the configs reach the kernel (its calls are counted) and
+    both fp8 outputs stay within fp8's bound of the float32 reference (CPU, the interpreter)."""
+    import argparse
+
+    from duplexcache.bench import gpu_stage0 as gb
+
+    gen = torch.Generator().manual_seed(5)
+    b, hq, hkv, t, d = 2, 4, 2, 40, 32
+    s = gb.Shapes(batch=b, seq_len=t, layers=1, q_heads=hq, kv_heads=hkv, head_dim=d, distinct_layers=1)
+    bt, num_blocks = gb.build_block_tables(b, t, gen, device="cpu")
+    k, v = torch.randn(b, hkv, t, d, generator=gen), torch.randn(b, hkv, t, d, generator=gen)
+    kv = gb.LayerKV(k, v, gb.to_paged(k, bt, num_blocks), gb.to_paged(v, bt, num_blocks))
+    setup = gb.DecodeSetup(s, bt, [kv], [torch.randn(b, hq, d, generator=gen)],
+                           torch.full((b,), t, dtype=torch.int32), d ** -0.5)
+    seen: list[tuple[str, int]] = []
+    real = tk.paged_decode_attention
+
+    def counting(*a, **kw):
+        seen.append((kw.get("k_scale") is not None, kw.get("block_n")))
+        return real(*a, **kw)
+
+    def one_call(name, fn, warmup, repeats):   # no CUDA events on CPU: run once, a made-up time
+        before = len(seen)
+        fn()
+        block_n = seen[before][1]
+        return gb.Timing(name, [float(block_n == 32) + 1.0])   # block 32 is "slow": the best is another
+
+    monkeypatch.setattr(tk, "paged_decode_attention", counting)
+    monkeypatch.setattr(gb, "time_cuda", one_call)
+    monkeypatch.setattr(gb, "_sweep_grid", lambda quick: [(32, 2, 4, 2), (16, 2, 4, 2)])
+    args = argparse.Namespace(quick=True, warmup=0, repeats=1)
+    timings, errors, sweep = gb._time_fp8_decode(setup, args, dict(num_splits=2, block_n=32, num_warps=4,
+                                                                     num_stages=2))
+    assert set(timings) == {"triton_paged_fp8", "triton_paged_fp8_own_config"}
+    assert [r["block_n"] for r in sweep] == [32, 16] and [r["median_ms"] for r in sweep] == [2.0, 1.0]
+    assert all(fp8 for fp8, _ in seen[:-1])                       # every timed call read the fp8 sets
+    assert [bn for _, bn in seen[:3]] == [32, 32, 16]             # the bf16 best, then the sweep's two, ...
+    assert seen[3] == (True, 16)                                  # ... then the fp8 sweep's own best
+    ref = gb.reference_fp32(setup.qs[0], k, v, setup.scale, rows=b)
+    bound = v.abs().max().item() / 14
+    assert errors["triton_fp8_vs_fp32_ref_max_abs(4 sessions)"] <= bound
+    assert errors["triton_fp8_own_config_vs_fp32_ref_max_abs(4 sessions)"] <= bound
+    assert errors["fp8_all_finite"] and ref.shape == (b, hq, d)

@@ -189,7 +189,8 @@ class Code2WavStage:
 
         ``finals`` holds the turns the Talker stage closed before this unit. One of them whose
         session speaks again in this unit (a Talker turn at its limit restarts the audio stream)
-        is flushed in a step of its own first, so the old turn's tail plays before the new one."""
+        is flushed in a step of its own first, so the old turn's tail plays before the new one.
+        The steps' PCM goes to the host in one copy after the last of them (``_audio_to_host``)."""
         chunks: dict[str, torch.Tensor] = {}
         owner = {csid: f.session for csid, f in finals.items()}
         closed_before = set(finals)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU A/Bs and probes of earlier rounds, whose results are in docs/results/HISTORY.md (each section
 # names its mode): they reproduce no current table of docs/benchmarks.md, and are kept so a settled
-# decision can be re-checked on new hardware. Usage, as scripts/gpu_bench.sh:
+# decision can be re-checked on new hardware; and probes for an open issue (dit_conv_forms: issue 49). Usage, as
+# scripts/gpu_bench.sh:
 #   OUT=/path/to/results bash scripts/probes/gpu_probes.sh MODE [MODE ...]
 . "$(dirname "$0")/../gpu_bench_lib.sh"
 
@@ -157,6 +158,9 @@ d = DeployConfig.from_packaged_yaml("minicpmo45"); d.engine.cuda_graphs = True; 
     # modes run one half each (one fits a device call beside another mode)
     [ "$mode" = ticks_recheck_capacity ] || step engine_ticks_exact48 200 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 48 --workload conversation --steady-window --all-switches on --ticks 6 --warmup-ticks 8 --max-seconds 190 --memory-budget auto --graph-grid 1,4,8,16 --talker-turn-tokens 1024 --out "$out/engine_ticks_exact48"
     [ "$mode" = ticks_recheck_exact ] || step engine_ticks_capacity64_fp8enc 250 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions 64 --workload conversation --steady-window --all-switches on --ticks 6 --warmup-ticks 8 --max-seconds 240 --memory-budget auto --graph-grid 1,4,8,16 --code2wav-dtype bfloat16 --kv-cache-dtype fp8_e4m3 --encoder-cache-dtype fp8_e4m3 --talker-turn-tokens 1024 --out "$out/engine_ticks_capacity64_fp8enc" ;;
+  dit_conv_forms)  # issue 49: the DiT causal conv block as the engine runs it (transposes around a cuDNN Conv1d:
+    # 1936 layout conversions per capacity tick at 59 sessions) vs time-major GEMMs, bf16 and float32, with errors (~1 min)
+    step dit_conv_forms 120 python3 scripts/probes/dit_conv_forms.py --preset minicpmo45 --device cuda --out "$out/dit_conv_forms" ;;
   precision)  # issue 15 capacity mode: Code2Wav bfloat16 vs float32 on the same weights: error over a 60 s call, bytes, ms per step
     step precision 240 python3 scripts/probes/code2wav_precision.py --preset minicpmo45 --device cuda --sessions 4 --chunks 60 --batches 1,8,32 --out "$out/precision" ;;
   serve_precision)  # issue 15 capacity mode over the wire: serve_conversation with precision.code2wav_dtype float32,

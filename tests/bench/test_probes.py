@@ -175,3 +175,27 @@ def test_warm_start_checkpoint_that_does_not_load_is_one_line(tmp_path, capsys):
     assert _run("warm_start", ["--config", str(path), "--sessions", "1", "--ticks", "1"]) == 2
     assert capsys.readouterr().err.strip() == (f"duplexcache bench warm-start: error: checkpoint: config: no checkpoint "
                                                f"at {tmp_path / 'nowhere'} (no such file or directory)")
+
+
+def test_dit_conv_forms(tmp_path):
+    """The DiT conv probe's GEMM form is the module's function (float64: equal to 1e-12, caches
+    too) and the run reports both forms per dtype; a bad dtype is a usage error."""
+    probe = _probe("dit_conv_forms")
+    from duplexcache.models.flow import CausalConvBlock
+
+    torch.manual_seed(0)
+    block = CausalConvBlock(16, 16, kernel_size=3).double()
+    x, cache = torch.randn(3, 7, 16, dtype=torch.float64), torch.randn(3, 32, 2, dtype=torch.float64)
+    want, want_cache = block.forward_chunk(x, cache)
+    got, got_cache = probe.gemm_forward_chunk(block, x, cache)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert torch.equal(got_cache[:, :16], want_cache[:, :16])   # conv1's cache: the input's last frames
+    torch.testing.assert_close(got_cache, want_cache, rtol=1e-12, atol=1e-12)
+    assert _run("dit_conv_forms", ["--preset", "tiny", "--device", "cpu", "--rows", "4", "--frames", "6",
+                                   "--warmup", "0", "--repeats", "2", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert [r["dtype"] for r in result["dtypes"]] == ["bfloat16", "float32"]
+    f32 = result["dtypes"][1]
+    assert set(f32["timings"]) == {"module", "gemm"} and f32["timings"]["gemm"]["repeats"] == 2
+    assert f32["max_abs_error_vs_float64"]["gemm"] < 1e-4 and f32["max_abs_error_vs_float64"]["module"] < 1e-4
+    assert _run("dit_conv_forms", ["--dtypes", "float16", "--out", str(tmp_path)]) == 2

@@ -16,9 +16,9 @@ dtype, ``precision.code2wav_dtype`` (the vocoder stays float32) and ``precision.
 span / kernels`` fits the profiled ticks alone: the slope of the stage's device span (the tick's wall for
 ``tick`` and ``wall``) and of its kernel ms. Both come from the same ticks, so their difference is the host
 time between kernels that grows with sessions; the recorded ticks' slope beside them can differ because the
-profiled ticks speak in other proportions (a tick's Code2Wav work follows its chunks). ``--floor-device``: the peak table's entry (``auto``: by
-``torch.cuda.get_device_name``; on CPU or an unknown GPU the floor's bytes and FLOPs are still
-reported, its time is not).
+profiled ticks speak in other proportions (a tick's Code2Wav work follows its chunks). ``--floor-device``:
+the peak table's entry (``auto``: by ``torch.cuda.get_device_name``; on CPU or an unknown GPU the floor's
+bytes and FLOPs are still reported, its time is not).
 """
 
 from __future__ import annotations
@@ -255,8 +255,8 @@ def per_session_markdown(results: dict[str, Any]) -> str:
                   f"speaking, Thinker window {shape['thinker_window_tokens']:.0f} tokens, Talker turn "
                   f"{shape['talker_turn_tokens']:.0f} tokens, P {shape['prompt_frames']} frames, encoder cache "
                   f"{shape['encoder_cache_frames']:.0f} frames.", ""]
-    lines += ["| stage | ms per extra session (± SE) | profiled ticks: span / kernels | fixed ms per tick | sessions fitted "
-              "| floor ms per session | distance to floor |", "|---|---|---|---|---|---|---|"]
+    lines += ["| stage | ms per extra session (± SE) | profiled ticks: span / kernels | fixed ms per tick "
+              "| sessions fitted | floor ms per session | distance to floor |", "|---|---|---|---|---|---|---|"]
 
     def cell(x: float | None, digits: int = 2) -> str:
         return "-" if x is None else f"{x:.{digits}f}"

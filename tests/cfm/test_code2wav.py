@@ -241,3 +241,22 @@ def test_session_bytes_in_bfloat16():
         vocoder = (80 * cfg.mel_cache_len + 2 * cfg.source_cache_len) * 4 if stage == "steady" else 0
         assert bf16.shared * 2 == f32.shared
         assert (bf16.private - vocoder) * 2 == f32.private - vocoder
+
+
+def test_ids_in_vocab_skips_only_the_range_check(monkeypatch):
+    """``step(..., ids_in_vocab=True)``: the range check (a device wait for a chunk on the GPU) is
+    not run, every other check is; without it an out-of-vocabulary id still fails its session."""
+    flow, hift = tiny_models()
+    stage = new_stage(flow, hift)
+    stage.register_voice("a", *VOICES["a"])
+    for sid in ("good", "empty", "oov"):
+        stage.add_session(sid, "a")
+    checked: list[str] = []
+    real = type(stage)._check_tokens
+    monkeypatch.setattr(type(stage), "_check_tokens",
+                        lambda self, tok, who: (checked.append(who), real(self, tok, who)))
+    toks = token_stream(5, 1)
+    out = stage.step({"good": toks[0], "empty": []}, ids_in_vocab=True)
+    assert set(out) == {"good"} and "empty" in str(out.errors["empty"]) and checked == []
+    out = stage.step({"oov": torch.tensor([1, 2, 6561, 3, 4, 5, 6, 7])})
+    assert "6561" in str(out.errors["oov"]) and checked == ["session 'oov'"]

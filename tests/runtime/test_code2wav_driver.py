@@ -14,9 +14,11 @@ import zlib
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+import engine_helpers
 from engine_helpers import audio, collect, engine
 
 from duplexcache.models.flow import trim_stream_cache
@@ -135,3 +137,28 @@ def test_a_ticks_chunks_reach_the_host_in_one_copy(tmp_path, monkeypatch):
     assert [len(c) for c in chunks] == [0, 0, 1, 1, 2, 0, 0]
     assert copies == [0, 0, 1, 1, 2, 0, 0]   # one conversion per tick, with all its chunks
     assert [len(e["audio"]) for e in events] == [0, 0, 1, 1, 2, 0, 0]
+
+
+def test_the_engine_hands_code2wav_the_talkers_codes_unchecked_and_refuses_codes_past_its_vocabulary(
+        tmp_path, monkeypatch):
+    """The engine's chunks skip Code2Wav's range check (their codes are drawn below the Talker's end
+    code); building Code2Wav refuses a Talker whose codes could reach past its vocabulary."""
+    import dataclasses
+
+    from duplexcache.cfm.code2wav import BatchedCode2Wav
+    from duplexcache.config import DeployConfig
+    from duplexcache.runtime.stages.code2wav_stage import build_code2wav
+
+    checked: list[str] = []
+    real = BatchedCode2Wav._check_tokens
+    monkeypatch.setattr(BatchedCode2Wav, "_check_tokens",
+                        lambda self, tok, who: (checked.append(who), real(self, tok, who)))
+    _, _, _, chunks, _, events = run_turn(tmp_path, monkeypatch)
+    assert sum(len(c) for c in chunks) == 4 and not [w for w in checked if w.startswith("session")]
+    assert [len(e["audio"]) for e in events] == [0, 0, 1, 1, 2, 0, 0]
+    models = engine_helpers.tiny_models()
+    vocab = models.flow.vocab_size
+    wide = dataclasses.replace(models.talker.config, num_audio_tokens=vocab + 2)   # end code at vocab + 1
+    monkeypatch.setattr(models.talker, "config", wide)
+    with pytest.raises(ValueError, match=f"codes below {vocab + 1}, past Code2Wav's vocabulary of {vocab}"):
+        build_code2wav(DeployConfig.default("tiny"), models)

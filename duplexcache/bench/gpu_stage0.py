@@ -7,7 +7,9 @@ Measures one decode step (all layers) for B sessions of T cached tokens each:
   (b) gather-then-SDPA over the paged cache (copies each layer's blocks, then (a));
   (c) the Triton paged kernel reading blocks in place (a small config sweep, best reported);
 and the window compaction's re-rotation of ``kept`` tokens in every layer:
-  (d) plain PyTorch (gather listed blocks, rotate in float32, scatter back) vs the fused kernel.
+  (d) plain PyTorch (gather listed blocks, rotate in float32, scatter back) vs the fused kernel;
+  (e) a unit's append as the ragged kernel path runs it, one program per token row vs the engine's
+      row groups, whose tokens share each K/V tile (``ragged_rows*`` / ``ragged_groups*``).
 Both kernels also run on the same K/V quantized to fp8 e4m3 with per-(token, kv head) scales
 (``precision.kv_cache_dtype: fp8_e4m3``): ``triton_paged_fp8`` with (c)'s best config and
 ``triton_paged_fp8_own_config`` with the best of the same sweep over the fp8 sets, and
@@ -110,8 +112,7 @@ class LayerKV:
     paged_v: torch.Tensor
 
 
-def build_block_tables(batch: int, seq_len: int, gen: torch.Generator,
-                       device: str = "cuda") -> tuple[torch.Tensor, int]:
+def build_block_tables(batch: int, seq_len: int, gen: torch.Generator, device="cuda") -> tuple[torch.Tensor, int]:
     """Shuffled block ids (never 0, the null block) so sessions' blocks are interleaved."""
     per_seq = math.ceil(seq_len / PAGE)
     num_blocks = 1 + batch * per_seq
@@ -121,8 +122,7 @@ def build_block_tables(batch: int, seq_len: int, gen: torch.Generator,
 
 def to_paged(dense: torch.Tensor, bt: torch.Tensor, num_blocks: int) -> torch.Tensor:
     """Scatter dense (B, Hkv, T, D) into a (num_blocks, PAGE, Hkv, D) cache via ``bt``."""
-    b, h, t, d = dense.shape
-    nb = bt.shape[1]
+    (b, h, t, d), nb = dense.shape, bt.shape[1]
     tok = dense.transpose(1, 2)  # (B, T, Hkv, D)
     if nb * PAGE != t:
         tok = F.pad(tok, (0, 0, 0, 0, 0, nb * PAGE - t))
@@ -132,8 +132,7 @@ def to_paged(dense: torch.Tensor, bt: torch.Tensor, num_blocks: int) -> torch.Te
 
 
 def build_layers(s: Shapes, bt: torch.Tensor, num_blocks: int) -> list[LayerKV]:
-    layers = []
-    shape = (s.batch, s.kv_heads, s.seq_len, s.head_dim)
+    layers, shape = [], (s.batch, s.kv_heads, s.seq_len, s.head_dim)
     for _ in range(s.distinct_layers):
         k = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
         v = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
@@ -144,8 +143,7 @@ def build_layers(s: Shapes, bt: torch.Tensor, num_blocks: int) -> list[LayerKV]:
 # ----------------------------------------------------------------------------- decode paths
 def dense_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q (B, Hq, D) vs K/V (B, Hkv, T, D) through SDPA's GQA mode."""
-    return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scale,
-                                          enable_gqa=True).squeeze(2)
+    return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scale, enable_gqa=True).squeeze(2)
 
 
 def dense_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -294,8 +292,41 @@ def _time_fp8_decode(d: DecodeSetup, args, best_kw: dict) -> tuple[dict[str, Tim
               "triton_fp8_own_config_vs_fp32_ref_max_abs(4 sessions)": max_abs(own[:4], ref),
               "triton_fp8_vs_bf16_triton_max_abs": max_abs(out, d.triton(q0, kv0, **best_kw)),
               "fp8_all_finite": bool(torch.isfinite(out).all() and torch.isfinite(own).all())}
+    ragged_timings, ragged_errors = _time_ragged(d, args, sets)
     del sets
-    return timings, errors, sweep
+    return {**timings, **ragged_timings}, {**errors, **ragged_errors}, sweep
+
+
+RAGGED_ROWS = 12   # a unit's append: </unit> <unit> + 10 audio embeddings per session
+
+
+def _time_ragged(d: DecodeSetup, args, fp8_sets: list) -> tuple[dict[str, Timing], dict]:
+    """A unit's append as the engine's ragged kernel path runs it: RAGGED_ROWS new tokens of every
+    session, each a kernel row over its session's blocks with its own causal length, one program
+    per row (``ragged_rows``: each row re-reads the window) vs row groups of ``tokens_per_program``
+    rows sharing each K/V tile (``ragged_groups``, the engine's), over the bf16 and the fp8 sets."""
+    from duplexcache.kv.kernel_work import row_groups_host, tokens_per_program
+    from duplexcache.kv.triton_kernels import paged_decode_attention
+
+    s, n = d.s, RAGGED_ROWS
+    tables = d.bt.repeat_interleave(n, 0)
+    back = torch.arange(n - 1, -1, -1, dtype=torch.int32, device=d.bt.device)   # the last row: the whole window
+    lens = d.seq_lens.repeat_interleave(n) - back.repeat(s.batch)
+    qs = [torch.randn(s.batch * n, s.q_heads, s.head_dim, device=lens.device).to(q.dtype) for q in d.qs]
+    per = tokens_per_program(s.q_heads, s.kv_heads)
+    groups = tuple(torch.tensor(g, dtype=torch.int32, device=lens.device) for g in row_groups_host([n] * s.batch, per))
+    pools, timings, outs = {"": [(kv.paged_k, None, kv.paged_v, None) for kv in d.layers], "_fp8": fp8_sets}, {}, {}
+    for fmt, sets in pools.items():
+        for arm, kw in (("rows", {}), ("groups", {"row_groups": groups, "rows_per_group": per})):
+            def attn(i: int, kw: dict = kw, sets: list = sets) -> torch.Tensor:
+                k, ks, v, vs = sets[i]
+                return paged_decode_attention(qs[i], k, v, tables, lens, d.scale, k_scale=ks, v_scale=vs, **kw)
+            name = f"ragged_{arm}{fmt}"
+            timings[name] = time_cuda(name, lambda: [attn(layer % s.distinct_layers) for layer in range(s.layers)],
+                                      args.warmup, args.repeats)
+            outs[name] = attn(0)
+    return timings, {f"ragged_groups{f}_vs_rows_max_abs": max_abs(outs[f"ragged_groups{f}"], outs[f"ragged_rows{f}"])
+                     for f in pools}
 
 
 def _decode_errors(d: DecodeSetup, dense_fn: Callable, best_kw: dict) -> dict:
@@ -319,9 +350,8 @@ def bench_decode(s: Shapes, args, results: dict) -> None:
     d = DecodeSetup.build(s)
     timings, best_dense, dense_fn = _time_baselines(d, args)
     sweep, best_kw = _sweep_triton(d, args)
-    timings["triton_paged"] = time_cuda(
-        "triton_paged", d.step(lambda q, kv: d.triton(q, kv, **best_kw)),
-        args.warmup, args.repeats)
+    timings["triton_paged"] = time_cuda("triton_paged", d.step(lambda q, kv: d.triton(q, kv, **best_kw)),
+                                        args.warmup, args.repeats)
     fp8_timings, fp8_errors, fp8_sweep = _time_fp8_decode(d, args, best_kw)
     timings.update(fp8_timings)
     default = [r for r in sweep if (r["block_n"], r["num_splits"], r["num_warps"],
@@ -361,13 +391,11 @@ def ragged_check(q: torch.Tensor, kv: LayerKV, bt: torch.Tensor, scale: float) -
     lens = torch.randint(1, t + 1, (q.shape[0],), generator=gen)
     edge = torch.tensor([1, 17, t])[: lens.numel()]  # one token, one past a block, full
     lens[: edge.numel()] = edge
-    out = paged_decode_attention(q, kv.paged_k, kv.paged_v, bt,
-                                 lens.to(torch.int32).cuda(), scale)
+    out = paged_decode_attention(q, kv.paged_k, kv.paged_v, bt, lens.to(torch.int32).cuda(), scale)
     worst = 0.0
     for b in range(0, q.shape[0], 4):  # every 4th session keeps the check quick
         n = int(lens[b])
-        ref = reference_fp32(q[b:b + 1], kv.dense_k[b:b + 1, :, :n], kv.dense_v[b:b + 1, :, :n],
-                             scale, rows=1)
+        ref = reference_fp32(q[b:b + 1], kv.dense_k[b:b + 1, :, :n], kv.dense_v[b:b + 1, :, :n], scale, rows=1)
         worst = max(worst, max_abs(out[b:b + 1], ref))
     return worst
 
@@ -436,8 +464,7 @@ def bench_rerotate(s: Shapes, args, results: dict) -> None:
     num_blocks = 1 + n_blocks + 64  # a few unlisted blocks must stay untouched
     gen = torch.Generator().manual_seed(2)
     ids = (torch.randperm(num_blocks - 1, generator=gen)[:n_blocks] + 1).cuda()
-    base = torch.randn(s.layers, num_blocks, PAGE, s.kv_heads, s.head_dim,
-                       dtype=torch.bfloat16, device="cuda")
+    base = torch.randn(s.layers, num_blocks, PAGE, s.kv_heads, s.head_dim, dtype=torch.bfloat16, device="cuda")
     delta = 2000
 
     a, b = base.clone(), base.clone()
@@ -448,8 +475,7 @@ def bench_rerotate(s: Shapes, args, results: dict) -> None:
     unlisted[ids] = False
     errors = {
         "triton_vs_torch_max_abs": max_abs(a, b),
-        "triton_vs_torch_max_rel": float(((a.float() - b.float()).abs()
-                                          / a.float().abs().clamp_min(1e-3)).max()),
+        "triton_vs_torch_max_rel": float(((a.float() - b.float()).abs() / a.float().abs().clamp_min(1e-3)).max()),
         "unlisted_blocks_untouched": bool(torch.equal(b[:, unlisted], base[:, unlisted])),
         "torch_vs_fp64_max_abs": max_abs(a[:, ids], ref),
         "triton_vs_fp64_max_abs": max_abs(b[:, ids], ref),
@@ -461,15 +487,12 @@ def bench_rerotate(s: Shapes, args, results: dict) -> None:
     sweep, best_kw = _sweep_rerotate(work, ids, delta, s.theta)
     reps = args.rerotate_repeats
     timings = {
-        "torch_rerotate": time_cuda("torch_rerotate",
-                                    lambda: torch_rerotate_(work, ids, delta, s.theta),
+        "torch_rerotate": time_cuda("torch_rerotate", lambda: torch_rerotate_(work, ids, delta, s.theta),
                                     args.warmup, reps),
         "triton_rerotate": time_cuda("triton_rerotate", lambda: rerotate_keys_triton_(
             work, ids, delta, s.theta, check_ids=False, **best_kw), args.warmup, reps),
-        "triton_rerotate_checked_ids": time_cuda("triton_rerotate_checked_ids",
-                                                 lambda: rerotate_keys_triton_(
-                                                     work, ids, delta, s.theta, **best_kw),
-                                                 args.warmup, reps),
+        "triton_rerotate_checked_ids": time_cuda("triton_rerotate_checked_ids", lambda: rerotate_keys_triton_(
+            work, ids, delta, s.theta, **best_kw), args.warmup, reps),
     }
     from duplexcache.kv.kv_quant import quantize_fp8
 
@@ -477,14 +500,9 @@ def bench_rerotate(s: Shapes, args, results: dict) -> None:
     timings["triton_rerotate_fp8"] = time_cuda("triton_rerotate_fp8", lambda: rerotate_keys_triton_(
         work8, ids, delta, s.theta, k_scale=scales8, check_ids=False, **best_kw), args.warmup, reps)
     del work8, scales8
-    try:  # the project's CPU/reference path (per-layer loop), when the module is present
-        from duplexcache.kv.rope import rerotate_keys_
-    except ImportError:
-        rerotate_keys_ = None
-    if rerotate_keys_ is not None:
-        timings["kv_rope_rerotate_keys_"] = time_cuda(
-            "kv_rope_rerotate_keys_", lambda: rerotate_keys_(work, ids, delta, s.theta),
-            args.warmup, args.repeats)
+    from duplexcache.kv.rope import rerotate_keys_   # the project's CPU/reference path (per-layer loop)
+    timings["kv_rope_rerotate_keys_"] = time_cuda("kv_rope_rerotate_keys_", lambda: rerotate_keys_(
+        work, ids, delta, s.theta), args.warmup, args.repeats)
     moved = 2 * s.layers * n_blocks * PAGE * s.kv_heads * s.head_dim * 2  # read + write
     results["rerotate"] = {
         "timings": {k: v.summary() for k, v in timings.items()},
@@ -501,18 +519,16 @@ def bench_rerotate(s: Shapes, args, results: dict) -> None:
 def markdown(results: dict, s: Shapes) -> str:
     lines = [f"# Stage 0 GPU bench\n", f"hardware: {results['hardware']}  ",
              f"copy bandwidth (read+write): {results['copy_bandwidth_gbs']:.0f} GB/s  ",
-             f"shapes: B={s.batch} T={s.seq_len} layers={s.layers} Hq={s.q_heads} "
-             f"Hkv={s.kv_heads} D={s.head_dim} bf16; {s.distinct_layers} distinct K/V sets "
-             f"cycled over the layers\n"]
+             f"shapes: B={s.batch} T={s.seq_len} layers={s.layers} Hq={s.q_heads} Hkv={s.kv_heads} D={s.head_dim} "
+             f"bf16; {s.distinct_layers} distinct K/V sets cycled over the layers\n"]
     for part in ("decode", "rerotate"):
         if part not in results:
             continue
         r = results[part]
         lines += [f"## {part} (floor {r['bandwidth_floor_ms']:.2f} ms)\n",
                   "| path | median ms | min | max | repeats |", "|---|---|---|---|---|"]
-        for t in r["timings"].values():
-            lines.append(f"| {t['name']} | {t['median_ms']:.3f} | {t['min_ms']:.3f} | "
-                         f"{t['max_ms']:.3f} | {t['repeats']} |")
+        lines += [f"| {t['name']} | {t['median_ms']:.3f} | {t['min_ms']:.3f} | {t['max_ms']:.3f} | {t['repeats']} |"
+                  for t in r["timings"].values()]
         lines.append("")
         lines += [f"- {k}: {v}" for k, v in r["errors"].items()]
         if part == "decode":

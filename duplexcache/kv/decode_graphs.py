@@ -37,7 +37,10 @@ a few tokens per sequence (a unit's append, the Talker's condition) is a decode 
 token rows. When they fit a bucket it replays the same graphs, one launch instead of the ~900
 of an eager step: at one or two sessions those launches were most of a tick. A runner built with
 ``max_rows`` adds coarse row buckets past ``max_batch`` (powers of two) for such steps, so a unit
-tick of every session (~12 rows each) replays a graph too.
+tick of every session (~12 rows each) replays a graph too. The static buffers also name each
+kernel program's row group (``_GROUP_FIRST`` / ``_GROUP_COUNT``): in a ragged step, runs of one
+sequence's tokens that share each K/V tile (``cache.ragged_tokens_per_program``); in a decode step,
+and for padding rows, one row each, so the same graph serves both.
 """
 
 from __future__ import annotations
@@ -50,14 +53,16 @@ import numpy as np
 import torch
 
 from duplexcache.kv.paged_attention import NULL_BLOCK_ID, RAGGED_KERNEL_MAX_NEW, PagedBatch, PagedKVCache
+from duplexcache.kv.kernel_work import row_groups_host
 
 logger = logging.getLogger(__name__)
 
 PagedForward = Callable[[torch.Tensor, PagedBatch, PagedKVCache], torch.Tensor]
 
 MIN_WIDTH_BLOCKS = 16
-# Packed host row per sequence: position, slot, seq_len, then the block table.
-_POS, _SLOT, _SEQ_LEN, _TABLE = 0, 1, 2, 3
+# Packed host row per sequence: position, slot, seq_len, the kernel's row group of this program
+# index (first row, row count), then the block table.
+_POS, _SLOT, _SEQ_LEN, _GROUP_FIRST, _GROUP_COUNT, _TABLE = 0, 1, 2, 3, 4, 5
 
 
 def upload_host(host: np.ndarray, dest: torch.Tensor, pinned: bool) -> None:
@@ -203,7 +208,7 @@ class PagedDecodeGraphs:
         for table, computed, n in zip(block_tables, num_computed, num_new):
             row_tables += [table] * n
             row_computed += range(computed, computed + n)
-        out = self._run(embeds, row_tables, row_computed, self.max_rows)
+        out = self._run(embeds, row_tables, row_computed, self.max_rows, num_new)
         self.stats.ragged_replays += 1
         return out
 
@@ -216,7 +221,7 @@ class PagedDecodeGraphs:
         return out
 
     def _run(self, embeds: torch.Tensor, block_tables: list[list[int]], num_computed: list[int],
-             most_rows: int) -> torch.Tensor:
+             most_rows: int, num_new: list[int] | None = None) -> torch.Tensor:
         num_seqs = len(block_tables)
         if embeds.shape[0] != num_seqs or len(num_computed) != num_seqs:
             raise ValueError(f"{self.name}: {embeds.shape[0]} rows, {num_seqs} tables, {len(num_computed)} lengths")
@@ -231,10 +236,10 @@ class PagedDecodeGraphs:
         if self.capture:
             # Capture first: it overwrites the static buffers with a harmless step.
             graph, out = self._graphs.get((batch, width)) or self._capture(batch, width)
-            self._fill(embeds, block_tables, num_computed, batch, width)
+            self._fill(embeds, block_tables, num_computed, batch, width, num_new)
             graph.replay()
         else:
-            self._fill(embeds, block_tables, num_computed, batch, width)
+            self._fill(embeds, block_tables, num_computed, batch, width, num_new)
             out = self._step(batch, width, num_computed)
         return out[:num_seqs].clone()
 
@@ -260,8 +265,7 @@ class PagedDecodeGraphs:
         if self.capture:
             self._capture(batch, width)
         else:
-            self._packed[:batch].zero_()
-            self._packed[:batch, _SEQ_LEN] = 1
+            self._pad_all(batch)
             self._step(batch, width)
         return True
 
@@ -277,11 +281,27 @@ class PagedDecodeGraphs:
 
     # ------------------------------------------------------------------ internals
 
+    def _pad_all(self, batch: int) -> None:
+        """Every row a padding row (slot 0 of the null block), each its own row group."""
+        self._packed[:batch].zero_()
+        self._packed[:batch, _SEQ_LEN] = 1
+        self._packed[:batch, _GROUP_FIRST] = torch.arange(batch, device=self._packed.device)
+        self._packed[:batch, _GROUP_COUNT] = 1
+
     def _fill(self, embeds: torch.Tensor, tables: list[list[int]], num_computed: list[int],
-              batch: int, width: int) -> None:
+              batch: int, width: int, num_new: list[int] | None = None) -> None:
+        """Write a step into the static buffers. ``num_new`` (a ragged step): the rows' sequences,
+        whose runs of rows become the kernel's row groups; None: one group per row (decode)."""
         bs = self.cache.block_size
         host = np.zeros((batch, _TABLE + width), dtype=np.int64)
         host[:, _SEQ_LEN] = 1   # padding rows: one token at position 0 in slot 0 of the null block
+        per = self.cache.ragged_tokens_per_program
+        if num_new is not None and per > 1:
+            # program g takes group g; the padding rows one each, the programs left over idle
+            first, count = row_groups_host(num_new, per, programs=batch, padding_rows=batch - len(tables))
+            host[:, _GROUP_FIRST], host[:, _GROUP_COUNT] = first, count
+        else:
+            host[:, _GROUP_FIRST], host[:, _GROUP_COUNT] = np.arange(batch), 1
         # run_ragged passes one table object per token row: convert each once (a list written
         # row by row cost ~4 ms at 32 sessions x 12 rows of ~450 blocks; ~0.6 ms converted once)
         converted: dict[int, np.ndarray] = {}
@@ -316,6 +336,7 @@ class PagedDecodeGraphs:
             # Host lists for the reference (CPU) path; the in-place kernel reads seq_lens only.
             num_computed_list=computed,
             num_new_list=[1] * batch,
+            row_groups=(p[:, _GROUP_FIRST].to(torch.int32), p[:, _GROUP_COUNT].to(torch.int32)),
         )
         return self.forward(self._embeds[:batch], step, self.cache)
 
@@ -323,8 +344,7 @@ class PagedDecodeGraphs:
         dev = self.cache.device
         # The buffers must describe a harmless step while warming up and capturing: every row
         # a padding row (slot 0 of the null block).
-        self._packed[:batch].zero_()
-        self._packed[:batch, _SEQ_LEN] = 1
+        self._pad_all(batch)
         torch.cuda.synchronize(dev)
         reserved = torch.cuda.memory_reserved(dev)
         side = warmup_stream(dev)

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from duplexcache.kv.kv_quant import FP8_SCALE_FLOOR, as_bytes, dequantize_fp8, is_quantized, quantize_fp8, row_bytes
+from duplexcache.kv.kernel_work import row_groups_host
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +122,10 @@ class PagedKVCache:
         self._decode_kernel: Callable | None = None
         # Short ragged steps through the decode kernel too (stage0.ragged_kernel); needs the kernel.
         self.ragged_steps_in_kernel = False
+        # Tokens of one sequence a kernel program takes in a ragged step, sharing each K/V tile it
+        # loads (the engine: kernel_work.tokens_per_program of the model's heads); 1: one program
+        # per token row, each re-reading its sequence's K/V (bench kernels' reference arm).
+        self.ragged_tokens_per_program = 1
         # The decode kernel's split count: None picks it from the batch (default_num_splits); a
         # number fixes it, so a sequence is cut by its own length only (engine.batch_invariant).
         self.fixed_num_splits: int | None = None
@@ -243,7 +248,11 @@ class PagedBatch:
     # Set by build(); only the ragged kernel path reads them (token_rows moves them once).
     token_seq_ids: torch.Tensor | None = None
     token_seq_lens: torch.Tensor | None = None
+    # A step of token rows (a graph's): each program's (first row, row count), int32 on the device,
+    # for the kernel's row groups (kernel_work.row_groups_host); None: one program per row.
+    row_groups: tuple[torch.Tensor, torch.Tensor] | None = None
     _token_rows: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, init=False)
+    _token_groups: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False, init=False)
 
     def token_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The step as one decode row per new token, on the batch's device: ``(block_tables
@@ -256,6 +265,14 @@ class PagedBatch:
             ids = self.token_seq_ids.to(dev, non_blocking=True)
             self._token_rows = (self.block_tables.index_select(0, ids), self.token_seq_lens.to(dev, non_blocking=True))
         return self._token_rows
+
+    def token_row_groups(self, rows_per_group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel's row groups of ``token_rows``: each sequence's new tokens in runs of
+        ``rows_per_group`` (int32, on the batch's device; kept for the other layers)."""
+        if rows_per_group not in self._token_groups:
+            self._token_groups[rows_per_group] = _groups_to(row_groups_host(self.num_new_list, rows_per_group),
+                                                            self.block_tables.device)
+        return self._token_groups[rows_per_group]
 
     @property
     def num_seqs(self) -> int:
@@ -351,6 +368,11 @@ def _check_sequence(b: int, table: list[int], computed: int, new: int, block_siz
         raise ValueError(f"PagedBatch: sequence {b} uses the null block {NULL_BLOCK_ID} for live tokens: {table}")
 
 
+def _groups_to(groups: tuple[list[int], list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    first, count = (torch.tensor(g, dtype=torch.int32) for g in groups)
+    return first.to(device, non_blocking=True), count.to(device, non_blocking=True)
+
+
 def last_token_rows(num_new: list[int]) -> list[int | None]:
     """Flat index of each sequence's last new token in a step that adds ``num_new[b]`` tokens to
     sequence ``b``, in order (None for a sequence with none)."""
@@ -402,24 +424,26 @@ def paged_attention(
     path = attention_path(cache, batch, q.is_cuda)
     cache.path_counts[path] += 1
     if path == "decode_kernel":
-        return _kernel(q, cache, layer, batch.block_tables, batch.seq_lens, scale)
+        groups = batch.row_groups if cache.ragged_tokens_per_program > 1 else None
+        return _kernel(q, cache, layer, batch.block_tables, batch.seq_lens, scale, groups)
     if path == "ragged_kernel":
         tables, seq_lens = batch.token_rows()
-        return _kernel(q, cache, layer, tables, seq_lens, scale)
+        rows = cache.ragged_tokens_per_program
+        return _kernel(q, cache, layer, tables, seq_lens, scale, batch.token_row_groups(rows) if rows > 1 else None)
     if path == "per_sequence":
         return _per_sequence_paths(q, cache, layer, batch, scale)
     return _reference_paged_attention(q, cache, layer, batch, scale)
 
 
 def _kernel(q: torch.Tensor, cache: PagedKVCache, layer: int, tables: torch.Tensor, seq_lens: torch.Tensor,
-            scale: float) -> torch.Tensor:
-    if not cache.quantized:
-        return cache._decode_kernel(q, cache.k[layer], cache.v[layer], tables, seq_lens, scale,
-                                    num_splits=cache.fixed_num_splits)
+            scale: float, row_groups: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The in-place kernel over token rows; ``row_groups``: runs of one sequence's rows that share
+    each K/V tile (up to ``cache.ragged_tokens_per_program`` rows each)."""
     # fp8: the kernel loads e4m3 values and their scales and dequantizes in registers.
     ks, vs = cache.layer_scales(layer)
     return cache._decode_kernel(q, cache.k[layer], cache.v[layer], tables, seq_lens, scale,
-                                k_scale=ks, v_scale=vs, num_splits=cache.fixed_num_splits)
+                                k_scale=ks, v_scale=vs, num_splits=cache.fixed_num_splits,
+                                row_groups=row_groups, rows_per_group=cache.ragged_tokens_per_program)
 
 
 def _per_sequence_paths(q: torch.Tensor, cache: PagedKVCache, layer: int, batch: PagedBatch,
@@ -434,8 +458,12 @@ def _per_sequence_paths(q: torch.Tensor, cache: PagedKVCache, layer: int, batch:
     if rows:
         idx = torch.tensor(rows, dtype=torch.long, device=q.device)
         tables, seq_lens = batch.token_rows()
+        # the short sequences' rows keep the groups they have in a step of their own
+        per = cache.ragged_tokens_per_program
+        groups = (_groups_to(row_groups_host([n for b, n in enumerate(batch.num_new_list) if not long[b]], per),
+                             q.device) if per > 1 else None)
         out[idx] = _kernel(q.index_select(0, idx), cache, layer, tables.index_select(0, idx),
-                           seq_lens.index_select(0, idx), scale)
+                           seq_lens.index_select(0, idx), scale, groups)
     return out
 
 

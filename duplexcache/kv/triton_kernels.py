@@ -6,7 +6,9 @@ Two kernels live here:
   tokens, reading K/V blocks *in place* through the block table (no gather copy).
   Flash-decoding layout: each sequence's tokens are cut into ``num_splits`` ranges; one
   program handles one (sequence, kv head, split) and all q heads of that GQA group, with an
-  online softmax; a second small kernel merges the splits by their log-sum-exp.
+  online softmax; a second small kernel merges the splits by their log-sum-exp. A ragged step
+  runs as token rows; ``row_groups`` let one program take several tokens of one sequence, which
+  read (and dequantize) each K/V tile once (kv/kernel_work.py; docs/engine.md, "Row groups").
 * ``rerotate_keys_triton_``: the window compaction's in-place re-rotation of kept keys by
   ``-delta`` (NeoX half-split RoPE, float32 angle math), one launch over all layers and all
   listed blocks.
@@ -36,6 +38,7 @@ from collections.abc import Sequence
 
 import torch
 
+from duplexcache.kv.kernel_work import default_num_splits, num_sms
 from duplexcache.kv.kv_quant import FP8_E4M3_MAX, FP8_SCALE_FLOOR
 
 logger = logging.getLogger(__name__)
@@ -113,6 +116,7 @@ if triton is not None:
     def _paged_decode_split_kernel(
         Q, K, V, BT, SL, OUT_PART, LSE_PART,
         KS, VS,  # fp8 pools: (num_blocks, block_size, Hkv) float32 scales; unused otherwise
+        GS, GC,  # GROUPED: (programs,) int32 first row and row count of each program's group
         qk_scale_log2,  # softmax scale * log2(e): the softmax runs in base 2
         stride_qb, stride_qh,
         stride_kb, stride_kt, stride_kh,
@@ -126,19 +130,35 @@ if triton is not None:
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
         PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr, HAS_SCALES: tl.constexpr,
+        GROUPED: tl.constexpr, ROWS: tl.constexpr,
     ):
-        """One program = (sequence b, kv head, split s); all GROUP q heads of the kv head.
+        """One program = (row group, kv head, split s); all GROUP q heads of the kv head.
 
-        Rows of the q tile beyond GROUP are zero padding so tl.dot gets its 16-row minimum;
-        they are never stored. With HAS_SCALES, K/V tiles are e4m3 and each token row is
-        dequantized in registers (value * its scale, cast to q's dtype) before its dot, as the
-        reference path dequantizes before SDPA.
+        A row is one query token with its own causal length ``SL[row]`` and block-table row.
+        Without GROUPED a group is one row (a decode step: one program per sequence). With
+        GROUPED, program g takes rows ``GS[g] .. GS[g] + GC[g] - 1`` (at most ROWS, consecutive
+        tokens of one sequence, GC = 0: an idle program): they share the first row's block
+        table, so each K/V tile is loaded (and, fp8, dequantized) once for all of them, and
+        each row masks the keys past its own length. The q tile holds ROWS x GROUP rows
+        (token-major) padded to BLOCK_G >= 16, tl.dot's minimum; padding rows are never stored.
+        With HAS_SCALES, K/V tiles are e4m3 and each token row is dequantized in registers
+        (value * its scale, cast to q's dtype) before its dot, as the reference path
+        dequantizes before SDPA.
         """
-        b = tl.program_id(0)
+        pid = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
 
-        seq_len = tl.load(SL + b)
+        # The group's rows are in causal order: its last row is the longest, and the splits
+        # are cut from that length (a decode row: its own).
+        if GROUPED:
+            first = tl.load(GS + pid)
+            count = tl.load(GC + pid)
+            seq_len = tl.load(SL + first + count - 1, mask=count > 0, other=0)
+        else:
+            first = pid
+            count = 1
+            seq_len = tl.load(SL + first)
         # Split length is a multiple of BLOCK_N so every tile but the last one is full.
         per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
         start = split * per_split
@@ -146,16 +166,19 @@ if triton is not None:
 
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, HEAD_DIM)
-        g_mask = offs_g < GROUP
-        heads = kvh * GROUP + offs_g
-        q_ptrs = Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+        token = offs_g // GROUP   # the row's token within the group
+        g_mask = (offs_g < ROWS * GROUP) & (token < count)
+        rows = first + token
+        row_len = tl.load(SL + rows, mask=g_mask, other=0)   # each row's causal length
+        heads = kvh * GROUP + offs_g % GROUP
+        q_ptrs = Q + rows.to(tl.int64)[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
         q = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0)  # (BLOCK_G, D)
 
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
 
-        bt_row = BT + b.to(tl.int64) * stride_btb
+        bt_row = BT + first.to(tl.int64) * stride_btb
         for t0 in range(start, end, BLOCK_N):
             offs_n = t0 + tl.arange(0, BLOCK_N)
             n_mask = offs_n < end
@@ -169,11 +192,15 @@ if triton is not None:
                              mask=n_mask, other=0.0)
                 k = (k.to(tl.float32) * ks[:, None]).to(Q.dtype.element_ty)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
-            s = tl.where(n_mask[None, :], s, float("-inf"))  # (BLOCK_G, BLOCK_N)
+            s = tl.where(n_mask[None, :] & (offs_n[None, :] < row_len[:, None]), s,
+                         float("-inf"))  # (BLOCK_G, BLOCK_N)
 
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)  # first tile: exp2(-inf) = 0
-            p = tl.exp2(s - m_new[:, None])
+            # A row with no key yet (a short row of a group, a padding row) keeps m = -inf;
+            # exp2 against 0 keeps its alpha and p at 0 instead of NaN (-inf - -inf).
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_ref)  # first tile: exp2(-inf) = 0
+            p = tl.exp2(s - m_ref[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
 
             v_row = V + blk * stride_vb + slot * stride_vt + kvh * stride_vh
@@ -191,10 +218,10 @@ if triton is not None:
         out = acc / tl.where(has, l_i, 1.0)[:, None]
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
 
-        o_ptrs = (OUT_PART + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh
+        o_ptrs = (OUT_PART + rows.to(tl.int64)[:, None] * stride_ob + heads[:, None] * stride_oh
                   + split * stride_os + offs_d[None, :])
         tl.store(o_ptrs, out, mask=g_mask[:, None])
-        tl.store(LSE_PART + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse,
+        tl.store(LSE_PART + rows.to(tl.int64) * stride_lb + heads * stride_lh + split, lse,
                  mask=g_mask)
 
     @triton.jit(do_not_specialize=_SPLIT_ARGS)
@@ -286,27 +313,6 @@ if triton is not None:
 # --------------------------------------------------------------------------------------
 # Paged decode attention
 # --------------------------------------------------------------------------------------
-_SM_COUNT: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # interpreter: the split count only matters for coverage in tests
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
-
-
-def default_num_splits(batch: int, num_kv_heads: int, max_tokens: int, num_sms: int,
-                       min_tokens_per_split: int = 256, waves: int = 4) -> int:
-    """Splits per (sequence, kv head) so the grid fills ``waves`` x SMs, but no split is
-    shorter than ``min_tokens_per_split`` (short splits pay more in merge than they gain)."""
-    want = -(-waves * num_sms // max(1, batch * num_kv_heads))
-    cap = max(1, -(-max_tokens // min_tokens_per_split))
-    return max(1, min(want, cap))
-
-
 def _check_decode_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
     if q.dim() != 3:
@@ -370,14 +376,17 @@ def paged_decode_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     num_splits: int | None = None,
-    block_n: int = 64,
+    row_groups: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rows_per_group: int = 1,
+    block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> torch.Tensor:
     """Decode attention over a paged KV cache, reading blocks in place.
 
     Args:
-        q: (B, Hq, D), the one new query token of each sequence (already RoPE'd).
+        q: (B, Hq, D), one query token per row (already RoPE'd): a decode step's one token per
+            sequence, or a ragged step's tokens as rows (each with its own table row and length).
         k_cache_layer, v_cache_layer: (num_blocks, block_size, Hkv, D) for one layer.
         block_tables: (B, max_blocks) int32, padded with the null block 0.
         seq_lens: (B,) int32, number of cached tokens each query attends to (including its
@@ -388,7 +397,15 @@ def paged_decode_attention(
         k_scale, v_scale: for an fp8 (float8_e4m3fn) cache, the layer's float32 scales
             (num_blocks, block_size, Hkv); each loaded row is dequantized to q's dtype in
             registers. None for a cache in q's dtype.
-        num_splits: sequence splits per (sequence, kv head); default from the SM count.
+        num_splits: sequence splits per (row group, kv head); default from the SM count and B.
+        row_groups: ``(first_row, row_count)``, each (programs,) int32 on q's device: program
+            g takes rows ``first_row[g] .. + row_count[g] - 1``, consecutive tokens of one
+            sequence in causal order (``row_count`` 0: an idle program), which share each K/V
+            tile it loads and the first row's table (kernel_work.row_groups_host). Every row must
+            be in exactly one group. None: one row per program.
+        rows_per_group: with ``row_groups``, the most rows of a group (``tokens_per_program``).
+        block_n: keys per tile; default 64 for a 16-bit cache, 128 for fp8 (whose tile carries
+            half the bytes: 5 % faster at B=64, T=8000 on an H100, docs/results/gpu_stage0_h100_fp8).
 
     Returns:
         (B, Hq, D) in q's dtype.
@@ -396,6 +413,8 @@ def paged_decode_attention(
     _check_decode_inputs(q, k_cache_layer, v_cache_layer, block_tables, seq_lens)
     has_scales = _check_scales(k_cache_layer, k_scale, v_scale)
     _require_runnable(q.device)
+    if block_n is None:
+        block_n = 128 if has_scales else 64
     if not _is_pow2(block_n) or block_n < 16:
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     batch, num_q_heads, head_dim = q.shape
@@ -403,7 +422,7 @@ def paged_decode_attention(
     group = num_q_heads // num_kv_heads
     max_tokens = block_tables.shape[1] * page
     if num_splits is None:
-        num_splits = default_num_splits(batch, num_kv_heads, max_tokens, _num_sms(q.device))
+        num_splits = default_num_splits(batch, num_kv_heads, max_tokens, num_sms(q.device))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
@@ -420,8 +439,21 @@ def paged_decode_attention(
     # stand-in only gives the pointer arguments a tensor.
     ks = k_scale if has_scales else k_cache_layer[..., 0]
     vs = v_scale if has_scales else v_cache_layer[..., 0]
-    _paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
+    rows = rows_per_group if row_groups is not None else 1
+    if rows < 1:
+        raise ValueError(f"rows_per_group must be >= 1, got {rows}")
+    if row_groups is not None:
+        first_row, row_count = row_groups
+        if first_row.shape != row_count.shape or first_row.dim() != 1 or first_row.dtype != torch.int32 \
+                or row_count.dtype != torch.int32:
+            raise ValueError("row_groups must be two (programs,) int32 tensors")
+        programs = first_row.shape[0]
+    else:
+        first_row = row_count = seq_lens   # stand-ins the kernel never reads
+        programs = batch
+    _paged_decode_split_kernel[(programs, num_kv_heads, num_splits)](
         q, k_cache_layer, v_cache_layer, block_tables, seq_lens, out_part, lse_part, ks, vs,
+        first_row, row_count,
         float(scale) * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache_layer.stride(0), k_cache_layer.stride(1), k_cache_layer.stride(2),
@@ -432,9 +464,10 @@ def paged_decode_attention(
         out_part.stride(0), out_part.stride(1), out_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
         num_splits,
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(rows * group)), HEAD_DIM=head_dim,
         PAGE=page, BLOCK_N=block_n, DOT_PRECISION=precision,
-        HAS_SCALES=has_scales, num_warps=num_warps, num_stages=num_stages,
+        HAS_SCALES=has_scales, GROUPED=row_groups is not None, ROWS=rows,
+        num_warps=num_warps, num_stages=num_stages,
     )
     _paged_decode_merge_kernel[(batch, num_q_heads)](
         out_part, lse_part, out,
@@ -557,7 +590,6 @@ def rerotate_keys_triton_(
 
 __all__ = [
     "TritonUnavailableError",
-    "default_num_splits",
     "interpreter_enabled",
     "paged_decode_attention",
     "rerotate_keys_triton_",

@@ -229,7 +229,8 @@ def _ragged_split_variants(engine: DuplexEngine) -> list[str]:
     the fewest rows can occur: Thinker 1..6, Talker 1..22 at minicpmo45 shapes on an H200. The
     count is a runtime argument of the kernels, so this compiles one split kernel and one merge
     kernel per power-of-two merge width (BLOCK_S); the other counts only launch."""
-    from duplexcache.kv.triton_kernels import _num_sms, default_num_splits, paged_decode_attention
+    from duplexcache.kv.kernel_work import default_num_splits, num_sms
+    from duplexcache.kv.triton_kernels import paged_decode_attention
 
     m, ran = engine.models, []
     for name, model, cache in (("thinker", m.thinker, engine.thinker_cache),
@@ -237,7 +238,7 @@ def _ragged_split_variants(engine: DuplexEngine) -> list[str]:
         if cache.decode_backend != "triton" or not cache.ragged_steps_in_kernel:
             continue
         c = model.config
-        most = default_num_splits(RAGGED_MIN_ROWS[name], c.num_key_value_heads, 2**31, _num_sms(m.device))
+        most = default_num_splits(RAGGED_MIN_ROWS[name], c.num_key_value_heads, 2**31, num_sms(m.device))
         q = torch.zeros(1, c.num_attention_heads, c.head_dim, dtype=m.dtype, device=m.device)
         table = torch.full((1, 1), NULL_BLOCK_ID, dtype=torch.int32, device=m.device)
         seq_lens = torch.ones(1, dtype=torch.int32, device=m.device)

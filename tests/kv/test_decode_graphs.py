@@ -224,6 +224,32 @@ def test_ragged_step_as_token_rows_matches_the_eager_ragged_step(storage):
     torch.testing.assert_close(gv, ev, rtol=1e-5, atol=1e-5)
 
 
+def test_the_static_step_carries_each_programs_row_group():
+    """cache.ragged_tokens_per_program: a ragged step's static buffers name each kernel program's rows
+    (runs of one sequence's tokens, then the padding rows one each, then idle programs) and the
+    step's PagedBatch hands them to the kernel; a decode step, and the switch off, one row each."""
+    model = make_thinker()
+    cache, _ = two_caches(model)
+    prefill(model, cache, [[1, 2], [3]], [5, 2], seed=1)
+    cache.ragged_steps_in_kernel, cache.ragged_tokens_per_program = True, 4
+    seen = []
+
+    def forward(embeds, batch, c):
+        seen.append([t.tolist() for t in batch.row_groups])
+        return model.forward_paged(embeds, batch, c)
+
+    runner = PagedDecodeGraphs("thinker", forward, cache, model.config.hidden_size, torch.float32,
+                               max_batch=16, max_blocks_per_seq=16, capture=False)
+    with torch.inference_mode():
+        runner.run_ragged(torch.zeros(7, model.config.hidden_size), [[1, 2], [3]], [5, 2], [6, 1])   # bucket 8
+        runner.run(torch.zeros(2, model.config.hidden_size), [[1, 2], [3]], [11, 3])                 # bucket 2
+        cache.ragged_tokens_per_program = 1
+        runner.run_ragged(torch.zeros(7, model.config.hidden_size), [[1, 2], [3]], [12, 4], [2, 5])
+    assert seen[0] == [[0, 4, 6, 7, 0, 0, 0, 0], [4, 2, 1, 1, 0, 0, 0, 0]]
+    assert seen[1] == [[0, 1], [1, 1]]
+    assert seen[2] == [list(range(8)), [1] * 8]
+
+
 def test_accepts_ragged_only_short_steps_that_fit_with_the_ragged_kernel():
     model = make_thinker()
     cache, _ = two_caches(model)

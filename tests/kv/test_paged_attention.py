@@ -289,6 +289,38 @@ def test_batch_invariant_ragged_steps_choose_each_sequence_s_path_by_its_own_app
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_row_groups_reach_the_kernel_on_both_ragged_paths(monkeypatch):
+    """cache.ragged_tokens_per_program: the ragged kernel path hands the
+    kernel each sequence's tokens in runs of that many rows; the batch-invariant per-sequence path
+    the short sequences' runs as they would be in a step of their own; 1 hands none."""
+    g = torch.Generator().manual_seed(12)
+    cache = PagedKVCache(1, 24, 4, HKV, D)
+    cache.k.normal_(generator=g)
+    cache.v.normal_(generator=g)
+    seen = []
+
+    def kernel(q, k, v, tables, seq_lens, scale, row_groups=None, rows_per_group=1, **kw):
+        seen.append((None if row_groups is None else [t.tolist() for t in row_groups], rows_per_group))
+        return _decode_rows_reference(q, cache, 0, tables, seq_lens, scale).float()
+
+    import duplexcache.kv.paged_attention as pa
+
+    cache._decode_kernel, cache.ragged_steps_in_kernel, cache.ragged_tokens_per_program = kernel, True, 2
+    monkeypatch.setattr(pa, "attention_path", lambda *a: "ragged_kernel")   # the CUDA path, on CPU
+    short = PagedBatch.build([[3, 5], [14, 15]], [2, 5], [3, 2], None, 4)
+    q = torch.randn(short.num_tokens, HQ, D, generator=g)
+    paged_attention(q, cache, 0, short, 0.3)
+    assert seen.pop() == ([[0, 2, 3], [2, 1, 2]], 2)
+    batch = PagedBatch.build([[3, 5], [1, 2, 4, 6, 7, 8, 9, 10, 11, 12, 13], [14, 15]], [2, 0, 5],
+                             [3, RAGGED_KERNEL_MAX_NEW + 3, 2], None, 4)
+    cache.fixed_num_splits = 8
+    pa._per_sequence_paths(torch.randn(batch.num_tokens, HQ, D, generator=g), cache, 0, batch, 0.3)
+    assert seen.pop() == ([[0, 2, 3], [2, 1, 2]], 2)
+    cache.ragged_tokens_per_program = 1
+    paged_attention(q, cache, 0, short, 0.3)
+    assert seen.pop() == (None, 1)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_ragged_steps_take_the_kernel_and_match_the_reference():
     pytest.importorskip("triton")
@@ -303,7 +335,8 @@ def test_cuda_ragged_steps_take_the_kernel_and_match_the_reference():
     cache.ragged_steps_in_kernel = True
     short = PagedBatch.build([[3, 5, 7], [2], [9, 4, 10]], [20, 0, 30], [12, 5, 1], None, 16, "cuda")
     long = PagedBatch.build([[11, 12, 13, 14, 15]], [0], [RAGGED_KERNEL_MAX_NEW + 1], None, 16, "cuda")
-    for batch, path in ((short, "ragged_kernel"), (long, "reference")):
+    for batch, path, groups in ((short, "ragged_kernel", 1), (short, "ragged_kernel", 4), (long, "reference", 4)):
+        cache.ragged_tokens_per_program = groups   # a program takes 4 tokens of one sequence
         q = torch.randn(batch.num_tokens, 8, 64, generator=g).cuda()
         before = dict(cache.path_counts)
         got = paged_attention(q, cache, 0, batch, 0.125)

@@ -29,6 +29,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed: kernels 
 import numpy as np  # noqa: E402
 
 import duplexcache.kv.triton_kernels as tk  # noqa: E402
+from duplexcache.kv.kernel_work import row_groups_host  # noqa: E402
 
 _TRITON_VER = tuple(int(x) for x in triton.__version__.split(".")[:2])
 _NUMPY_VER = tuple(int(x) for x in np.__version__.split(".")[:2])
@@ -58,6 +59,7 @@ def test_kernels_in_fresh_interpreter_process():
 
 
 PAGE = 16
+FP8 = torch.float8_e4m3fn
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -140,6 +142,59 @@ def test_paged_decode_kernel_runs_a_ragged_step_as_rows():
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+def _ragged_case(gen: torch.Generator, storage_dtype=None):
+    """A ragged step over a one-layer pool: sequences append 5, 1, 9, 0 and 3 tokens."""
+    from duplexcache.kv.paged_attention import PagedBatch, PagedKVCache, write_kv
+
+    cache = PagedKVCache(1, 16, PAGE, 2, 32, storage_dtype=storage_dtype)
+    write_kv(cache, 0, torch.randn(15 * PAGE, 2, 32, generator=gen), torch.randn(15 * PAGE, 2, 32, generator=gen),
+             torch.arange(PAGE, 16 * PAGE))
+    batch = PagedBatch.build([[3, 5, 7], [2], [9, 4, 11], [6], [8, 10]], [20, 0, 30, 5, 14], [5, 1, 9, 0, 3],
+                             None, PAGE)
+    return cache, batch, torch.randn(batch.num_tokens, 4, 32, generator=gen)
+
+
+@pytest.mark.parametrize("rows_per_group", [2, 4, 8])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_paged_decode_row_groups_match_the_causal_reference(rows_per_group, fp8):
+    """a kernel program takes up to ``rows_per_group`` tokens of one sequence,
+    which share its K/V tiles, each masked to its own causal length. Equal (float32) to the gather
+    + SDPA causal reference, with idle programs past the groups, and to the kernel's one program
+    per row."""
+    from duplexcache.kv.paged_attention import _reference_paged_attention
+
+    cache, batch, q = _ragged_case(torch.Generator().manual_seed(90 + rows_per_group), FP8 if fp8 else None)
+    tables, seq_lens = batch.token_rows()
+    ks, vs = cache.layer_scales(0)
+    first, count = row_groups_host(batch.num_new_list, rows_per_group, programs=batch.num_tokens + 3)
+    groups = (torch.tensor(first, dtype=torch.int32), torch.tensor(count, dtype=torch.int32))
+    out = tk.paged_decode_attention(q, cache.k[0], cache.v[0], tables, seq_lens, 0.2, k_scale=ks, v_scale=vs,
+                                    num_splits=3, block_n=16, row_groups=groups, rows_per_group=rows_per_group)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, _reference_paged_attention(q, cache, 0, batch, 0.2), rtol=1e-5, atol=1e-5)
+    per_row = tk.paged_decode_attention(q, cache.k[0], cache.v[0], tables, seq_lens, 0.2, k_scale=ks, v_scale=vs,
+                                        num_splits=3, block_n=16)
+    torch.testing.assert_close(out, per_row, rtol=1e-5, atol=1e-5)
+
+
+def test_a_sequences_row_groups_give_the_same_bits_alone_and_beside_others():
+    """engine.batch_invariant with row groups: a sequence's groups depend on its own tokens, so
+    at a fixed split count its rows are bit-equal whether its step holds other sequences or not."""
+    from duplexcache.kv.paged_attention import PagedBatch
+
+    cache, batch, q = _ragged_case(torch.Generator().manual_seed(95))
+    tables, seq_lens = batch.token_rows()
+    groups = batch.token_row_groups(4)
+    beside = tk.paged_decode_attention(q, cache.k[0], cache.v[0], tables, seq_lens, 0.2, num_splits=2,
+                                       block_n=16, row_groups=groups, rows_per_group=4)
+    alone_batch = PagedBatch.build([[9, 4, 11]], [30], [9], None, PAGE)   # the third sequence on its own
+    rows = slice(6, 15)
+    t, n = alone_batch.token_rows()
+    alone = tk.paged_decode_attention(q[rows].clone(), cache.k[0], cache.v[0], t, n, 0.2, num_splits=2,
+                                      block_n=16, row_groups=alone_batch.token_row_groups(4), rows_per_group=4)
+    assert torch.equal(alone, beside[rows])
+
+
 def test_paged_decode_reads_blocks_in_place_shared_blocks():
     """Two sequences share their first blocks (a shared context), then diverge; a garbage
     value in the null block and in unlisted blocks must not leak in."""
@@ -195,15 +250,6 @@ def test_paged_decode_rejects_bad_inputs():
         tk.paged_decode_attention(q, k, k, bt, sl[:1], 1.0)
     with pytest.raises(ValueError, match="block_n"):
         tk.paged_decode_attention(q, k, k, bt, sl, 1.0, block_n=24)
-
-
-def test_default_num_splits():
-    # 64 x 8 (seq, head) pairs already fill 132 SMs 3.9 times: one more split reaches 4 waves.
-    assert tk.default_num_splits(64, 8, 8000, 132) == 2
-    # A single long sequence is cut into many splits, but none shorter than 256 tokens.
-    assert tk.default_num_splits(1, 8, 8000, 132) == 32
-    assert tk.default_num_splits(1, 8, 300, 132) == 2
-    assert tk.default_num_splits(1, 1, 10, 132) == 1
 
 
 # ----------------------------------------------------------------------------- re-rotation
@@ -350,7 +396,6 @@ def test_bench_torch_rerotate_matches_kernel_and_project_rope():
 # (token, kv head). The interpreter loads float8_e4m3fn and converts it (and stores it, for the
 # re-rotation) exactly as torch does, so float32-compute cases run here; bf16 compute needs a
 # GPU (the interpreter's tl.dot on bf16 is wrong, see test_paged_decode_bf16_close_to_float64).
-FP8 = torch.float8_e4m3fn
 
 
 def _quantized(k: torch.Tensor, v: torch.Tensor):
@@ -531,9 +576,12 @@ def test_bench_fp8_arm_times_the_bf16_best_then_its_own_sweep(monkeypatch):
     args = argparse.Namespace(quick=True, warmup=0, repeats=1)
     timings, errors, sweep = gb._time_fp8_decode(setup, args, dict(num_splits=2, block_n=32, num_warps=4,
                                                                      num_stages=2))
-    assert set(timings) == {"triton_paged_fp8", "triton_paged_fp8_own_config"}
+    assert set(timings) == {"triton_paged_fp8", "triton_paged_fp8_own_config", "ragged_rows", "ragged_groups",
+                            "ragged_rows_fp8", "ragged_groups_fp8"}
     assert [r["block_n"] for r in sweep] == [32, 16] and [r["median_ms"] for r in sweep] == [2.0, 1.0]
-    assert all(fp8 for fp8, _ in seen[:-1])                       # every timed call read the fp8 sets
+    assert all(fp8 for fp8, _ in seen[:5])                        # every timed call read the fp8 sets
+    # a unit's append, one program per token row vs the row groups: the same attention (float32)
+    assert errors["ragged_groups_vs_rows_max_abs"] < 1e-5 and errors["ragged_groups_fp8_vs_rows_max_abs"] < 1e-5
     assert [bn for _, bn in seen[:3]] == [32, 32, 16]             # the bf16 best, then the sweep's two, ...
     assert seen[3] == (True, 16)                                  # ... then the fp8 sweep's own best
     ref = gb.reference_fp32(setup.qs[0], k, v, setup.scale, rows=b)

@@ -327,6 +327,9 @@ def test_ragged_kernel_reaches_both_kv_caches(tmp_path, on):
     (the kernel path itself runs on CUDA only: tests/kv/test_paged_attention.py checks it there)."""
     eng = engine(tmp_path, "ragged", {"stage0": {"ragged_kernel": on}})
     assert eng.thinker_cache.ragged_steps_in_kernel is on and eng.talker_cache.ragged_steps_in_kernel is on
+    # a kernel program takes 16 / the GQA group tokens of one sequence (tiny: 4 q heads on 2 kv heads: 8)
+    for cache, cfg in ((eng.thinker_cache, eng.models.thinker.config), (eng.talker_cache, eng.models.talker.config)):
+        assert cache.ragged_tokens_per_program == 16 // (cfg.num_attention_heads // cfg.num_key_value_heads) == 8
 
 
 def test_code2wav_dtype_reaches_the_flow_the_arena_the_caches_and_admission(tmp_path):

@@ -26,6 +26,7 @@ from duplexcache.kv.kv_cache_manager import KVCacheManager
 from duplexcache.kv.paged_attention import PagedKVCache
 from duplexcache.kv.talker_blocks import TalkerBlocks
 from duplexcache.kv.window import WindowConfig
+from duplexcache.kv.kernel_work import tokens_per_program
 from duplexcache.runtime.memory.admission import MemoryPlan
 from duplexcache.runtime.bundle import ModelBundle
 from duplexcache.runtime.stage0.runner import Stage0Runner
@@ -118,9 +119,11 @@ def build_kv_pools(models: ModelBundle, plan: MemoryPlan, stage0_cfg: Stage0Conf
         logger.info("KV pools in %s with a float32 scale per token and kv head (precision.kv_cache_dtype): "
                     "%d B per Thinker block, %d B per Talker block", thinker_cache.storage_dtype,
                     thinker_cache.bytes_per_block, talker_cache.bytes_per_block)
-    for cache in (thinker_cache, talker_cache):
+    for cache, cfg in ((thinker_cache, models.thinker.config), (talker_cache, tc)):
         select_attention_backend(cache)
         cache.ragged_steps_in_kernel = stage0_cfg.ragged_kernel
+        # a kernel program takes several tokens of one sequence, which share each K/V tile it loads
+        cache.ragged_tokens_per_program = tokens_per_program(cfg.num_attention_heads, cfg.num_key_value_heads)
         cache.fixed_num_splits = BATCH_INVARIANT_SPLITS if batch_invariant else None
     return KVPools(thinker_cache, stage0.manager, stage0, talker_cache, talker_kv)
 

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from duplexcache.bench.common import hardware_line, usage_error, write_results
 from duplexcache.models.flow import CausalConvBlock
 from duplexcache.models.presets import PRESETS, preset_configs
+from duplexcache.runtime.memory.device_setup import pin_cuda_numerics
 
 logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -89,6 +90,7 @@ def _time(fn, device: torch.device, warmup: int, repeats: int) -> dict:
 def measure(args: argparse.Namespace, dtype_name: str) -> dict:
     """One dtype: both forms timed on the same block and inputs, errors against float64."""
     device = torch.device(args.device)
+    pin_cuda_numerics(device)   # the engine's cuDNN settings (no TF32, fixed algorithms), not torch's defaults
     hidden = preset_configs(args.preset)[3].dit_hidden_size
     gen = torch.Generator().manual_seed(args.seed)
     torch.manual_seed(args.seed)

@@ -508,7 +508,9 @@ def test_cuda_fp8_decode_and_ragged_kernel_match_the_reference():
     cache.ragged_steps_in_kernel = True
     decode = PagedBatch.build([[3, 5, 7], [2], [9, 4, 10]], [20, 0, 30], [1, 1, 1], None, 16, "cuda")
     short = PagedBatch.build([[3, 5, 7], [2], [9, 4, 10]], [20, 0, 30], [12, 5, 1], None, 16, "cuda")
-    for batch, path in ((decode, "decode_kernel"), (short, "ragged_kernel")):
+    # the ragged step one program per token, then in row groups of 4 tokens (the engine's for a GQA group of 4)
+    for batch, path, groups in ((decode, "decode_kernel", 1), (short, "ragged_kernel", 1), (short, "ragged_kernel", 4)):
+        cache.ragged_tokens_per_program = groups
         q = torch.randn(batch.num_tokens, 8, 64, generator=g).cuda().bfloat16()
         before = dict(cache.path_counts)
         got = paged_attention(q, cache, 0, batch, 0.125)

@@ -252,7 +252,8 @@ class PagedBatch:
     # for the kernel's row groups (kernel_work.row_groups_host); None: one program per row.
     row_groups: tuple[torch.Tensor, torch.Tensor] | None = None
     _token_rows: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, init=False)
-    _token_groups: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False, init=False)
+    _token_groups: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False,
+                                                                                     init=False)
 
     def token_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The step as one decode row per new token, on the batch's device: ``(block_tables
@@ -266,13 +267,16 @@ class PagedBatch:
             self._token_rows = (self.block_tables.index_select(0, ids), self.token_seq_lens.to(dev, non_blocking=True))
         return self._token_rows
 
-    def token_row_groups(self, rows_per_group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def token_row_groups(self, rows_per_group: int, short_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The kernel's row groups of ``token_rows``: each sequence's new tokens in runs of
-        ``rows_per_group`` (int32, on the batch's device; kept for the other layers)."""
-        if rows_per_group not in self._token_groups:
-            self._token_groups[rows_per_group] = _groups_to(row_groups_host(self.num_new_list, rows_per_group),
-                                                            self.block_tables.device)
-        return self._token_groups[rows_per_group]
+        ``rows_per_group`` (int32, on the batch's device; kept for the other layers). ``short_only``:
+        of the sequences adding at most RAGGED_KERNEL_MAX_NEW tokens only, their rows renumbered
+        from 0 in order (the kernel part of a batch-invariant step with a long append)."""
+        key = (rows_per_group, short_only)
+        if key not in self._token_groups:
+            num_new = [n for n in self.num_new_list if n <= RAGGED_KERNEL_MAX_NEW] if short_only else self.num_new_list
+            self._token_groups[key] = _groups_to(row_groups_host(num_new, rows_per_group), self.block_tables.device)
+        return self._token_groups[key]
 
     @property
     def num_seqs(self) -> int:
@@ -460,8 +464,7 @@ def _per_sequence_paths(q: torch.Tensor, cache: PagedKVCache, layer: int, batch:
         tables, seq_lens = batch.token_rows()
         # the short sequences' rows keep the groups they have in a step of their own
         per = cache.ragged_tokens_per_program
-        groups = (_groups_to(row_groups_host([n for b, n in enumerate(batch.num_new_list) if not long[b]], per),
-                             q.device) if per > 1 else None)
+        groups = batch.token_row_groups(per, short_only=True) if per > 1 else None
         out[idx] = _kernel(q.index_select(0, idx), cache, layer, tables.index_select(0, idx),
                            seq_lens.index_select(0, idx), scale, groups)
     return out

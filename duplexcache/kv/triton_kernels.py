@@ -405,7 +405,7 @@ def paged_decode_attention(
             be in exactly one group. None: one row per program.
         rows_per_group: with ``row_groups``, the most rows of a group (``tokens_per_program``).
         block_n: keys per tile; default 64 for a 16-bit cache, 128 for fp8 (whose tile carries
-            half the bytes: 5 % faster at B=64, T=8000 on an H100, docs/results/gpu_stage0_h100_fp8).
+            half the bytes: 22.7 -> 21.4 ms at B=64, T=8000 on an H100, docs/results/ragged_groups_h100_2026-12-07).
 
     Returns:
         (B, Hq, D) in q's dtype.

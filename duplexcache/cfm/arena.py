@@ -84,7 +84,8 @@ from typing import Literal
 import torch
 from torch import nn
 
-from duplexcache.cfm.dit_solve import AttentionKeys, PrivateGather, estimator_forward, euler_times, twice
+from duplexcache.cfm.dit_norms import norm_kernel_available, residual_norm_modulate_torch, residual_norm_modulate_triton
+from duplexcache.cfm.dit_solve import AttentionKeys, PrivateGather, estimator_forward, euler_times, modulations, twice
 from duplexcache.cfm.graph_capture import ArenaStats, CudaGraphBackend, GraphBackend
 from duplexcache.cfm.private_gather import gather_private_torch, gather_private_triton, triton_gather_available
 from duplexcache.cfm.prompt_bank import PromptBank
@@ -115,7 +116,8 @@ class EulerArena:
     prompt_in_place=False keeps the old layout (each row K wide, the whole cache copied in): the
     reference the equality tests compare against, not a deploy setting. private_gather picks the
     copy of the private keys: "auto" (Triton on CUDA, the torch gather elsewhere), "torch" or
-    "triton" (tests: the CPU interpreter, or the eager reference on a GPU).
+    "triton" (tests: the CPU interpreter, or the eager reference on a GPU); dit_norms the same
+    for the estimator's residual + LayerNorm + modulation (cfm/dit_norms.py).
     """
 
     def __init__(self, estimator: nn.Module, rows: int, max_query: int, max_cache: int,
@@ -123,7 +125,8 @@ class EulerArena:
                  use_cuda_graphs: bool = True, graph_backend: GraphBackend | None = None,
                  max_private: int | None = None, prompt_in_place: bool = True,
                  prompt_bank_frames: int = 1, fixed_key_length: bool = False,
-                 private_gather: Literal["auto", "torch", "triton"] = "auto") -> None:
+                 private_gather: Literal["auto", "torch", "triton"] = "auto",
+                 dit_norms: Literal["auto", "torch", "triton"] = "auto") -> None:
         if rows < 1 or max_query < 1 or max_cache < 0 or key_bucket < 1:
             raise ValueError(f"bad arena shape: rows={rows} max_query={max_query} max_cache={max_cache} "
                              f"key_bucket={key_bucket}")
@@ -144,14 +147,10 @@ class EulerArena:
         # Frames a row keeps: the chunk's new keys only (old layout: K, the whole cache copied in).
         self.row_capacity = max_query if prompt_in_place else self.key_capacity
         self.setup_capacity = max_setup_query
-        if private_gather == "auto":
-            private_gather = "triton" if device.type == "cuda" and triton_gather_available(device) else "torch"
-        if private_gather not in ("torch", "triton"):
-            raise ValueError(f"private_gather must be 'auto', 'torch' or 'triton', got {private_gather!r}")
-        if private_gather == "triton" and not triton_gather_available(device):
-            raise ValueError(f"private_gather 'triton' cannot run on {device} here (no Triton, or off CUDA "
-                             "without TRITON_INTERPRET=1)")
+        private_gather = _kernel_choice("private_gather", private_gather, device, triton_gather_available(device))
         self.private_gather = private_gather
+        self.dit_norms = _kernel_choice("dit_norms", dit_norms, device, norm_kernel_available(device))
+        self._norm = residual_norm_modulate_triton if self.dit_norms == "triton" else residual_norm_modulate_torch
         z = dict(device=device, dtype=dtype)
         width = self.max_query
         self.x = torch.zeros(rows, mel, width, **z)        # initial noise per row
@@ -191,6 +190,9 @@ class EulerArena:
         self._row_storage: list[torch.Tensor | None] = [None] * rows
         self.t_steps, self.dt_steps = euler_times(n_timesteps, device, dtype)
         self.t_emb = torch.zeros(n_timesteps, hidden, **z)   # timestep embedding per Euler step
+        # every block's adaLN outputs per step (dit_solve.modulations), computed with t_emb
+        self.block_mods = torch.zeros(n_timesteps, depth, 9, hidden, **z)
+        self.final_mods = torch.zeros(n_timesteps, 2, hidden, **z)
         self._t_emb_ready = False
         if graph_backend is None and use_cuda_graphs and device.type == "cuda":
             graph_backend = CudaGraphBackend()
@@ -423,10 +425,14 @@ class EulerArena:
 
     @torch.inference_mode()
     def _prepare_time_embedding(self) -> None:
-        """t_emb[k] = t_embedder(t_k), computed once, outside any graph: the embedder builds its
-        frequency table on the host, and a host-to-device copy cannot be captured."""
+        """t_emb[k] = t_embedder(t_k) and every block's adaLN outputs of it, computed once, outside
+        any graph: the embedder builds its frequency table on the host, and a host-to-device copy
+        cannot be captured; the adaLN outputs are the same for every row and every solve."""
         if not self._t_emb_ready:
             self.t_emb.copy_(self.estimator.t_embedder(self.t_steps))
+            blocks, final = modulations(self.estimator, self.t_emb)
+            self.block_mods.copy_(blocks)
+            self.final_mods.copy_(final)
             self._t_emb_ready = True
 
     @torch.inference_mode()
@@ -456,11 +462,11 @@ class EulerArena:
             spec.frame_idx = self.frame_map[:tier, :lb].reshape(-1)
             spec.gather = self._private_gather(tier, width, lb)
         for k in range(self.n_timesteps):
-            c = self.t_emb[k].reshape(1, 1, -1)                                        # same t for every row
             spec.step = k
-            dphi = estimator_forward(self.estimator, twice(x), mu_in, c, spks_in, cond_in,
-                              self.cnn_in[k, :, :tier].flatten(1, 2), self.cnn_out[k, :, :tier].flatten(1, 2),
-                              att[k, :, :tier].flatten(1, 2), self.bank.frames[k], spec)
+            dphi = estimator_forward(self.estimator, twice(x), mu_in, spks_in, cond_in,
+                                     self.cnn_in[k, :, :tier].flatten(1, 2), self.cnn_out[k, :, :tier].flatten(1, 2),
+                                     att[k, :, :tier].flatten(1, 2), self.bank.frames[k], spec,
+                                     self.block_mods[k], self.final_mods[k], self._norm)
             dphi = dphi.unflatten(0, (tier, 2))
             dphi = (1.0 + self.cfg_rate) * dphi[:, 0] - self.cfg_rate * dphi[:, 1]
             x = x + self.dt_steps[k] * dphi
@@ -481,8 +487,8 @@ class EulerArena:
     def _ptrs(self) -> tuple[int, ...]:
         return tuple(b.data_ptr() for b in (self.x, self.out, self.mu, self.cond, self.spks, self.cnn_in,
                                             self.cnn_out, self.att, self.att_setup, self.t_steps,
-                                            self.dt_steps, self.t_emb, self.bank.frames, self._row_index,
-                                            self._row_maps))
+                                            self.dt_steps, self.t_emb, self.block_mods, self.final_mods,
+                                            self.bank.frames, self._row_index, self._row_maps))
 
     def index_nbytes(self) -> int:
         """Bytes of the int64 row indexes (lengths, storage addresses, frame and position maps):
@@ -495,6 +501,19 @@ class EulerArena:
         frames that voices own are their prompt states (`voice_bytes`, counted once per voice by
         the memory plan); its zero frame and any gap left by a removed voice count here."""
         bufs = (self.x, self.out, self.mu, self.cond, self.spks, self.cnn_in, self.cnn_out, self._att_storage,
-                self._row_index, self._row_maps)
+                self.block_mods, self.final_mods, self._row_index, self._row_maps)
         return (sum(b.numel() * b.element_size() for b in bufs)
                 + self.bank.nbytes() - self.bank.voice_nbytes())
+
+
+def _kernel_choice(name: str, choice: str, device: torch.device, available: bool) -> str:
+    """"auto" -> "triton" where the kernel can run on `device` (CUDA with Triton, or the CPU
+    interpreter), else "torch"; an explicit "triton" that cannot run is an error."""
+    if choice == "auto":
+        return "triton" if device.type == "cuda" and available else "torch"
+    if choice not in ("torch", "triton"):
+        raise ValueError(f"{name} must be 'auto', 'torch' or 'triton', got {choice!r}")
+    if choice == "triton" and not available:
+        raise ValueError(f"{name} 'triton' cannot run on {device} here (no Triton, or off CUDA without "
+                         "TRITON_INTERPRET=1)")
+    return choice

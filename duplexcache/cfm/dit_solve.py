@@ -14,10 +14,6 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return x * (1 + scale) + shift
-
-
 def twice(t: torch.Tensor) -> torch.Tensor:
     """(n, ...) -> (2n, ...) with every row repeated once in place: rows [r0, r0, r1, r1, ...].
     Same values as repeat_interleave(2, 0), written as expand + reshape so it never needs the host."""
@@ -102,21 +98,57 @@ def attention(attn: nn.Module, x: torch.Tensor, att: torch.Tensor, bank: torch.T
     return attend(attn, q, ws[:, :, :keys.num_keys], keys.mask)
 
 
-def estimator_forward(est: nn.Module, x: torch.Tensor, mu: torch.Tensor, c: torch.Tensor, spks: torch.Tensor,
-               cond: torch.Tensor, cnn_in: torch.Tensor, cnn_out: torch.Tensor, att: torch.Tensor,
-               bank: torch.Tensor, keys: AttentionKeys) -> torch.Tensor:
-    """One DiT call over B2 = 2 * tier rows. c (B2, 1, H) timestep embedding;
-    cnn_in/out (depth, B2, 2H, 2); att (depth, B2, heads, >= W, 2hd); bank (depth, 2, heads, F, 2hd)."""
+Norm = Callable[..., tuple[torch.Tensor, torch.Tensor]]   # dit_norms.residual_norm_modulate_*
+SCALES = (1, 4, 7)   # scale_msa, scale_mlp, scale_conv among a block's 9 adaLN outputs
+
+
+@torch.inference_mode()
+def modulations(est: nn.Module, t_emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every block's adaLN outputs per Euler step, computed once: the timestep embedding is the
+    same for every row, so they are constants of the weights and the step. Each is the call the
+    block makes on c (1, 1, H) and each scale is stored as `1 + scale`, the operands `models.flow.modulate`
+    computes, so the solve's values are the per-call ones bit for bit.
+
+    t_emb (steps, H) -> blocks (steps, depth, 9, H) in the order of `DiTBlock.modulation`, final
+    (steps, 2, H): shift, 1 + scale of the final layer."""
+    blocks, final = [], []
+    for k in range(t_emb.shape[0]):
+        c = t_emb[k].reshape(1, 1, -1)
+        mods = []
+        for block in est.blocks:
+            parts = list(block.adaLN_modulation(c).chunk(9, dim=-1))
+            for i in SCALES:
+                parts[i] = 1 + parts[i]
+            mods.append(torch.cat(parts, dim=0).reshape(9, -1))
+        blocks.append(torch.stack(mods))
+        shift, scale = est.final_layer.adaLN_modulation(c).chunk(2, dim=-1)
+        final.append(torch.cat([shift, 1 + scale], dim=0).reshape(2, -1))
+    return torch.stack(blocks), torch.stack(final)
+
+
+def estimator_forward(est: nn.Module, x: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor,
+                      cond: torch.Tensor, cnn_in: torch.Tensor, cnn_out: torch.Tensor, att: torch.Tensor,
+                      bank: torch.Tensor, keys: AttentionKeys, block_mods: torch.Tensor, final_mod: torch.Tensor,
+                      norm: Norm) -> torch.Tensor:
+    """One DiT call over B2 = 2 * tier rows at one Euler step. block_mods (depth, 9, H) and
+    final_mod (2, H): that step's `modulations`; cnn_in/out (depth, B2, 2H, 2); att (depth, B2,
+    heads, >= W, 2hd); bank (depth, 2, heads, F, 2hd). `norm` is the gated residual + LayerNorm +
+    modulation between sub-blocks (cfm/dit_norms.py), the torch operators or the fused kernel.
+    The order of operations is `DiTBlock.forward_chunk`'s: attention, causal conv, MLP."""
     width = x.shape[2]
     h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, width), cond], dim=1)
     h = est.in_proj(h.transpose(1, 2))                      # (B2, W, H)
+    m = block_mods[0]
+    h, y = norm(h, None, None, m[0], m[1])                  # norm1 of the first block
     for i, block in enumerate(est.blocks):
-        (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp,
-         shift_conv, scale_conv, gate_conv) = block.adaLN_modulation(c).chunk(9, dim=-1)
-        a = attention(block.attn, modulate(block.norm1(h), shift_msa, scale_msa), att[i], bank[i], keys, i)
-        h = h + gate_msa * a
-        conv, new_cnn = block.conv.forward_chunk(modulate(block.norm3(h), shift_conv, scale_conv), cnn_in[i])
+        m = block_mods[i]        # shift/scale1/gate for msa 0-2, mlp 3-5, conv 6-8
+        a = attention(block.attn, y, att[i], bank[i], keys, i)
+        h, y = norm(h, m[2], a, m[6], m[7])                 # + gate_msa * a; norm3
+        conv, new_cnn = block.conv.forward_chunk(y, cnn_in[i])
         cnn_out[i].copy_(new_cnn)
-        h = h + gate_conv * conv
-        h = h + gate_mlp * block.mlp(modulate(block.norm2(h), shift_mlp, scale_mlp))
-    return est.final_layer(h, c).transpose(1, 2)             # (B2, mel, W)
+        h, y = norm(h, m[8], conv, m[3], m[4])              # + gate_conv * conv; norm2
+        mlp = block.mlp(y)
+        nxt = block_mods[i + 1] if i + 1 < len(est.blocks) else None
+        shift, scale1 = (nxt[0], nxt[1]) if nxt is not None else (final_mod[0], final_mod[1])
+        h, y = norm(h, m[5], mlp, shift, scale1)            # + gate_mlp * mlp; next norm1 (or norm_final)
+    return est.final_layer.linear(y).transpose(1, 2)        # (B2, mel, W)

@@ -18,8 +18,9 @@ def test_arena_bytes_rows_from_grid_halves_the_arena():
     frame = 10 * 16 * 2 * 8 * 128 * 4
     att_per_row = frame * 56
     assert att_per_row * 32 < off["bytes"] < att_per_row * 32 * 1.1   # + conv caches, mel buffers (~8 %)
-    # per-row buffers halve; the bank's zero frame is per arena
-    assert 2 * (on["bytes"] - frame) == off["bytes"] - frame
+    # per-row buffers halve; the bank's zero frame and the adaLN outputs per (step, layer) are per arena
+    fixed = frame + (10 * 16 * 9 + 10 * 2) * 512 * 4
+    assert 2 * (on["bytes"] - fixed) == off["bytes"] - fixed
     assert on["replay_groups"] == [[0, 16, 16], [16, 8, 8]]
 
 

@@ -1,0 +1,140 @@
+"""The DiT's fused residual + LayerNorm + modulation (cfm/dit_norms.py): the Triton kernel (run on
+CPU by Triton's interpreter, and on CUDA where there is one) against the torch operators and a
+float64 reference; a whole plan solved through it against the torch path; sharing on/off through
+it `torch.equal`; which one the arena picks.
+
+TRITON_INTERPRET must be set before the kernel is decorated and is process-wide, so in an ordinary
+run one test reruns this file in a fresh process with TRITON_INTERPRET=1, where the others run
+directly (the CUDA test and the choice test run in the ordinary process).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from triton_interpreter import rerun_unless_interpreted  # noqa: E402
+
+triton = pytest.importorskip("triton", reason="triton is not installed: the kernel cannot run")
+
+from helpers import make_config, run_plan, tiny_models, token_stream, voice_inputs  # noqa: E402
+
+import duplexcache.cfm.dit_norms as dn  # noqa: E402
+from duplexcache.cfm.arena import _kernel_choice  # noqa: E402
+from duplexcache.cfm.code2wav import BatchedCode2Wav  # noqa: E402
+
+_INTERPRETED = dn.norm_kernel_available(torch.device("cpu"))
+_RUNNER = "test_in_a_fresh_interpreter_process"
+interpreted = pytest.mark.skipif(not _INTERPRETED, reason=f"needs the Triton interpreter; {_RUNNER} runs it")
+cuda = pytest.mark.skipif(_INTERPRETED or not torch.cuda.is_available(), reason="needs a compiled CUDA kernel")
+
+
+def test_in_a_fresh_interpreter_process():
+    out = rerun_unless_interpreted(_INTERPRETED, __file__)
+    assert "7 passed" in out, out[-2000:]   # the interpreted tests and the choice test
+
+
+def _inputs(dtype, device="cpu", b=3, w=7, hidden=96, strided=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    h = (torch.randn(b, w, hidden, generator=gen) * 3 + 1).to(device, dtype)
+    a = torch.randn(b, hidden, w, generator=gen).to(device, dtype).transpose(1, 2) if strided else \
+        torch.randn(b, w, hidden, generator=gen).to(device, dtype)
+    gate, shift = (torch.randn(hidden, generator=gen).to(device, dtype) for _ in range(2))
+    scale1 = (1 + torch.randn(hidden, generator=gen)).to(device, dtype)
+    return h, gate, a, shift, scale1
+
+
+def _float64(h, gate, a, shift, scale1, residual):
+    h, gate, a, shift, scale1 = (t.double() for t in (h, gate, a, shift, scale1))
+    if residual:
+        h = h + gate * a
+    return h, F.layer_norm(h, (h.shape[-1],), eps=dn.LAYER_NORM_EPS) * scale1 + shift
+
+
+def _check(dtype, device, residual, strided, hidden=96):
+    """Each output within a few roundings of the dtype of the float64 value, and no further from it
+    than the torch operators' output (plus one rounding)."""
+    h, gate, a, shift, scale1 = _inputs(dtype, device, hidden=hidden, strided=strided)
+    args = (gate, a) if residual else (None, None)
+    got_h, got_y = dn.residual_norm_modulate_triton(h, *args, shift, scale1)
+    ref_h, ref_y = dn.residual_norm_modulate_torch(h, *args, shift, scale1)
+    want_h, want_y = _float64(h, gate, a, shift, scale1, residual)
+    ulp = torch.finfo(dtype).eps
+    for got, ref, want in ((got_h, ref_h, want_h), (got_y, ref_y, want_y)):
+        assert got.dtype == dtype and got.shape == h.shape and got.is_contiguous()
+        err_got = ((got.double() - want).abs() / (want.abs() + 1)).max().item()
+        err_ref = ((ref.double() - want).abs() / (want.abs() + 1)).max().item()
+        assert err_got <= 8 * ulp, (err_got, ulp)
+        assert err_got <= err_ref + 2 * ulp, (err_got, err_ref)
+    if not residual:
+        assert got_h is h
+
+
+@interpreted
+@pytest.mark.parametrize("dtype,residual,strided", [
+    (torch.float32, True, False), (torch.float32, True, True), (torch.float32, False, False),
+    (torch.bfloat16, True, True)])
+def test_kernel_against_float64_and_the_torch_operators(dtype, residual, strided):
+    _check(dtype, "cpu", residual, strided)
+
+
+@interpreted
+def test_kernel_refuses_what_it_cannot_read():
+    h, gate, a, shift, scale1 = _inputs(torch.float32)
+    with pytest.raises(ValueError, match="contiguous"):
+        dn.residual_norm_modulate_triton(h.transpose(0, 1), gate, a, shift, scale1)
+    with pytest.raises(ValueError, match="96 contiguous values"):
+        dn.residual_norm_modulate_triton(h, gate, a, shift[:10], scale1)
+
+
+VOICES = {"a": voice_inputs(11, 10), "b": voice_inputs(12, 12)}
+PLAN = {f"s{i}": ("a" if i % 2 else "b", i // 2, token_stream(80 + i, 3)) for i in range(3)}
+
+
+@interpreted
+def test_a_plan_through_the_kernel_is_near_the_torch_path_and_sharing_stays_exact():
+    """What CUDA runs (the fused norms inside the solve) against the torch operators: within float32
+    rounding, and sharing on vs off through the kernel `torch.equal`."""
+    flow, hift = tiny_models()
+    kw = dict(max_num_seqs=4, graph_grid=(1, 4), arena_rows_from_graph_grid=True)
+    runs = {}
+    for norms, sharing in (("torch", True), ("triton", True), ("triton", False)):
+        stage = BatchedCode2Wav(flow, hift, make_config(flow, prompt_att_sharing=sharing, **kw))
+        stage.arena.private_gather = "triton"
+        stage.arena.dit_norms, stage.arena._norm = norms, (dn.residual_norm_modulate_triton if norms == "triton"
+                                                           else dn.residual_norm_modulate_torch)
+        runs[norms, sharing] = run_plan(stage, VOICES, PLAN, 5)
+    for sid in PLAN:
+        for kind in (0, 1):
+            ref, got, off = (runs[k][sid][kind] for k in (("torch", True), ("triton", True), ("triton", False)))
+            assert len(got) == 3
+            for r, g, o in zip(ref, got, off, strict=True):
+                assert torch.equal(g, o), sid
+                assert ((g - r).norm() / r.norm()).item() <= 1e-5, sid
+            assert any(not torch.equal(g, r) for r, g in zip(ref, got)) or kind == 1   # the kernel did run
+
+
+def test_the_arena_picks_the_kernel_on_cuda_only():
+    cuda_dev, cpu = torch.device("cuda"), torch.device("cpu")
+    assert _kernel_choice("dit_norms", "auto", cuda_dev, True) == "triton"
+    assert _kernel_choice("dit_norms", "auto", cuda_dev, False) == "torch"
+    assert _kernel_choice("dit_norms", "auto", cpu, True) == "torch"   # the interpreter is for tests only
+    assert _kernel_choice("dit_norms", "torch", cuda_dev, True) == "torch"
+    with pytest.raises(ValueError, match="cannot run"):
+        _kernel_choice("dit_norms", "triton", cpu, False)
+    with pytest.raises(ValueError, match="must be"):
+        _kernel_choice("dit_norms", "fast", cpu, True)
+    flow, hift = tiny_models()
+    stage = BatchedCode2Wav(flow, hift, make_config(flow))
+    assert stage.arena.dit_norms == "torch" and stage.arena._norm is dn.residual_norm_modulate_torch
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_kernel_against_float64_and_the_torch_operators(dtype):
+    for residual, strided in ((True, False), (True, True), (False, False)):
+        _check(dtype, "cuda", residual, strided, hidden=512)

@@ -204,6 +204,16 @@ def test_the_room_between_unit_ticks_is_the_time_left_before_the_next_one(tmp_pa
     assert [eng.scheduler.early_close.room(n) for n in range(3)] == [True, True, False]
     eng.scheduler.unit_tick = True                               # a unit tick: a unit x headroom, 0.9 s
     assert eng.scheduler.early_close.room(6) and not eng.scheduler.early_close.room(8)
+    # A tick between that ran 0.1 s past the line: the ticks between keep that much more room
+    eng.scheduler.unit_tick = False
+    eng.scheduler.finish_tick(0.1 + 0.1 * 2 + 0.1, 0.0, 2)
+    assert eng.scheduler.between_margin_s() == pytest.approx(0.1)
+    eng.scheduler.unit_tick, eng.scheduler.unit_tick_started = False, 100.0 - 0.65
+    assert [eng.scheduler.early_close.room(n) for n in range(3)] == [True, False, False]
+    eng.scheduler.unit_tick = True                               # unit ticks (admission) keep their limit
+    assert eng.scheduler.early_close.room(6)
+    eng.scheduler.finish_tick(0.9, 0.0, 4)                       # a unit tick's overrun is not the margin
+    assert eng.scheduler.between_margin_s() == pytest.approx(0.1)
     eng.shutdown()
 
 

@@ -324,7 +324,7 @@ def test_example_serving_config_turns_every_sharing_switch_on():
     assert d.model.preset == "minicpmo45"
     assert d.stage0.shared_anchor_blocks and d.context_cache.duplex_context_caching
     assert d.code2wav.cfm_prompt_att_sharing and d.code2wav.cfm_arena_rows_from_graph_grid
-    assert d.code2wav.graph_grid == (1, 4, 8, 16) and d.code2wav.arena_rows == 16
+    assert d.code2wav.graph_grid == (1, 4, 8, 12, 16, 20, 24, 28, 32) and d.code2wav.arena_rows == 32
     assert d.stage0.window.mode == "basic"
     assert d.stage0.ragged_kernel and d.engine.cuda_graphs and d.engine.memory_budget == "auto"
     # The preset's prefill chunk and context limit, written out (a missing key would fall back

@@ -84,7 +84,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from duplexcache.cfm.dit_norms import norm_kernel_available, residual_norm_modulate_torch, residual_norm_modulate_triton
+from duplexcache.cfm.dit_norms import norm_kernel_available, stack_qkv, torch_kernels, triton_kernels
 from duplexcache.cfm.dit_solve import AttentionKeys, PrivateGather, estimator_forward, euler_times, modulations, twice
 from duplexcache.cfm.graph_capture import ArenaStats, CudaGraphBackend, GraphBackend
 from duplexcache.cfm.private_gather import gather_private_torch, gather_private_triton, triton_gather_available
@@ -149,8 +149,9 @@ class EulerArena:
         self.setup_capacity = max_setup_query
         private_gather = _kernel_choice("private_gather", private_gather, device, triton_gather_available(device))
         self.private_gather = private_gather
-        self.dit_norms = _kernel_choice("dit_norms", dit_norms, device, norm_kernel_available(device))
-        self._norm = residual_norm_modulate_triton if self.dit_norms == "triton" else residual_norm_modulate_torch
+        # the projections kernel reads a head as one power-of-two block
+        head_pow2 = attn.head_dim & (attn.head_dim - 1) == 0
+        self.dit_norms = _kernel_choice("dit_norms", dit_norms, device, norm_kernel_available(device) and head_pow2)
         z = dict(device=device, dtype=dtype)
         width = self.max_query
         self.x = torch.zeros(rows, mel, width, **z)        # initial noise per row
@@ -193,6 +194,12 @@ class EulerArena:
         # every block's adaLN outputs per step (dit_solve.modulations), computed with t_emb
         self.block_mods = torch.zeros(n_timesteps, depth, 9, hidden, **z)
         self.final_mods = torch.zeros(n_timesteps, 2, hidden, **z)
+        # the fused kernels' q, k, v projections stacked per block (filled with the above)
+        inner = 3 * attn.num_heads * attn.head_dim
+        fused = self.dit_norms == "triton"
+        self.qkv_weight = torch.zeros(depth if fused else 0, inner, hidden, **z)
+        self.qkv_bias = torch.zeros(depth if fused else 0, inner, **z)
+        self.kernels = triton_kernels(self.qkv_weight, self.qkv_bias) if fused else torch_kernels()
         self._t_emb_ready = False
         if graph_backend is None and use_cuda_graphs and device.type == "cuda":
             graph_backend = CudaGraphBackend()
@@ -433,6 +440,8 @@ class EulerArena:
             blocks, final = modulations(self.estimator, self.t_emb)
             self.block_mods.copy_(blocks)
             self.final_mods.copy_(final)
+            if self.qkv_weight.numel():
+                stack_qkv(self.estimator.blocks, self.qkv_weight, self.qkv_bias)
             self._t_emb_ready = True
 
     @torch.inference_mode()
@@ -466,7 +475,7 @@ class EulerArena:
             dphi = estimator_forward(self.estimator, twice(x), mu_in, spks_in, cond_in,
                                      self.cnn_in[k, :, :tier].flatten(1, 2), self.cnn_out[k, :, :tier].flatten(1, 2),
                                      att[k, :, :tier].flatten(1, 2), self.bank.frames[k], spec,
-                                     self.block_mods[k], self.final_mods[k], self._norm)
+                                     self.block_mods[k], self.final_mods[k], self.kernels)
             dphi = dphi.unflatten(0, (tier, 2))
             dphi = (1.0 + self.cfg_rate) * dphi[:, 0] - self.cfg_rate * dphi[:, 1]
             x = x + self.dt_steps[k] * dphi
@@ -488,7 +497,8 @@ class EulerArena:
         return tuple(b.data_ptr() for b in (self.x, self.out, self.mu, self.cond, self.spks, self.cnn_in,
                                             self.cnn_out, self.att, self.att_setup, self.t_steps,
                                             self.dt_steps, self.t_emb, self.block_mods, self.final_mods,
-                                            self.bank.frames, self._row_index, self._row_maps))
+                                            self.qkv_weight, self.qkv_bias, self.bank.frames, self._row_index,
+                                            self._row_maps))
 
     def index_nbytes(self) -> int:
         """Bytes of the int64 row indexes (lengths, storage addresses, frame and position maps):
@@ -501,7 +511,7 @@ class EulerArena:
         frames that voices own are their prompt states (`voice_bytes`, counted once per voice by
         the memory plan); its zero frame and any gap left by a removed voice count here."""
         bufs = (self.x, self.out, self.mu, self.cond, self.spks, self.cnn_in, self.cnn_out, self._att_storage,
-                self.block_mods, self.final_mods, self._row_index, self._row_maps)
+                self.block_mods, self.final_mods, self.qkv_weight, self.qkv_bias, self._row_index, self._row_maps)
         return (sum(b.numel() * b.element_size() for b in bufs)
                 + self.bank.nbytes() - self.bank.voice_nbytes())
 

@@ -119,12 +119,15 @@ class BatchedCode2Wav:
     """Many Code2Wav sessions per estimator call, with optional shared prompt attention."""
 
     def __init__(self, flow: nn.Module, hift: nn.Module, config: Code2WavConfig,
-                 graph_backend: GraphBackend | None = None, prompt_in_place: bool = True) -> None:
+                 graph_backend: GraphBackend | None = None, prompt_in_place: bool = True,
+                 dit_norms: str = "auto") -> None:
         """On CUDA (and `config.use_cuda_graphs`) every estimator solve is a CUDA-graph replay,
         captured lazily per (tier, width, cache bucket); elsewhere it runs eagerly. `graph_backend`
         replaces the CUDA one (tests inject a fake to exercise the capture logic on CPU).
         `prompt_in_place=False` builds the arena's old layout (the whole cache copied into each
-        row): only the reference of the equality tests and the GPU check, not a deploy setting."""
+        row): only the reference of the equality tests and the GPU check, not a deploy setting;
+        `dit_norms` picks the estimator's fused kernels or the torch operators (`EulerArena`'s,
+        "auto": the kernels on CUDA) for the tests and the probe's A/B, not a deploy setting."""
         # The vocoder without weight norm's per-call recompute (same values; models.vocoder)
         self.flow, self.hift, self.config = flow, frozen_weight_norm(hift), config
         # What the copy holds beyond the models' own weights (0 when hift had no weight norm):
@@ -141,7 +144,7 @@ class BatchedCode2Wav:
             max_setup_query=config.max_prompt_frames, use_cuda_graphs=config.use_cuda_graphs,
             graph_backend=graph_backend, max_private=config.max_prompt_frames,
             prompt_in_place=prompt_in_place, prompt_bank_frames=config.prompt_bank_frames,
-            fixed_key_length=config.fixed_key_length)
+            fixed_key_length=config.fixed_key_length, dit_norms=dit_norms)
         self.registry = PromptRegistry(config.prompt_att_sharing)
         self.sessions: dict[str, _Session] = {}
         self._pending: dict[str, _Pending] = {}

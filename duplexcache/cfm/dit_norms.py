@@ -28,6 +28,9 @@ runs only under ``TRITON_INTERPRET=1`` (tests).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -45,7 +48,7 @@ ROWS_PER_PROGRAM = 4
 
 
 def norm_kernel_available(device: torch.device) -> bool:
-    """Whether `residual_norm_modulate_triton` can run on tensors of `device`."""
+    """Whether the Triton kernels here can run on tensors of `device`."""
     return triton_gather_available(device)
 
 
@@ -110,3 +113,109 @@ def residual_norm_modulate_triton(h: torch.Tensor, gate: torch.Tensor | None, a:
         h, a_arg, vecs[0], vecs[-2], vecs[-1], h_out, y, m, w, hidden, a_sb, a_sw, a_sh, eps,
         HAS_RES=has_res, BLOCK_M=ROWS_PER_PROGRAM, BLOCK_H=triton.next_power_of_2(hidden))
     return h_out, y
+
+
+# ---- the attention's projections: one GEMM for q, k and v, then q/k LayerNorm and the key writes
+def project_torch(attn, x: torch.Tensor, att: torch.Tensor, ws: torch.Tensor | None,
+                  qkv_weight: torch.Tensor | None = None, qkv_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The module's operators: three projections, q_norm / k_norm on the heads, the new keys and
+    values written to att[:, :, :W] (and copied to the workspace ws[:, :, :W] when given).
+    x (B2, W, H); att, ws (B2, heads, >= W, 2hd) -> q (B2, heads, W, hd)."""
+    b2, w, _ = x.shape
+    nh, hd = attn.num_heads, attn.head_dim
+    q = attn.to_q(x).reshape(b2, w, nh, hd).transpose(1, 2)
+    k = attn.to_k(x).reshape(b2, w, nh, hd).transpose(1, 2)
+    v = attn.to_v(x).reshape(b2, w, nh, hd).transpose(1, 2)
+    att[:, :, :w, :hd] = attn.k_norm(k)
+    att[:, :, :w, hd:] = v
+    if ws is not None:
+        ws[:, :, :w].copy_(att[:, :, :w])
+    return attn.q_norm(q)
+
+
+if triton is not None:
+    @triton.jit
+    def _qk_norm_scatter_kernel(qkv_ptr, qw_ptr, qb_ptr, kw_ptr, kb_ptr, q_ptr, att_ptr, ws_ptr,
+                                W, HEADS, att_sb, att_sh, att_sw, ws_sb, ws_sh, ws_sw, q_eps, k_eps,
+                                HD: tl.constexpr, BLOCK_HEADS: tl.constexpr, HAS_WS: tl.constexpr):
+        m = tl.program_id(0)                 # one (row, frame): its q, k, v of every head
+        b, w = m // W, m % W
+        heads = tl.arange(0, BLOCK_HEADS)
+        d = tl.arange(0, HD)
+        mask = (heads < HEADS)[:, None]
+        inner = HEADS * HD
+        offs = heads[:, None] * HD + d[None, :]
+        base = qkv_ptr + m * 3 * inner
+        q = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
+        k = tl.load(base + inner + offs, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(base + 2 * inner + offs, mask=mask, other=0.0)
+        qc = q - (tl.sum(q, axis=1) / HD)[:, None]
+        qn = qc * (1.0 / tl.sqrt(tl.sum(qc * qc, axis=1) / HD + q_eps))[:, None]
+        qn = qn * tl.load(qw_ptr + d).to(tl.float32)[None, :] + tl.load(qb_ptr + d).to(tl.float32)[None, :]
+        kc = k - (tl.sum(k, axis=1) / HD)[:, None]
+        kn = kc * (1.0 / tl.sqrt(tl.sum(kc * kc, axis=1) / HD + k_eps))[:, None]
+        kn = kn * tl.load(kw_ptr + d).to(tl.float32)[None, :] + tl.load(kb_ptr + d).to(tl.float32)[None, :]
+        kn = kn.to(att_ptr.dtype.element_ty)
+        tl.store(q_ptr + ((b * HEADS + heads[:, None]) * W + w) * HD + d[None, :],
+                 qn.to(q_ptr.dtype.element_ty), mask=mask)
+        a_offs = b * att_sb + heads[:, None] * att_sh + w * att_sw + d[None, :]
+        tl.store(att_ptr + a_offs, kn, mask=mask)
+        tl.store(att_ptr + a_offs + HD, v, mask=mask)
+        if HAS_WS:
+            w_offs = b * ws_sb + heads[:, None] * ws_sh + w * ws_sw + d[None, :]
+            tl.store(ws_ptr + w_offs, kn, mask=mask)
+            tl.store(ws_ptr + w_offs + HD, v, mask=mask)
+
+
+def project_triton(attn, x: torch.Tensor, att: torch.Tensor, ws: torch.Tensor | None,
+                   qkv_weight: torch.Tensor | None = None, qkv_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`project_torch` as one GEMM over the concatenated q, k, v weights (`qkv_weight` (3 x
+    inner, H), `qkv_bias`) and one kernel for both norms and the writes."""
+    b2, w, _ = x.shape
+    nh, hd = attn.num_heads, attn.head_dim
+    if qkv_weight is None or qkv_bias is None:
+        raise ValueError("project_triton needs the concatenated q, k, v weight and bias")
+    for t in (att,) + ((ws,) if ws is not None else ()):
+        if t.shape[0] != b2 or t.shape[1] != nh or t.shape[2] < w or t.shape[3] != 2 * hd or t.stride(3) != 1:
+            raise ValueError(f"key buffer {tuple(t.shape)} strides {t.stride()} cannot take {b2} rows x {nh} heads "
+                             f"x {w} frames x {2 * hd}")
+    qkv = F.linear(x, qkv_weight, qkv_bias).contiguous()              # (B2, W, 3 x inner)
+    q = torch.empty(b2, nh, w, hd, device=x.device, dtype=x.dtype)
+    ws_arg = ws if ws is not None else att
+    _qk_norm_scatter_kernel[(b2 * w,)](
+        qkv, attn.q_norm.weight, attn.q_norm.bias, attn.k_norm.weight, attn.k_norm.bias, q, att, ws_arg,
+        w, nh, att.stride(0), att.stride(1), att.stride(2), ws_arg.stride(0), ws_arg.stride(1), ws_arg.stride(2),
+        attn.q_norm.eps, attn.k_norm.eps, HD=hd, BLOCK_HEADS=triton.next_power_of_2(nh), HAS_WS=ws is not None)
+    return q
+
+
+@dataclass(frozen=True)
+class DitKernels:
+    """What an arena's solve runs for the fused steps: the torch operators (`torch_kernels`) or
+    the Triton kernels (`EulerArena` builds them with the concatenated q, k, v weights).
+    norm(h, gate, a, shift, scale1) -> (h', y); project(attn, x, att, ws, layer) -> q."""
+
+    name: str
+    norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    project: Callable[..., torch.Tensor]
+
+
+def torch_kernels() -> DitKernels:
+    return DitKernels("torch", residual_norm_modulate_torch,
+                      lambda attn, x, att, ws, layer: project_torch(attn, x, att, ws))
+
+
+def triton_kernels(qkv_weight: torch.Tensor, qkv_bias: torch.Tensor) -> DitKernels:
+    """qkv_weight (depth, 3 x inner, H), qkv_bias (depth, 3 x inner): every block's to_q, to_k,
+    to_v stacked (static buffers of the arena, filled before its first solve)."""
+    return DitKernels("triton", residual_norm_modulate_triton,
+                      lambda attn, x, att, ws, layer: project_triton(attn, x, att, ws, qkv_weight[layer],
+                                                                     qkv_bias[layer]))
+
+
+def stack_qkv(blocks, weight: torch.Tensor, bias: torch.Tensor) -> None:
+    """Fill `weight` (depth, 3 x inner, H) and `bias` with each block's q, k, v projections."""
+    for i, block in enumerate(blocks):
+        a = block.attn
+        weight[i].copy_(torch.cat([a.to_q.weight, a.to_k.weight, a.to_v.weight]))
+        bias[i].copy_(torch.cat([a.to_q.bias, a.to_k.bias, a.to_v.bias]))

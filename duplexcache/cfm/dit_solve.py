@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from duplexcache.cfm.dit_norms import DitKernels
+
 
 def twice(t: torch.Tensor) -> torch.Tensor:
     """(n, ...) -> (2n, ...) with every row repeated once in place: rows [r0, r0, r1, r1, ...].
@@ -37,15 +39,6 @@ def euler_times(n_timesteps: int, device: torch.device, dtype: torch.dtype) -> t
         if step < n_timesteps:
             dt = t_span[step + 1] - t
     return torch.stack(ts).to(out_dtype), torch.stack(dts).to(out_dtype)
-
-
-def qkv(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    b2, w, _ = x.shape
-    nh, hd = attn.num_heads, attn.head_dim
-    q = attn.to_q(x).reshape(b2, w, nh, hd).transpose(1, 2)   # (B2, heads, W, hd)
-    k = attn.to_k(x).reshape(b2, w, nh, hd).transpose(1, 2)
-    v = attn.to_v(x).reshape(b2, w, nh, hd).transpose(1, 2)
-    return attn.q_norm(q), attn.k_norm(k), v
 
 
 def attend(attn: nn.Module, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -75,17 +68,14 @@ class AttentionKeys:
 
 
 def attention(attn: nn.Module, x: torch.Tensor, att: torch.Tensor, bank: torch.Tensor,
-               keys: AttentionKeys, layer: int) -> torch.Tensor:
+              keys: AttentionKeys, layer: int, kernels: DitKernels) -> torch.Tensor:
     """x (B2, W, H); att (B2, heads, >= W, 2hd), the rows' new keys, written in place at
     [0, W); bank (2, heads, F, 2hd), this (step, layer)'s prompt frames of every voice."""
-    q, k, v = qkv(attn, x)
-    hd, width = attn.head_dim, keys.width
-    att[:, :, :width, :hd] = k       # keys are [new | cache]: new frames first
-    att[:, :, :width, hd:] = v
+    ws = None if keys.copied else keys.workspace
+    q = kernels.project(attn, x, att, ws, layer)   # keys are [new | cache]: new frames first
     if keys.copied:
         return attend(attn, q, att[:, :, :keys.num_keys], keys.mask)
-    ws = keys.workspace
-    ws[:, :, :width].copy_(att[:, :, :width])
+    width = keys.width
     lb = keys.num_keys - width
     if lb:
         b2, nh, cap, hd2 = ws.shape
@@ -98,7 +88,6 @@ def attention(attn: nn.Module, x: torch.Tensor, att: torch.Tensor, bank: torch.T
     return attend(attn, q, ws[:, :, :keys.num_keys], keys.mask)
 
 
-Norm = Callable[..., tuple[torch.Tensor, torch.Tensor]]   # dit_norms.residual_norm_modulate_*
 SCALES = (1, 4, 7)   # scale_msa, scale_mlp, scale_conv among a block's 9 adaLN outputs
 
 
@@ -129,20 +118,21 @@ def modulations(est: nn.Module, t_emb: torch.Tensor) -> tuple[torch.Tensor, torc
 def estimator_forward(est: nn.Module, x: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor,
                       cond: torch.Tensor, cnn_in: torch.Tensor, cnn_out: torch.Tensor, att: torch.Tensor,
                       bank: torch.Tensor, keys: AttentionKeys, block_mods: torch.Tensor, final_mod: torch.Tensor,
-                      norm: Norm) -> torch.Tensor:
+                      kernels: DitKernels) -> torch.Tensor:
     """One DiT call over B2 = 2 * tier rows at one Euler step. block_mods (depth, 9, H) and
     final_mod (2, H): that step's `modulations`; cnn_in/out (depth, B2, 2H, 2); att (depth, B2,
-    heads, >= W, 2hd); bank (depth, 2, heads, F, 2hd). `norm` is the gated residual + LayerNorm +
-    modulation between sub-blocks (cfm/dit_norms.py), the torch operators or the fused kernel.
+    heads, >= W, 2hd); bank (depth, 2, heads, F, 2hd). `kernels` (cfm/dit_norms.py): the gated
+    residual + LayerNorm + modulation between sub-blocks and the attention's projections, as the
+    torch operators or the fused kernels.
     The order of operations is `DiTBlock.forward_chunk`'s: attention, causal conv, MLP."""
-    width = x.shape[2]
+    width, norm = x.shape[2], kernels.norm
     h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, width), cond], dim=1)
     h = est.in_proj(h.transpose(1, 2))                      # (B2, W, H)
     m = block_mods[0]
     h, y = norm(h, None, None, m[0], m[1])                  # norm1 of the first block
     for i, block in enumerate(est.blocks):
         m = block_mods[i]        # shift/scale1/gate for msa 0-2, mlp 3-5, conv 6-8
-        a = attention(block.attn, y, att[i], bank[i], keys, i)
+        a = attention(block.attn, y, att[i], bank[i], keys, i, kernels)
         h, y = norm(h, m[2], a, m[6], m[7])                 # + gate_msa * a; norm3
         conv, new_cnn = block.conv.forward_chunk(y, cnn_in[i])
         cnn_out[i].copy_(new_cnn)

@@ -13,9 +13,10 @@ the step's wall clock (conformer + solve + vocoder, synchronised) and the solve 
 around the arena's replay). A least-squares line over the tiers gives ms per solve and ms per row.
 At each `--profile-tiers` tier one replay runs under torch.profiler: its kernels by name (count and
 device ms) and the replay's device span, so a span well above the kernels' sum is launch gaps.
-`--norms` runs the sweep once per implementation of the estimator's residual + LayerNorm +
-modulation (cfm/dit_norms.py: the fused Triton kernel the engine runs on CUDA, or the torch
-operators), each on a fresh stage, in one process: the A/B of that kernel.
+`--norms` runs the sweep once per implementation of the estimator's fused steps (cfm/dit_norms.py:
+the residual + LayerNorm + modulation and the q, k, v projections with their norms, as the Triton
+kernels the engine runs on CUDA or as the torch operators), each on a fresh stage, in one process:
+the A/B of those kernels.
 
 Writes results.json and results.md to --out.
 """
@@ -34,7 +35,6 @@ from torch.profiler import ProfilerActivity, profile
 from duplexcache.bench.common import hardware_line, int_list, write_results
 from duplexcache.bench.gpu_stage2 import chunk_tokens, stage2_models, voice
 from duplexcache.cfm import BatchedCode2Wav, Code2WavConfig, Code2WavShape
-from duplexcache.cfm.dit_norms import residual_norm_modulate_torch
 from duplexcache.runtime.memory.device_setup import pin_cuda_numerics
 
 logger = logging.getLogger(__name__)
@@ -185,9 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         args.mels = mels.setdefault(norms, {})
         cfg = Code2WavConfig(shape=Code2WavShape.from_flow(flow), max_num_seqs=max(tiers), prompt_att_sharing=True,
                              graph_grid=tiers, max_prompt_frames=PROMPT_FRAMES, use_cuda_graphs=True)
-        stage = BatchedCode2Wav(flow, hift, cfg)
-        if norms == "torch":   # before anything is captured: the arena's solve reads it when it captures
-            stage.arena.dit_norms, stage.arena._norm = "torch", residual_norm_modulate_torch
+        stage = BatchedCode2Wav(flow, hift, cfg, dit_norms=norms)
         stage.register_voice("v", *voice(PROMPT_FRAMES, args.seed, flow.vocab_size))
         timer = SolveTimer(stage)
         rows = [run_tier(stage, timer, t, args, flow.vocab_size, device) for t in tiers]

@@ -35,7 +35,7 @@ cuda = pytest.mark.skipif(_INTERPRETED or not torch.cuda.is_available(), reason=
 
 def test_in_a_fresh_interpreter_process():
     out = rerun_unless_interpreted(_INTERPRETED, __file__)
-    assert "7 passed" in out, out[-2000:]   # the interpreted tests and the choice test
+    assert "9 passed" in out, out[-2000:]   # the interpreted tests and the choice test
 
 
 def _inputs(dtype, device="cpu", b=3, w=7, hidden=96, strided=False, seed=0):
@@ -91,6 +91,41 @@ def test_kernel_refuses_what_it_cannot_read():
         dn.residual_norm_modulate_triton(h, gate, a, shift[:10], scale1)
 
 
+@interpreted
+@pytest.mark.parametrize("with_workspace", [True, False])
+def test_projections_kernel_against_the_module_operators(with_workspace):
+    """One GEMM over the stacked q, k, v weights and one kernel for q_norm, k_norm and the key
+    writes: q, the row's new keys and values, and the workspace's copy of them within float32
+    rounding of the module's operators; everything past the chunk's frames untouched."""
+    from duplexcache.models.flow import DiTAttention
+
+    torch.manual_seed(0)
+    attn = DiTAttention(64, 2, 32)
+    for norm in (attn.q_norm, attn.k_norm):   # affine norms that are not the identity
+        torch.nn.init.normal_(norm.weight)
+        torch.nn.init.normal_(norm.bias)
+    b2, w, cap = 4, 5, 9
+    x = torch.randn(b2, w, 64)
+    fill = torch.randn(b2, 2, cap + 3, 64)
+    weight, bias = torch.zeros(1, 192, 64), torch.zeros(1, 192)
+    dn.stack_qkv([type("Block", (), {"attn": attn})()], weight, bias)
+    outs = {}
+    for name in ("torch", "triton"):
+        att = fill.clone()[:, :, 1:cap + 1]                 # a strided view, as the arena's rows are
+        ws = fill.clone()[:, :, :cap] if with_workspace else None
+        fn = dn.project_torch if name == "torch" else dn.project_triton
+        with torch.no_grad():
+            q = fn(attn, x, att, ws, weight[0], bias[0])
+        outs[name] = q, att, ws
+    (q_ref, att_ref, ws_ref), (q, att, ws) = outs["torch"], outs["triton"]
+    assert q.shape == (b2, 2, w, 32) and torch.allclose(q, q_ref, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(att, att_ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(att[:, :, w:], fill[:, :, 1 + w:cap + 1])
+    if with_workspace:
+        assert torch.allclose(ws, ws_ref, atol=1e-5, rtol=1e-5) and torch.equal(ws[:, :, :w], att[:, :, :w])
+        assert torch.equal(ws[:, :, w:], fill[:, :, w:cap])
+
+
 VOICES = {"a": voice_inputs(11, 10), "b": voice_inputs(12, 12)}
 PLAN = {f"s{i}": ("a" if i % 2 else "b", i // 2, token_stream(80 + i, 3)) for i in range(3)}
 
@@ -103,10 +138,9 @@ def test_a_plan_through_the_kernel_is_near_the_torch_path_and_sharing_stays_exac
     kw = dict(max_num_seqs=4, graph_grid=(1, 4), arena_rows_from_graph_grid=True)
     runs = {}
     for norms, sharing in (("torch", True), ("triton", True), ("triton", False)):
-        stage = BatchedCode2Wav(flow, hift, make_config(flow, prompt_att_sharing=sharing, **kw))
+        stage = BatchedCode2Wav(flow, hift, make_config(flow, prompt_att_sharing=sharing, **kw), dit_norms=norms)
         stage.arena.private_gather = "triton"
-        stage.arena.dit_norms, stage.arena._norm = norms, (dn.residual_norm_modulate_triton if norms == "triton"
-                                                           else dn.residual_norm_modulate_torch)
+        assert stage.arena.kernels.name == norms
         runs[norms, sharing] = run_plan(stage, VOICES, PLAN, 5)
     for sid in PLAN:
         for kind in (0, 1):
@@ -130,7 +164,8 @@ def test_the_arena_picks_the_kernel_on_cuda_only():
         _kernel_choice("dit_norms", "fast", cpu, True)
     flow, hift = tiny_models()
     stage = BatchedCode2Wav(flow, hift, make_config(flow))
-    assert stage.arena.dit_norms == "torch" and stage.arena._norm is dn.residual_norm_modulate_torch
+    assert stage.arena.dit_norms == "torch" and stage.arena.kernels.name == "torch"
+    assert stage.arena.qkv_weight.numel() == 0          # no stacked projections without the kernels
 
 
 @cuda

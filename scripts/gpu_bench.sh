@@ -101,15 +101,16 @@ case "$mode" in
   slope)  # issue 49: per-stage ms per extra session (the slope of p50 over the counts) beside the floor, --steady-window,
     # conversation workload. exact: the shared config's formats (examples/minicpmo45-shared.yaml: Code2Wav float32, KV
     # bf16); capacity: examples/minicpmo45-capacity.yaml's (Code2Wav bf16, KV fp8, 1024-token Talker turns). Each arm
-    # fits one 10-minute call (SLOPE_ARMS="exact" or "capacity" runs one); counts past admission are recorded refused (capacity at full windows on an H100: 59 admitted, 2026-12-07)
+    # fits one 10-minute call (SLOPE_ARMS="exact" or "capacity" runs one); counts past admission are recorded refused (the
+    # examples' grid 1,...,32 at full windows on an H100: exact 30, capacity 58 admitted, 2026-12-07)
     for arm in ${SLOPE_ARMS:-exact capacity}; do
       case "$arm" in
-        exact) counts=${SLOPE_EXACT_SESSIONS:-8,16,24,32}; formats="" ;;
-        capacity) counts=${SLOPE_CAPACITY_SESSIONS:-16,32,48,59}
+        exact) counts=${SLOPE_EXACT_SESSIONS:-8,16,24,30}; formats="" ;;
+        capacity) counts=${SLOPE_CAPACITY_SESSIONS:-16,32,48,58}
           formats="--code2wav-dtype bfloat16 --kv-cache-dtype fp8_e4m3 --talker-turn-tokens 1024" ;;
         *) echo "slope: unknown arm $arm (exact, capacity)"; continue ;;
       esac
-      step "engine_ticks_slope_$arm" 580 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions "$counts" --workload conversation --steady-window --all-switches on --ticks 8 --warmup-ticks 8 --max-seconds 540 --memory-budget auto --graph-grid 1,4,8,16 $formats --out "$out/engine_ticks_slope_$arm"
+      step "engine_ticks_slope_$arm" 580 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions "$counts" --workload conversation --steady-window --all-switches on --ticks 8 --warmup-ticks 8 --max-seconds 540 --memory-budget auto --graph-grid ${SLOPE_GRID:-1,4,8,12,16,20,24,28,32} $formats --out "$out/engine_ticks_slope_$arm"
       sed -n '/## Per-stage cost per extra session/,$p' "$out/engine_ticks_slope_$arm/results.md"
     done ;;
   video)  # issue 47: `verify vision` at the real shapes (~2 GB of random float32 weights, ours + transformers' Idefics2

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU A/Bs and probes of earlier rounds, whose results are in docs/results/HISTORY.md (each section
 # names its mode): they reproduce no current table of docs/benchmarks.md, and are kept so a settled
-# decision can be re-checked on new hardware; and probes for an open issue (dit_conv_forms: issue 49). Usage, as
+# decision can be re-checked on new hardware; and probes for an open issue (dit_conv_forms, c2w_solve_tiers, trace_gaps: issue 49). Usage, as
 # scripts/gpu_bench.sh:
 #   OUT=/path/to/results bash scripts/probes/gpu_probes.sh MODE [MODE ...]
 . "$(dirname "$0")/../gpu_bench_lib.sh"
@@ -161,6 +161,11 @@ d = DeployConfig.from_packaged_yaml("minicpmo45"); d.engine.cuda_graphs = True; 
   dit_conv_forms)  # issue 49: the DiT causal conv block as the engine runs it (transposes around a cuDNN Conv1d:
     # 1936 layout conversions per capacity tick at 59 sessions) vs time-major GEMMs, bf16 and float32, with errors (~1 min)
     step dit_conv_forms 120 python3 scripts/probes/dit_conv_forms.py --preset minicpmo45 --device cuda --out "$out/dit_conv_forms" ;;
+  c2w_solve_tiers)  # issue 49: a whole-Euler Code2Wav solve per graph tier (fixed ms + ms a row), the fused DiT
+    # kernels vs the torch operators in one process, one replay's kernels (~3 min)
+    step c2w_solve_tiers 300 python3 scripts/probes/c2w_solve_tiers.py --tiers 1,4,8,16,24,32 --profile-tiers 1,16 --out "$out/c2w_solve_tiers" ;;
+  trace_gaps)  # issue 49: where the device waits in an exact tick at full windows (scripts/probes/trace_gaps.py)
+    TRACE_OUT="$out/trace_gaps" step trace_gaps 420 python3 scripts/probes/trace_gaps.py bench ticks --preset minicpmo45 --device cuda --workload conversation --steady-window --all-switches on --warmup-ticks 6 --memory-budget auto --profile-ticks 2 --sessions 30 --ticks 3 --max-seconds 400 --out "$out/trace_gaps_ticks" ;;
   precision)  # issue 15 capacity mode: Code2Wav bfloat16 vs float32 on the same weights: error over a 60 s call, bytes, ms per step
     step precision 240 python3 scripts/probes/code2wav_precision.py --preset minicpmo45 --device cuda --sessions 4 --chunks 60 --batches 1,8,32 --out "$out/precision" ;;
   serve_precision)  # issue 15 capacity mode over the wire: serve_conversation with precision.code2wav_dtype float32,

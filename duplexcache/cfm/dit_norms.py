@@ -1,4 +1,5 @@
-"""The DiT estimator's residual + LayerNorm + adaLN modulation, as one step.
+"""The DiT estimator's fused steps: the residual + LayerNorm + adaLN modulation between its
+sub-blocks, and the attention's q, k, v projections with their norms.
 
 Every DiT block ends each sub-block (attention, causal conv, MLP) with a gated residual and starts
 the next one with a LayerNorm (no affine, eps 1e-6) and its adaLN modulation:
@@ -8,23 +9,28 @@ the next one with a LayerNorm (no affine, eps 1e-6) and its adaLN modulation:
 
 In the arena's solve `gate`, `1 + scale` and `shift` are one (hidden,) vector each per (Euler
 step, layer): the timestep embedding is the same for every row, so `EulerArena` computes them
-once (`dit_solve.Modulations`). Written as torch operators this is five kernels over the
+once (`dit_solve.modulations`). Written as torch operators this is five kernels over the
 (rows x frames, hidden) activations (mul, add, layer_norm, mul, add), three times per block, in
-each of the 10 Euler steps: at tier 1 the solve is ~11 000 small kernels (H100, 2026-12-07,
-`scripts/probes/c2w_solve_tiers.py`), so launches and their gaps are most of its fixed cost.
+each of the 10 Euler steps; the attention's input then takes three projections, two norms over
+the heads and five copies (the keys into the row and the workspace). At tier 1 a solve was
+~11 000 small kernels (H100, 2026-12-07, `scripts/probes/c2w_solve_tiers.py`), so launches and
+their gaps were most of its fixed cost.
 
-Two implementations of the same function:
+Two implementations of each step, bundled as `DitKernels`:
 
-* `residual_norm_modulate_torch`: those operators, in the order the model code applies them, so
-  its bits are the module path's (`DiTBlock.forward_chunk`). The CPU path and the reference.
-* `residual_norm_modulate_triton`: one launch; each program takes a few rows, adds the gated
-  residual, stores h', and normalises and modulates in float32 (a bfloat16 h' is rounded before
-  the norm reads it, as the torch path reads the stored tensor). Another summation order, so
-  other bits (within float32 rounding of the torch path; the tests bound it), the same in every
-  engine of a process: sharing on and off run the same kernel, so they stay `torch.equal`.
+* torch (`residual_norm_modulate_torch`, `project_torch`): those operators, in the order the
+  model code applies them, so their bits are the module path's (`DiTBlock.forward_chunk`). The
+  CPU path and the reference.
+* triton (`residual_norm_modulate_triton`, `project_triton`): one launch for the norm step (each
+  program takes a few rows, adds the gated residual, stores h', normalises and modulates in
+  float32; a bfloat16 h' is rounded before the norm reads it, as the torch path reads the stored
+  tensor); for the projections one GEMM over the stacked q, k, v weights and one launch for both
+  norms and the key writes. Another summation order, so other bits (within float32 rounding of
+  the torch path; the tests bound it), the same in every engine of a process: sharing on and off
+  run the same kernels, so they stay `torch.equal`.
 
-Triton is optional, as for the private-key gather (`cfm/private_gather.py`): off CUDA the kernel
-runs only under ``TRITON_INTERPRET=1`` (tests).
+Triton is optional, as for the private-key gather (`cfm/private_gather.py`): off CUDA the kernels
+run only under ``TRITON_INTERPRET=1`` (tests).
 """
 from __future__ import annotations
 

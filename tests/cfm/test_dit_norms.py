@@ -126,30 +126,30 @@ def test_projections_kernel_against_the_module_operators(with_workspace):
         assert torch.equal(ws[:, :, w:], fill[:, :, w:cap])
 
 
-VOICES = {"a": voice_inputs(11, 10), "b": voice_inputs(12, 12)}
-PLAN = {f"s{i}": ("a" if i % 2 else "b", i // 2, token_stream(80 + i, 3)) for i in range(3)}
+VOICES = {"a": voice_inputs(11, 10)}
+# Small: the interpreter runs every program of every kernel in Python
+PLAN = {"s0": ("a", 0, token_stream(80, 2)), "s1": ("a", 1, token_stream(81, 2))}
 
 
 @interpreted
-def test_a_plan_through_the_kernel_is_near_the_torch_path_and_sharing_stays_exact():
-    """What CUDA runs (the fused norms inside the solve) against the torch operators: within float32
-    rounding, and sharing on vs off through the kernel `torch.equal`."""
+def test_a_plan_through_the_kernels_is_near_the_torch_path():
+    """What CUDA runs (the fused kernels inside the solve) against the torch operators: within
+    float32 rounding over a plan (the voice's setup pass, a late start, final chunks). Sharing on vs off
+    through the kernels is `torch.equal` on CUDA (tests/cfm/test_graphs.py), where they run."""
     flow, hift = tiny_models()
-    kw = dict(max_num_seqs=4, graph_grid=(1, 4), arena_rows_from_graph_grid=True)
+    kw = dict(max_num_seqs=2, graph_grid=(1, 2), arena_rows_from_graph_grid=True, prompt_att_sharing=True)
     runs = {}
-    for norms, sharing in (("torch", True), ("triton", True), ("triton", False)):
-        stage = BatchedCode2Wav(flow, hift, make_config(flow, prompt_att_sharing=sharing, **kw), dit_norms=norms)
-        stage.arena.private_gather = "triton"
-        assert stage.arena.kernels.name == norms
-        runs[norms, sharing] = run_plan(stage, VOICES, PLAN, 5)
+    for norms in ("torch", "triton"):
+        stage = BatchedCode2Wav(flow, hift, make_config(flow, **kw), dit_norms=norms)
+        assert stage.arena.kernels.name == norms and stage.arena.private_gather == "torch"   # only these kernels
+        runs[norms] = run_plan(stage, VOICES, PLAN, 3)
     for sid in PLAN:
         for kind in (0, 1):
-            ref, got, off = (runs[k][sid][kind] for k in (("torch", True), ("triton", True), ("triton", False)))
-            assert len(got) == 3
-            for r, g, o in zip(ref, got, off, strict=True):
-                assert torch.equal(g, o), sid
+            ref, got = runs["torch"][sid][kind], runs["triton"][sid][kind]
+            assert len(got) == 2
+            for r, g in zip(ref, got, strict=True):
                 assert ((g - r).norm() / r.norm()).item() <= 1e-5, sid
-            assert any(not torch.equal(g, r) for r, g in zip(ref, got)) or kind == 1   # the kernel did run
+            assert kind == 1 or any(not torch.equal(g, r) for r, g in zip(ref, got))   # the kernels did run
 
 
 def test_the_arena_picks_the_kernel_on_cuda_only():

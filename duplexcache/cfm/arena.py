@@ -117,7 +117,8 @@ class EulerArena:
     reference the equality tests compare against, not a deploy setting. private_gather picks the
     copy of the private keys: "auto" (Triton on CUDA, the torch gather elsewhere), "torch" or
     "triton" (tests: the CPU interpreter, or the eager reference on a GPU); dit_norms the same
-    for the estimator's residual + LayerNorm + modulation (cfm/dit_norms.py).
+    for the estimator's fused steps, the residual + LayerNorm + modulation and the attention's
+    projections (cfm/dit_norms.py).
     """
 
     def __init__(self, estimator: nn.Module, rows: int, max_query: int, max_cache: int,
@@ -517,8 +518,9 @@ class EulerArena:
 
 
 def _kernel_choice(name: str, choice: str, device: torch.device, available: bool) -> str:
-    """"auto" -> "triton" where the kernel can run on `device` (CUDA with Triton, or the CPU
-    interpreter), else "torch"; an explicit "triton" that cannot run is an error."""
+    """`choice` as run: "auto" is "triton" on CUDA where the kernel is available, else "torch"
+    (the CPU interpreter is for tests, which ask for "triton"); an explicit "triton" that cannot
+    run is an error."""
     if choice == "auto":
         return "triton" if device.type == "cuda" and available else "torch"
     if choice not in ("torch", "triton"):

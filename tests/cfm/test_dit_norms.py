@@ -9,6 +9,7 @@ directly (the CUDA test and the choice test run in the ordinary process).
 """
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
@@ -166,6 +167,15 @@ def test_the_arena_picks_the_kernel_on_cuda_only():
     stage = BatchedCode2Wav(flow, hift, make_config(flow))
     assert stage.arena.dit_norms == "torch" and stage.arena.kernels.name == "torch"
     assert stage.arena.qkv_weight.numel() == 0          # no stacked projections without the kernels
+
+
+@cuda
+def test_a_cuda_stage_runs_the_kernels():
+    """What the engine's Code2Wav stage builds on CUDA (dit_norms "auto") runs the fused kernels."""
+    flow, hift = (copy.deepcopy(m).cuda() for m in tiny_models())   # the helpers cache the CPU models
+    stage = BatchedCode2Wav(flow, hift, make_config(flow))
+    assert stage.arena.dit_norms == "triton" and stage.arena.kernels.name == "triton"
+    assert stage.arena.qkv_weight.shape[0] == len(flow.decoder.estimator.blocks)
 
 
 @cuda

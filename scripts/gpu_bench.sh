@@ -4,7 +4,7 @@
 #   OUT=/path/to/results bash scripts/gpu_bench.sh MODE [MODE ...]
 # smoke: every benchmark on the tiny preset (catches device bugs in seconds); suite: the whole pytest suite;
 # bench, batch_invariance, card_tests, card_waterfall, card_dialects, card_before, card_capacity, card_bench, serve_ragged_graphs,
-# setup, stage0, stage2, slope, video, soak: the minicpmo45 figures (random weights), each fits one 10-minute device call.
+# setup, stage0, stage2, slope, wire, video, soak: the minicpmo45 figures (random weights), each fits one 10-minute device call.
 # The A/Bs and probes of earlier rounds (docs/results/HISTORY.md) are modes of scripts/probes/gpu_probes.sh.
 # Every step is a `duplexcache bench BENCHMARK` command (run as `python3 -m duplexcache.cli`, so no install is needed).
 # Needs torch with CUDA, triton, numpy, pyyaml, safetensors, pydantic, tqdm, matplotlib; the serve modes also
@@ -29,7 +29,7 @@ case "$mode" in
     step smoke_ticks_video 120 python3 -m duplexcache.cli bench ticks --preset tiny --device cuda --sessions 1,2 --ticks 2 --video-share 1 $small --out "$out/smoke_ticks_video"
     step smoke_setup 120 python3 -m duplexcache.cli bench setup --preset tiny --device cuda --sessions 3 --repeats 1 --out "$out/smoke_setup"
     serve_conversation smoke_serve duplexcache/configs/tiny.yaml 2 16 "engine.memory_budget=512MiB"   # 16 s: every caller reaches its first reply
-    step gpu_tests 240 python3 -m pytest -q -x tests/cfm/test_graphs.py tests/kv/test_paged_attention.py tests/kv/test_decode_graphs.py tests/models/test_audio_encoder_graphs.py tests/runtime/test_warmup.py -p no:cacheprovider ;;
+    step gpu_tests 240 python3 -m pytest -q -x tests/cfm/test_graphs.py tests/cfm/test_dit_norms.py tests/kv/test_paged_attention.py tests/kv/test_decode_graphs.py tests/models/test_audio_encoder_graphs.py tests/runtime/test_warmup.py -p no:cacheprovider ;;
   suite)  # issue 14: the whole test suite on the GPU machine (CUDA tests run, interpreter tests skip; -q comes from pyproject).
     # SUITE_WORKERS (default 8); each worker's torch gets nproc / workers threads: at 12 workers with torch on all 16
     # cores a tiny CPU engine's tick took 21-27 s and the real-time server tests failed; 8 workers of 2 threads: 1226
@@ -113,6 +113,16 @@ case "$mode" in
       step "engine_ticks_slope_$arm" 580 python3 -m duplexcache.cli bench ticks --preset minicpmo45 --device cuda --sessions "$counts" --workload conversation --steady-window --all-switches on --ticks 8 --warmup-ticks 8 --max-seconds 540 --memory-budget auto --graph-grid ${SLOPE_GRID:-1,4,8,12,16,20,24,28,32} $formats --out "$out/engine_ticks_slope_$arm"
       sed -n '/## Per-stage cost per extra session/,$p' "$out/engine_ticks_slope_$arm/results.md"
     done ;;
+  wire)  # issue 49 over the wire: a fresh server per config, one caller past what each admits at full windows (the
+    # examples' grid 1,...,32 on an 80 GB H100: exact 30, capacity 58; 2026-12-07), 60 s of conversation: every admitted
+    # caller gets audio, 0 late ticks, reply p99 <= 1.5 s (~3.5 min per config on a warm machine; WIRE_CONFIGS picks)
+    for arm in ${WIRE_CONFIGS:-exact capacity}; do
+      case "$arm" in
+        exact) SERVE_READY_S=300 SERVE_STEP_LIMIT=120 serve_conversation wire_exact examples/minicpmo45-shared.yaml "${WIRE_EXACT_CALLERS:-31}" 60 ;;
+        capacity) SERVE_READY_S=300 SERVE_STEP_LIMIT=120 serve_conversation wire_capacity examples/minicpmo45-capacity.yaml "${WIRE_CAPACITY_CALLERS:-59}" 60 ;;
+        *) echo "wire: unknown config $arm (exact, capacity)" ;;
+      esac
+    done ;;
   video)  # issue 47: `verify vision` at the real shapes (~2 GB of random float32 weights, ours + transformers' Idefics2
     # on the GPU, TF32 off), then `bench ticks` with every session a video session (a 640x480 JPEG per unit, 1 fps),
     # half video, half audio, and audio only (the baseline), at the same counts (32: past what the plan admits, so its
@@ -133,6 +143,6 @@ case "$mode" in
     # the first stage that differs (its host copies slow the ticks, so the cost comes from the untraced run; ~1.5 min)
     step batch_invariance 420 python3 scripts/batch_invariance.py --preset minicpmo45 --device cuda --others 1,7,31 --units 5 --arms on,off --variants default,no_mean --out "$out/batch_invariance"
     step batch_invariance_trace 150 python3 scripts/batch_invariance.py --preset minicpmo45 --device cuda --others 31 --units 5 --arms on --trace --out "$out/batch_invariance_trace" ;;
-  *) echo "unknown mode $mode (soak|smoke|suite|bench|setup|card_tests|card_waterfall|card_dialects|card_before|card_capacity|card_bench|serve_ragged_graphs|stage0|stage2|batch_invariance)"; exit 2 ;;
+  *) echo "unknown mode $mode (soak|smoke|suite|bench|setup|card_tests|card_waterfall|card_dialects|card_before|card_capacity|card_bench|serve_ragged_graphs|stage0|stage2|slope|wire|video|batch_invariance)"; exit 2 ;;
 esac
 done

@@ -217,6 +217,29 @@ def test_the_room_between_unit_ticks_is_the_time_left_before_the_next_one(tmp_pa
     eng.shutdown()
 
 
+def test_an_overrun_between_ages_out_by_unit_ticks(tmp_path):
+    """One outlier between unit ticks (a pause of the host, say) stops early closes, so no tick
+    between comes to replace it: its margin ends after BETWEEN_OVERRUN_UNIT_TICKS unit ticks."""
+    eng = engine(tmp_path, "room_age", {"engine": {"tick_seconds": 1.0, "tick_headroom": 0.9}})
+    eng.set_tick_phases(2)
+    sched = eng.scheduler
+    for units in (1, 3, 5):
+        sched.tick_cost.observe(0.1 + 0.1 * units, units)
+    sched.start_tick(True, 0.0)
+    sched.start_tick(False, 0.5)
+    sched.finish_tick(0.3 + 0.8, 0.0, 2)                         # 0.8 s past the line
+    assert sched.between_margin_s() == pytest.approx(0.8)
+    sched.start_tick(False, 0.6)
+    sched.finish_tick(0.3 + 0.05, 0.0, 2)
+    for tick in range(1, scheduler_module.BETWEEN_OVERRUN_UNIT_TICKS):
+        sched.start_tick(True, float(tick))                      # unit ticks only: no early close fits
+        sched.finish_tick(0.2, 0.0, 1)
+        assert sched.between_margin_s() == pytest.approx(0.8), tick
+    sched.start_tick(True, 99.0)
+    assert sched.between_margin_s() == 0.0
+    eng.shutdown()
+
+
 def test_an_early_close_joins_a_tick_only_while_it_has_room(tmp_path):
     """Two callers whose turns end alike: with room for one unit per tick, the first is closed
     early at tick 3 and the second waits for its whole unit at tick 4, as without phases."""

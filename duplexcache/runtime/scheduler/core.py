@@ -36,7 +36,10 @@ from duplexcache.runtime.engine_session import EngineSession, SessionTable, Unit
 from duplexcache.runtime.scheduler.pacing import PrefillTimes
 
 logger = logging.getLogger(__name__)
-BETWEEN_OVERRUN_TICKS = 16   # ticks between whose overruns set their margin (Scheduler.between_margin_s)
+# Scheduler.between_margin_s: the overruns of ticks between in the latest this many unit ticks. They
+# age out by unit ticks, not by ticks between: a large margin stops the early closes, so no tick between
+# would come to replace one outlier, and the margin would stay for good.
+BETWEEN_OVERRUN_UNIT_TICKS = 16
 
 # What an aligned session's units end before their tick beyond its largest chunk
 # (UnitAlignment.lead): chunks arrive whole and a little late (the client's timer, the network,
@@ -202,8 +205,11 @@ class Scheduler:
         # started (perf_counter; None before the first), for the room of the ticks between
         self.unit_tick = True
         self.unit_tick_started: float | None = None
-        # How far the latest ticks between ran past the cost line's prediction (seconds)
-        self.between_overrun: deque[float] = deque(maxlen=BETWEEN_OVERRUN_TICKS)
+        self.unit_ticks = 0   # unit ticks started (the clock the overruns below age by)
+        # How far recent ticks between ran past the cost line's prediction: (unit_ticks when it
+        # ran, seconds); at most 3 ticks between per unit tick (tick_phases <= 4), so the bound
+        # only matters to a caller that never starts a unit tick
+        self.between_overrun: deque[tuple[int, float]] = deque(maxlen=4 * BETWEEN_OVERRUN_UNIT_TICKS)
 
     @property
     def silence_fill(self) -> SilenceFill | None:
@@ -247,13 +253,17 @@ class Scheduler:
         self.unit_tick = unit_tick
         if unit_tick:
             self.unit_tick_started = start
+            self.unit_ticks += 1
+            while self.between_overrun and \
+                    self.unit_ticks - self.between_overrun[0][0] >= BETWEEN_OVERRUN_UNIT_TICKS:
+                self.between_overrun.popleft()
 
     def finish_tick(self, tick_s: float, prefill_s: float, units: int) -> None:
         # The cost model learns the unit work only: prefill is bounded separately (one chunk).
         work_s = tick_s - prefill_s
         predicted = self.tick_cost.predicted_s(units)
         if not self.unit_tick and units and predicted is not None:
-            self.between_overrun.append(max(0.0, work_s - predicted))
+            self.between_overrun.append((self.unit_ticks, max(0.0, work_s - predicted)))
         self.tick_cost.observe(work_s, units)
 
     @property
@@ -277,13 +287,14 @@ class Scheduler:
 
     def between_margin_s(self) -> float:
         """What a tick between adds to its predicted cost before it takes an early close: the most
-        that one of the latest ticks between ran past the line. The line is fit mostly through
+        that one of the ticks between of the latest BETWEEN_OVERRUN_UNIT_TICKS unit ticks ran past
+        the line (an outlier stops early closes for that long at most). The line is fit mostly through
         unit ticks of every session; a tick between of a few reply starts pays the fixed part of
         every stage and can run past it (an H100 at 59 capacity callers: 3 consecutive ticks
         between 0.12-0.19 s past the next unit tick's start, docs/benchmarks.md). A late tick
         between delays every session's unit tick; a skipped early close delays one reply by
         half a unit, so the margin is the worst recent overrun, not a typical one."""
-        return max(self.between_overrun, default=0.0)
+        return max((overrun for _, overrun in self.between_overrun), default=0.0)
 
     def sessions_behind(self) -> int:
         """Opened sessions a whole unit behind: one still held a unit right after its last unit

@@ -207,8 +207,9 @@ class Scheduler:
         self.unit_tick_started: float | None = None
         self.unit_ticks = 0   # unit ticks started (the clock the overruns below age by)
         # How far recent ticks between ran past the cost line's prediction: (unit_ticks when it
-        # ran, seconds); at most 3 ticks between per unit tick (tick_phases <= 4), so the bound
-        # only matters to a caller that never starts a unit tick
+        # ran, seconds). A unit tick has at most 3 phase ticks between (tick_phases <= 4); catch-up
+        # ticks count as ticks between too, so the bound may drop the oldest overrun a little
+        # early, and it keeps a caller that never starts a unit tick from growing the deque
         self.between_overrun: deque[tuple[int, float]] = deque(maxlen=4 * BETWEEN_OVERRUN_UNIT_TICKS)
 
     @property
